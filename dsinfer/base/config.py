@@ -1,0 +1,237 @@
+"""Model configuration: a validated view of a Hugging Face DeepSeek-V3-architecture config.json.
+
+Accepts DeepSeek-V3, R1, Kimi-K2 (model_type ``kimi_k2``) and tiny test checkpoints. Both the old
+``rope_scaling`` and the newer ``rope_parameters`` spellings are read. Anything the model code
+cannot run is refused here, with the offending field named, instead of failing later in a kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+PAGE_SIZE = 64  # tokens per page of the latent KV cache (FlashMLA's block size)
+FP8_BLOCK = 128  # block edge of DeepSeek's FP8 weight scales
+
+
+class ConfigError(ValueError):
+    """A configuration that dsinfer cannot run; the message names the field."""
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+class RopeConfig(BaseModel):
+    """RoPE over the qk_rope_head_dim channels; ``type == "yarn"`` enables YaRN scaling."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: Literal["default", "yarn"] = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
+
+    @property
+    def attention_factor(self) -> float:
+        """Multiplier on cos/sin (YaRN's mscale ratio)."""
+        if self.type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_scale(self, qk_head_dim: int) -> float:
+        scale = qk_head_dim**-0.5
+        if self.type == "yarn" and self.mscale_all_dim:
+            scale *= yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+        return scale
+
+
+class QuantConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    quant_method: Literal["fp8"]
+    fmt: Literal["e4m3"] = "e4m3"
+    activation_scheme: Literal["dynamic"] = "dynamic"
+    weight_block_size: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)
+
+    @model_validator(mode="after")
+    def _block(self) -> QuantConfig:
+        if tuple(self.weight_block_size) != (FP8_BLOCK, FP8_BLOCK):
+            raise ValueError(f"weight_block_size must be [128, 128], got {list(self.weight_block_size)}")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """The fields of config.json the model needs, validated for mutual consistency."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model_type: str = "deepseek_v3"
+    architectures: tuple[str, ...] = ("DeepseekV3ForCausalLM",)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None = None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int = 1
+    num_experts_per_tok: int
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    scoring_func: Literal["sigmoid"] = "sigmoid"
+    topk_method: Literal["noaux_tc"] = "noaux_tc"
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    hidden_act: Literal["silu"] = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = RopeConfig()
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    num_nextn_predict_layers: int = 0
+    initializer_range: float = 0.02  # std of dummy weights
+    quantization_config: QuantConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalize(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        rope = data.pop("rope_parameters", None) or data.pop("rope_scaling", None) or {}
+        rope = dict(rope)
+        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope["type"] = rope_type
+        rope.setdefault("theta", rope.pop("rope_theta", None) or data.get("rope_theta", 10000.0))
+        if rope_type == "yarn" and rope.get("factor") is None:
+            orig = rope.get("original_max_position_embeddings") or 4096
+            rope["factor"] = data.get("max_position_embeddings", orig) / orig
+        data["rope"] = {k: v for k, v in rope.items() if v is not None}
+        if "num_nextn_predict_layers" not in data and "num_mtp_layers" in data:
+            data["num_nextn_predict_layers"] = data["num_mtp_layers"]
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        unknown = [a for a in self.architectures if a not in SUPPORTED_ARCHITECTURES]
+        if unknown:
+            raise ValueError(f"architectures {unknown} not supported (expected DeepseekV3ForCausalLM)")
+        checks = [
+            (self.n_routed_experts % self.n_group == 0, "n_routed_experts must be divisible by n_group"),
+            (1 <= self.topk_group <= self.n_group, "topk_group must be in [1, n_group]"),
+            (
+                1 <= self.num_experts_per_tok <= self.topk_group * (self.n_routed_experts // self.n_group),
+                "num_experts_per_tok must fit in the experts of the selected groups",
+            ),
+            (
+                self.n_routed_experts // self.n_group >= 2 or self.n_group == 1,
+                "each expert group needs at least 2 experts (group score = sum of its top-2)",
+            ),
+            (0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace out of range"),
+            (self.moe_layer_freq >= 1, "moe_layer_freq must be >= 1"),
+            (self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even"),
+            (self.num_nextn_predict_layers >= 0, "num_nextn_predict_layers must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        return self
+
+    # Derived sizes --------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values per token per layer in the latent cache: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.rope.softmax_scale(self.qk_head_dim)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.quantization_config is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """MTP layers (index >= num_hidden_layers) are always MoE."""
+        if layer >= self.num_hidden_layers:
+            return True
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    # Construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(f"{source}: {_describe(e)}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such config file") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)

@@ -1,0 +1,35 @@
+"""Model presets shipped with the package (configs/models/<name>/, installed as ``dsinfer.presets``).
+
+A preset is a checkpoint directory without weights: config.json and, for the built-in tiny
+model, a tokenizer. It runs with dummy weights.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_MODEL = "tiny"
+
+
+def presets_dir() -> Path:
+    return Path(str(resources.files("dsinfer.presets")))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name for p in presets_dir().iterdir() if (p / "config.json").is_file())
+
+
+def resolve_model(source: str | Path | None) -> tuple[Path, bool]:
+    """-> (checkpoint directory, whether it is a built-in preset). None means the tiny model."""
+    if source is None:
+        source = DEFAULT_MODEL
+    path = Path(source)
+    if path.is_dir():
+        return path, path.resolve().parent == presets_dir().resolve()
+    preset = presets_dir() / str(source)
+    if (preset / "config.json").is_file():
+        return preset, True
+    raise FileNotFoundError(
+        f"model {str(source)!r} is neither a checkpoint directory nor a preset ({', '.join(preset_names())})"
+    )

@@ -1,0 +1,95 @@
+"""The paged latent KV cache: one tensor per layer, ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]``.
+
+Page p of every layer belongs to the same sequence; a sequence's pages are listed in its block
+table. This is FlashMLA's layout (a view adds its single KV-head axis).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.base.config import PAGE_SIZE, ModelConfig
+
+
+class OutOfPagesError(RuntimeError):
+    """Not enough free pages for an allocation."""
+
+
+class PageAllocator:
+    """Free list of page ids with reference counts (a page shared by prefixes has count > 1)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"{n} pages requested, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} is not allocated")
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if self._refs[p] <= 0:
+                raise ValueError(f"page {p} freed twice")
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+
+class LatentKVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        dim: int,
+        *,
+        page_size: int = PAGE_SIZE,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.page_size, self.dim = page_size, dim
+        self.caches = [
+            torch.zeros(num_pages, page_size, dim, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.allocator = PageAllocator(num_pages)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        num_layers: int,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ) -> LatentKVPool:
+        return cls(num_layers, num_pages, config.kv_cache_dim, dtype=dtype, device=device)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat cache slots of token positions [start, end) of a sequence holding ``pages``."""
+        positions = torch.arange(start, end)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[positions // self.page_size]
+        return page_ids * self.page_size + positions % self.page_size
+
+    def block_table(self, page_lists: list[list[int]]) -> torch.Tensor:
+        width = max((len(p) for p in page_lists), default=0)
+        table = torch.zeros(len(page_lists), max(width, 1), dtype=torch.int32)
+        for i, pages in enumerate(page_lists):
+            table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        return table

@@ -1,0 +1,155 @@
+"""DeepSeek-V3 assembly: embedding, decoder layers (dense first-k, then MoE), final norm, lm_head, MTP.
+
+Module names follow the Hugging Face checkpoint (``model.layers.N.self_attn.q_a_proj`` ...), so the
+loader maps tensors one to one, except two things: routed experts are stacked per layer
+(``mlp.experts.w13`` / ``w2``) and the MTP layers (checkpoint index ``num_hidden_layers + j``) live
+in ``mtp_layers[j]``.
+
+Each decoder layer is exposed in stages (attention projections, core attention, MLP) so that
+micro-batch schedules can interleave two batches without another copy of the model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer.base.config import ModelConfig
+from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.layers import MLP, Embedding, Linear, RMSNorm
+from dsinfer.model.mla import MLA
+from dsinfer.model.moe import MoE
+from dsinfer.ops import Ops
+
+
+class MTPUnavailableError(RuntimeError):
+    """MTP was asked of a model built or loaded without MTP weights."""
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, layer_id: int, expert_ids: list[int] | None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = MLA(config, ops)
+        self.mlp: nn.Module = (
+            MoE(config, ops, expert_ids)
+            if config.is_moe_layer(layer_id)
+            else MLP(config.hidden_size, config.intermediate_size, ops)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size, ops)
+
+
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction: draft logits for position t+2 from (hidden of t, token t+1).
+
+    x = eh_proj(concat(enorm(embed(next_token)), hnorm(hidden))), then one MoE decoder layer with
+    its own latent cache, then shared_head.norm and shared_head.head. ``hidden`` is the main
+    model's final-normed output at the same position.
+    """
+
+    def __init__(self, config: ModelConfig, ops: Ops, layer_id: int, expert_ids: list[int] | None) -> None:
+        super().__init__(config, ops, layer_id, expert_ids)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, ops)
+        self.shared_head = SharedHead(config, ops)
+
+    def forward_mtp(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        x = torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(hidden)], dim=-1)
+        return super().forward(self.eh_proj(x), batch, kv_cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, expert_ids: list[int] | None) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, i, expert_ids) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        *,
+        num_mtp_layers: int = 0,
+        expert_ids: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        if num_mtp_layers > config.num_nextn_predict_layers:
+            raise MTPUnavailableError(
+                f"{num_mtp_layers} MTP layers asked for, the config has num_nextn_predict_layers="
+                f"{config.num_nextn_predict_layers}"
+            )
+        self.config = config
+        self.model = Backbone(config, ops, expert_ids)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, ops)
+        first_mtp = config.num_hidden_layers
+        self.mtp_layers = nn.ModuleList(
+            MTPLayer(config, ops, first_mtp + j, expert_ids) for j in range(num_mtp_layers)
+        )
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Latent caches needed: one per decoder layer and one per MTP layer."""
+        return self.config.num_hidden_layers + len(self.mtp_layers)
+
+    def post_load(self, dtype: torch.dtype) -> None:
+        """Derive what the loaded weights imply (absorbed MLA weights)."""
+        for module in self.modules():
+            if isinstance(module, MLA):
+                module.prepare_absorbed(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]; writes each layer's latent cache."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=False):  # MTP caches follow
+            x = layer(x, batch, kv_cache)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def forward_mtp(
+        self,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[torch.Tensor],
+        depth: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP module ``depth``: -> (its hidden states [T, H], draft logits fp32 [T, V])."""
+        if depth >= len(self.mtp_layers):
+            raise MTPUnavailableError(
+                f"MTP depth {depth} is not loaded (model has {len(self.mtp_layers)} MTP layers; the checkpoint "
+                f"may lack model.layers.{self.config.num_hidden_layers}.* tensors)"
+            )
+        layer = self.mtp_layers[depth]
+        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[self.config.num_hidden_layers + depth])
+        return out, layer.logits(out)

@@ -1,0 +1,134 @@
+"""Building blocks: RMSNorm, the linear layer that routes every GEMM through ops, YaRN RoPE, the MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsinfer.base.config import FP8_BLOCK, RopeConfig
+from dsinfer.ops import Ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Linear(nn.Module):
+    """y = x W^T through ``ops.linear``: the single GEMM dispatch point of the model.
+
+    The weight is high precision, or FP8 e4m3 with ``weight_scale_inv`` holding one fp32 scale per
+    128x128 block (DeepSeek's checkpoint format); which one is decided by the loader.
+    """
+
+    def __init__(self, in_features: int, out_features: int, ops: Ops, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.ops = in_features, out_features, ops
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def make_fp8(self) -> None:
+        """Switch to FP8 storage (called by the loader before copying an FP8 checkpoint in)."""
+        device = self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, self.in_features, dtype=torch.float8_e4m3fn, device=device),
+            requires_grad=False,
+        )
+        scale_shape = (math.ceil(self.out_features / FP8_BLOCK), math.ceil(self.in_features / FP8_BLOCK))
+        self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.linear(x, self.weight, self.weight_scale_inv)
+        return y + self.bias if self.bias is not None else y
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in high precision (dequantized if FP8)."""
+        if self.weight_scale_inv is None:
+            return self.weight.to(dtype)
+        scale = self.weight_scale_inv.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+        scale = scale[: self.out_features, : self.in_features]
+        return (self.weight.float() * scale).to(dtype)
+
+    def extra_repr(self) -> str:
+        fp8 = ", fp8" if self.weight_scale_inv is not None else ""
+        return f"in={self.in_features}, out={self.out_features}{fp8}"
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: the dense layers' MLP and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, ops: Ops) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, ops)
+        self.up_proj = Linear(hidden, intermediate, ops)
+        self.down_proj = Linear(intermediate, hidden, ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """Per-pair rotation frequencies [dim/2]; YaRN blends interpolated and extrapolated ones."""
+    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    extrapolated = 1.0 / wavelengths
+    if rope.type != "yarn":
+        return extrapolated
+    interpolated = 1.0 / (rope.factor * wavelengths)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE over the last ``dim`` channels, on interleaved pairs (DeepSeek) or on halves."""
+
+    def __init__(self, rope: RopeConfig, dim: int, interleaved: bool) -> None:
+        super().__init__()
+        self.interleaved = interleaved
+        self.attention_factor = rope.attention_factor
+        self.register_buffer("inv_freq", yarn_inv_freq(rope, dim).to("cpu"), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, ..., dim], positions: [T]."""
+        angles = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
+        cos = (angles.cos() * self.attention_factor).to(x.dtype)
+        sin = (angles.sin() * self.attention_factor).to(x.dtype)
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+        cos, sin = cos.view(shape), sin.view(shape)
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

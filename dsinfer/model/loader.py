@@ -1,0 +1,348 @@
+"""Checkpoint loading: Hugging Face safetensors (sharded, memory-mapped, FP8 block scales) or dummy weights.
+
+The model is built on the meta device; every parameter is then materialized once on the target
+device from the checkpoint tensor(s) that a single table (``_placements``) assigns to it. The same
+table tells which tensors are missing. FP8 weights stay FP8 where ``ops`` runs FP8 GEMMs and are
+dequantized (``q * scale_inv`` per 128x128 block) otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from dsinfer.base.config import FP8_BLOCK, ConfigError, ModelConfig
+from dsinfer.base.presets import resolve_model
+from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from dsinfer.model.layers import Linear
+from dsinfer.model.moe import Experts
+from dsinfer.ops import Ops
+from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
+
+log = logging.getLogger("dsinfer.loader")
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCALE_SUFFIX = "_scale_inv"
+FP8 = torch.float8_e4m3fn
+
+
+class CheckpointError(ValueError):
+    """A checkpoint dsinfer cannot load; the message names the file, tensor or field."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor goes: ``param[slot][rows]`` (slot/rows None = the whole param)."""
+
+    param: str
+    shape: tuple[int, ...]
+    slot: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+@dataclass
+class LoadedModel:
+    model: DeepseekV3ForCausalLM
+    config: ModelConfig
+    path: Path
+    load_format: str
+
+
+def load_model(
+    source: str | Path | None,
+    ops: Ops,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    num_mtp_layers: int | None = None,
+    expert_ids: list[int] | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Build and load a model. ``num_mtp_layers`` None = every MTP layer the checkpoint carries."""
+    if load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"load_format {load_format!r} unknown (choose from {', '.join(LOAD_FORMATS)})")
+    path, is_preset = resolve_model(source)
+    try:
+        config = ModelConfig.from_file(path / "config.json")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    device = torch.device(device)
+    index = _read_index(path) if load_format != "dummy" else {}
+    if load_format == "auto":
+        if not index and not is_preset:
+            raise CheckpointError(
+                f"{path}: no *.safetensors files (use load_format 'dummy' for random weights)"
+            )
+        load_format = "safetensors" if index else "dummy"
+    if load_format == "safetensors" and not index:
+        raise CheckpointError(f"{path}: no *.safetensors files")
+
+    available_mtp = (
+        _mtp_layers_in(index, config) if load_format == "safetensors" else config.num_nextn_predict_layers
+    )
+    if num_mtp_layers is None:
+        num_mtp_layers = available_mtp
+    elif num_mtp_layers > available_mtp:
+        raise CheckpointError(
+            f"{path}: {num_mtp_layers} MTP layer(s) requested but the checkpoint has {available_mtp} "
+            f"(no model.layers.{config.num_hidden_layers}.* tensors)"
+        )
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config, ops, num_mtp_layers=num_mtp_layers, expert_ids=expert_ids)
+    fp8_names = {n.removesuffix(SCALE_SUFFIX) for n in index if n.endswith(".weight" + SCALE_SUFFIX)}
+    if load_format == "dummy" and config.is_fp8:
+        fp8_names = _fp8_by_convention(model)
+    keep_fp8 = _fp8_kept(fp8_names, config) if ops.supports_fp8_gemm else set()
+    placements = _placements(model, config, keep_fp8)
+    _make_fp8(model, keep_fp8)
+    params = _materialize(model, device, dtype)
+    log.info(
+        "loading %s (%s, %d tensors, dtype %s, fp8: %d weights kept, %d dequantized) on %s",
+        path,
+        load_format,
+        len(placements),
+        str(dtype).removeprefix("torch."),
+        len(keep_fp8),
+        len(fp8_names - keep_fp8) if load_format != "dummy" else 0,
+        device,
+    )
+    if load_format == "dummy":
+        _fill_dummy(params, placements, config, seed, keep_fp8)
+    else:
+        _fill_from_checkpoint(params, placements, index, keep_fp8)
+    model.post_load(dtype)
+    model.eval()
+    return LoadedModel(model, config, path, load_format)
+
+
+# Checkpoint files ----------------------------------------------------------------------------
+def _read_index(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from model.safetensors.index.json or the files' headers."""
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_file}: not a safetensors index ({e})") from None
+        index = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(index.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index_file}: lists {file.name}, which does not exist")
+        return index
+    index = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with _open(file) as f:
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: truncated or corrupt safetensors file ({e})") from None
+
+
+def _mtp_layers_in(index: dict[str, Path], config: ModelConfig) -> int:
+    layers = {int(n.split(".")[2]) for n in index if n.startswith("model.layers.")}
+    count = 0
+    while count < config.num_nextn_predict_layers and config.num_hidden_layers + count in layers:
+        count += 1
+    return count
+
+
+# The placement table -------------------------------------------------------------------------
+def _checkpoint_prefix(module_name: str, config: ModelConfig) -> str:
+    if module_name.startswith("mtp_layers."):
+        parts = module_name.split(".", 2)
+        layer = f"model.layers.{config.num_hidden_layers + int(parts[1])}"
+        return layer if len(parts) == 2 else f"{layer}.{parts[2]}"
+    return module_name
+
+
+def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> dict[str, Placement]:
+    """checkpoint tensor name -> where it goes; ``fp8_names``: weights kept FP8 (their scales load too)."""
+    table: dict[str, Placement] = {}
+    inter, hidden = config.moe_intermediate_size, config.hidden_size
+    for module_name, module in model.named_modules():
+        prefix = _checkpoint_prefix(module_name, config)
+        if isinstance(module, Experts):
+            for slot, expert in enumerate(module.expert_ids):
+                base = f"{prefix}.{expert}"
+                parts = (
+                    ("gate", "w13", (0, inter), (inter, hidden)),
+                    ("up", "w13", (inter, 2 * inter), (inter, hidden)),
+                    ("down", "w2", None, (hidden, inter)),
+                )
+                for proj, param, rows, shape in parts:
+                    name = f"{base}.{proj}_proj.weight"
+                    table[name] = Placement(f"{module_name}.{param}", shape, slot, rows)
+                    if name in fp8_names:
+                        scale_rows = None if rows is None else (rows[0] // FP8_BLOCK, rows[1] // FP8_BLOCK)
+                        table[name + SCALE_SUFFIX] = Placement(
+                            f"{module_name}.{param}_scale_inv", _scale_shape(shape), slot, scale_rows
+                        )
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{prefix}.{param_name}"
+            if param_name == "weight_scale_inv":
+                continue  # listed with its weight below
+            table[name] = Placement(f"{module_name}.{param_name}", tuple(param.shape))
+            if name in fp8_names:
+                table[name + SCALE_SUFFIX] = Placement(
+                    f"{module_name}.weight_scale_inv", _scale_shape(tuple(param.shape))
+                )
+    return table
+
+
+def _scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    return math.ceil(shape[0] / FP8_BLOCK), math.ceil(shape[1] / FP8_BLOCK)
+
+
+def _fp8_by_convention(model: DeepseekV3ForCausalLM) -> set[str]:
+    """Weights DeepSeek ships in FP8: attention projections, MLPs, shared and routed experts."""
+    return {
+        name
+        for name in _placements(model, model.config, set())
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.endswith("eh_proj.weight")
+    }
+
+
+def _fp8_kept(fp8_names: set[str], config: ModelConfig) -> set[str]:
+    """FP8 weights the model keeps in FP8. Stacked expert gate/up rows share 128-row scale blocks,
+    so experts stay FP8 only when moe_intermediate_size is a multiple of 128 (true of every
+    released checkpoint); otherwise they are dequantized."""
+    if config.moe_intermediate_size % FP8_BLOCK == 0:
+        return set(fp8_names)
+    return {n for n in fp8_names if ".mlp.experts." not in n}
+
+
+def _make_fp8(model: nn.Module, fp8_names: set[str]) -> None:
+    config = model.config
+    for module_name, module in model.named_modules():
+        prefix = _checkpoint_prefix(module_name, config)
+        if (isinstance(module, Linear) and f"{prefix}.weight" in fp8_names) or (
+            isinstance(module, Experts) and f"{prefix}.{module.expert_ids[0]}.gate_proj.weight" in fp8_names
+        ):
+            module.make_fp8()
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Replace meta parameters with real (uninitialized) ones; move computed buffers to ``device``.
+    FP8 weights stay FP8; block scales and the router's score-correction bias stay fp32."""
+    params = {}
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            fp32 = name.endswith(SCALE_SUFFIX) or name == "e_score_correction_bias"
+            target = FP8 if param.dtype == FP8 else torch.float32 if fp32 else dtype
+            tensor = torch.empty(param.shape, dtype=target, device=device)
+            module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+            params[f"{module_name}.{name}" if module_name else name] = tensor
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return params
+
+
+# Filling -------------------------------------------------------------------------------------
+def _place(params: dict[str, torch.Tensor], where: Placement, tensor: torch.Tensor, name: str) -> None:
+    if tuple(tensor.shape) != where.shape:
+        raise CheckpointError(
+            f"tensor {name}: shape {list(tensor.shape)} does not match {list(where.shape)} expected from config.json"
+        )
+    target = params[where.param]
+    if where.slot is not None:
+        target = target[where.slot]
+    if where.rows is not None:
+        target = target[where.rows[0] : where.rows[1]]
+    target.copy_(tensor.to(target.dtype))
+
+
+def _fill_from_checkpoint(
+    params: dict[str, torch.Tensor],
+    placements: dict[str, Placement],
+    index: dict[str, Path],
+    keep_fp8: set[str],
+) -> None:
+    missing = [n for n in placements if n not in index]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(f"checkpoint is missing tensor {shown}")
+    unused = [n for n in index if n not in placements and not n.endswith(SCALE_SUFFIX)]
+    if unused:
+        log.info("ignoring %d checkpoint tensors this model does not use (e.g. %s)", len(unused), unused[0])
+    reader = _Reader(index)
+    names = sorted(placements, key=lambda n: str(index[n]))  # one shard after another
+    for name in tqdm(names, desc="Loading weights", unit="tensor", dynamic_ncols=True):
+        tensor = reader.get(name)
+        if tensor.dtype == FP8 and name not in keep_fp8:
+            tensor = reader.dequantized(name, tensor)
+        _place(params, placements[name], tensor, name)
+
+
+class _Reader:
+    """Memory-mapped tensors by name, each shard opened once."""
+
+    def __init__(self, index: dict[str, Path]) -> None:
+        self.index, self.handles = index, {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.index[name]
+        if file not in self.handles:
+            self.handles[file] = _open(file)
+        try:
+            return self.handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{file}: cannot read tensor {name} ({e})") from None
+
+    def dequantized(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self.index:
+            raise CheckpointError(f"FP8 tensor {name} has no {scale_name} in the checkpoint")
+        scale = self.get(scale_name)
+        if tuple(scale.shape) != _scale_shape(tuple(weight.shape)):
+            raise CheckpointError(
+                f"tensor {scale_name}: shape {list(scale.shape)} does not fit weight {name} {list(weight.shape)}"
+            )
+        return dequantize_weight_128x128(weight, scale.float(), torch.float32)
+
+
+def _dummy_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
+    """Random weights from a generator seeded by the tensor's checkpoint name (which holds the
+    layer and logical expert id), so every rank and replica builds the same model."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith("e_score_correction_bias"):
+        return torch.zeros(shape)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randn(shape, generator=generator) * config.initializer_range
+
+
+def _fill_dummy(
+    params: dict[str, torch.Tensor],
+    placements: dict[str, Placement],
+    config: ModelConfig,
+    seed: int,
+    keep_fp8: set[str],
+) -> None:
+    for name, where in tqdm(placements.items(), desc="Dummy weights", unit="tensor", dynamic_ncols=True):
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        tensor = _dummy_tensor(name, where.shape, config, seed)
+        if name in keep_fp8:
+            tensor, scale = quantize_weight_128x128(tensor)
+            _place(params, placements[name + SCALE_SUFFIX], scale, name + SCALE_SUFFIX)
+        _place(params, where, tensor, name)

@@ -1,0 +1,195 @@
+"""Backend registry and start-up selection of the kernel implementations.
+
+Every kernel family has an ordered list of candidate backends, best first:
+
+==========  ===========================================  ==========================
+kernel      candidates                                   Ops functions
+==========  ===========================================  ==========================
+gemm        deepgemm, triton, torch                      linear, grouped_gemm_*
+mla         flashmla, triton, torch                      mla_decode
+gate        triton, torch                                moe_gate
+sampling    triton, torch                                sample
+==========  ===========================================  ==========================
+
+A candidate is probed lazily and only at selection: ``deepgemm``/``flashmla`` need a CUDA device
+and a successful ``import deep_gemm`` / ``import flash_mla``; ``triton`` needs a CUDA device and
+``dsinfer.kernels`` exporting the kernel's functions (feature check by name, see
+``TRITON_FEATURES``: the GEMM family uses DeepGEMM's newer names and signatures, the others the
+``Ops`` signatures); ``torch`` always works. The chosen functions live in the returned (frozen)
+:class:`Ops`; nothing global is mutated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, ModuleType
+from typing import Any
+
+import torch
+
+from dsinfer.ops import gate as torch_gate
+from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops import mla as torch_mla
+from dsinfer.ops import sampling as torch_sampling
+
+logger = logging.getLogger("dsinfer.ops")
+
+__all__ = ["BACKENDS", "KERNELS", "TRITON_FEATURES", "Ops", "select_ops"]
+
+KERNELS: tuple[str, ...] = ("gemm", "mla", "gate", "sampling")
+BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "gemm": ("deepgemm", "triton", "torch"),
+        "mla": ("flashmla", "triton", "torch"),
+        "gate": ("triton", "torch"),
+        "sampling": ("triton", "torch"),
+    }
+)
+# Names dsinfer.kernels must export for its Triton backend of each kernel to be chosen.
+TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "gemm": ("fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"),
+        "mla": ("mla_decode",),
+        "gate": ("moe_gate",),
+        "sampling": ("sample",),
+    }
+)
+
+Impl = dict[str, Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The kernel entry points chosen for one device; the model calls only these."""
+
+    linear: Callable[..., torch.Tensor]
+    grouped_gemm_contiguous: Callable[..., torch.Tensor]
+    grouped_gemm_masked: Callable[..., torch.Tensor]
+    mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_gate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    sample: Callable[..., torch.Tensor]
+    # True: keep checkpoint FP8 weights as fp8 + block scales (the GEMMs take them as they are).
+    # False (torch reference on CPU): the loader dequantizes FP8 checkpoints at load.
+    supports_fp8_gemm: bool
+    device: torch.device
+    backends: Mapping[str, str] = field(default_factory=dict)  # kernel -> chosen backend name
+
+    def describe(self) -> str:
+        chosen = " ".join(f"{k}={self.backends.get(k, '?')}" for k in KERNELS)
+        return f"ops backends: {chosen} (device {self.device})"
+
+
+def _torch_impl(kernel: str) -> Impl:
+    if kernel == "gemm":
+        return {
+            "linear": torch_gemm.linear,
+            "grouped_gemm_contiguous": torch_gemm.grouped_gemm_contiguous,
+            "grouped_gemm_masked": torch_gemm.grouped_gemm_masked,
+        }
+    if kernel == "mla":
+        return {"mla_decode": torch_mla.mla_decode}
+    if kernel == "gate":
+        return {"moe_gate": torch_gate.moe_gate}
+    return {"sample": torch_sampling.sample}
+
+
+def _import(name: str) -> ModuleType | str:
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # a broken CUDA extension raises more than ImportError
+        return f"import {name} failed: {type(exc).__name__}"
+
+
+def _gemm_impl(adapter: Any) -> Impl:
+    return {
+        "linear": adapter.linear,
+        "grouped_gemm_contiguous": adapter.grouped_gemm_contiguous,
+        "grouped_gemm_masked": adapter.grouped_gemm_masked,
+    }
+
+
+def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
+    """The implementation of ``kernel`` by ``backend`` on ``device``, or why it is unavailable."""
+    if backend == "torch":
+        return _torch_impl(kernel)
+    if device.type != "cuda":
+        return "needs CUDA"
+    if backend == "triton":
+        module = _import("dsinfer.kernels")
+        if isinstance(module, str):
+            return module
+        missing = [name for name in TRITON_FEATURES[kernel] if not hasattr(module, name)]
+        if missing:
+            return f"dsinfer.kernels lacks {missing[0]}"
+        if kernel == "gemm":
+            from dsinfer.ops.external import DeepGemmAdapter
+
+            return _gemm_impl(DeepGemmAdapter(module))
+        return {name: getattr(module, name) for name in _torch_impl(kernel)}
+    module = _import({"deepgemm": "deep_gemm", "flashmla": "flash_mla"}[backend])
+    if isinstance(module, str):
+        return module
+    from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
+
+    try:
+        if backend == "deepgemm":
+            return _gemm_impl(DeepGemmAdapter(module))
+        return {"mla_decode": FlashMlaAdapter(module).mla_decode}
+    except ImportError as exc:
+        return str(exc)
+
+
+def _parse_prefer(prefer: str | None) -> tuple[str, ...]:
+    if prefer is None or prefer.strip() in ("", "auto"):
+        return ()
+    names = tuple(p.strip() for p in prefer.split(",") if p.strip())
+    known = {b for order in BACKENDS.values() for b in order}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown ops backend {unknown[0]!r}; choose from {sorted(known)} or 'auto'")
+    return names
+
+
+def select_ops(device: torch.device | str, prefer: str | None = None) -> Ops:
+    """Choose one backend per kernel for ``device`` and log the choice in one line.
+
+    ``prefer``: None/"auto" = best available; "torch" forces the reference everywhere; another
+    backend name (or a comma-separated list) is tried first for the kernels it implements, and
+    the log says when it was unavailable.
+    """
+    device = torch.device(device)
+    preferred = _parse_prefer(prefer)
+    force_torch = "torch" in preferred
+    impl: Impl = {}
+    chosen: dict[str, str] = {}
+    skipped: dict[tuple[str, str], list[str]] = {}  # (backend, reason) -> kernels
+    for kernel in KERNELS:
+        order = BACKENDS[kernel]
+        if force_torch:
+            order = ("torch",)
+        elif preferred:
+            order = tuple(b for b in preferred if b in order) + tuple(b for b in order if b not in preferred)
+        for backend in order:
+            found = _probe(kernel, backend, device)
+            if isinstance(found, str):
+                if device.type == "cuda" or backend in preferred:
+                    skipped.setdefault((backend, found), []).append(kernel)
+                continue
+            impl.update(found)
+            chosen[kernel] = backend
+            break
+    supports_fp8 = chosen["gemm"] != "torch" or device.type == "cuda"
+    ops = Ops(
+        supports_fp8_gemm=supports_fp8,
+        device=device,
+        backends=MappingProxyType(chosen),
+        **impl,
+    )
+    line = ops.describe()
+    if skipped:
+        line += "; " + "; ".join(f"no {b} for {','.join(ks)} ({why})" for (b, why), ks in skipped.items())
+    logger.info(line)
+    return ops

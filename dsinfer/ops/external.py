@@ -1,0 +1,160 @@
+"""Adapters from the ``Ops`` entry points to DeepGEMM and FlashMLA.
+
+UNVERIFIED: neither library can be installed on any machine this project is developed on. These
+adapters are written against the documented APIs (shared/reference/kernel-apis.md), support both
+API generations of each library (detected by the names the module exports), and are only ever
+constructed when the import succeeds on a CUDA device. Whatever they cannot express (non-fp8
+weights, shapes the kernels do not take, a page size other than 64) goes to the torch reference,
+whose semantics they share. The tests hold the torch paths, not these.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops import mla as torch_mla
+from dsinfer.ops.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_activation_1x128
+
+__all__ = ["DeepGemmAdapter", "FlashMlaAdapter"]
+
+# (dense, grouped contiguous, grouped masked, scale-layout helper) per API generation.
+_DEEPGEMM_NEW = (
+    "fp8_gemm_nt",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
+    "get_mn_major_tma_aligned_tensor",
+)
+_DEEPGEMM_OLD = (
+    "gemm_fp8_fp8_bf16_nt",
+    "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
+    "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+    "get_col_major_tma_aligned_tensor",
+)
+
+
+class DeepGemmAdapter:
+    """UNVERIFIED. Block-FP8 GEMMs through DeepGEMM (or any module exposing DeepGEMM's newer names).
+
+    Activations are quantized 1x128 here; weights must already be fp8 with 128x128 scales.
+    Output is computed in bf16 (DeepGEMM's output type) and cast to the activation's dtype.
+    """
+
+    def __init__(self, module: ModuleType) -> None:
+        for names in (_DEEPGEMM_NEW, _DEEPGEMM_OLD):
+            if all(hasattr(module, name) for name in names[:3]):
+                self.api = "new" if names is _DEEPGEMM_NEW else "old"
+                self._dense, self._contiguous, self._masked = (getattr(module, n) for n in names[:3])
+                self._align = getattr(module, names[3], None)
+                return
+        raise ImportError(f"{module.__name__} exports neither DeepGEMM API generation")
+
+    def _quantize(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = quantize_activation_1x128(a)
+        # The kernels read activation scales MN-major and TMA-aligned (same values, other layout).
+        return q, (self._align(s) if self._align is not None else s)
+
+    @staticmethod
+    def _native(b: torch.Tensor, b_scale: torch.Tensor | None) -> bool:
+        return b.dtype == FP8_DTYPE and b_scale is not None and b.shape[-1] % FP8_BLOCK == 0
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self._native(weight, weight_scale_inv) or x.numel() == 0:
+            return torch_gemm.linear(x, weight, weight_scale_inv)
+        lead, k = x.shape[:-1], x.shape[-1]
+        q, s = self._quantize(x.reshape(-1, k))
+        out = torch.empty(q.shape[0], weight.shape[0], dtype=torch.bfloat16, device=x.device)
+        self._dense((q, s), (weight, weight_scale_inv), out)
+        return out.to(x.dtype).reshape(*lead, weight.shape[0])
+
+    def grouped_gemm_contiguous(
+        self, a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor | None, m_indices: torch.Tensor
+    ) -> torch.Tensor:
+        if not self._native(b, b_scale) or a.shape[0] == 0:
+            return torch_gemm.grouped_gemm_contiguous(a, b, b_scale, m_indices)
+        q, s = self._quantize(a)
+        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
+        m_indices = m_indices.to(torch.int32)
+        self._contiguous((q, s), (b, b_scale), out, m_indices)
+        out.masked_fill_((m_indices < 0)[:, None], 0.0)  # the contract: padding rows are zero
+        return out.to(a.dtype)
+
+    def grouped_gemm_masked(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        b_scale: torch.Tensor | None,
+        masked_m: torch.Tensor,
+        expected_m: int,
+    ) -> torch.Tensor:
+        if not self._native(b, b_scale) or a.numel() == 0:
+            return torch_gemm.grouped_gemm_masked(a, b, b_scale, masked_m, expected_m)
+        q, s = self._quantize(a)
+        out = torch.empty(a.shape[0], a.shape[1], b.shape[1], dtype=torch.bfloat16, device=a.device)
+        self._masked((q, s), (b, b_scale), out, masked_m.to(torch.int32), max(int(expected_m), 1))
+        return out.to(a.dtype)
+
+
+class FlashMlaAdapter:
+    """UNVERIFIED. MLA decode through FlashMLA's ``flash_mla_with_kvcache``.
+
+    Original API: ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)`` returns
+    ``(tile_metadata, num_splits)``. Newest API (exports ``FlashMLASchedMeta``):
+    ``get_mla_metadata()`` returns ``(sched_meta, None)``, filled lazily by the first call.
+    Metadata is rebuilt on every call here; a runner that wants to reuse it across layers should
+    hold it per step (TODO once the adapter can be measured).
+    """
+
+    PAGE_SIZE = 64
+
+    def __init__(self, module: ModuleType) -> None:
+        if not (hasattr(module, "get_mla_metadata") and hasattr(module, "flash_mla_with_kvcache")):
+            raise ImportError(f"{module.__name__} lacks get_mla_metadata / flash_mla_with_kvcache")
+        self._fm = module
+        self.api = "new" if hasattr(module, "FlashMLASchedMeta") else "old"
+
+    def _metadata(self, cache_seqlens: torch.Tensor, s_q: int, h_q: int, h_kv: int) -> tuple[Any, Any]:
+        if self.api == "new":
+            return self._fm.get_mla_metadata()
+        return self._fm.get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+
+    def mla_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        head_dim_v: int,
+        softmax_scale: float,
+        causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        native = (
+            q.dtype in (torch.bfloat16, torch.float16)
+            and k_cache.dtype == q.dtype
+            and k_cache.shape[1] == self.PAGE_SIZE
+            and q.shape[0] > 0
+        )
+        if not native:
+            return torch_mla.mla_decode(
+                q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal
+            )
+        cache_seqlens = cache_seqlens.to(torch.int32)
+        block_table = block_table.to(torch.int32)
+        metadata, num_splits = self._metadata(cache_seqlens, q.shape[1], q.shape[2], k_cache.shape[2])
+        out, lse = self._fm.flash_mla_with_kvcache(
+            q,
+            k_cache,
+            block_table,
+            cache_seqlens,
+            head_dim_v,
+            metadata,
+            num_splits,
+            softmax_scale=softmax_scale,
+            causal=causal,
+        )
+        return out, lse.float()

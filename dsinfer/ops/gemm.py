@@ -1,0 +1,113 @@
+"""GEMM entry points (dense linear, grouped expert GEMMs): torch references with DeepGEMM semantics.
+
+When the weight is float8 e4m3fn with 128x128 block scales, the activation is quantized per token
+per 128 channels (1x128) exactly as DeepGEMM's callers do, and the product is computed from the
+dequantized operands with fp32 accumulation. High-precision weights use a plain matmul in the
+activation's dtype. Outputs always have the activation's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsinfer.ops.fp8 import (
+    FP8_DTYPE,
+    dequantize_activation_1x128,
+    dequantize_weight_128x128,
+    fp8_gemm_nt,
+    quantize_activation_1x128,
+)
+
+__all__ = ["grouped_gemm_contiguous", "grouped_gemm_masked", "linear"]
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8_DTYPE
+
+
+def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor | None, name: str) -> torch.Tensor:
+    if scale is None:
+        raise ValueError(f"{name}: float8 weight of shape {tuple(weight.shape)} needs its block scales")
+    return scale
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``y[..., n] = x[..., k] @ weight[n, k]^T``; block-FP8 weights go through :func:`fp8_gemm_nt`."""
+    if not _is_fp8(weight):
+        return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+    scale = _check_fp8_scale(weight, weight_scale_inv, "linear")
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    q, sa = quantize_activation_1x128(x2)
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
+    fp8_gemm_nt(q, sa, weight, scale, out)
+    return out.to(x.dtype).reshape(*lead, n)
+
+
+def _prepare_activation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """High-precision copy of ``a`` as the GEMM sees it: 1x128-quantized when ``b`` is fp8."""
+    if _is_fp8(b):
+        q, s = quantize_activation_1x128(a)
+        return dequantize_activation_1x128(q, s)
+    return a.float()
+
+
+def _group_weight(b: torch.Tensor, b_scale: torch.Tensor | None, g: int | slice) -> torch.Tensor:
+    if _is_fp8(b):
+        scale = _check_fp8_scale(b, b_scale, "grouped gemm")
+        return dequantize_weight_128x128(b[g], scale[g])
+    return b[g].float()
+
+
+def grouped_gemm_contiguous(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    m_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Contiguous-layout grouped GEMM: ``out[i] = a[i] @ b[m_indices[i]]^T``; rows with index -1 -> 0.
+
+    ``a`` ``[m_sum, k]`` high precision, ``b`` ``[G, n, k]`` (fp8 with ``b_scale [G, nb, kb]`` or
+    high precision), ``m_indices`` int32 ``[m_sum]``. Returns ``[m_sum, n]`` in ``a``'s dtype.
+    """
+    m_sum, n = a.shape[0], b.shape[1]
+    out = torch.zeros(m_sum, n, dtype=torch.float32, device=a.device)
+    if m_sum == 0:
+        return out.to(a.dtype)
+    a_hp = _prepare_activation(a, b)
+    idx = m_indices.long()
+    # Loop over the groups that occur (at most G), never over tokens.
+    for g in torch.unique(idx[idx >= 0]).tolist():
+        rows = (idx == g).nonzero().squeeze(1)
+        out.index_copy_(0, rows, a_hp.index_select(0, rows) @ _group_weight(b, b_scale, g).t())
+    return out.to(a.dtype)
+
+
+def grouped_gemm_masked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    masked_m: torch.Tensor,
+    expected_m: int,
+) -> torch.Tensor:
+    """Masked-layout grouped GEMM: ``out[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g]^T``.
+
+    ``a`` ``[G, m_max, k]``, ``b`` ``[G, n, k]``, ``masked_m`` int32 ``[G]``. Rows at or beyond
+    ``masked_m[g]`` are undefined in DeepGEMM; this reference writes zeros there (also when the
+    padding rows of ``a`` hold garbage). ``expected_m`` is a performance hint and is ignored.
+    Batched and free of host synchronisation.
+    """
+    del expected_m
+    num_groups, m_max, _ = a.shape
+    n = b.shape[1]
+    if num_groups == 0 or m_max == 0:
+        return torch.zeros(num_groups, m_max, n, dtype=a.dtype, device=a.device)
+    a_hp = _prepare_activation(a, b)
+    valid = torch.arange(m_max, device=a.device)[None, :] < masked_m.to(a.device).long()[:, None]
+    a_hp = torch.where(valid[..., None], a_hp, 0.0)
+    out = torch.bmm(a_hp, _group_weight(b, b_scale, slice(None)).transpose(1, 2))
+    return torch.where(valid[..., None], out, 0.0).to(a.dtype)

@@ -1,0 +1,75 @@
+"""MLA decode over a paged latent KV cache: torch reference with FlashMLA semantics.
+
+One latent KV head (``[num_blocks, page_size, 1, D]``) is shared by every query head (MQA over the
+absorbed latent). K is the whole ``D`` channels (latent + rope), V is its first ``head_dim_v``
+channels. Token ``t`` of sequence ``b`` lives in page ``block_table[b, t // page_size]`` at slot
+``t % page_size``. With ``causal`` the mask is bottom-right aligned: query ``i`` of ``s_q`` sees
+keys ``[0, cache_seqlens[b] - s_q + i]``. ``lse`` is the natural-log log-sum-exp of the scaled
+scores, laid out ``[B, h_q, s_q]``. A query row with no visible key gets ``out = 0`` and
+``lse = +inf`` (FlashAttention/FlashMLA's convention for empty rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mla_decode"]
+
+
+def mla_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged MLA decode attention; returns ``(out [B, s_q, h_q, head_dim_v], lse fp32 [B, h_q, s_q])``.
+
+    Vectorised over batch, query tokens, heads and keys: the pages of every sequence are gathered
+    with the block table into a padded ``[B, L, D]`` tensor (``L`` = pages of the longest
+    sequence x page size) and invalid slots are masked. Computes in fp32; ``out`` has ``q``'s dtype.
+    """
+    bsz, s_q, h_q, dim = q.shape
+    num_blocks, page_size, h_kv, dim_k = k_cache.shape
+    if h_kv != 1:
+        raise ValueError(f"mla_decode expects one latent KV head, got k_cache shape {tuple(k_cache.shape)}")
+    if dim_k != dim:
+        raise ValueError(f"q head dim {dim} != k_cache head dim {dim_k}")
+    if not 0 < head_dim_v <= dim:
+        raise ValueError(f"head_dim_v must be in (0, {dim}], got {head_dim_v}")
+    device = q.device
+    out_empty = torch.zeros(bsz, s_q, h_q, head_dim_v, dtype=q.dtype, device=device)
+    lse_empty = torch.full((bsz, h_q, s_q), float("inf"), dtype=torch.float32, device=device)
+    if bsz == 0 or s_q == 0:
+        return out_empty, lse_empty
+    seqlens = cache_seqlens.to(device=device, dtype=torch.long)
+    max_len = int(seqlens.max())
+    if max_len <= 0:
+        return out_empty, lse_empty
+    n_pages = min(-(-max_len // page_size), block_table.shape[1])
+    length = n_pages * page_size
+
+    # Gather pages: [B, n_pages] block ids -> [B, L, D]. Unused table entries may hold anything
+    # (e.g. -1), so clamp them; their slots are masked below.
+    pages = block_table[:, :n_pages].to(device=device, dtype=torch.long).clamp(0, num_blocks - 1)
+    kv = k_cache[:, :, 0, :].index_select(0, pages.reshape(-1)).reshape(bsz, length, dim).float()
+    pos = torch.arange(length, device=device)
+    key_valid = pos[None, :] < seqlens[:, None]  # [B, L]
+    # Zero invalid slots so that garbage (even NaN) in unused cache memory cannot leak into out.
+    kv = torch.where(key_valid[..., None], kv, 0.0)
+
+    scores = torch.einsum("bshd,bld->bshl", q.float(), kv) * softmax_scale  # [B, s_q, h_q, L]
+    visible = key_valid[:, None, :]  # [B, 1 or s_q, L]
+    if causal:
+        last = seqlens[:, None] - s_q + torch.arange(s_q, device=device)[None, :]  # [B, s_q]
+        visible = visible & (pos[None, None, :] <= last[..., None])
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)  # [B, s_q, h_q]; -inf where nothing is visible
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
+    out = torch.einsum("bshl,bld->bshd", probs, kv[..., :head_dim_v])
+    lse = torch.where(empty, float("inf"), lse)
+    return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()

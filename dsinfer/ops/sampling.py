@@ -1,0 +1,192 @@
+"""Token sampling: per-row temperature / top-k / top-p / min-p with a counter-based generator.
+
+Reproducibility: the random numbers are not drawn from a stateful generator but computed by an
+integer hash of ``(seed, choice, position, draw, vocab index)``, so a row gets the same token
+whether it is sampled alone or in any batch, on a prefill or a decode rank, in any process. The
+hash works on 32-bit words held in int64 tensors and never overflows (multiplications are split
+into 16-bit halves), so the bits are identical on every device and torch version. A uniform
+``u`` per vocab entry becomes Gumbel noise ``-log(-log(u))`` and the token is
+``argmax(filtered logits / T + noise)`` (the Gumbel-max trick draws exactly from
+``softmax(filtered logits / T)``). The only cross-device difference possible is the last-ulp
+rounding of ``log`` between CPU and GPU math libraries.
+
+Filters, applied to the temperature-scaled logits in this order: top-k (``<= 0`` off), top-p
+(nucleus: keep the smallest prefix of the sorted distribution whose cumulative probability reaches
+``top_p``; at least one token; ``>= 1`` off), min-p (keep tokens with ``p >= min_p * p_max``;
+``0`` off). Rows with ``temperature < 1e-5`` are greedy (argmax of the raw logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "SamplingTensors",
+    "compute_logprobs",
+    "gumbel_noise",
+    "hash_uniform",
+    "sample",
+]
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters of one batch (all tensors ``[B]`` on the logits' device)."""
+
+    temperature: torch.Tensor  # f32; < 1e-5 (e.g. 0) = greedy
+    top_k: torch.Tensor  # int32; <= 0 = off
+    top_p: torch.Tensor  # f32; >= 1 = off
+    min_p: torch.Tensor  # f32; 0 = off
+    seed: torch.Tensor  # int64
+    choice: torch.Tensor  # int64; index among the n choices of a request
+    position: torch.Tensor  # int64; output position of the token being drawn
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int] | None = None,
+        top_p: Sequence[float] | None = None,
+        min_p: Sequence[float] | None = None,
+        seed: Sequence[int] | None = None,
+        choice: Sequence[int] | None = None,
+        position: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        """Build from python lists (one entry per row); omitted lists take the "off"/zero default."""
+        n = len(temperature)
+
+        def col(
+            values: Sequence[float] | Sequence[int] | None, default: float, dtype: torch.dtype
+        ) -> torch.Tensor:
+            vals = [default] * n if values is None else list(values)
+            if len(vals) != n:
+                raise ValueError(f"sampling parameter lists differ in length: {len(vals)} != {n}")
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        return cls(
+            temperature=col(temperature, 0.0, torch.float32),
+            top_k=col(top_k, -1, torch.int32),
+            top_p=col(top_p, 1.0, torch.float32),
+            min_p=col(min_p, 0.0, torch.float32),
+            seed=col(seed, 0, torch.int64),
+            choice=col(choice, 0, torch.int64),
+            position=col(position, 0, torch.int64),
+        )
+
+    @classmethod
+    def greedy(cls, batch_size: int, device: torch.device | str = "cpu") -> SamplingTensors:
+        return cls.from_lists([0.0] * batch_size, device=device)
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+    def to(self, device: torch.device | str) -> SamplingTensors:
+        return type(self)(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def index(self, rows: torch.Tensor) -> SamplingTensors:
+        """The parameters of a subset of rows."""
+        return type(self)(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2^32`` for ``x`` in ``[0, 2^32)`` without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche permutation (xorshift-multiply, "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _absorb(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:
+    return _mix32(((h ^ (word & _M32)) + _GOLDEN) & _M32)
+
+
+def _row_key(seed: torch.Tensor, choice: torch.Tensor, position: torch.Tensor, draw: int) -> torch.Tensor:
+    seed = seed.long()
+    h = _absorb(torch.full_like(seed, 0x243F6A88), seed)
+    h = _absorb(h, (seed >> 32) & _M32)
+    h = _absorb(h, choice.long())
+    h = _absorb(h, position.long())
+    return _absorb(h, torch.full_like(h, draw))
+
+
+def hash_uniform(
+    seed: torch.Tensor, choice: torch.Tensor, position: torch.Tensor, vocab_size: int, draw: int = 0
+) -> torch.Tensor:
+    """Uniforms in (0, 1), fp32 ``[B, vocab_size]``, a pure function of (seed, choice, position, draw, v)."""
+    key = _row_key(seed, choice, position, draw)  # [B]
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
+    bits = _mix32(_absorb(key[:, None], vocab[None, :]) ^ 0x5851F42D)
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(
+    seed: torch.Tensor, choice: torch.Tensor, position: torch.Tensor, vocab_size: int, draw: int = 0
+) -> torch.Tensor:
+    return -torch.log(-torch.log(hash_uniform(seed, choice, position, vocab_size, draw)))
+
+
+def _filter(x: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Mask (-inf) what top-k, top-p and min-p remove from the scaled logits ``x [B, V]``."""
+    vocab = x.shape[1]
+    top_k, top_p = params.top_k.long(), params.top_p.float()
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    if bool((k_on | p_on).any()):
+        sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=x.device)[None, :]
+        keep = rank < torch.where(k_on, top_k, vocab)[:, None]
+        sorted_x = sorted_x.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability mass ranked above each token
+        keep &= (before < top_p[:, None]) | ~p_on[:, None]
+        keep[:, 0] = True
+        keep = torch.zeros_like(keep).scatter_(1, order, keep)
+        x = x.masked_fill(~keep, float("-inf"))
+    min_p = params.min_p.float()
+    if bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p); log(0) = -inf keeps everything.
+        threshold = x.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp_min(0.0))[:, None]
+        x = x.masked_fill(x < threshold, float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors, draw: int = 0) -> torch.Tensor:
+    """Draw one token per row of ``logits`` (fp32 ``[B, V]``) -> int64 ``[B]``.
+
+    ``draw`` numbers independent draws at the same (seed, choice, position), e.g. for speculative
+    decoding; ordinary decoding leaves it 0.
+    """
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    temperature = params.temperature.float()
+    sampled = temperature >= GREEDY_TEMPERATURE
+    if logits.shape[0] == 0 or not bool(sampled.any()):
+        return tokens
+    rows = sampled.nonzero().squeeze(1)
+    sub = params.index(rows)
+    x = _filter(logits[rows] / sub.temperature.float()[:, None], sub)
+    noise = gumbel_noise(sub.seed, sub.choice, sub.position, logits.shape[1], draw)
+    return tokens.index_copy(0, rows, (x + noise).argmax(dim=-1))
+
+
+def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the vocabulary, fp32."""
+    return torch.log_softmax(logits.float(), dim=-1)

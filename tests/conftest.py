@@ -1,0 +1,19 @@
+"""Shared pytest fixtures: tiny DeepSeek-V3 checkpoints built once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.checkpoints import FP8_OVERRIDES, BuiltCheckpoint, build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
+    """TINY_BASE, float32, MTP layer, 2 shards, positive router bias, tokenizer files if present."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), bias_scale=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_fp8(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
+    """TINY_BASE + FP8_OVERRIDES with block-FP8 weights (full and partial 128x128 blocks), MTP, 2 shards."""
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_fp8"), FP8_OVERRIDES, fp8=True, bias_scale=0.5)

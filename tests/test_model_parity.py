@@ -1,0 +1,160 @@
+"""dsinfer's model, loaded from a transformers-written checkpoint, against transformers' logits.
+
+Both MLA paths are checked: full-prompt prefill through the decompressed path, and token-by-token
+decode through the absorbed path over the paged latent cache (prompts span several pages).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.model.batch import ForwardBatch, MLAPath
+from dsinfer.model.loader import LoadedModel, load_model
+from dsinfer.ops import select_ops
+from tests.fixtures.checkpoints import FP8_OVERRIDES, ROPE_VARIANTS, BuiltCheckpoint, build_checkpoint
+from tests.fixtures.hf_reference import compare, hf_last_hidden, hf_logits, mtp_reference
+
+PAGE = 16  # small pages so that a 40-token prompt spans three of them, one partial
+
+CONFIGS: dict[str, tuple[dict[str, Any], float]] = {
+    "q_lora_yarn_bias": ({}, 0.3),
+    "no_q_lora": ({"q_lora_rank": None}, 0.3),
+    "one_group_top3": ({"n_group": 1, "topk_group": 1, "num_experts_per_tok": 3}, 0.3),
+    "groups2_top1group_negative_bias": (
+        {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "_bias_negative": True},
+        0.6,
+    ),
+    "mscale_mixed_no_interleave": ({**ROPE_VARIANTS["mscale_mixed"], "rope_interleave": False}, 0.3),
+    "mscale_0707_dense_first2": ({**ROPE_VARIANTS["mscale_0707"], "first_k_dense_replace": 2}, 0.3),
+}
+
+
+def _prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Runner:
+    """Runs a loaded model over one sequence, step by step, on its own paged cache."""
+
+    def __init__(self, loaded: LoadedModel, max_tokens: int = 128) -> None:
+        self.model = loaded.model
+        num_pages = -(-max_tokens // PAGE)
+        self.pool = LatentKVPool(
+            loaded.model.num_cache_layers, num_pages + 2, loaded.config.kv_cache_dim, page_size=PAGE
+        )
+        # a shuffled, non-contiguous page list, as an allocator in use would hand out
+        self.pages = torch.randperm(num_pages + 2, generator=torch.Generator().manual_seed(1))[
+            :num_pages
+        ].tolist()
+        self.table = self.pool.block_table([self.pages])
+
+    def batch(self, start: int, end: int, path: MLAPath) -> ForwardBatch:
+        return ForwardBatch(
+            positions=torch.arange(start, end),
+            slot_mapping=self.pool.slots(self.pages, start, end),
+            block_tables=self.table,
+            q_lens=[end - start],
+            kv_lens=[end],
+            mla_path=path,
+        )
+
+    def step(self, ids: list[int], start: int, path: MLAPath) -> torch.Tensor:
+        """Hidden states of ids placed at positions start.. (the cache holds 0..start-1)."""
+        batch = self.batch(start, start + len(ids), path)
+        return self.model(torch.tensor(ids), batch, self.pool.caches)
+
+
+def _load(ckpt: BuiltCheckpoint, **kwargs: Any) -> LoadedModel:
+    return load_model(ckpt.path, select_ops(torch.device("cpu")), dtype=torch.float32, **kwargs)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
+    overrides, bias = CONFIGS[request.param]
+    return build_checkpoint(tmp_path_factory.mktemp(request.param), overrides, bias_scale=bias, seed=7)
+
+
+def test_prefill_logits_match_transformers(built: BuiltCheckpoint) -> None:
+    loaded = _load(built)
+    prompt = _prompt(40, seed=3)
+    runner = Runner(loaded)
+    logits = loaded.model.compute_logits(runner.step(prompt, 0, MLAPath.DECOMPRESSED))
+    compare(hf_logits(built.hf_model, prompt), logits)
+
+
+def test_absorbed_decode_matches_transformers(built: BuiltCheckpoint) -> None:
+    loaded = _load(built)
+    prompt = _prompt(40, seed=4)
+    runner = Runner(loaded)
+    # first 5 tokens by prefill, the remaining 35 one at a time through the absorbed path
+    hidden = [runner.step(prompt[:5], 0, MLAPath.DECOMPRESSED)]
+    hidden += [runner.step([t], i, MLAPath.ABSORBED) for i, t in enumerate(prompt[5:], start=5)]
+    logits = loaded.model.compute_logits(torch.cat(hidden))
+    compare(hf_logits(built.hf_model, prompt), logits)
+
+
+def test_chunked_prefill_over_cached_prefix(built: BuiltCheckpoint) -> None:
+    """Both paths attend to a prefix already in the cache (chunks of 17 and 2-token absorbed steps)."""
+    loaded = _load(built)
+    prompt = _prompt(38, seed=5)
+    runner = Runner(loaded)
+    hidden = [
+        runner.step(prompt[:17], 0, MLAPath.DECOMPRESSED),
+        runner.step(prompt[17:34], 17, MLAPath.DECOMPRESSED),
+    ]
+    hidden += [runner.step(prompt[i : i + 2], i, MLAPath.ABSORBED) for i in (34, 36)]
+    compare(hf_logits(built.hf_model, prompt), loaded.model.compute_logits(torch.cat(hidden)))
+
+
+def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
+    loaded = _load(built)
+    assert len(loaded.model.mtp_layers) == 1
+    prompt = _prompt(33, seed=6)
+    runner = Runner(loaded)
+    hidden = runner.step(prompt, 0, MLAPath.DECOMPRESSED)
+    torch.testing.assert_close(hidden, hf_last_hidden(built.hf_model, prompt), rtol=1e-4, atol=1e-4)
+    # MTP over positions 0..T-2: hidden of t with token t+1
+    n = len(prompt) - 1
+    batch = runner.batch(0, n, MLAPath.DECOMPRESSED)
+    next_tokens = torch.tensor(prompt[1:])
+    _, draft = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches)
+    assert built.mtp_state is not None
+    reference = mtp_reference(
+        built.hf_model.config, built.mtp_state, hidden[:n], next_tokens, torch.arange(n)
+    )
+    compare(reference, draft)
+
+
+def test_fp8_checkpoint_dequantized_matches(tmp_path: Path) -> None:
+    built = build_checkpoint(tmp_path / "fp8", FP8_OVERRIDES, fp8=True, bias_scale=0.3, seed=11)
+    loaded = _load(built)
+    ops_fp8 = loaded.model.lm_head.ops.supports_fp8_gemm
+    assert not ops_fp8, "CPU torch ops dequantize FP8 checkpoints at load"
+    prompt = _prompt(24, seed=8)
+    runner = Runner(loaded)
+    prefill = loaded.model.compute_logits(runner.step(prompt[:12], 0, MLAPath.DECOMPRESSED))
+    decode = [runner.step([t], i, MLAPath.ABSORBED) for i, t in enumerate(prompt[12:], start=12)]
+    logits = torch.cat([prefill, loaded.model.compute_logits(torch.cat(decode))])
+    compare(hf_logits(built.hf_model, prompt), logits)
+
+
+def test_checkpoint_without_mtp_loads_for_decoding(tmp_path: Path) -> None:
+    from dsinfer.model.deepseek_v3 import MTPUnavailableError
+    from dsinfer.model.loader import CheckpointError
+
+    built = build_checkpoint(tmp_path / "nomtp", with_mtp=False)
+    loaded = _load(built)
+    assert len(loaded.model.mtp_layers) == 0
+    prompt = _prompt(10, seed=9)
+    runner = Runner(loaded)
+    hidden = runner.step(prompt, 0, MLAPath.DECOMPRESSED)
+    compare(hf_logits(built.hf_model, prompt), loaded.model.compute_logits(hidden))
+    with pytest.raises(MTPUnavailableError, match="MTP depth 0 is not loaded"):
+        loaded.model.forward_mtp(hidden, torch.tensor(prompt), runner.batch(0, 10, MLAPath.DECOMPRESSED), [])
+    with pytest.raises(CheckpointError, match=r"1 MTP layer\(s\) requested but the checkpoint has 0"):
+        _load(built, num_mtp_layers=1)
