@@ -89,8 +89,7 @@ def test_moe_gate_negative_bias_never_picks_masked_group(ops: Ops) -> None:
     """With every choice score negative, masking dropped groups with 0.0 would select them."""
     logits = torch.zeros(1, 8)
     bias = torch.tensor([-1.0, -1.0, -3.0, -3.0, -3.0, -3.0, -3.0, -3.0])
-    _, ids = ops.moe_gate(logits, bias, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True,
-                          routed_scaling_factor=1.0)  # fmt: skip
+    _, ids = ops.moe_gate(logits, bias, 4, 4, 2, True, 1.0)
     # groups {0,1} (score -1) and one of the -5 groups are kept: experts 0, 1 and two of 2..7
     assert {0, 1} <= set(ids[0].tolist())
     groups = {e // 2 for e in ids[0].tolist()}

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,9 +171,10 @@ def _checkpoint_prefix(module_name: str, config: ModelConfig) -> str:
     return module_name
 
 
-def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> dict[str, Placement]:
-    """checkpoint tensor name -> where it goes; ``fp8_names``: weights kept FP8 (their scales load too)."""
-    table: dict[str, Placement] = {}
+def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> dict[str, list[Placement]]:
+    """checkpoint tensor name -> where it goes (several places for a replicated expert);
+    ``fp8_names``: weights kept FP8 (their scales load too)."""
+    table: dict[str, list[Placement]] = defaultdict(list)
     inter, hidden = config.moe_intermediate_size, config.hidden_size
     for module_name, module in model.named_modules():
         prefix = _checkpoint_prefix(module_name, config)
@@ -186,23 +188,25 @@ def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> d
                 )
                 for proj, param, rows, shape in parts:
                     name = f"{base}.{proj}_proj.weight"
-                    table[name] = Placement(f"{module_name}.{param}", shape, slot, rows)
+                    table[name].append(Placement(f"{module_name}.{param}", shape, slot, rows))
                     if name in fp8_names:
                         scale_rows = None if rows is None else (rows[0] // FP8_BLOCK, rows[1] // FP8_BLOCK)
-                        table[name + SCALE_SUFFIX] = Placement(
-                            f"{module_name}.{param}_scale_inv", _scale_shape(shape), slot, scale_rows
+                        table[name + SCALE_SUFFIX].append(
+                            Placement(
+                                f"{module_name}.{param}_scale_inv", _scale_shape(shape), slot, scale_rows
+                            )
                         )
             continue
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{prefix}.{param_name}"
             if param_name == "weight_scale_inv":
                 continue  # listed with its weight below
-            table[name] = Placement(f"{module_name}.{param_name}", tuple(param.shape))
+            table[name].append(Placement(f"{module_name}.{param_name}", tuple(param.shape)))
             if name in fp8_names:
-                table[name + SCALE_SUFFIX] = Placement(
-                    f"{module_name}.weight_scale_inv", _scale_shape(tuple(param.shape))
+                table[name + SCALE_SUFFIX].append(
+                    Placement(f"{module_name}.weight_scale_inv", _scale_shape(tuple(param.shape)))
                 )
-    return table
+    return dict(table)
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -257,22 +261,23 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 
 # Filling -------------------------------------------------------------------------------------
-def _place(params: dict[str, torch.Tensor], where: Placement, tensor: torch.Tensor, name: str) -> None:
-    if tuple(tensor.shape) != where.shape:
-        raise CheckpointError(
-            f"tensor {name}: shape {list(tensor.shape)} does not match {list(where.shape)} expected from config.json"
-        )
-    target = params[where.param]
-    if where.slot is not None:
-        target = target[where.slot]
-    if where.rows is not None:
-        target = target[where.rows[0] : where.rows[1]]
-    target.copy_(tensor.to(target.dtype))
+def _place(params: dict[str, torch.Tensor], places: list[Placement], tensor: torch.Tensor, name: str) -> None:
+    for where in places:
+        if tuple(tensor.shape) != where.shape:
+            raise CheckpointError(
+                f"tensor {name}: shape {list(tensor.shape)} does not match {list(where.shape)} expected from config.json"
+            )
+        target = params[where.param]
+        if where.slot is not None:
+            target = target[where.slot]
+        if where.rows is not None:
+            target = target[where.rows[0] : where.rows[1]]
+        target.copy_(tensor.to(target.dtype))
 
 
 def _fill_from_checkpoint(
     params: dict[str, torch.Tensor],
-    placements: dict[str, Placement],
+    placements: dict[str, list[Placement]],
     index: dict[str, Path],
     keep_fp8: set[str],
 ) -> None:
@@ -333,16 +338,16 @@ def _dummy_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: 
 
 def _fill_dummy(
     params: dict[str, torch.Tensor],
-    placements: dict[str, Placement],
+    placements: dict[str, list[Placement]],
     config: ModelConfig,
     seed: int,
     keep_fp8: set[str],
 ) -> None:
-    for name, where in tqdm(placements.items(), desc="Dummy weights", unit="tensor", dynamic_ncols=True):
+    for name, places in tqdm(placements.items(), desc="Dummy weights", unit="tensor", dynamic_ncols=True):
         if name.endswith(SCALE_SUFFIX):
             continue
-        tensor = _dummy_tensor(name, where.shape, config, seed)
+        tensor = _dummy_tensor(name, places[0].shape, config, seed)
         if name in keep_fp8:
             tensor, scale = quantize_weight_128x128(tensor)
             _place(params, placements[name + SCALE_SUFFIX], scale, name + SCALE_SUFFIX)
-        _place(params, where, tensor, name)
+        _place(params, places, tensor, name)

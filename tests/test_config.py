@@ -1,0 +1,104 @@
+"""ModelConfig: both RoPE spellings, presets, Kimi-K2, and clear errors for configs dsinfer cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsinfer.base.config import ConfigError, ModelConfig
+from dsinfer.base.presets import presets_dir, resolve_model
+
+YARN = {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
+
+def _v3(**changes: Any) -> dict[str, Any]:
+    data = json.loads((presets_dir() / "deepseek-v3" / "config.json").read_text())
+    data.update(changes)
+    return data
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "kimi-k2", "tiny"])
+def test_presets_load(name: str) -> None:
+    path, is_preset = resolve_model(name)
+    assert is_preset
+    config = ModelConfig.from_file(path / "config.json")
+    assert config.kv_cache_dim == 576
+
+
+def test_deepseek_v3_derived_values() -> None:
+    config = ModelConfig.from_dict(_v3())
+    assert config.qk_head_dim == 192
+    assert config.rope.type == "yarn" and config.rope.factor == 40
+    # softmax scale = 192^-0.5 * (0.1 * ln 40 + 1)^2
+    assert config.softmax_scale == pytest.approx(192**-0.5 * (0.1 * 3.6888794541139363 + 1) ** 2)
+    assert config.rope.attention_factor == 1.0
+    assert config.num_nextn_predict_layers == 1
+    assert config.is_fp8 and config.is_moe_layer(3) and not config.is_moe_layer(2) and config.is_moe_layer(61)
+
+
+def test_rope_scaling_and_rope_parameters_agree() -> None:
+    old = ModelConfig.from_dict(_v3(rope_scaling={"type": "yarn", **YARN}))
+    new_data = _v3(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **YARN})
+    del new_data["rope_scaling"], new_data["rope_theta"]
+    assert ModelConfig.from_dict(new_data).rope == old.rope
+
+
+def test_yarn_factor_defaults_to_length_ratio() -> None:
+    config = ModelConfig.from_dict(
+        _v3(
+            rope_scaling={"type": "yarn", "original_max_position_embeddings": 4096},
+            max_position_embeddings=163840,
+        )
+    )
+    assert config.rope.factor == 40.0
+
+
+def test_null_q_lora_rank_and_mtp_alias() -> None:
+    data = _v3(q_lora_rank=None, num_mtp_layers=2)
+    del data["num_nextn_predict_layers"]
+    config = ModelConfig.from_dict(data)
+    assert config.q_lora_rank is None and config.num_nextn_predict_layers == 2
+
+
+def test_kimi_k2_config_accepted() -> None:
+    config = ModelConfig.from_file(presets_dir() / "kimi-k2" / "config.json")
+    assert config.model_type == "kimi_k2" and config.n_routed_experts == 384 and config.n_group == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+        ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
+        ({"n_group": 7}, "n_routed_experts must be divisible by n_group"),
+        ({"topk_group": 9}, "topk_group must be in"),
+        ({"num_experts_per_tok": 200}, "num_experts_per_tok must fit"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"hidden_size": "big"}, "hidden_size"),
+        ({"kv_lora_rank": 0}, "kv_lora_rank must be positive"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}},
+            "weight_block_size",
+        ),
+    ],
+)
+def test_bad_config_names_the_field(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(_v3(**changes))
+
+
+def test_missing_field_and_bad_json(tmp_path: Path) -> None:
+    data = _v3()
+    del data["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="kv_lora_rank: Field required"):
+        ModelConfig.from_dict(data)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="no such config file"):
+        ModelConfig.from_file(tmp_path / "missing.json")

@@ -1,0 +1,63 @@
+"""Dummy weights: seeded by tensor name and logical expert id, identical on every rank and replica."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsinfer.base.presets import presets_dir
+from dsinfer.model.loader import CheckpointError, load_model
+from dsinfer.ops import select_ops
+
+OPS = select_ops(torch.device("cpu"))
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.float() for k, v in model.state_dict().items()}
+
+
+def test_dummy_weights_are_reproducible() -> None:
+    a, b = load_model("tiny", OPS), load_model("tiny", OPS)
+    assert a.load_format == "dummy" and len(a.model.mtp_layers) == 1
+    sa, sb = _state(a.model), _state(b.model)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    other_seed = _state(load_model("tiny", OPS, seed=1).model)
+    assert not torch.equal(other_seed["lm_head.weight"], sa["lm_head.weight"])
+
+
+def test_a_rank_hosting_some_experts_builds_the_same_experts() -> None:
+    full = load_model("tiny", OPS).model
+    part = load_model("tiny", OPS, expert_ids=[9, 2, 9]).model  # a redundant replica of expert 9
+    for layer_full, layer_part in zip(full.model.layers[1:], part.model.layers[1:], strict=True):
+        w_full, w_part = layer_full.mlp.experts.w13, layer_part.mlp.experts.w13
+        assert torch.equal(w_part[0], w_full[9]) and torch.equal(w_part[1], w_full[2])
+        assert torch.equal(w_part[2], w_full[9])
+
+
+def test_dummy_fp8_follows_deepseeks_checkpoint(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tiny-fp8"
+    shutil.copytree(presets_dir() / "tiny", model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    loaded = load_model(model_dir, replace(OPS, supports_fp8_gemm=True), load_format="dummy")
+    layer = loaded.model.model.layers[1]
+    assert layer.self_attn.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert layer.mlp.gate.weight.dtype == torch.float32 and loaded.model.lm_head.weight.dtype == torch.float32
+    assert loaded.model.mtp_layers[0].eh_proj.weight.dtype == torch.float32
+
+
+def test_directory_without_weights_is_refused(tmp_path: Path) -> None:
+    shutil.copy(presets_dir() / "tiny" / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files \(use load_format 'dummy'"):
+        load_model(tmp_path, OPS)
+    with pytest.raises(CheckpointError, match="load_format 'pt' unknown"):
+        load_model(tmp_path, OPS, load_format="pt")
+    assert load_model(tmp_path, OPS, load_format="dummy").load_format == "dummy"
