@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from dsinfer.cache.latent_pool import LatentKVPool
-from dsinfer.model.batch import ForwardBatch, MLAPath
+from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import LoadedModel, load_model
 from dsinfer.ops import select_ops
 from tests.fixtures.checkpoints import FP8_OVERRIDES, ROPE_VARIANTS, BuiltCheckpoint, build_checkpoint
 from tests.fixtures.hf_reference import compare, hf_last_hidden, hf_logits, mtp_reference
 
+DECOMPRESSED, ABSORBED = False, True  # which MLA path a step takes
 PAGE = 16  # small pages so that a 40-token prompt spans three of them, one partial
 
 CONFIGS: dict[str, tuple[dict[str, Any], float]] = {
@@ -53,19 +54,19 @@ class Runner:
         ].tolist()
         self.table = self.pool.block_table([self.pages])
 
-    def batch(self, start: int, end: int, path: MLAPath) -> ForwardBatch:
+    def batch(self, start: int, end: int, absorbed: bool) -> ForwardBatch:
         return ForwardBatch(
             positions=torch.arange(start, end),
             slot_mapping=self.pool.slots(self.pages, start, end),
             block_tables=self.table,
             q_lens=[end - start],
             kv_lens=[end],
-            mla_path=path,
+            num_absorbed=int(absorbed),
         )
 
-    def step(self, ids: list[int], start: int, path: MLAPath) -> torch.Tensor:
+    def step(self, ids: list[int], start: int, absorbed: bool) -> torch.Tensor:
         """Hidden states of ids placed at positions start.. (the cache holds 0..start-1)."""
-        batch = self.batch(start, start + len(ids), path)
+        batch = self.batch(start, start + len(ids), absorbed)
         return self.model(torch.tensor(ids), batch, self.pool.caches)
 
 
@@ -83,7 +84,7 @@ def test_prefill_logits_match_transformers(built: BuiltCheckpoint) -> None:
     loaded = _load(built)
     prompt = _prompt(40, seed=3)
     runner = Runner(loaded)
-    logits = loaded.model.compute_logits(runner.step(prompt, 0, MLAPath.DECOMPRESSED))
+    logits = loaded.model.compute_logits(runner.step(prompt, 0, DECOMPRESSED))
     compare(hf_logits(built.hf_model, prompt), logits)
 
 
@@ -92,8 +93,8 @@ def test_absorbed_decode_matches_transformers(built: BuiltCheckpoint) -> None:
     prompt = _prompt(40, seed=4)
     runner = Runner(loaded)
     # first 5 tokens by prefill, the remaining 35 one at a time through the absorbed path
-    hidden = [runner.step(prompt[:5], 0, MLAPath.DECOMPRESSED)]
-    hidden += [runner.step([t], i, MLAPath.ABSORBED) for i, t in enumerate(prompt[5:], start=5)]
+    hidden = [runner.step(prompt[:5], 0, DECOMPRESSED)]
+    hidden += [runner.step([t], i, ABSORBED) for i, t in enumerate(prompt[5:], start=5)]
     logits = loaded.model.compute_logits(torch.cat(hidden))
     compare(hf_logits(built.hf_model, prompt), logits)
 
@@ -104,10 +105,10 @@ def test_chunked_prefill_over_cached_prefix(built: BuiltCheckpoint) -> None:
     prompt = _prompt(38, seed=5)
     runner = Runner(loaded)
     hidden = [
-        runner.step(prompt[:17], 0, MLAPath.DECOMPRESSED),
-        runner.step(prompt[17:34], 17, MLAPath.DECOMPRESSED),
+        runner.step(prompt[:17], 0, DECOMPRESSED),
+        runner.step(prompt[17:34], 17, DECOMPRESSED),
     ]
-    hidden += [runner.step(prompt[i : i + 2], i, MLAPath.ABSORBED) for i in (34, 36)]
+    hidden += [runner.step(prompt[i : i + 2], i, ABSORBED) for i in (34, 36)]
     compare(hf_logits(built.hf_model, prompt), loaded.model.compute_logits(torch.cat(hidden)))
 
 
@@ -116,11 +117,11 @@ def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
     assert len(loaded.model.mtp_layers) == 1
     prompt = _prompt(33, seed=6)
     runner = Runner(loaded)
-    hidden = runner.step(prompt, 0, MLAPath.DECOMPRESSED)
+    hidden = runner.step(prompt, 0, DECOMPRESSED)
     torch.testing.assert_close(hidden, hf_last_hidden(built.hf_model, prompt), rtol=1e-4, atol=1e-4)
     # MTP over positions 0..T-2: hidden of t with token t+1
     n = len(prompt) - 1
-    batch = runner.batch(0, n, MLAPath.DECOMPRESSED)
+    batch = runner.batch(0, n, DECOMPRESSED)
     next_tokens = torch.tensor(prompt[1:])
     _, draft = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches)
     assert built.mtp_state is not None
@@ -137,8 +138,8 @@ def test_fp8_checkpoint_dequantized_matches(tmp_path: Path) -> None:
     assert not ops_fp8, "CPU torch ops dequantize FP8 checkpoints at load"
     prompt = _prompt(24, seed=8)
     runner = Runner(loaded)
-    prefill = loaded.model.compute_logits(runner.step(prompt[:12], 0, MLAPath.DECOMPRESSED))
-    decode = [runner.step([t], i, MLAPath.ABSORBED) for i, t in enumerate(prompt[12:], start=12)]
+    prefill = loaded.model.compute_logits(runner.step(prompt[:12], 0, DECOMPRESSED))
+    decode = [runner.step([t], i, ABSORBED) for i, t in enumerate(prompt[12:], start=12)]
     logits = torch.cat([prefill, loaded.model.compute_logits(torch.cat(decode))])
     compare(hf_logits(built.hf_model, prompt), logits)
 
@@ -152,10 +153,10 @@ def test_checkpoint_without_mtp_loads_for_decoding(tmp_path: Path) -> None:
     assert len(loaded.model.mtp_layers) == 0
     prompt = _prompt(10, seed=9)
     runner = Runner(loaded)
-    hidden = runner.step(prompt, 0, MLAPath.DECOMPRESSED)
+    hidden = runner.step(prompt, 0, DECOMPRESSED)
     compare(hf_logits(built.hf_model, prompt), loaded.model.compute_logits(hidden))
     with pytest.raises(MTPUnavailableError, match="MTP depth 0 is not loaded"):
-        loaded.model.forward_mtp(hidden, torch.tensor(prompt), runner.batch(0, 10, MLAPath.DECOMPRESSED), [])
+        loaded.model.forward_mtp(hidden, torch.tensor(prompt), runner.batch(0, 10, DECOMPRESSED), [])
     with pytest.raises(CheckpointError, match=r"1 MTP layer\(s\) requested but the checkpoint has 0"):
         _load(built, num_mtp_layers=1)
 
@@ -192,6 +193,35 @@ def test_fp8_weights_kept_where_ops_run_fp8(tmp_path: Path) -> None:
     # End to end the activations are quantized 1x128 too (about 2-3% error per GEMM, and a router
     # decision may flip), so the logits follow the dequantized reference only statistically.
     prompt = _prompt(16, seed=13)
-    logits = loaded.model.compute_logits(Runner(loaded).step(prompt, 0, MLAPath.DECOMPRESSED))
+    logits = loaded.model.compute_logits(Runner(loaded).step(prompt, 0, DECOMPRESSED))
     cosine = torch.nn.functional.cosine_similarity(logits, hf_logits(built.hf_model, prompt), dim=-1)
     assert cosine.median() > 0.98 and cosine.min() > 0.8, cosine
+
+
+def test_mixed_batch_of_prefill_chunks_and_decodes(built: BuiltCheckpoint) -> None:
+    """One forward holding two prefill chunks (decompressed path) and three decodes (absorbed path)
+    gives each sequence the logits it gets alone."""
+    loaded = _load(built)
+    prompts = [_prompt(n, seed=20 + n) for n in (9, 23, 17, 30, 12)]
+    pool = LatentKVPool(loaded.model.num_cache_layers, 40, loaded.config.kv_cache_dim, page_size=PAGE)
+    pages = [pool.allocator.allocate(pool.pages_for(len(p))) for p in prompts]
+    # sequences 2..4 have all but their last token cached already
+    for p, pg in zip(prompts[2:], pages[2:], strict=True):
+        n = len(p) - 1
+        prefill = ForwardBatch(torch.arange(n), pool.slots(pg, 0, n), pool.block_table([pg]), [n], [n])
+        loaded.model(torch.tensor(p[:n]), prefill, pool.caches)
+    starts = [0, 0] + [len(p) - 1 for p in prompts[2:]]
+    ids = torch.tensor([t for p, s in zip(prompts, starts, strict=True) for t in p[s:]])
+    batch = ForwardBatch(
+        positions=torch.cat([torch.arange(s, len(p)) for p, s in zip(prompts, starts, strict=True)]),
+        slot_mapping=torch.cat(
+            [pool.slots(pg, s, len(p)) for p, pg, s in zip(prompts, pages, starts, strict=True)]
+        ),
+        block_tables=pool.block_table(pages),
+        q_lens=[len(p) - s for p, s in zip(prompts, starts, strict=True)],
+        kv_lens=[len(p) for p in prompts],
+        num_absorbed=3,
+    )
+    logits = loaded.model.compute_logits(loaded.model(ids, batch, pool.caches)[batch.last_token_indices()])
+    for i, p in enumerate(prompts):
+        compare(hf_logits(built.hf_model, p)[-1], logits[i])

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from dsinfer.cache.latent_pool import LatentKVPool
-from dsinfer.model.batch import ForwardBatch, MLAPath
+from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.ops import Ops, SamplingTensors
 
@@ -29,7 +29,7 @@ class GreedyGenerator:
         try:
             table = self.pool.block_table([pages]).to(self.device)
             tokens = torch.tensor(prompt, dtype=torch.int64, device=self.device)
-            start, path = 0, MLAPath.DECOMPRESSED
+            start, absorbed = 0, 0
             for _ in range(max_tokens):
                 end = start + tokens.shape[0]
                 batch = ForwardBatch(
@@ -38,7 +38,7 @@ class GreedyGenerator:
                     block_tables=table,
                     q_lens=[end - start],
                     kv_lens=[end],
-                    mla_path=path,
+                    num_absorbed=absorbed,
                 )
                 hidden = self.model(tokens, batch, self.pool.caches)
                 logits = self.model.compute_logits(hidden[-1:])
@@ -47,6 +47,6 @@ class GreedyGenerator:
                 if token in eos_ids:
                     return
                 tokens = torch.tensor([token], dtype=torch.int64, device=self.device)
-                start, path = end, MLAPath.ABSORBED
+                start, absorbed = end, 1
         finally:
             self.pool.allocator.free(pages)

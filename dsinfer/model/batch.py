@@ -9,33 +9,31 @@ tokens (its prefix plus the new ones), found through row i of ``block_tables``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 
-class MLAPath(str, Enum):
-    """Which of MLA's two mathematically equal computations a step uses."""
-
-    DECOMPRESSED = "decompressed"  # per-head K/V from kv_b_proj: cheaper when many queries share a context
-    ABSORBED = "absorbed"  # attention in the latent space over the paged cache (FlashMLA's form)
-
-
 @dataclass
 class ForwardBatch:
+    """MLA runs two mathematically equal paths: the first ``B - num_absorbed`` sequences (prefill
+    chunks, any lengths) the decompressed one, the last ``num_absorbed`` (decodes, all with the same
+    number of new tokens) the absorbed one over the paged cache (FlashMLA's form)."""
+
     positions: torch.Tensor  # int64 [T]: position of each new token in its sequence
     slot_mapping: torch.Tensor  # int64 [T]: cache slot receiving each new token's latent
     block_tables: torch.Tensor  # int32 [B, max_pages]: page ids of each sequence, padded with 0
     q_lens: list[int]  # new tokens per sequence
     kv_lens: list[int]  # cached tokens per sequence after this step (prefix + new)
-    mla_path: MLAPath = MLAPath.DECOMPRESSED
+    num_absorbed: int = 0
 
     def __post_init__(self) -> None:
         if len(self.q_lens) != len(self.kv_lens):
             raise ValueError("q_lens and kv_lens must have one entry per sequence")
         if any(q > kv for q, kv in zip(self.q_lens, self.kv_lens, strict=True)):
             raise ValueError("a sequence cannot have more new tokens than cached tokens")
-        if self.mla_path is MLAPath.ABSORBED and len(set(self.q_lens)) > 1:
+        if not 0 <= self.num_absorbed <= len(self.q_lens):
+            raise ValueError("num_absorbed must be between 0 and the number of sequences")
+        if len(set(self.q_lens[self.num_decompressed :])) > 1:
             raise ValueError("the absorbed MLA path needs the same number of new tokens in every sequence")
 
     @property
@@ -46,10 +44,15 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.q_lens)
 
+    @property
+    def num_decompressed(self) -> int:
+        return len(self.q_lens) - self.num_absorbed
+
+    @property
+    def num_decompressed_tokens(self) -> int:
+        return sum(self.q_lens[: self.num_decompressed])
+
     def last_token_indices(self) -> torch.Tensor:
         """Index into T of each sequence's last new token (where the next token is predicted)."""
         ends = torch.tensor(self.q_lens, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.positions.device)
-
-    def cache_seqlens(self) -> torch.Tensor:
-        return torch.tensor(self.kv_lens, dtype=torch.int32, device=self.block_tables.device)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.base.config import ModelConfig
-from dsinfer.model.batch import ForwardBatch, MLAPath
+from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.layers import Linear, RMSNorm, RotaryEmbedding
 from dsinfer.ops import Ops
 
@@ -78,10 +78,13 @@ class MLA(nn.Module):
     def attend(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        if batch.mla_path is MLAPath.ABSORBED:
-            out = self._absorbed(q_nope, q_pe, batch, kv_cache)
-        else:
-            out = self._decompressed(q_nope, q_pe, batch, kv_cache)
+        split = batch.num_decompressed_tokens
+        out = torch.cat(
+            [
+                self._decompressed(q_nope[:split], q_pe[:split], batch, kv_cache),
+                self._absorbed(q_nope[split:], q_pe[split:], batch, kv_cache),
+            ]
+        )
         return self.o_proj(out.flatten(1))
 
     def _decompressed(
@@ -91,7 +94,8 @@ class MLA(nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         page_size = kv_cache.shape[1]
         start = 0
-        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+        seqs = range(batch.num_decompressed)
+        for i, q_len, kv_len in zip(seqs, batch.q_lens, batch.kv_lens, strict=False):
             num_pages = -(-kv_len // page_size)
             pages = batch.block_tables[i, :num_pages].long()
             latent = kv_cache[pages].flatten(0, 1)[:kv_len].to(q.dtype)  # [S, C + rope]
@@ -118,16 +122,19 @@ class MLA(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         assert self.w_uk is not None and self.w_uv is not None, "prepare_absorbed() was not called"
-        num_tokens = q_nope.shape[0]
+        num_tokens, first = q_nope.shape[0], batch.num_decompressed
         if num_tokens == 0:
             return q_nope.new_empty(0, self.num_heads, self.v_dim)
         q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
-        q = torch.cat([q_latent, q_pe], dim=-1).view(batch.num_seqs, batch.q_lens[0], self.num_heads, -1)
+        q = torch.cat([q_latent, q_pe], dim=-1).view(
+            batch.num_absorbed, -1, self.num_heads, q_pe.shape[-1] + q_latent.shape[-1]
+        )
+        cache_seqlens = torch.tensor(batch.kv_lens[first:], dtype=torch.int32, device=q.device)
         o_latent, _ = self.ops.mla_decode(
             q.to(kv_cache.dtype),
             kv_cache.unsqueeze(2),
-            batch.block_tables,
-            batch.cache_seqlens(),
+            batch.block_tables[first:],
+            cache_seqlens,
             head_dim_v=self.kv_lora_rank,
             softmax_scale=self.softmax_scale,
             causal=True,
