@@ -61,6 +61,11 @@ class LatentKVPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
+        if num_layers <= 0 or num_pages <= 0 or dim <= 0 or page_size <= 0:
+            raise ValueError(
+                f"num_layers, num_pages, dim and page_size must be positive, got "
+                f"{num_layers}, {num_pages}, {dim}, {page_size}"
+            )
         self.page_size, self.dim = page_size, dim
         self.caches = [
             torch.zeros(num_pages, page_size, dim, dtype=dtype, device=device) for _ in range(num_layers)
@@ -75,8 +80,73 @@ class LatentKVPool:
         num_pages: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        page_size: int = PAGE_SIZE,
     ) -> LatentKVPool:
-        return cls(num_layers, num_pages, config.kv_cache_dim, dtype=dtype, device=device)
+        return cls(
+            num_layers, num_pages, config.kv_cache_dim, page_size=page_size, dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def page_bytes_for(
+        config: ModelConfig, num_layers: int, dtype: torch.dtype, page_size: int = PAGE_SIZE
+    ) -> int:
+        """Bytes one page takes over all ``num_layers`` caches."""
+        return num_layers * page_size * config.kv_cache_dim * dtype.itemsize
+
+    @classmethod
+    def num_pages_for_budget(
+        cls,
+        config: ModelConfig,
+        num_layers: int,
+        budget_bytes: int,
+        dtype: torch.dtype,
+        page_size: int = PAGE_SIZE,
+    ) -> int:
+        """How many pages fit in ``budget_bytes`` (rounded down; 0 when not even one fits)."""
+        if budget_bytes < 0:
+            raise ValueError(f"memory budget must be >= 0 bytes, got {budget_bytes}")
+        return budget_bytes // cls.page_bytes_for(config, num_layers, dtype, page_size)
+
+    # Shape and whole-page access -------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].dtype
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """Shape of one page over all layers: ``(num_layers, page_size, dim)``."""
+        return (self.num_layers, self.page_size, self.dim)
+
+    def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """A copy of ``page`` over all layers, ``[num_layers, page_size, dim]``, on ``device``.
+
+        One copy per layer straight into the result (no intermediate stack on the cache device).
+        """
+        self._check_page(page)
+        out = torch.empty(self.page_shape, dtype=self.dtype, device=device)
+        for layer, cache in enumerate(self.caches):
+            out[layer].copy_(cache[page])
+        return out
+
+    def write_page(self, page: int, data: torch.Tensor) -> None:
+        """Overwrite ``page`` in every layer with ``data`` (``[num_layers, page_size, dim]``)."""
+        self._check_page(page)
+        if tuple(data.shape) != self.page_shape:
+            raise ValueError(f"page data has shape {tuple(data.shape)}, the pool expects {self.page_shape}")
+        for layer, cache in enumerate(self.caches):
+            cache[page].copy_(data[layer])
+
+    def _check_page(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} out of range [0, {self.num_pages})")
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -13,7 +13,12 @@ rounding of ``log`` between CPU and GPU math libraries.
 Filters, applied to the temperature-scaled logits in this order: top-k (``<= 0`` off), top-p
 (nucleus: keep the smallest prefix of the sorted distribution whose cumulative probability reaches
 ``top_p``; at least one token; ``>= 1`` off), min-p (keep tokens with ``p >= min_p * p_max``;
-``0`` off). Rows with ``temperature < 1e-5`` are greedy (argmax of the raw logits).
+``0`` off). Rows with ``temperature < 1e-5`` are greedy (argmax of the logits given).
+:func:`filter_logits` exposes the distribution a row is drawn from (the scaled, filtered logits).
+
+Penalties (presence / frequency / repetition) are not part of this module: the engine applies
+:func:`dsinfer.ops.penalties.apply_penalties` to the logits before calling :func:`sample`, and
+reports logprobs (:mod:`dsinfer.ops.logprobs`) from the raw logits before both.
 """
 
 from __future__ import annotations
@@ -23,16 +28,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from dsinfer.base.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
 __all__ = [
     "GREEDY_TEMPERATURE",
     "SamplingTensors",
     "compute_logprobs",
+    "filter_logits",
     "gumbel_noise",
     "hash_uniform",
     "sample",
 ]
-
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -81,6 +87,29 @@ class SamplingTensors:
             seed=col(seed, 0, torch.int64),
             choice=col(choice, 0, torch.int64),
             position=col(position, 0, torch.int64),
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        seed: Sequence[int],
+        choice: Sequence[int],
+        position: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        """One row per entry of ``params``; ``seed`` is the request's resolved seed (the engine
+        draws one at admission for ``seed=None``), ``choice`` its index among ``n``, ``position``
+        the output position being drawn."""
+        return cls.from_lists(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            seed=seed,
+            choice=choice,
+            position=position,
+            device=device,
         )
 
     @classmethod
@@ -168,6 +197,27 @@ def _filter(x: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     return x
 
 
+def _scaled_filtered(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """``logits / T`` with filtered tokens at -inf, for rows that all have ``T >= 1e-5``."""
+    return _filter(logits / params.temperature.float()[:, None], params)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The logits whose softmax is the distribution :func:`sample` draws each row from.
+
+    Sampled rows: ``logits / T`` after top-k, top-p and min-p, removed tokens at ``-inf``. Greedy
+    rows: the argmax keeps its logit and every other token is ``-inf`` (a point mass).
+    """
+    logits = logits.float()
+    sampled = params.temperature.float() >= GREEDY_TEMPERATURE
+    greedy = logits.argmax(dim=-1, keepdim=True)
+    out = torch.full_like(logits, float("-inf")).scatter_(1, greedy, logits.gather(1, greedy))
+    if logits.shape[0] == 0 or not bool(sampled.any()):
+        return out
+    rows = sampled.nonzero().squeeze(1)
+    return out.index_copy(0, rows, _scaled_filtered(logits[rows], params.index(rows)))
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors, draw: int = 0) -> torch.Tensor:
     """Draw one token per row of ``logits`` (fp32 ``[B, V]``) -> int64 ``[B]``.
 
@@ -182,7 +232,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, draw: int = 0) -> torc
         return tokens
     rows = sampled.nonzero().squeeze(1)
     sub = params.index(rows)
-    x = _filter(logits[rows] / sub.temperature.float()[:, None], sub)
+    x = _scaled_filtered(logits[rows], sub)
     noise = gumbel_noise(sub.seed, sub.choice, sub.position, logits.shape[1], draw)
     return tokens.index_copy(0, rows, (x + noise).argmax(dim=-1))
 

@@ -1,0 +1,792 @@
+"""Offline (batch) generation throughput: dsinfer vs vLLM's CPU build vs transformers' generate.
+
+Every engine reads the same checkpoint files (benchmarks/make_bench_checkpoint.py) and runs the same
+seeded workload: N prompts of random token ids, greedy, a fixed number of output tokens with
+ignore_eos. Each (engine, dtype, variant) runs in its own subprocess pinned with `taskset` to the
+same cores, vLLM from its own virtualenv, the others from dsinfer's. A subprocess loads the model,
+runs one warm-up pass over the whole workload, one prefill-only pass (max_tokens=1) and one timed pass.
+
+Reported per run:
+  * input tok/s and output tok/s of the timed pass (prompt tokens / wall, generated tokens / wall);
+  * TTFT and TPOT percentiles (p50/p90/p99) over the requests. How they are measured depends on the
+    engine and is written into every result as `timing_method`:
+      - vllm: per request from `RequestOutput.metrics` (disable_log_stats=False): TTFT =
+        first_token_latency (arrival to first token), TPOT = (last_token_ts - first_token_ts) /
+        (generated - 1);
+      - transformers: a streamer timestamps every decoding step of the batched generate(); every
+        request shares the batch's timings (TTFT = start to first step, TPOT = mean step after it);
+      - dsinfer: per request from the result's `metrics` if it has vLLM-like fields, otherwise the
+        batch approximation TTFT = wall of the prefill-only pass, TPOT = (timed wall - that) / (out - 1);
+  * `prefill_pass_s`: the wall time of the max_tokens=1 pass, for every engine (a uniform TTFT proxy);
+  * peak RSS of the engine's whole process tree (vLLM runs three processes), sampled from /proc by
+    the driver, and the worker's own ru_maxrss;
+  * greedy tokens of the first `--compare-prompts` prompts, compared with transformers in float32
+    (fraction of prompts with identical tokens; never fails the benchmark).
+
+Example (the committed results):
+
+    /work/venv/bin/python benchmarks/offline_throughput.py --engines vllm,transformers \\
+        --dtypes bfloat16,float32 --num-prompts 64 --input-len 32 --output-len 128 \\
+        --out benchmarks/results/offline_batch64_peers.json \\
+        --markdown benchmarks/results/offline_batch64_peers.md
+
+The driver uses only the standard library; `--worker SPEC` is the subprocess entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve()
+PROGRESS = "@@progress "
+ENGINES = ("vllm", "transformers", "dsinfer")
+DTYPES = ("bfloat16", "float32")
+VLLM_MODES = ("compile", "eager")
+# peers.md: vLLM's custom CPU rotary-embedding op is wrong for 3-D queries; always switch it off.
+VLLM_CUSTOM_OPS = ["all", "-rotary_embedding"]
+PERCENTILES = (50, 90, 99)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers (driver and workers)
+# --------------------------------------------------------------------------------------------
+
+
+def progress(msg: str) -> None:
+    """One progress line; the driver relays lines with this prefix."""
+    print(f"{PROGRESS}{msg}", flush=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {f"p{q}": percentile(values, q) for q in PERCENTILES}
+    out["mean"] = sum(values) / len(values) if values else None
+    return out
+
+
+def make_workload(
+    num_prompts: int, input_len: int, input_len_jitter: float, vocab_size: int, seed: int
+) -> list[list[int]]:
+    """N prompts of random token ids in [2, vocab) (0/1 are bos/eos). Lengths are `input_len`, or
+    uniform in input_len * [1 - jitter, 1 + jitter] when jitter > 0."""
+    rng = random.Random(seed)
+    lo = max(1, round(input_len * (1 - input_len_jitter)))
+    hi = max(lo, round(input_len * (1 + input_len_jitter)))
+    prompts = []
+    for _ in range(num_prompts):
+        n = rng.randint(lo, hi) if input_len_jitter > 0 else input_len
+        prompts.append([rng.randrange(2, vocab_size) for _ in range(n)])
+    return prompts
+
+
+@dataclass
+class RunSpec:
+    """What one worker subprocess runs (written as JSON for it)."""
+
+    engine: str
+    dtype: str
+    variant: str
+    model: str
+    workload: str  # path of a JSON list of token-id lists
+    output_len: int
+    warmup_output_len: int
+    compare_prompts: int
+    result: str  # where the worker writes its result JSON
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine}/{self.dtype}/{self.variant}"
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (run inside the pinned subprocess; import their engine lazily)
+# --------------------------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """The engine cannot run here (not installed / API missing); reported, not an error."""
+
+
+def _num_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _rusage() -> dict[str, int]:
+    return {
+        "ru_maxrss_self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "ru_maxrss_children_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024,
+    }
+
+
+def _pass_record(
+    wall: float, prompts: list[list[int]], outputs: list[list[int]], ttft: list[float], tpot: list[float]
+) -> dict[str, Any]:
+    n_in = sum(len(p) for p in prompts)
+    n_out = sum(len(o) for o in outputs)
+    return {
+        "wall_s": wall,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "input_tok_s": n_in / wall,
+        "output_tok_s": n_out / wall,
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot),
+    }
+
+
+def run_vllm(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
+    try:
+        import torch
+        import vllm
+        from vllm import LLM, SamplingParams
+    except ImportError as e:
+        raise Skip(f"vllm not importable: {e}") from e
+
+    max_len = max(len(p) for p in prompts) + max(spec.output_len, spec.warmup_output_len) + 16
+    kwargs: dict[str, Any] = {
+        "model": spec.model,
+        "dtype": spec.dtype,
+        "seed": 0,
+        "max_model_len": max(max_len, 256),
+        "max_num_seqs": max(len(prompts), 1),
+        "disable_log_stats": False,  # fills RequestOutput.metrics
+        "enforce_eager": spec.variant == "eager",
+        "compilation_config": {"custom_ops": VLLM_CUSTOM_OPS},
+    }
+    if spec.dtype == "float32":
+        kwargs["attention_backend"] = "CPU_MLA"  # the default CPU MLA backend takes bf16 only
+    progress(f"loading vllm {vllm.__version__} ({'enforce_eager' if spec.variant == 'eager' else 'compile'})")
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t0
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+
+    def params(n: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+
+    def generate(n: int) -> tuple[float, list[Any]]:
+        t = time.perf_counter()
+        outs = llm.generate(inputs, params(n), use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    progress(f"loaded in {load_s:.1f}s; warm-up pass ({spec.warmup_output_len} tokens)")
+    warmup_s, _ = generate(spec.warmup_output_len)
+    progress(f"warm-up {warmup_s:.2f}s; prefill-only pass")
+    prefill_s, _ = generate(1)
+    progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
+    wall, outs = generate(spec.output_len)
+
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    ttft, tpot = [], []
+    for o in outs:
+        m = o.metrics
+        if m is None:
+            continue
+        ttft.append(float(m.first_token_latency))
+        if m.num_generation_tokens > 1:
+            tpot.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+    method = (
+        "per request from RequestOutput.metrics: TTFT = first_token_latency (arrival -> first token), "
+        "TPOT = (last_token_ts - first_token_ts) / (generated - 1)"
+    )
+    return {
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+        "engine_options": {k: v for k, v in kwargs.items() if k != "model"},
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "prefill_pass_s": prefill_s,
+        "timed": _pass_record(wall, prompts, tokens, ttft, tpot),
+        "timing_method": method,
+        "tokens": tokens,
+    }
+
+
+def run_transformers(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(_num_cores())
+    dtype = getattr(torch, spec.dtype)
+    progress(f"loading transformers {transformers.__version__} ({torch.get_num_threads()} threads)")
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=dtype).eval()
+    load_s = time.perf_counter() - t0
+
+    pad_id = 0
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+
+    class StepClock(BaseStreamer):
+        """Timestamps every put(): the first is the prompt, then one per generated step."""
+
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.stamps.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def generate(n: int) -> tuple[float, list[list[int]], StepClock]:
+        # eos_token_id=None: never stop early and never mask eos (= vLLM's ignore_eos).
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=pad_id
+        )
+        clock = StepClock()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, generation_config=config, streamer=clock)
+        wall = time.perf_counter() - t
+        clock.stamps.insert(0, t)
+        return wall, out[:, width:].tolist(), clock
+
+    progress(f"loaded in {load_s:.1f}s; warm-up pass ({spec.warmup_output_len} tokens)")
+    warmup_s, _, _ = generate(spec.warmup_output_len)
+    progress(f"warm-up {warmup_s:.2f}s; prefill-only pass")
+    prefill_s, _, _ = generate(1)
+    progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
+    wall, tokens, clock = generate(spec.output_len)
+
+    # stamps: [start, prompt put, step 1, step 2, ...]
+    steps = clock.stamps[2:]
+    ttft_one = steps[0] - clock.stamps[0] if steps else wall
+    tpot_one = (steps[-1] - steps[0]) / (len(steps) - 1) if len(steps) > 1 else 0.0
+    method = (
+        "batched generate(): a streamer timestamps each step; all requests share TTFT = start -> first "
+        "generated step, TPOT = mean time per step after it"
+    )
+    return {
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
+        "engine_options": {"threads": torch.get_num_threads(), "batch": len(prompts), "padding": "left"},
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "prefill_pass_s": prefill_s,
+        "timed": _pass_record(wall, prompts, tokens, [ttft_one] * len(prompts), [tpot_one] * len(prompts)),
+        "timing_method": method,
+        "tokens": tokens,
+    }
+
+
+def run_dsinfer(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
+    try:
+        import dsinfer
+        from dsinfer import LLM, SamplingParams  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise Skip(f"dsinfer.LLM not available yet ({e})") from e
+    import torch
+
+    torch.set_num_threads(_num_cores())
+    progress(f"loading dsinfer ({torch.get_num_threads()} threads)")
+    t0 = time.perf_counter()
+    llm = LLM(model=spec.model, dtype=spec.dtype)
+    load_s = time.perf_counter() - t0
+
+    def generate(n: int) -> tuple[float, list[Any]]:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        return time.perf_counter() - t, list(outs)
+
+    progress(f"loaded in {load_s:.1f}s; warm-up pass ({spec.warmup_output_len} tokens)")
+    warmup_s, _ = generate(spec.warmup_output_len)
+    progress(f"warm-up {warmup_s:.2f}s; prefill-only pass")
+    prefill_s, _ = generate(1)
+    progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
+    wall, outs = generate(spec.output_len)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+
+    ttft, tpot = _dsinfer_request_timings(outs)
+    if ttft:
+        method = "per request from the result's metrics (first_token_latency / first and last token times)"
+    else:
+        method = (
+            "batch approximation: TTFT = wall of the prefill-only (max_tokens=1) pass, "
+            "TPOT = (timed wall - that) / (output_len - 1), the same for every request"
+        )
+        ttft = [prefill_s] * len(prompts)
+        tpot = [(wall - prefill_s) / max(spec.output_len - 1, 1)] * len(prompts)
+    return {
+        "versions": {"dsinfer": getattr(dsinfer, "__version__", "?"), "torch": torch.__version__},
+        "engine_options": {"threads": torch.get_num_threads()},
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "prefill_pass_s": prefill_s,
+        "timed": _pass_record(wall, prompts, tokens, ttft, tpot),
+        "timing_method": method,
+        "tokens": tokens,
+    }
+
+
+def _dsinfer_request_timings(outs: list[Any]) -> tuple[list[float], list[float]]:
+    """Per-request TTFT/TPOT if dsinfer's results carry vLLM-like metrics, else empty lists."""
+    ttft: list[float] = []
+    tpot: list[float] = []
+    for o in outs:
+        m = getattr(o, "metrics", None)
+        first = getattr(m, "first_token_latency", None)
+        if m is None or first is None:
+            return [], []
+        ttft.append(float(first))
+        t_first, t_last = getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)
+        n = len(o.outputs[0].token_ids)
+        if t_first is not None and t_last is not None and n > 1:
+            tpot.append((t_last - t_first) / (n - 1))
+    return ttft, tpot
+
+
+WORKERS: dict[str, Callable[[RunSpec, list[list[int]]], dict[str, Any]]] = {
+    "vllm": run_vllm,
+    "transformers": run_transformers,
+    "dsinfer": run_dsinfer,
+}
+
+
+def worker_main(spec_path: str) -> int:
+    spec = RunSpec(**json.loads(Path(spec_path).read_text()))
+    prompts = json.loads(Path(spec.workload).read_text())
+    result: dict[str, Any] = {"status": "ok", "cores": sorted(os.sched_getaffinity(0))}
+    try:
+        result.update(WORKERS[spec.engine](spec, prompts))
+    except Skip as e:
+        result = {"status": "skipped", "reason": str(e)}
+        progress(f"skipped: {e}")
+    result.update(_rusage())
+    Path(spec.result).write_text(json.dumps(result))
+    progress("done")
+    # vLLM's shutdown can hang on a background thread; the result is written, so leave now.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+
+def _process_tree_rss_mib(root: int) -> float:
+    """Sum of VmRSS over `root` and all its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    total_kib, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kib += int(line.split()[1])
+                    break
+        except OSError:
+            continue
+    return total_kib / 1024
+
+
+class RssSampler(threading.Thread):
+    """Samples the process tree's RSS every `interval` seconds; keeps the peak."""
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval, self.peak_mib = pid, interval, 0.0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.peak_mib = max(self.peak_mib, _process_tree_rss_mib(self.pid))
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def worker_env(engine: str, scratch: Path, cores: str, kv_space_gb: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "TMPDIR": str(scratch / "tmp"),
+            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor-cache"),
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gb),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    n = len(parse_cpu_list(cores))
+    if engine == "vllm":
+        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads
+    else:
+        env["OMP_NUM_THREADS"] = str(n)
+    return env
+
+
+def parse_cpu_list(cores: str) -> list[int]:
+    out: list[int] = []
+    for part in cores.split(","):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    return out
+
+
+def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Launch one pinned worker, relay its progress lines, sample its RSS, return its result."""
+    spec_path = log_dir / f"{spec.name.replace('/', '_')}.spec.json"
+    log_path = log_dir / f"{spec.name.replace('/', '_')}.log"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    Path(spec.result).unlink(missing_ok=True)
+    cmd = ["taskset", "-c", args.cores, python, str(SCRIPT), "--worker", str(spec_path)]
+    env = worker_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb)
+    print(f"[{spec.name}] start: {shlex.join(cmd)} (log {log_path})", flush=True)
+    t0 = time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        sampler = RssSampler(proc.pid)
+        sampler.start()
+        timer = threading.Timer(args.timeout, proc.kill)
+        timer.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if line.startswith(PROGRESS):
+                elapsed = time.perf_counter() - t0
+                print(f"[{spec.name}] {elapsed:7.1f}s {line[len(PROGRESS) :].rstrip()}", flush=True)
+        rc = proc.wait()
+        timer.cancel()
+        sampler.stop()
+    result_file = Path(spec.result)
+    if result_file.exists():
+        result = json.loads(result_file.read_text())
+    else:
+        reason = f"worker exited with {rc} and no result (see {log_path})"
+        result = {"status": "failed", "reason": reason}
+        print(f"[{spec.name}] FAILED: {reason}", flush=True)
+    result.update(
+        {
+            "engine": spec.engine,
+            "dtype": spec.dtype,
+            "variant": spec.variant,
+            "peak_rss_tree_mib": sampler.peak_mib,
+            "subprocess_wall_s": time.perf_counter() - t0,
+            "log": str(log_path),
+        }
+    )
+    if result["status"] == "ok":
+        t = result["timed"]
+        print(
+            f"[{spec.name}] result: {t['output_tok_s']:.0f} output tok/s, {t['input_tok_s']:.0f} input tok/s, "
+            f"peak RSS {sampler.peak_mib:.0f} MiB",
+            flush=True,
+        )
+    return result
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    model_name, flags = "?", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and model_name == "?":
+            model_name = value.strip()
+        elif key.strip() == "flags" and not flags:
+            flags = set(value.split())
+    isa = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
+    try:
+        mem_kib = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kib = 0
+    return {
+        "cpu_model": model_name,
+        "cpu_isa": isa,
+        "online_cpus": os.cpu_count(),
+        "cores_used": parse_cpu_list(args.cores),
+        "mem_total_gib": round(mem_kib / 2**20, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def git_state() -> dict[str, Any]:
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+        return r.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "dsinfer"))}
+
+
+def compare_tokens(results: list[dict[str, Any]], k: int) -> None:
+    """Adds `match_vs_transformers_f32` (fraction of the first k prompts with identical greedy
+    tokens) and `mean_common_prefix` to every ok result, when transformers/float32 ran."""
+    ref = next(
+        (
+            r
+            for r in results
+            if r["status"] == "ok" and r["engine"] == "transformers" and r["dtype"] == "float32"
+        ),
+        None,
+    )
+    for r in results:
+        if r["status"] != "ok" or ref is None:
+            continue
+        pairs = list(zip(r["tokens"][:k], ref["tokens"][:k], strict=False))
+        same = sum(a == b for a, b in pairs)
+        prefix = []
+        for a, b in pairs:
+            n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            prefix.append(n / max(len(b), 1))
+        r["match_vs_transformers_f32"] = {
+            "prompts_compared": len(pairs),
+            "identical_fraction": same / len(pairs) if pairs else None,
+            "mean_common_prefix_fraction": sum(prefix) / len(prefix) if prefix else None,
+        }
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _pcts(d: dict[str, float | None]) -> str:
+    return " / ".join(_ms(d.get(f"p{q}")) for q in PERCENTILES)
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    w, m = report["workload"], report["machine"]
+    lines = [
+        f"# Offline throughput: {w['num_prompts']} prompts x {w['input_len']} tokens in, "
+        f"{w['output_len']} out (greedy, ignore_eos)",
+        "",
+        f"- Machine: {m['cpu_model']}, cores used {m['cores_used']} of {m['online_cpus']} "
+        f"(taskset), {m['mem_total_gib']} GiB; ISA: {', '.join(m['cpu_isa']) or '-'}",
+        f"- Checkpoint: `{report['model']}` (tiny DeepSeek-V3, float32 files; each engine casts to the dtype)",
+        f"- Workload seed {w['seed']}, input-length jitter {w['input_len_jitter']}; "
+        f"warm-up pass of {w['warmup_output_len']} tokens before the timed pass",
+        f"- Date: {report['date']}; dsinfer commit {report['dsinfer_git']['commit'][:12]}"
+        f"{' (dsinfer/ modified)' if report['dsinfer_git']['dirty'] else ''}",
+        f"- Command: `{report['command']}`",
+        "",
+        "| engine | dtype | variant | output tok/s | input tok/s | timed wall s | prefill pass s "
+        "| TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | peak RSS MiB | same tokens as HF f32 |",
+        "|---|---|---|---:|---:|---:|---:|---|---|---:|---|",
+    ]
+    for r in report["results"]:
+        name = f"| {r['engine']} | {r['dtype']} | {r['variant']} "
+        if r["status"] != "ok":
+            lines.append(name + f"| {r['status']}: {r.get('reason', '')} | | | | | | | |")
+            continue
+        t = r["timed"]
+        match = r.get("match_vs_transformers_f32")
+        match_s = (
+            f"{match['identical_fraction']:.0%} ({match['prompts_compared']} prompts)"
+            if match and match["identical_fraction"] is not None
+            else "-"
+        )
+        lines.append(
+            name + f"| {t['output_tok_s']:,.0f} | {t['input_tok_s']:,.0f} | {t['wall_s']:.2f} "
+            f"| {r['prefill_pass_s']:.3f} | {_pcts(t['ttft_s'])} | {_pcts(t['tpot_s'])} "
+            f"| {r['peak_rss_tree_mib']:,.0f} | {match_s} |"
+        )
+    best = report.get("best")
+    if best:
+        lines += ["", "Best configuration per engine and dtype (output tok/s):", ""]
+        lines += ["| engine | dtype | best variant | output tok/s |", "|---|---|---|---:|"]
+        lines += [
+            f"| {b['engine']} | {b['dtype']} | {b['variant']} | {b['output_tok_s']:,.0f} |" for b in best
+        ]
+    lines += ["", "How the timings are measured:", ""]
+    seen = set()
+    for r in report["results"]:
+        if r["status"] == "ok" and r["engine"] not in seen:
+            seen.add(r["engine"])
+            lines.append(f"- {r['engine']}: {r['timing_method']}")
+    lines.append(
+        "- peak RSS: the engine subprocess and all its descendants, VmRSS summed, sampled every 0.25 s"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def best_per_dtype(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        key = (r["engine"], r["dtype"])
+        if key not in best or r["timed"]["output_tok_s"] > best[key]["timed"]["output_tok_s"]:
+            best[key] = r
+    return [
+        {"engine": e, "dtype": d, "variant": r["variant"], "output_tok_s": r["timed"]["output_tok_s"]}
+        for (e, d), r in best.items()
+    ]
+
+
+def plan(args: argparse.Namespace, workload: Path, result_dir: Path) -> list[tuple[RunSpec, str]]:
+    engines = [e for e in args.engines.split(",") if e]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for e in engines:
+        if e not in ENGINES:
+            raise SystemExit(f"unknown engine {e!r} (choose from {', '.join(ENGINES)})")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise SystemExit(f"unknown dtype {d!r} (choose from {', '.join(DTYPES)})")
+    vllm_modes = [m for m in args.vllm_modes.split(",") if m]
+    # transformers first: it is the reference the others are compared with.
+    order = sorted(engines, key=lambda e: {"transformers": 0, "vllm": 1, "dsinfer": 2}[e])
+    runs: list[tuple[RunSpec, str]] = []
+    for engine in order:
+        variants = vllm_modes if engine == "vllm" else ["generate" if engine == "transformers" else "default"]
+        python = args.vllm_python if engine == "vllm" else args.python
+        for dtype in dtypes:
+            for variant in variants:
+                spec = RunSpec(
+                    engine=engine,
+                    dtype=dtype,
+                    variant=variant,
+                    model=str(args.model),
+                    workload=str(workload),
+                    output_len=args.output_len,
+                    warmup_output_len=args.warmup_output_len or args.output_len,
+                    compare_prompts=args.compare_prompts,
+                    result=str(result_dir / f"{engine}_{dtype}_{variant}.result.json"),
+                )
+                runs.append((spec, python))
+    return runs
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--engines", default="vllm,transformers,dsinfer")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument(
+        "--vllm-modes", default="compile,eager", help="vLLM variants: compile (torch.compile), eager"
+    )
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--input-len-jitter", type=float, default=0.0, help="lengths uniform in len*(1 +- jitter)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warmup-output-len", type=int, default=0, help="default: --output-len")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-prompts", type=int, default=8, help="prompts whose tokens are compared")
+    p.add_argument("--model", type=Path, default=Path("/work/bench-scratch/ckpt/tiny-f32"))
+    p.add_argument("--scratch", type=Path, default=Path("/work/bench-scratch"))
+    p.add_argument("--cores", default="0,1", help="taskset -c list for every engine")
+    p.add_argument("--kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--python", default="/work/venv/bin/python", help="python for transformers and dsinfer")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per engine subprocess")
+    p.add_argument("--out", type=Path, help="results JSON")
+    p.add_argument("--markdown", type=Path, help="markdown table (also printed)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+
+    command = shlex.join([Path(sys.executable).as_posix(), *sys.argv])
+    scratch: Path = args.scratch
+    for sub in ("tmp", "vllm-cache", "inductor-cache"):
+        (scratch / sub).mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = scratch / "runs" / stamp
+    run_dir.mkdir(parents=True)
+
+    if not (args.model / "config.json").exists():
+        print(f"building the benchmark checkpoint at {args.model}", flush=True)
+        make = REPO_ROOT / "benchmarks" / "make_bench_checkpoint.py"
+        subprocess.run([args.python, str(make), "--out", str(args.model)], check=True)
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    prompts = make_workload(args.num_prompts, args.input_len, args.input_len_jitter, vocab, args.seed)
+    workload = run_dir / "workload.json"
+    workload.write_text(json.dumps(prompts))
+    print(
+        f"workload: {len(prompts)} prompts, {sum(map(len, prompts))} input tokens, {args.output_len} out each; "
+        f"run dir {run_dir}",
+        flush=True,
+    )
+
+    results = [run_one(spec, python, args, run_dir) for spec, python in plan(args, workload, run_dir)]
+    compare_tokens(results, args.compare_prompts)
+    for r in results:  # keep the compared prompts' tokens only
+        if "tokens" in r:
+            r["tokens"] = r["tokens"][: args.compare_prompts]
+
+    report = {
+        "benchmark": "offline_throughput",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": command,
+        "machine": machine_info(args),
+        "dsinfer_git": git_state(),
+        "model": str(args.model),
+        "workload": {
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "input_len_jitter": args.input_len_jitter,
+            "output_len": args.output_len,
+            "warmup_output_len": args.warmup_output_len or args.output_len,
+            "seed": args.seed,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "env": {
+            "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gb,
+            "TMPDIR/VLLM_CACHE_ROOT/TORCHINDUCTOR_CACHE_DIR": str(scratch),
+        },
+        "results": results,
+        "best": best_per_dtype(results),
+    }
+    md = markdown_report(report)
+    print(md, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.out}", flush=True)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(md)
+        print(f"wrote {args.markdown}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

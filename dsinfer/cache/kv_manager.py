@@ -1,0 +1,328 @@
+"""Page lifecycle over the latent KV pool: reference counts, the hash-chained prefix cache with
+LRU eviction, and write-through to an optional on-disk tier.
+
+Every page is in exactly one state:
+
+- free: on the pool allocator's free list;
+- referenced: used by one or more sequences (``refcount > 0``), cached (registered under its
+  prefix key, read-only) or not (still being written by its only owner);
+- evictable: cached with no reference; kept in an LRU and reused for new allocations only when
+  the free list runs short.
+
+``num_available_pages() == free + evictable``; once every sequence has released its pages it is
+the pool size again. The manager holds one allocator reference for every page it owns (referenced
+or evictable) and keeps sequence reference counts itself.
+
+Disk writes run on one background thread fed by a bounded queue: ``commit`` snapshots each newly
+cached page to host memory (one copy) and enqueues it; when the queue is full the write is dropped
+(counted), never waited for. Reads from disk happen in ``match_prefix``, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dsinfer.base.hashing import page_hashes
+from dsinfer.cache.disk_tier import DiskKVTier
+from dsinfer.cache.latent_pool import LatentKVPool, OutOfPagesError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheStats:
+    memory_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    queried_tokens: int = 0  # prompt tokens passed to match_prefix (the hit-rate denominator)
+    disk_pages_written: int = 0
+    disk_pages_read: int = 0
+    disk_files_rejected: int = 0
+    disk_writes_dropped: int = 0  # write queue full or I/O error
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class PrefixMatch:
+    pages: list[int]  # referenced for the caller: release them like allocated pages
+    num_tokens: int  # len(pages) * page_size
+    memory_pages: int
+    disk_pages: int
+
+
+class _DiskWriter:
+    """One background thread writing page snapshots to the disk tier.
+
+    Shared with the caller's thread: the queue, and a pending count under a condition for flush.
+    """
+
+    def __init__(self, disk: DiskKVTier, max_pending: int) -> None:
+        self.disk = disk
+        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_pending)
+        self._idle = threading.Condition()
+        self._pending = 0
+        self.failed = 0  # written by the writer thread only
+        self._thread = threading.Thread(target=self._run, name="dsinfer-kv-disk-writer", daemon=True)
+        self._thread.start()
+        self.stopped = False
+
+    def has_room(self) -> bool:
+        return not self.stopped and not self._queue.full()
+
+    def submit(self, key: bytes, data: torch.Tensor) -> bool:
+        with self._idle:
+            self._pending += 1
+        try:
+            self._queue.put_nowait((key, data))
+        except queue.Full:
+            self._done()
+            return False
+        return True
+
+    def flush(self, timeout: float) -> None:
+        with self._idle:
+            if not self._idle.wait_for(lambda: self._pending == 0, timeout):
+                raise TimeoutError(f"{self._pending} KV page writes still pending after {timeout} s")
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._queue.put(None)
+            self._thread.join()
+
+    def _done(self) -> None:
+        with self._idle:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, data = item
+            try:
+                if not self.disk.contains(key) and not self.disk.write(key, data):
+                    self.failed += 1
+            except Exception:  # keep the thread alive: one bad write must not stop the tier
+                logger.exception("disk KV tier: write failed")
+                self.failed += 1
+            finally:
+                self._done()
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        pool: LatentKVPool,
+        *,
+        root: bytes,
+        enable_prefix_cache: bool = True,
+        disk: DiskKVTier | None = None,
+        max_pending_writes: int = 64,
+    ) -> None:
+        if disk is not None:
+            if disk.page_shape != pool.page_shape or disk.dtype != pool.dtype:
+                raise ValueError(
+                    f"disk tier pages {disk.page_shape} {disk.dtype} do not match the pool's "
+                    f"{pool.page_shape} {pool.dtype}"
+                )
+            if disk.root != root:
+                raise ValueError("the disk tier was opened for another model root")
+        self._pool = pool
+        self._alloc = pool.allocator
+        self.root = root
+        self.enable_prefix_cache = enable_prefix_cache
+        self.disk = disk if enable_prefix_cache else None
+        self._refs: dict[int, int] = {}  # page -> sequence references (> 0), for referenced pages
+        self._cached: dict[bytes, int] = {}  # prefix key -> the page registered under it
+        self._key_of: dict[int, bytes] = {}  # page -> its key, for every owned page whose key is known
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._stats = CacheStats()
+        self._writer = _DiskWriter(self.disk, max_pending_writes) if self.disk is not None else None
+
+    # Sizes -----------------------------------------------------------------------------------
+    @property
+    def pool(self) -> LatentKVPool:
+        return self._pool
+
+    @property
+    def page_size(self) -> int:
+        return self._pool.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._pool.num_pages
+
+    def num_available_pages(self) -> int:
+        return self._alloc.num_free + len(self._evictable)
+
+    def num_cached_pages(self) -> int:
+        return len(self._cached)
+
+    def ref_count(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
+    def is_cached(self, page: int) -> bool:
+        key = self._key_of.get(page)
+        return key is not None and self._cached.get(key) == page
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters (disk ones include the writer thread's progress)."""
+        s = CacheStats(**self._stats.as_dict())
+        if self.disk is not None and self._writer is not None:  # both or neither
+            disk = self.disk.stats()
+            s.disk_pages_written = disk.pages_written
+            s.disk_files_rejected = disk.files_rejected
+            s.disk_writes_dropped += self._writer.failed
+        return s
+
+    # Allocation ------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` pages with one reference each; evicts cached unreferenced pages (LRU first) when
+        the free list is short. Raises OutOfPagesError, changing nothing, when it cannot."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        free, evictable = self._alloc.num_free, len(self._evictable)
+        if n > free + evictable:
+            raise OutOfPagesError(
+                f"{n} pages requested, {free + evictable} available ({free} free + {evictable} "
+                f"evictable cached) of {self.num_pages}; {len(self._refs)} referenced"
+            )
+        pages = self._alloc.allocate(min(n, free))
+        pages += [self._evict_one() for _ in range(n - len(pages))]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference from each page. At zero a cached page becomes evictable (most
+        recently used); within one call later pages are queued to go before earlier ones, so a
+        sequence's tail is evicted before the prefix it hangs from. An uncached page is freed."""
+        for p, n in Counter(pages).items():
+            if self._refs.get(p, 0) < n:
+                raise ValueError(
+                    f"page {p} released {n} time(s) but holds {self._refs.get(p, 0)} reference(s)"
+                )
+        for p in reversed(pages):
+            count = self._refs[p] - 1
+            if count > 0:
+                self._refs[p] = count
+                continue
+            del self._refs[p]
+            if self.is_cached(p):
+                self._evictable[p] = None
+            else:
+                self._key_of.pop(p, None)
+                self._alloc.free([p])
+
+    def _evict_one(self) -> int:
+        page, _ = self._evictable.popitem(last=False)
+        del self._cached[self._key_of.pop(page)]
+        return page
+
+    def _take_page(self) -> int | None:
+        """One page with one reference, or None when none is free or evictable."""
+        return self.allocate(1)[0] if self.num_available_pages() > 0 else None
+
+    def _reference(self, page: int) -> None:
+        self._evictable.pop(page, None)
+        self._refs[page] = self._refs.get(page, 0) + 1
+
+    # Prefix cache ----------------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+        """Reference the longest cached run of full pages at the start of ``token_ids``, from
+        memory then disk, stopping at the first miss. The last token is never covered."""
+        self._stats.queried_tokens += len(token_ids)
+        pages: list[int] = []
+        memory = disk_pages = 0
+        if not self.enable_prefix_cache or len(token_ids) <= self.page_size:
+            return PrefixMatch(pages, 0, 0, 0)
+        for key in page_hashes(token_ids[:-1], self.page_size, self.root):
+            page = self._cached.get(key)
+            if page is not None:
+                self._reference(page)
+                memory += 1
+            else:
+                page = self._load_from_disk(key)
+                if page is None:
+                    break
+                disk_pages += 1
+            pages.append(page)
+        self._stats.memory_hit_tokens += memory * self.page_size
+        self._stats.disk_hit_tokens += disk_pages * self.page_size
+        self._stats.disk_pages_read += disk_pages
+        return PrefixMatch(pages, len(pages) * self.page_size, memory, disk_pages)
+
+    def _load_from_disk(self, key: bytes) -> int | None:
+        if self.disk is None or not self.disk.contains(key):
+            return None
+        page = self._take_page()
+        if page is None:
+            return None
+        data = self.disk.read(key)
+        if data is None:  # bad file: the tier counted and deleted it
+            self.release([page])
+            return None
+        self._pool.write_page(page, data)
+        self._cached[key] = page
+        self._key_of[page] = key
+        return page
+
+    def commit(self, token_ids: list[int], pages: list[int], num_computed_tokens: int) -> None:
+        """Cache every full page whose tokens are all computed (idempotent). A page whose key
+        another page already holds stays uncached. New cached pages are written to disk behind."""
+        if not self.enable_prefix_cache:
+            return
+        ps = self.page_size
+        num_full = min(num_computed_tokens, len(token_ids)) // ps
+        if num_full > len(pages):
+            raise ValueError(f"{num_full} full pages computed but the sequence holds {len(pages)} pages")
+        for page in pages[:num_full]:
+            if self._refs.get(page, 0) <= 0:
+                raise ValueError(f"page {page} committed but not referenced")
+        # hashes are chained: resume after the last leading page whose key is already known
+        known = 0
+        while known < num_full and pages[known] in self._key_of:
+            known += 1
+        prev = self._key_of[pages[known - 1]] if known else self.root
+        new_keys = page_hashes(token_ids[known * ps : num_full * ps], ps, prev)
+        for i in range(num_full):
+            page = pages[i]
+            key = self._key_of.get(page) if i < known else new_keys[i - known]
+            assert key is not None
+            self._key_of[page] = key
+            if key in self._cached:  # this page (idempotent) or a duplicate
+                continue
+            self._cached[key] = page
+            self._write_behind(key, page)
+
+    def _write_behind(self, key: bytes, page: int) -> None:
+        if self._writer is None or self.disk is None or self.disk.is_indexed(key):
+            return
+        # snapshot here (one copy), write on the writer thread; never wait for the disk
+        if not self._writer.has_room() or not self._writer.submit(key, self._pool.read_page(page)):
+            self._stats.disk_writes_dropped += 1
+
+    # Shutdown --------------------------------------------------------------------------------
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every queued disk write is done; TimeoutError after ``timeout`` seconds."""
+        if self._writer is not None:
+            self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Flush and stop the writer thread (idempotent). The cache keeps serving from memory and
+        disk; pages committed afterwards are no longer written to disk."""
+        if self._writer is None or self._writer.stopped:
+            return
+        try:
+            self.flush()
+        except TimeoutError as e:
+            logger.warning("closing the KV cache manager: %s", e)
+        self._writer.stop()

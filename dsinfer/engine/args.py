@@ -1,0 +1,78 @@
+"""Engine arguments, shared by the offline API and (later) the servers' command lines."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from dsinfer.model.loader import LOAD_FORMATS
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "KI": 2**10,
+    "MI": 2**20,
+    "GI": 2**30,
+    "TI": 2**40,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as '2GiB', '512MB', '1e9' is not accepted."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a size (examples: 2GiB, 512MB, 1073741824)")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
+    load_format: str = "auto"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"
+    seed: int = 0  # seeds dummy weights and the per-request seeds of unseeded requests
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    kv_cache_memory: int | None = None  # bytes for the latent cache; None = a fraction of free memory
+    kv_cache_memory_fraction: float | None = None  # default 0.9 on a GPU, 0.1 on CPU
+    enable_prefix_caching: bool = True
+    kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
+    kv_disk_cache_size: int = 8 * 2**30
+    speculative_mtp: bool = False
+
+    @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
+    @classmethod
+    def _size(cls, value: int | str | None) -> int | None:
+        return None if value is None else parse_size(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineArgs:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        return self

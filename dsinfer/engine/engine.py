@@ -1,0 +1,192 @@
+"""LLMEngine: requests in, finished completions out, one scheduled forward per step."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from dsinfer.base.config import PAGE_SIZE
+from dsinfer.base.hashing import model_root
+from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.base.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsinfer.cache.disk_tier import DiskKVTier
+from dsinfer.cache.kv_manager import KVCacheManager
+from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.model_runner import ModelRunner
+from dsinfer.engine.outputs import RequestOutput, build_output
+from dsinfer.engine.scheduler import Scheduler
+from dsinfer.engine.sequence import Sequence
+from dsinfer.model.loader import load_model
+from dsinfer.ops import select_ops
+
+log = logging.getLogger("dsinfer.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read free memory (no /proc/meminfo); pass kv_cache_memory")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        self.ops = select_ops(device)
+        loaded = load_model(
+            args.model,
+            self.ops,
+            device=device,
+            dtype=dtype,
+            load_format=args.load_format,
+            num_mtp_layers=1 if args.speculative_mtp else 0,
+            seed=args.seed,
+        )
+        self.config, self.model = loaded.config, loaded.model
+        self.tokenizer = Tokenizer.from_dir(loaded.path)
+        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        if self.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        pool = self._make_pool(device, dtype)
+        root = _model_identity(loaded.path, loaded.load_format, args.seed, dtype)
+        disk = None
+        if args.kv_disk_cache_dir is not None:
+            disk = DiskKVTier(
+                Path(args.kv_disk_cache_dir),
+                capacity_bytes=args.kv_disk_cache_size,
+                root=root,
+                page_shape=(len(pool.caches), pool.page_size, pool.dim),
+                dtype=dtype,
+            )
+        self.kv = KVCacheManager(pool, root=root, enable_prefix_cache=args.enable_prefix_caching, disk=disk)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(self.model, pool, self.ops)
+        self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self._seeds = random.Random(args.seed)
+        self._requests: dict[str, tuple[list[int], list[Sequence], str | None]] = {}
+
+    def _make_pool(self, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
+        layers = self.model.num_cache_layers
+        page_bytes = layers * PAGE_SIZE * self.config.kv_cache_dim * dtype.itemsize
+        budget = self.args.kv_cache_memory
+        if budget is None:
+            fraction = self.args.kv_cache_memory_fraction or (0.9 if device.type == "cuda" else 0.1)
+            budget = int(free_memory(device) * fraction)
+        num_pages = budget // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
+        log.info(
+            "latent KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %d values, %s)",
+            num_pages,
+            PAGE_SIZE,
+            num_pages * page_bytes / 2**20,
+            layers,
+            self.config.kv_cache_dim,
+            str(dtype).removeprefix("torch."),
+        )
+        return LatentKVPool.for_model(self.config, layers, num_pages, dtype, device)
+
+    # Requests ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        """Validates and queues; raises ValueError naming the problem (nothing is queued then)."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len == 0:
+            raise ValueError("prompt is empty")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len}")
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
+        self.scheduler.check_fits(prompt_len, max_tokens)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        seqs = [
+            Sequence(
+                request_id=request_id,
+                choice=i,
+                prompt_len=prompt_len,
+                token_ids=list(prompt_token_ids),
+                params=params,
+                seed=seed,
+                max_tokens=max_tokens,
+                eos_ids=self.eos_ids,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                if params.stop
+                else None,
+            )
+            for i in range(params.n)
+        ]
+        self._requests[request_id] = (list(prompt_token_ids), seqs, prompt)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        finished = self.scheduler.postprocess(batch, self.runner.run(batch))
+        return self._collect(finished)
+
+    def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in dict.fromkeys(seq.request_id for seq in finished):
+            prompt_ids, seqs, prompt = self._requests[request_id]
+            if all(s.is_finished for s in seqs):
+                del self._requests[request_id]
+                outputs.append(build_output(request_id, prompt, prompt_ids, seqs, self.tokenizer))
+        return outputs
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def _model_identity(path: Path, load_format: str, seed: int, dtype: torch.dtype) -> bytes:
+    """Root of the page-hash chains: KV computed by another model (or dtype) never matches."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        digest.update(index.read_bytes())
+    for shard in sorted(path.glob("*.safetensors")):
+        stat = shard.stat()
+        digest.update(f"{shard.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return model_root(
+        digest.hexdigest(), load_format, str(seed) if load_format == "dummy" else "", str(dtype)
+    )

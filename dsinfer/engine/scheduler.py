@@ -1,0 +1,189 @@
+"""Continuous batching with chunked prefill under a token budget, admission by free KV and
+preemption by recompute.
+
+Every step, running sequences are served first (in arrival order): a decode needs one token, an
+unfinished prefill its next chunk. When pages run out, the most recently admitted running sequence
+is preempted: its pages are released and it waits again at the head of the queue, to be
+recomputed (prompt and the tokens it already generated) when it is readmitted. Waiting sequences
+are then admitted first-come first-served while the budget, ``max_num_seqs`` and free pages last;
+a prefix-cache hit lets a sequence skip computing its cached pages. A request that could never fit
+the pool is refused before it is queued (``check_fits``), so nobody waits forever.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dsinfer.cache.kv_manager import KVCacheManager
+from dsinfer.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token computed this step (= num_computed_tokens before the step)
+    num_new: int  # tokens computed this step
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def samples(self) -> bool:
+        """The step computes the sequence's last known token, so it samples the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """Prefill chunks first (decompressed MLA path), then single-token decodes (absorbed path)."""
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens_submitted: int = 0
+    prompt_tokens_computed: int = 0  # includes recomputation after preemption
+    prompt_tokens_cached: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.kv.page_size)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        needed = self.pages_for(prompt_len + max_tokens)
+        if needed > self.kv.num_pages:
+            raise ValueError(
+                f"request needs {needed} KV pages ({prompt_len} prompt + {max_tokens} max_tokens tokens) but the "
+                f"whole KV cache has {self.kv.num_pages} pages of {self.kv.page_size} tokens"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.stats.prompt_tokens_submitted += seq.prompt_len
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # Scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch()
+        scheduled: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + num_new, batch):
+                break  # seq itself was preempted: everything after it already was
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            item = self._admit(self.waiting[0], budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            scheduled.append(item)
+            budget -= item.num_new
+        decodes = [s for s in scheduled if s.num_new == 1 and s.start > 0]
+        batch.seqs = [s for s in scheduled if not (s.num_new == 1 and s.start > 0)] + decodes
+        batch.num_decodes = len(decodes)
+        self.stats.steps += 1
+        return batch
+
+    def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Give ``seq`` pages for ``num_tokens`` tokens, preempting the latest running sequences."""
+        needed = self.pages_for(num_tokens) - len(seq.pages)
+        while needed > self.kv.num_available_pages():
+            victim = self.running[-1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        if needed > 0:
+            seq.pages.extend(self.kv.allocate(needed))
+        return True
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        match = self.kv.match_prefix(seq.token_ids) if seq.uses_prefix_cache else None
+        cached = match.num_tokens if match else 0
+        num_new = min(seq.num_tokens - cached, budget)
+        needed = self.pages_for(cached + num_new) - (len(match.pages) if match else 0)
+        if needed > self.kv.num_available_pages():
+            if match:
+                self.kv.release(match.pages)
+            return None
+        seq.pages = (match.pages if match else []) + self.kv.allocate(needed)
+        seq.num_computed_tokens = cached
+        seq.num_cached_prompt_tokens = min(cached, seq.prompt_len)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.stats.prompt_tokens_cached += seq.num_cached_prompt_tokens
+        return ScheduledSeq(seq, cached, num_new)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq.pages)
+        seq.pages, seq.num_computed_tokens, seq.status = [], 0, SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    # After the step -----------------------------------------------------------------------
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: list[tuple[int, dict[int, float] | None] | None]
+    ) -> list[Sequence]:
+        """Record computed tokens and sampled ones; returns the sequences that finished."""
+        finished = []
+        for item, sample in zip(batch.seqs, sampled, strict=True):
+            seq = item.seq
+            seq.num_computed_tokens = item.end
+            self.stats.prompt_tokens_computed += max(0, min(item.end, seq.prompt_len) - item.start)
+            if seq.uses_prefix_cache:
+                self.kv.commit(seq.token_ids, seq.pages, seq.num_computed_tokens)
+            if sample is not None:
+                seq.append(*sample)
+                if seq.finish_reason is not None:
+                    self._finish(seq)
+                    finished.append(seq)
+        return finished
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.release(seq.pages)
+        seq.pages = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_time = time.monotonic()
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of the request with reason "abort"; their pages are freed."""
+        seqs = [s for s in [*self.running, *self.waiting] if s.request_id == request_id]
+        for seq in seqs:
+            seq.finish_reason = "abort"
+            self._finish(seq)
+        return seqs

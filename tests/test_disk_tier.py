@@ -1,0 +1,169 @@
+"""On-disk KV tier: round trip, restart, capacity eviction, and rejection of every kind of bad file."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsinfer.base.hashing import model_root, page_hashes
+from dsinfer.cache.disk_tier import DiskKVTier
+
+SHAPE = (3, 4, 8)  # layers, page_size, dim
+ROOT = model_root("test-model", "float32", "4")
+
+
+def _tier(directory: Path, capacity_pages: int = 100, **kwargs: object) -> DiskKVTier:
+    opts: dict = {"root": ROOT, "page_shape": SHAPE, "dtype": torch.float32, **kwargs}
+    probe = DiskKVTier(directory, capacity_bytes=1 << 40, **opts)
+    return DiskKVTier(directory, capacity_bytes=capacity_pages * probe.file_bytes, **opts)
+
+
+def _keys(n: int, root: bytes = ROOT) -> list[bytes]:
+    return page_hashes(list(range(n * SHAPE[1])), SHAPE[1], root)
+
+
+def _page(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    key = _keys(1)[0]
+    assert not tier.contains(key) and tier.read(key) is None
+    data = _page(0)
+    assert tier.write(key, data)
+    assert tier.contains(key) and len(tier) == 1
+    got = tier.read(key)
+    assert got is not None and got.dtype == torch.float32 and torch.equal(got, data)
+    stats = tier.stats()
+    assert (stats.pages_written, stats.pages_read, stats.files_rejected) == (1, 1, 0)
+    assert stats.bytes == tier.file_bytes and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_round_trip_bfloat16(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, dtype=torch.bfloat16)
+    key, data = _keys(1)[0], _page(1, torch.bfloat16)
+    tier.write(key, data)
+    got = tier.read(key)
+    assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, data)
+    with pytest.raises(ValueError, match="does not fit"):
+        tier.write(key, _page(1))  # float32 into a bfloat16 tier
+
+
+def test_restart_rebuilds_index(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    keys = _keys(3)
+    for i, key in enumerate(keys):
+        tier.write(key, _page(i))
+        os.utime(tmp_path / key.hex(), (time.time() - 100 + i, time.time() - 100 + i))
+    (tmp_path / "README").write_text("not a page")  # ignored: not a key name
+    again = _tier(tmp_path, capacity_pages=3)
+    assert len(again) == 3 and again.total_bytes == 3 * again.file_bytes
+    for i, key in enumerate(keys):
+        got = again.read(key)
+        assert got is not None and torch.equal(got, _page(i))
+    # the restarted index keeps the mtime order: keys[0] is least recently used, unless read
+    for i, key in enumerate(keys):
+        os.utime(tmp_path / key.hex(), (time.time() - 50 + i, time.time() - 50 + i))
+    again = _tier(tmp_path, capacity_pages=3)
+    assert again.read(keys[0]) is not None
+    extra = _keys(4)[3]
+    again.write(extra, _page(3))
+    assert not again.contains(keys[1]) and again.contains(keys[0]) and again.contains(extra)
+
+
+def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
+    tier = _tier(tmp_path, capacity_pages=2)
+    a, b, c = _keys(3)
+    tier.write(a, _page(0))
+    tier.write(b, _page(1))
+    assert tier.read(a) is not None  # a is now more recent than b
+    tier.write(c, _page(2))
+    assert tier.contains(a) and tier.contains(c) and not tier.contains(b)
+    assert not (tmp_path / b.hex()).exists()
+    assert len(tier) == 2 and tier.total_bytes <= tier.capacity_bytes
+    assert tier.stats().files_evicted == 1
+    # a capacity below one page stores nothing
+    tiny = DiskKVTier(tmp_path / "tiny", capacity_bytes=10, root=ROOT, page_shape=SHAPE, dtype=torch.float32)
+    assert not tiny.write(a, _page(0)) and not tiny.contains(a)
+
+
+def test_restart_with_smaller_capacity_evicts(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    for i, key in enumerate(_keys(4)):
+        tier.write(key, _page(i))
+    again = _tier(tmp_path, capacity_pages=2)
+    assert len(again) == 2 and len(list(tmp_path.iterdir())) == 2
+
+
+def test_bad_files_are_rejected_never_served(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    truncated, corrupt, foreign, junk, shape, header, good = _keys(7)
+    for i, key in enumerate((truncated, corrupt, foreign, shape, header, good)):
+        tier.write(key, _page(i))
+    path = lambda key: tmp_path / key.hex()  # noqa: E731
+
+    blob = path(truncated).read_bytes()
+    path(truncated).write_bytes(blob[: len(blob) - 7])
+    blob = bytearray(path(corrupt).read_bytes())
+    blob[-5] ^= 0x40  # one flipped bit in the payload
+    path(corrupt).write_bytes(bytes(blob))
+    other = DiskKVTier(
+        tmp_path / "other",
+        capacity_bytes=1 << 30,
+        root=model_root("other"),
+        page_shape=SHAPE,
+        dtype=torch.float32,
+    )
+    other.write(foreign, _page(9))  # another model's file under our key's name
+    os.replace(tmp_path / "other" / foreign.hex(), path(foreign))
+    wide = DiskKVTier(
+        tmp_path / "wide", capacity_bytes=1 << 30, root=ROOT, page_shape=(3, 4, 16), dtype=torch.float32
+    )
+    wide.write(shape, torch.zeros(3, 4, 16))
+    os.replace(tmp_path / "wide" / shape.hex(), path(shape))
+    path(junk).write_bytes(os.urandom(tier.file_bytes))  # valid-looking name, random bytes
+    tier.contains(junk)  # adopted into the index
+    blob = bytearray(path(header).read_bytes())
+    blob[0:8] = b"NOTMAGIC"
+    path(header).write_bytes(bytes(blob))
+
+    bad = (truncated, corrupt, foreign, junk, shape, header)
+    for key in bad:
+        assert tier.read(key) is None
+        assert not path(key).exists(), "a bad file is deleted"
+        assert not tier.contains(key)
+    assert tier.stats().files_rejected == len(bad)
+    got = tier.read(good)
+    assert got is not None and torch.equal(got, _page(5))
+    assert len(tier) == 1 and tier.total_bytes == tier.file_bytes
+
+    # a restarted tier also rejects what it finds: empty file, junk under a key name
+    path(truncated).write_bytes(b"")
+    path(junk).write_bytes(b"\x00" * 3)
+    again = _tier(tmp_path)
+    assert again.read(truncated) is None and again.read(junk) is None
+    assert again.stats().files_rejected == 2
+
+
+def test_missing_file_is_a_plain_miss(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    key = _keys(1)[0]
+    tier.write(key, _page(0))
+    (tmp_path / key.hex()).unlink()  # e.g. evicted by another process sharing the directory
+    assert tier.read(key) is None
+    assert tier.stats().files_rejected == 0 and len(tier) == 0
+
+
+def test_file_written_by_another_process_is_found(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    other = _tier(tmp_path)
+    key = _keys(1)[0]
+    other.write(key, _page(0))
+    assert not tier.is_indexed(key) and tier.contains(key)
+    got = tier.read(key)
+    assert got is not None and torch.equal(got, _page(0))
