@@ -123,7 +123,8 @@ def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
     n = len(prompt) - 1
     batch = runner.batch(0, n, DECOMPRESSED)
     next_tokens = torch.tensor(prompt[1:])
-    _, draft = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches)
+    mtp_hidden = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches)
+    draft = loaded.model.compute_mtp_logits(mtp_hidden)
     assert built.mtp_state is not None
     reference = mtp_reference(
         built.hf_model.config, built.mtp_state, hidden[:n], next_tokens, torch.arange(n)

@@ -88,7 +88,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, pool, self.ops)
+        self.runner = ModelRunner(self.model, pool, self.ops, mtp=args.speculative_mtp)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._seeds = random.Random(args.seed)
         self._requests: dict[str, tuple[list[int], list[Sequence], str | None]] = {}

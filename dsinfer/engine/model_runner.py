@@ -1,6 +1,12 @@
 """Scheduled sequences -> tensors -> model -> logits -> sampled tokens (and logprobs).
 
-The runner owns the tensors of a step; it never decides who runs (the scheduler does).
+The runner owns the tensors of a step; it never decides who runs (the scheduler does) and never
+changes a sequence (the scheduler records the StepResults).
+
+A sequence carrying an MTP draft computes two positions: its last token and the draft. The target
+samples both positions with its own counter-based keys; the draft is accepted when it equals the
+target's sample at its position, so output is exactly that of decoding without MTP, greedy or
+seeded.
 """
 
 from __future__ import annotations
@@ -8,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from dsinfer.cache.latent_pool import LatentKVPool
-from dsinfer.engine.scheduler import ScheduledBatch, ScheduledSeq
-from dsinfer.model.batch import ForwardBatch
+from dsinfer.engine.forward import build_forward_batch
+from dsinfer.engine.mtp import MTPProposer
+from dsinfer.engine.scheduler import ScheduledBatch, ScheduledSeq, StepResult
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.ops import Ops, SamplingTensors
 from dsinfer.ops.logprobs import prompt_logprobs, top_logprobs
@@ -19,59 +26,58 @@ Sample = tuple[int, dict[int, float] | None]
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3ForCausalLM, pool: LatentKVPool, ops: Ops) -> None:
+    def __init__(
+        self, model: DeepseekV3ForCausalLM, pool: LatentKVPool, ops: Ops, *, mtp: bool = False
+    ) -> None:
         self.model, self.pool, self.ops = model, pool, ops
         self.device = pool.caches[0].device
         self.page_size = pool.page_size
+        self.mtp = MTPProposer(model, pool, ops) if mtp else None
 
-    def run(self, batch: ScheduledBatch) -> list[Sample | None]:
-        """One forward over the batch; a token (with logprobs if asked) per sampling sequence."""
+    def run(self, batch: ScheduledBatch) -> list[StepResult]:
+        """One forward over the batch (plus the MTP layer's when speculating)."""
         if not batch.seqs:
             return []
-        forward = self._forward_batch(batch)
-        ids = [t for s in batch.seqs for t in s.seq.token_ids[s.start : s.end]]
+        forward = build_forward_batch(
+            batch.seqs,
+            [s.start for s in batch.seqs],
+            [s.num_new for s in batch.seqs],
+            batch.num_decodes,
+            self.page_size,
+            self.device,
+        )
+        ids = [t for s in batch.seqs for t in _step_tokens(s)]
         hidden = self.model(torch.tensor(ids, device=self.device), forward, self.pool.caches)
-        ends = forward.last_token_indices()
+        ends = forward.last_token_indices().tolist()
+        results = [StepResult() for _ in batch.seqs]
         samplers = [i for i, s in enumerate(batch.seqs) if s.samples]
-        results: list[Sample | None] = [None] * len(batch.seqs)
         if samplers:
-            logits = self.model.compute_logits(hidden[ends[samplers]])
-            for i, sample in zip(
-                samplers, self._sample([batch.seqs[i] for i in samplers], logits), strict=True
-            ):
-                results[i] = sample
-        self._prompt_logprobs(batch, hidden, ends)
+            rows = [r for i in samplers for r in range(ends[i] - batch.seqs[i].num_draft, ends[i] + 1)]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            samples = iter(self._sample([batch.seqs[i] for i in samplers], logits))
+            for i in samplers:
+                item, result = batch.seqs[i], results[i]
+                result.tokens.append(next(samples))
+                if item.num_draft:
+                    bonus = next(samples)
+                    result.draft_accepted = result.tokens[0][0] == item.seq.draft
+                    if result.draft_accepted:
+                        result.tokens.append(bonus)
+        self._prompt_logprobs(batch, hidden, ends, results)
+        if self.mtp is not None:
+            self.mtp.propose(batch, hidden, ends, results)
         return results
 
-    def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        positions, slots = [], []
-        ps = self.page_size
-        for s in batch.seqs:
-            pages = s.seq.pages
-            positions.extend(range(s.start, s.end))
-            slots.extend(pages[p // ps] * ps + p % ps for p in range(s.start, s.end))
-        width = max(len(s.seq.pages) for s in batch.seqs)
-        table = torch.zeros(len(batch.seqs), width, dtype=torch.int32)
-        for row, s in enumerate(batch.seqs):
-            table[row, : len(s.seq.pages)] = torch.tensor(s.seq.pages, dtype=torch.int32)
-        return ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=table.to(self.device),
-            q_lens=[s.num_new for s in batch.seqs],
-            kv_lens=[s.end for s in batch.seqs],
-            num_absorbed=batch.num_decodes,
-        )
-
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sample]:
-        seqs = [s.seq for s in items]
+        """Rows: for each sequence its position(s) to sample, in order (the draft's last)."""
+        seqs = [item.seq for item in items for _ in range(1 + item.num_draft)]
+        offsets = [j for item in items for j in range(1 + item.num_draft)]
         params = [seq.params for seq in seqs]
-        want = [p.logprobs for p in params]
         raw = logits
         if any(p.uses_penalties for p in params):
             counts, prompt_mask = penalty_state(
                 [seq.token_ids[: seq.prompt_len] for seq in seqs],
-                [seq.output_token_ids for seq in seqs],
+                [seq.output_token_ids + [seq.draft] * j for seq, j in zip(seqs, offsets, strict=True)],
                 logits.shape[-1],
                 self.device,
             )
@@ -87,23 +93,26 @@ class ModelRunner:
             params,
             seed=[seq.seed for seq in seqs],
             choice=[seq.choice for seq in seqs],
-            position=[seq.num_output_tokens for seq in seqs],
+            position=[seq.num_output_tokens + j for seq, j in zip(seqs, offsets, strict=True)],
             device=self.device,
         )
         tokens = self.ops.sample(logits, sampling)
         token_list = tokens.tolist()
         logprob_dicts: list[dict[int, float] | None] = [None] * len(seqs)
+        want = [p.logprobs for p in params]
         if any(k is not None for k in want):
-            k = max(k or 0 for k in want)
-            lp = top_logprobs(raw, tokens, k)
+            lp = top_logprobs(raw, tokens, max(k or 0 for k in want))
             for row, row_k in enumerate(want):
                 if row_k is not None:
-                    logprob_dicts[row] = _as_dict(lp.top_ids[row, :row_k], lp.top_logprobs[row, :row_k])
-                    logprob_dicts[row][token_list[row]] = float(lp.token_logprob[row])
+                    entry = _as_dict(lp.top_ids[row, :row_k], lp.top_logprobs[row, :row_k])
+                    entry[token_list[row]] = float(lp.token_logprob[row])
+                    logprob_dicts[row] = entry
         return list(zip(token_list, logprob_dicts, strict=True))
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: torch.Tensor) -> None:
-        for item, end in zip(batch.seqs, ends.tolist(), strict=True):
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int], results: list[StepResult]
+    ) -> None:
+        for item, end, result in zip(batch.seqs, ends, results, strict=True):
             seq = item.seq
             if seq.prompt_logprobs is None or item.start >= seq.prompt_len - 1:
                 continue
@@ -112,12 +121,16 @@ class ModelRunner:
             rows = torch.arange(first_row, first_row + last - item.start)
             logits = self.model.compute_logits(hidden[rows.to(self.device)])
             next_ids = torch.tensor(seq.token_ids[item.start + 1 : last + 1], device=self.device)
-            k = seq.params.prompt_logprobs or 0
-            lp = prompt_logprobs(logits, next_ids, k)
+            lp = prompt_logprobs(logits, next_ids, seq.params.prompt_logprobs or 0)
             for j, token in enumerate(next_ids.tolist()):
                 entry = _as_dict(lp.top_ids[j], lp.top_logprobs[j])
                 entry[token] = float(lp.token_logprob[j])
-                seq.prompt_logprobs.append(entry)
+                result.prompt_logprobs.append(entry)
+
+
+def _step_tokens(item: ScheduledSeq) -> list[int]:
+    known = item.seq.token_ids[item.start : item.end - item.num_draft]
+    return [*known, item.seq.draft] if item.num_draft else known
 
 
 def _as_dict(ids: torch.Tensor, logprobs: torch.Tensor) -> dict[int, float]:

@@ -24,7 +24,8 @@ from dsinfer.engine.sequence import SeqStatus, Sequence
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token computed this step (= num_computed_tokens before the step)
-    num_new: int  # tokens computed this step
+    num_new: int  # tokens computed this step, the MTP draft included
+    num_draft: int = 0  # 1 when the last computed token is the sequence's MTP draft
 
     @property
     def end(self) -> int:
@@ -32,8 +33,22 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """The step computes the sequence's last known token, so it samples the next one."""
-        return self.end == self.seq.num_tokens
+        """The step computes the sequence's last known token, so it samples the next one(s)."""
+        return self.end - self.num_draft == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.start > 0 and self.num_new - self.num_draft == 1
+
+
+@dataclass
+class StepResult:
+    """What a step produced for one scheduled sequence."""
+
+    tokens: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)  # accepted, in order
+    draft_accepted: bool = False
+    next_draft: int | None = None  # the MTP proposal for the next step
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt positions computed
 
 
 @dataclass
@@ -43,6 +58,10 @@ class ScheduledBatch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_decodes: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def decode_q_len(self) -> int:
+        return self.seqs[-1].num_new if self.num_decodes else 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +78,18 @@ class SchedulerStats:
     prompt_tokens_cached: int = 0
     preemptions: int = 0
     steps: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    decode_forwards: int = 0  # sequence-steps that sampled after the prompt
+    decode_tokens: int = 0  # tokens those sequence-steps produced
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    @property
+    def forwards_per_output_token(self) -> float:
+        return self.decode_forwards / self.decode_tokens if self.decode_tokens else 0.0
 
 
 class Scheduler:
@@ -96,10 +127,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow(seq, seq.num_computed_tokens + num_new, batch):
+            can_draft = seq.num_output_tokens + 1 < seq.max_tokens and budget >= 2
+            num_draft = int(seq.draft is not None and num_new == 1 and can_draft)
+            if not self._grow(seq, seq.num_computed_tokens + num_new + num_draft, batch):
                 break  # seq itself was preempted: everything after it already was
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-            budget -= num_new
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new + num_draft, num_draft))
+            budget -= num_new + num_draft
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             item = self._admit(self.waiting[0], budget)
@@ -108,8 +141,11 @@ class Scheduler:
             self.waiting.popleft()
             scheduled.append(item)
             budget -= item.num_new
-        decodes = [s for s in scheduled if s.num_new == 1 and s.start > 0]
-        batch.seqs = [s for s in scheduled if not (s.num_new == 1 and s.start > 0)] + decodes
+        # The absorbed MLA path takes decodes with one common length (with or without a draft).
+        lengths = [s.num_new for s in scheduled if s.is_decode]
+        q_len = max(set(lengths), key=lengths.count) if lengths else 0
+        decodes = [s for s in scheduled if s.is_decode and s.num_new == q_len]
+        batch.seqs = [s for s in scheduled if not (s.is_decode and s.num_new == q_len)] + decodes
         batch.num_decodes = len(decodes)
         self.stats.steps += 1
         return batch
@@ -147,27 +183,39 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.release(seq.pages)
-        seq.pages, seq.num_computed_tokens, seq.status = [], 0, SeqStatus.WAITING
+        seq.pages, seq.num_computed_tokens, seq.status, seq.draft = [], 0, SeqStatus.WAITING, None
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 
     # After the step -----------------------------------------------------------------------
-    def postprocess(
-        self, batch: ScheduledBatch, sampled: list[tuple[int, dict[int, float] | None] | None]
-    ) -> list[Sequence]:
-        """Record computed tokens and sampled ones; returns the sequences that finished."""
+    def postprocess(self, batch: ScheduledBatch, results: list[StepResult]) -> list[Sequence]:
+        """Record computed and accepted tokens; returns the sequences that finished.
+
+        A draft's KV is kept only when the draft was accepted; otherwise its position is
+        recomputed with the right token by the next step."""
         finished = []
-        for item, sample in zip(batch.seqs, sampled, strict=True):
+        stats = self.stats
+        for item, result in zip(batch.seqs, results, strict=True):
             seq = item.seq
-            seq.num_computed_tokens = item.end
-            self.stats.prompt_tokens_computed += max(0, min(item.end, seq.prompt_len) - item.start)
+            seq.num_computed_tokens = item.end - item.num_draft + int(result.draft_accepted)
+            stats.prompt_tokens_computed += max(0, min(item.end, seq.prompt_len) - item.start)
+            stats.drafts_proposed += item.num_draft
+            stats.drafts_accepted += int(result.draft_accepted)
+            if item.is_decode and result.tokens:
+                stats.decode_forwards += 1
+                stats.decode_tokens += len(result.tokens)
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(result.prompt_logprobs)
+            for token, logprobs in result.tokens:
+                seq.append(token, logprobs)
+                if seq.finish_reason is not None:
+                    break
+            seq.draft = result.next_draft if seq.finish_reason is None else None
             if seq.uses_prefix_cache:
                 self.kv.commit(seq.token_ids, seq.pages, seq.num_computed_tokens)
-            if sample is not None:
-                seq.append(*sample)
-                if seq.finish_reason is not None:
-                    self._finish(seq)
-                    finished.append(seq)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+                finished.append(seq)
         return finished
 
     def _finish(self, seq: Sequence) -> None:

@@ -36,6 +36,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # served from the prefix cache at the last admission
+    draft: int | None = None  # MTP's proposal for the token after the last one, verified next step
     finish_reason: str | None = None
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     logprobs: list[dict[int, float]] | None = None

@@ -143,13 +143,20 @@ class DeepseekV3ForCausalLM(nn.Module):
         batch: ForwardBatch,
         kv_caches: list[torch.Tensor],
         depth: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP module ``depth``: -> (its hidden states [T, H], draft logits fp32 [T, V])."""
+    ) -> torch.Tensor:
+        """MTP module ``depth`` over (hidden of position t, token t+1) -> its hidden states [T, H]."""
+        layer = self._mtp_layer(depth)
+        return layer.forward_mtp(hidden, next_tokens, batch, kv_caches[self.config.num_hidden_layers + depth])
+
+    @torch.inference_mode()
+    def compute_mtp_logits(self, mtp_hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Draft logits fp32 [T, V] for position t+2."""
+        return self._mtp_layer(depth).logits(mtp_hidden)
+
+    def _mtp_layer(self, depth: int) -> MTPLayer:
         if depth >= len(self.mtp_layers):
             raise MTPUnavailableError(
                 f"MTP depth {depth} is not loaded (model has {len(self.mtp_layers)} MTP layers; the checkpoint "
                 f"may lack model.layers.{self.config.num_hidden_layers}.* tensors)"
             )
-        layer = self.mtp_layers[depth]
-        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[self.config.num_hidden_layers + depth])
-        return out, layer.logits(out)
+        return self.mtp_layers[depth]

@@ -1,0 +1,37 @@
+"""Scheduled sequences -> the ForwardBatch the model reads (positions, cache slots, block tables)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsinfer.engine.scheduler import ScheduledSeq
+from dsinfer.model.batch import ForwardBatch
+
+
+def build_forward_batch(
+    items: list[ScheduledSeq],
+    starts: list[int],
+    q_lens: list[int],
+    num_absorbed: int,
+    page_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """Sequence i computes positions [starts[i], starts[i] + q_lens[i]) over its pages."""
+    positions: list[int] = []
+    slots: list[int] = []
+    for item, start, q_len in zip(items, starts, q_lens, strict=True):
+        pages = item.seq.pages
+        positions.extend(range(start, start + q_len))
+        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + q_len))
+    width = max(len(item.seq.pages) for item in items)
+    table = torch.zeros(len(items), width, dtype=torch.int32)
+    for row, item in enumerate(items):
+        table[row, : len(item.seq.pages)] = torch.tensor(item.seq.pages, dtype=torch.int32)
+    return ForwardBatch(
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=table.to(device),
+        q_lens=list(q_lens),
+        kv_lens=[start + q for start, q in zip(starts, q_lens, strict=True)],
+        num_absorbed=num_absorbed,
+    )
