@@ -80,7 +80,16 @@ def grouped_gemm_contiguous(
         return out.to(a.dtype)
     a_hp = _prepare_activation(a, b)
     idx = m_indices.long()
-    # Loop over the groups that occur (at most G), never over tokens.
+    if bool((idx[1:] >= idx[:-1]).all()):  # sorted by group (DeepGEMM's layout): slice the segments
+        counts = torch.bincount(idx.clamp(min=0), minlength=b.shape[0]).tolist()
+        start = int((idx < 0).sum())  # sorted: padding rows (-1) come first
+        counts[0] -= start
+        for g, count in enumerate(counts):
+            if count:
+                torch.mm(a_hp[start : start + count], _group_weight(b, b_scale, g).t(), out=out[start : start + count])
+                start += count
+        return out.to(a.dtype)
+    # Otherwise loop over the groups that occur (at most G), never over tokens.
     for g in torch.unique(idx[idx >= 0]).tolist():
         rows = (idx == g).nonzero().squeeze(1)
         out.index_copy_(0, rows, a_hp.index_select(0, rows) @ _group_weight(b, b_scale, g).t())

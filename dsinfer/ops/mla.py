@@ -54,22 +54,26 @@ def mla_decode(
     # Gather pages: [B, n_pages] block ids -> [B, L, D]. Unused table entries may hold anything
     # (e.g. -1), so clamp them; their slots are masked below.
     pages = block_table[:, :n_pages].to(device=device, dtype=torch.long).clamp(0, num_blocks - 1)
-    kv = k_cache[:, :, 0, :].index_select(0, pages.reshape(-1)).reshape(bsz, length, dim).float()
+    kv = k_cache[:, :, 0, :].index_select(0, pages.reshape(-1)).reshape(bsz, length, dim)
+    kv = kv.float() if kv.dtype != torch.float32 else kv  # a fresh gather either way: safe to edit in place
     pos = torch.arange(length, device=device)
     key_valid = pos[None, :] < seqlens[:, None]  # [B, L]
     # Zero invalid slots so that garbage (even NaN) in unused cache memory cannot leak into out.
-    kv = torch.where(key_valid[..., None], kv, 0.0)
+    # Only the invalid rows are written (a sequence's last-page tail and its padding pages).
+    kv.view(bsz * length, dim)[(~key_valid).view(-1).nonzero().squeeze(1)] = 0.0
 
-    scores = torch.einsum("bshd,bld->bshl", q.float(), kv) * softmax_scale  # [B, s_q, h_q, L]
+    # [B, s_q * h_q, D] x [B, D, L]: one batched GEMM for all heads and query tokens
+    scores = torch.bmm(q.float().reshape(bsz, s_q * h_q, dim), kv.transpose(1, 2)).mul_(softmax_scale)
+    scores = scores.view(bsz, s_q, h_q, length)
     visible = key_valid[:, None, :]  # [B, 1 or s_q, L]
-    if causal:
+    if causal and s_q > 1:
         last = seqlens[:, None] - s_q + torch.arange(s_q, device=device)[None, :]  # [B, s_q]
         visible = visible & (pos[None, None, :] <= last[..., None])
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    scores.masked_fill_(~visible[:, :, None, :], float("-inf"))
 
     lse = torch.logsumexp(scores, dim=-1)  # [B, s_q, h_q]; -inf where nothing is visible
     empty = torch.isneginf(lse)
-    probs = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
-    out = torch.einsum("bshl,bld->bshd", probs, kv[..., :head_dim_v])
+    probs = scores.sub_(torch.where(empty, 0.0, lse)[..., None]).exp_()
+    out = torch.bmm(probs.view(bsz, s_q * h_q, length), kv[..., :head_dim_v]).view(bsz, s_q, h_q, head_dim_v)
     lse = torch.where(empty, float("inf"), lse)
     return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()
