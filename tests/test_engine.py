@@ -177,3 +177,20 @@ def test_request_larger_than_the_whole_pool_is_refused(tiny_ckpt: BuiltCheckpoin
 def test_bad_sampling_params(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_abort_frees_everything(llm: LLM) -> None:
+    engine = llm.engine
+    prompts = _prompts(6, seed=6)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.kv.num_available_pages() < engine.kv.num_pages
+    engine.abort_request("r1")
+    engine.abort_request("r4")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert sorted(o.request_id for o in finished) == ["r0", "r2", "r3", "r5"]
+    # the llm fixture asserts that every page is back

@@ -6,24 +6,21 @@ import argparse
 import json
 
 from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.cli.engine_args import engine_args_from
 from dsinfer.cli.errors import UsageError
+from dsinfer.engine.args import parse_size
 from dsinfer.engine.llm import LLM
 
-KV_CACHE_MEMORY = "256MiB"  # one prompt needs little; the servers size the cache from free memory
+KV_CACHE_MEMORY = "256MiB"  # default here: one prompt needs little (servers use a fraction of free memory)
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    llm = LLM(
-        args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        kv_cache_memory=KV_CACHE_MEMORY,
-        enable_prefix_caching=False,
-    )
+    engine_args = engine_args_from(args)
+    if engine_args.kv_cache_memory is None and engine_args.kv_cache_memory_fraction is None:
+        engine_args = engine_args.model_copy(update={"kv_cache_memory": parse_size(KV_CACHE_MEMORY)})
+    llm = LLM.from_engine_args(engine_args)
     try:
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         output = llm.generate([args.prompt], params, use_tqdm=False)[0].outputs[0]

@@ -6,22 +6,15 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
 
 from dsinfer.base.config import ConfigError
-from dsinfer.base.presets import DEFAULT_MODEL
 from dsinfer.base.tokenizer import TokenizerError
+from dsinfer.cli.engine_args import add_engine_args
 from dsinfer.cli.errors import UsageError
-from dsinfer.model.loader import LOAD_FORMATS, CheckpointError
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None, help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})"
-    )
-    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if present)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+from dsinfer.model.loader import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="greedy generation of one prompt")
-    _add_model_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
@@ -51,7 +44,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError) as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2
+    except ValidationError as e:  # a flag pydantic refused; name it without a traceback
+        problems = [_flag_error(err) for err in e.errors()]
+        print(f"dsinfer: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     return 1
+
+
+def _flag_error(err: Any) -> str:
+    flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "arguments"
+    return f"{flag}: {str(err['msg']).removeprefix('Value error, ')}"
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ _UNITS = {
 
 
 def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string such as '2GiB', '512MB', '1e9' is not accepted."""
+    """Bytes from an int or a string with a unit: '2GiB', '512MB', '1073741824'."""
     if isinstance(value, int):
         return value
     match = _SIZE.match(value)

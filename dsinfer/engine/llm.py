@@ -23,6 +23,10 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, load_format=load_format, dtype=dtype, **engine_args))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(**args.model_dump())
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

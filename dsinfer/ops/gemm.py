@@ -86,7 +86,11 @@ def grouped_gemm_contiguous(
         counts[0] -= start
         for g, count in enumerate(counts):
             if count:
-                torch.mm(a_hp[start : start + count], _group_weight(b, b_scale, g).t(), out=out[start : start + count])
+                torch.mm(
+                    a_hp[start : start + count],
+                    _group_weight(b, b_scale, g).t(),
+                    out=out[start : start + count],
+                )
                 start += count
         return out.to(a.dtype)
     # Otherwise loop over the groups that occur (at most G), never over tokens.

@@ -1,0 +1,38 @@
+"""Command-line flags of the engine (``--max-model-len`` ...), shared by every command that runs one."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dsinfer.base.presets import DEFAULT_MODEL
+from dsinfer.engine.args import EngineArgs
+from dsinfer.model.loader import LOAD_FORMATS
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model", default=None, help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})"
+    )
+    group.add_argument("--load-format", default="auto", choices=LOAD_FORMATS)
+    group.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if present)")
+    group.add_argument("--seed", type=int, default=0, help="seed of dummy weights and of unseeded requests")
+    group.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+    group.add_argument("--max-num-seqs", type=int, default=256)
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    group.add_argument("--kv-cache-memory", default=None, help="latent KV cache size, e.g. 4GiB")
+    group.add_argument(
+        "--kv-cache-memory-fraction", type=float, default=None, help="of free memory, if no size"
+    )
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    group.add_argument("--kv-disk-cache-dir", default=None, help="on-disk KV cache tier directory")
+    group.add_argument("--kv-disk-cache-size", default="8GiB")
+    group.add_argument("--speculative-mtp", action="store_true", help="draft with the checkpoint's MTP layer")
+
+
+def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """EngineArgs from parsed flags; pydantic's ValueError names a bad value."""
+    fields = {name: getattr(args, name) for name in EngineArgs.model_fields if hasattr(args, name)}
+    return EngineArgs(**{**fields, **overrides})
