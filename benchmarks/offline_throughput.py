@@ -18,7 +18,7 @@ Reported per run:
       - dsinfer: per request from the result's `metrics` if it has vLLM-like fields, otherwise the
         batch approximation TTFT = wall of the prefill-only pass, TPOT = (timed wall - that) / (out - 1);
   * `prefill_pass_s`: the wall time of the max_tokens=1 pass, for every engine (a uniform TTFT proxy);
-  * peak RSS of the engine's whole process tree (vLLM runs three processes), sampled from /proc by
+  * peak RSS of the engine subprocess and every process it started (vLLM runs three), sampled from
     the driver, and the worker's own ru_maxrss;
   * greedy tokens of the first `--compare-prompts` prompts, compared with transformers in float32
     (fraction of prompts with identical tokens; never fails the benchmark).
@@ -42,6 +42,7 @@ import platform
 import random
 import resource
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -201,6 +202,12 @@ def run_vllm(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
     prefill_s, _ = generate(1)
     progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
     wall, outs = generate(spec.output_len)
+
+    progress(f"timed pass {wall:.2f}s; shutting the engine down")
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except Exception as e:  # the processes are killed by the driver anyway
+        progress(f"engine shutdown: {e!r}")
 
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     ttft, tpot = [], []
@@ -396,34 +403,27 @@ def worker_main(spec_path: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _process_tree_rss_mib(root: int) -> float:
-    """Sum of VmRSS over `root` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
+def _session_rss_mib(sid: int) -> float:
+    """Sum of VmRSS over every process in session `sid` (the worker and all it started), from /proc."""
+    total_kib = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    total_kib, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid:  # fields after the name: state ppid pgrp session ...
+                continue
+            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     total_kib += int(line.split()[1])
                     break
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
     return total_kib / 1024
 
 
 class RssSampler(threading.Thread):
-    """Samples the process tree's RSS every `interval` seconds; keeps the peak."""
+    """Samples the RSS of a worker's session every `interval` seconds; keeps the peak."""
 
     def __init__(self, pid: int, interval: float = 0.25) -> None:
         super().__init__(daemon=True)
@@ -432,7 +432,7 @@ class RssSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
-            self.peak_mib = max(self.peak_mib, _process_tree_rss_mib(self.pid))
+            self.peak_mib = max(self.peak_mib, _session_rss_mib(self.pid))
             self._stop_event.wait(self.interval)
 
     def stop(self) -> None:
@@ -440,7 +440,9 @@ class RssSampler(threading.Thread):
         self.join()
 
 
-def worker_env(engine: str, scratch: Path, cores: str, kv_space_gb: int) -> dict[str, str]:
+def worker_env(
+    engine: str, scratch: Path, cores: str, kv_space_gb: int, vllm_reserved_cpus: int | None
+) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         {
@@ -455,6 +457,8 @@ def worker_env(engine: str, scratch: Path, cores: str, kv_space_gb: int) -> dict
     n = len(parse_cpu_list(cores))
     if engine == "vllm":
         env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads
+        if vllm_reserved_cpus is not None:  # default: it keeps one core for its scheduler
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
     else:
         env["OMP_NUM_THREADS"] = str(n)
     return env
@@ -468,6 +472,33 @@ def parse_cpu_list(cores: str) -> list[int]:
     return out
 
 
+def _relay(proc: subprocess.Popen[str], log: Any, name: str, t0: float) -> None:
+    """Copy the worker's output to its log; print its progress lines."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.write(line)
+        log.flush()
+        if line.startswith(PROGRESS):
+            elapsed = time.perf_counter() - t0
+            print(f"[{name}] {elapsed:7.1f}s {line[len(PROGRESS) :].rstrip()}", flush=True)
+
+
+def _end_group(pgid: int, grace: float = 10.0) -> None:
+    """SIGTERM the worker's process group (its session), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
 def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     """Launch one pinned worker, relay its progress lines, sample its RSS, return its result."""
     spec_path = log_dir / f"{spec.name.replace('/', '_')}.spec.json"
@@ -475,26 +506,33 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
     spec_path.write_text(json.dumps(asdict(spec)))
     Path(spec.result).unlink(missing_ok=True)
     cmd = ["taskset", "-c", args.cores, python, str(SCRIPT), "--worker", str(spec_path)]
-    env = worker_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb)
+    env = worker_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
     print(f"[{spec.name}] start: {shlex.join(cmd)} (log {log_path})", flush=True)
     t0 = time.perf_counter()
     with log_path.open("w") as log:
+        # A new session, so that whatever the worker leaves behind (vLLM's engine processes,
+        # multiprocessing's resource tracker, all holding the stdout pipe) can be ended as a group.
         proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         sampler = RssSampler(proc.pid)
         sampler.start()
-        timer = threading.Timer(args.timeout, proc.kill)
-        timer.start()
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith(PROGRESS):
-                elapsed = time.perf_counter() - t0
-                print(f"[{spec.name}] {elapsed:7.1f}s {line[len(PROGRESS) :].rstrip()}", flush=True)
-        rc = proc.wait()
-        timer.cancel()
+        reader = threading.Thread(target=_relay, args=(proc, log, spec.name, t0), daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"[{spec.name}] timed out after {args.timeout:.0f}s", flush=True)
+            rc = -9
         sampler.stop()
+        _end_group(proc.pid)
+        reader.join(timeout=30)
     result_file = Path(spec.result)
     if result_file.exists():
         result = json.loads(result_file.read_text())
@@ -616,7 +654,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         t = r["timed"]
         match = r.get("match_vs_transformers_f32")
         match_s = (
-            f"{match['identical_fraction']:.0%} ({match['prompts_compared']} prompts)"
+            f"{match['identical_fraction']:.0%} of {match['prompts_compared']} "
+            f"(common prefix {match['mean_common_prefix_fraction']:.0%})"
             if match and match["identical_fraction"] is not None
             else "-"
         )
@@ -639,7 +678,7 @@ def markdown_report(report: dict[str, Any]) -> str:
             seen.add(r["engine"])
             lines.append(f"- {r['engine']}: {r['timing_method']}")
     lines.append(
-        "- peak RSS: the engine subprocess and all its descendants, VmRSS summed, sampled every 0.25 s"
+        "- peak RSS: the engine subprocess and every process it started (its session), VmRSS summed, sampled every 0.25 s"
     )
     return "\n".join(lines) + "\n"
 
@@ -710,6 +749,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scratch", type=Path, default=Path("/work/bench-scratch"))
     p.add_argument("--cores", default="0,1", help="taskset -c list for every engine")
     p.add_argument("--kv-cache-gb", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument(
+        "--vllm-reserved-cpus",
+        type=int,
+        help="VLLM_CPU_NUM_OF_RESERVED_CPU (vLLM's default keeps one of the cores for its scheduler)",
+    )
     p.add_argument("--python", default="/work/venv/bin/python", help="python for transformers and dsinfer")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine subprocess")
@@ -770,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "env": {
             "VLLM_CPU_KVCACHE_SPACE": args.kv_cache_gb,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": args.vllm_reserved_cpus,
             "TMPDIR/VLLM_CACHE_ROOT/TORCHINDUCTOR_CACHE_DIR": str(scratch),
         },
         "results": results,

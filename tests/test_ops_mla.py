@@ -14,9 +14,12 @@ from dsinfer.ops.external import FlashMlaAdapter
 D, DV, H = 24, 16, 3  # latent+rope dim, V dim (first DV channels), query heads
 
 
-@pytest.fixture
-def ops() -> Ops:
-    return select_ops(torch.device("cpu"), prefer="torch")
+@pytest.fixture(params=["torch", "numba"])
+def ops(request: pytest.FixtureRequest) -> Ops:
+    """Both CPU implementations of mla_decode: the torch reference and the fused numba kernel."""
+    ops = select_ops(torch.device("cpu"), prefer=request.param)
+    assert ops.backends["mla"] == request.param, ops.backends
+    return ops
 
 
 def _paged_cache(seqlens: list[int], page_size: int, gen: torch.Generator):

@@ -6,7 +6,7 @@ Every kernel family has an ordered list of candidate backends, best first:
 kernel      candidates                                   Ops functions
 ==========  ===========================================  ==========================
 gemm        deepgemm, triton, torch                      linear, grouped_gemm_*
-mla         flashmla, triton, torch                      mla_decode
+mla         flashmla, triton, numba, torch               mla_decode
 gate        triton, torch                                moe_gate
 sampling    triton, torch                                sample
 ==========  ===========================================  ==========================
@@ -15,7 +15,8 @@ A candidate is probed lazily and only at selection: ``deepgemm``/``flashmla`` ne
 and a successful ``import deep_gemm`` / ``import flash_mla``; ``triton`` needs a CUDA device and
 ``dsinfer.kernels`` exporting the kernel's functions (feature check by name, see
 ``TRITON_FEATURES``: the GEMM family uses DeepGEMM's newer names and signatures, the others the
-``Ops`` signatures); ``torch`` always works. The chosen functions live in the returned (frozen)
+``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
+and an importable numba; ``torch`` always works. The chosen functions live in the returned (frozen)
 :class:`Ops`; nothing global is mutated.
 """
 
@@ -43,7 +44,7 @@ KERNELS: tuple[str, ...] = ("gemm", "mla", "gate", "sampling")
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "gemm": ("deepgemm", "triton", "torch"),
-        "mla": ("flashmla", "triton", "torch"),
+        "mla": ("flashmla", "triton", "numba", "torch"),
         "gate": ("triton", "torch"),
         "sampling": ("triton", "torch"),
     }
@@ -115,6 +116,11 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
     """The implementation of ``kernel`` by ``backend`` on ``device``, or why it is unavailable."""
     if backend == "torch":
         return _torch_impl(kernel)
+    if backend == "numba":
+        if device.type != "cpu":
+            return "needs a CPU device"
+        module = _import("dsinfer.ops.mla_cpu")
+        return module if isinstance(module, str) else {"mla_decode": module.mla_decode}
     if device.type != "cuda":
         return "needs CUDA"
     if backend == "triton":

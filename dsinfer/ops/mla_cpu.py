@@ -1,0 +1,117 @@
+"""Fused MLA decode over the paged latent cache for CPUs (numba), with FlashMLA's semantics.
+
+The torch reference gathers every sequence's pages into a padded batch and reads it twice; decode
+attention is memory-bound, so this kernel reads each cached latent row once, straight from its
+page, for all query heads at once (they share the single latent KV head), with an online softmax
+across pages. Sequences run in parallel. Math is fp32; a bf16 cache is read as its raw bits.
+Semantics are those of :func:`dsinfer.ops.mla.mla_decode` (bottom-right causal mask, natural-log
+lse, an empty row gives out 0 and lse +inf); only slots below ``cache_seqlens`` are ever read.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+__all__ = ["mla_decode"]
+
+_FASTMATH = {"reassoc", "contract", "nsz"}  # let LLVM vectorize dot products; keep inf semantics
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+def _decode(q, cache, bf16, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
+    bsz, s_q, h_q, dim = q.shape
+    page_size = cache.shape[1]
+    rows = s_q * h_q
+    for b in numba.prange(bsz):
+        n = lens[b]
+        qb = q[b].reshape(rows, dim)
+        m = np.full(rows, -np.inf, dtype=np.float32)
+        denom = np.zeros(rows, dtype=np.float32)
+        acc = np.zeros((rows, dv), dtype=np.float32)
+        page = np.empty((page_size, dim), dtype=np.float32)
+        page_bits = page.view(np.uint32)
+        scores = np.empty((rows, page_size), dtype=np.float32)
+        for start in range(0, n, page_size):
+            count = min(page_size, n - start)
+            src = cache[table[b, start // page_size]]
+            if bf16:
+                for t in range(count):
+                    for d in range(dim):
+                        page_bits[t, d] = np.uint32(src[t, d]) << np.uint32(16)
+            else:
+                page[:count] = src[:count]
+            for r in range(rows):
+                visible = n - s_q + r // h_q + 1 if causal else n  # keys [0, visible) for this query
+                block_max = -np.inf
+                for t in range(count):
+                    if start + t >= visible:
+                        scores[r, t] = -np.inf
+                        continue
+                    dot = np.float32(0.0)
+                    for d in range(dim):
+                        dot += qb[r, d] * page[t, d]
+                    scores[r, t] = dot * scale
+                    block_max = max(block_max, scores[r, t])
+                if block_max == -np.inf:
+                    continue
+                new_max = max(m[r], block_max)
+                correction = np.exp(m[r] - new_max)
+                denom[r] *= correction
+                for d in range(dv):
+                    acc[r, d] *= correction
+                for t in range(count):
+                    p = np.exp(scores[r, t] - new_max)
+                    if p == 0.0:
+                        continue
+                    denom[r] += p
+                    for d in range(dv):
+                        acc[r, d] += p * page[t, d]
+                m[r] = new_max
+        for r in range(rows):
+            s, h = r // h_q, r % h_q
+            if denom[r] == 0.0:
+                out[b, s, h, :] = 0.0
+                lse[b, h, s] = np.inf
+            else:
+                for d in range(dv):
+                    out[b, s, h, d] = acc[r, d] / denom[r]
+                lse[b, h, s] = m[r] + np.log(denom[r])
+
+
+def mla_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, s_q, h_q, head_dim_v], lse fp32 [B, h_q, s_q])``; CPU tensors only."""
+    bsz, s_q, h_q, dim = q.shape
+    if k_cache.shape[2] != 1 or k_cache.shape[3] != dim:
+        raise ValueError(f"mla_decode expects k_cache [blocks, page, 1, {dim}], got {tuple(k_cache.shape)}")
+    if not 0 < head_dim_v <= dim:
+        raise ValueError(f"head_dim_v must be in (0, {dim}], got {head_dim_v}")
+    bf16 = k_cache.dtype == torch.bfloat16
+    if not bf16 and k_cache.dtype != torch.float32:
+        raise ValueError(f"mla_decode on CPU takes a float32 or bfloat16 cache, got {k_cache.dtype}")
+    cache = k_cache[:, :, 0, :]
+    cache_np = cache.view(torch.int16).numpy().view(np.uint16) if bf16 else cache.numpy()
+    out = torch.empty(bsz, s_q, h_q, head_dim_v, dtype=torch.float32)
+    lse = torch.empty(bsz, h_q, s_q, dtype=torch.float32)
+    _decode(
+        q.detach().float().contiguous().numpy(),
+        cache_np,
+        bf16,
+        block_table.to(torch.int32).contiguous().numpy(),
+        cache_seqlens.to(torch.int32).contiguous().numpy(),
+        head_dim_v,
+        np.float32(softmax_scale),
+        causal,
+        out.numpy(),
+        lse.numpy(),
+    )
+    return out.to(q.dtype), lse
