@@ -759,6 +759,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine subprocess")
     p.add_argument("--out", type=Path, help="results JSON")
     p.add_argument("--markdown", type=Path, help="markdown table (also printed)")
+    p.add_argument("--render", type=Path, help="only re-render the markdown of this results JSON")
     return p.parse_args(argv)
 
 
@@ -766,6 +767,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    if args.render:  # re-render the markdown of an existing results JSON
+        md = markdown_report(json.loads(args.render.read_text()))
+        print(md, end="")
+        if args.markdown:
+            args.markdown.write_text(md)
+        return 0
 
     command = shlex.join([Path(sys.executable).as_posix(), *sys.argv])
     scratch: Path = args.scratch

@@ -24,9 +24,9 @@ def build_forward_batch(
         positions.extend(range(start, start + q_len))
         slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + q_len))
     width = max(len(item.seq.pages) for item in items)
-    table = torch.zeros(len(items), width, dtype=torch.int32)
-    for row, item in enumerate(items):
-        table[row, : len(item.seq.pages)] = torch.tensor(item.seq.pages, dtype=torch.int32)
+    table = torch.tensor(
+        [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in items], dtype=torch.int32
+    )
     return ForwardBatch(
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),

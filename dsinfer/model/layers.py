@@ -120,11 +120,16 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = rope.attention_factor
         self.register_buffer("inv_freq", yarn_inv_freq(rope, dim).to("cpu"), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., dim], positions: [T]."""
-        angles = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
-        cos = (angles.cos() * self.attention_factor).to(x.dtype)
-        sin = (angles.sin() * self.attention_factor).to(x.dtype)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, dim/2] of the positions, YaRN's attention factor applied."""
+        angles = positions.float()[:, None] * self.inv_freq
+        return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(
+            dtype
+        )
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, ..., dim] rotated by ``cos_sin(positions)``."""
+        cos, sin = cos_sin
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
         if self.interleaved:

@@ -49,18 +49,21 @@ def linear(
 
 
 def _prepare_activation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """High-precision copy of ``a`` as the GEMM sees it: 1x128-quantized when ``b`` is fp8."""
+    """``a`` as the GEMM sees it: 1x128-quantized (in fp32) when ``b`` is fp8, else as it is
+    (a bf16 GEMM on CPU accumulates in fp32, as DeepGEMM does)."""
     if _is_fp8(b):
         q, s = quantize_activation_1x128(a)
         return dequantize_activation_1x128(q, s)
-    return a.float()
+    return a
 
 
-def _group_weight(b: torch.Tensor, b_scale: torch.Tensor | None, g: int | slice) -> torch.Tensor:
+def _group_weight(
+    b: torch.Tensor, b_scale: torch.Tensor | None, g: int | slice, dtype: torch.dtype
+) -> torch.Tensor:
     if _is_fp8(b):
         scale = _check_fp8_scale(b, b_scale, "grouped gemm")
         return dequantize_weight_128x128(b[g], scale[g])
-    return b[g].float()
+    return b[g].to(dtype)
 
 
 def grouped_gemm_contiguous(
@@ -75,20 +78,22 @@ def grouped_gemm_contiguous(
     high precision), ``m_indices`` int32 ``[m_sum]``. Returns ``[m_sum, n]`` in ``a``'s dtype.
     """
     m_sum, n = a.shape[0], b.shape[1]
-    out = torch.zeros(m_sum, n, dtype=torch.float32, device=a.device)
+    a_hp = _prepare_activation(a, b)
+    out = torch.zeros(m_sum, n, dtype=a_hp.dtype, device=a.device)
     if m_sum == 0:
         return out.to(a.dtype)
-    a_hp = _prepare_activation(a, b)
     idx = m_indices.long()
     if bool((idx[1:] >= idx[:-1]).all()):  # sorted by group (DeepGEMM's layout): slice the segments
         counts = torch.bincount(idx.clamp(min=0), minlength=b.shape[0]).tolist()
         start = int((idx < 0).sum())  # sorted: padding rows (-1) come first
         counts[0] -= start
+        if max(counts) * len(counts) <= 2 * (m_sum - start):  # balanced enough: one padded batched GEMM
+            return _padded_bmm(a_hp, b, b_scale, idx[start:], counts, out, start).to(a.dtype)
         for g, count in enumerate(counts):
             if count:
                 torch.mm(
                     a_hp[start : start + count],
-                    _group_weight(b, b_scale, g).t(),
+                    _group_weight(b, b_scale, g, a_hp.dtype).t(),
                     out=out[start : start + count],
                 )
                 start += count
@@ -96,8 +101,27 @@ def grouped_gemm_contiguous(
     # Otherwise loop over the groups that occur (at most G), never over tokens.
     for g in torch.unique(idx[idx >= 0]).tolist():
         rows = (idx == g).nonzero().squeeze(1)
-        out.index_copy_(0, rows, a_hp.index_select(0, rows) @ _group_weight(b, b_scale, g).t())
+        out.index_copy_(0, rows, a_hp.index_select(0, rows) @ _group_weight(b, b_scale, g, a_hp.dtype).t())
     return out.to(a.dtype)
+
+
+def _padded_bmm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    idx: torch.Tensor,
+    counts: list[int],
+    out: torch.Tensor,
+    start: int,
+) -> torch.Tensor:
+    """Rows ``a[start:]`` sorted by group ``idx``: scatter into ``[G, max(counts), k]``, one bmm, gather."""
+    firsts = torch.tensor([0, *counts[:-1]], device=a.device).cumsum(0)
+    within = torch.arange(idx.shape[0], device=a.device) - firsts[idx]
+    padded = a.new_zeros(len(counts), max(counts), a.shape[1])
+    padded[idx, within] = a[start:]
+    product = torch.bmm(padded, _group_weight(b, b_scale, slice(None), a.dtype).transpose(1, 2))
+    out[start:] = product[idx, within]
+    return out
 
 
 def grouped_gemm_masked(
@@ -122,5 +146,5 @@ def grouped_gemm_masked(
     a_hp = _prepare_activation(a, b)
     valid = torch.arange(m_max, device=a.device)[None, :] < masked_m.to(a.device).long()[:, None]
     a_hp = torch.where(valid[..., None], a_hp, 0.0)
-    out = torch.bmm(a_hp, _group_weight(b, b_scale, slice(None)).transpose(1, 2))
+    out = torch.bmm(a_hp, _group_weight(b, b_scale, slice(None), a_hp.dtype).transpose(1, 2))
     return torch.where(valid[..., None], out, 0.0).to(a.dtype)

@@ -19,10 +19,46 @@ __all__ = ["mla_decode"]
 _FASTMATH = {"reassoc", "contract", "nsz"}  # let LLVM vectorize dot products; keep inf semantics
 
 
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores):
+    """Online-softmax update of every query row with keys start..start+count-1 held in kv.
+    Key-major loops: each cached row is read once from memory for all query rows."""
+    rows, dim = qb.shape
+    for t in range(count):
+        for r in range(rows):
+            dot = np.float32(0.0)
+            for d in range(dim):
+                dot += qb[r, d] * kv[t, d]
+            scores[r, t] = dot * scale
+    for r in range(rows):
+        visible = min(count, (n - s_q + r // h_q + 1 if causal else n) - start)  # keys [start, start+visible)
+        if visible <= 0:
+            continue
+        new_max = max(m[r], scores[r, :visible].max())
+        correction = np.exp(m[r] - new_max)
+        denom[r] *= correction
+        for d in range(dv):
+            acc[r, d] *= correction
+        for t in range(visible):
+            scores[r, t] = np.exp(scores[r, t] - new_max)
+            denom[r] += scores[r, t]
+        m[r] = new_max
+    for t in range(count):
+        for r in range(rows):
+            visible = min(count, (n - s_q + r // h_q + 1 if causal else n) - start)
+            if t < visible:
+                p = scores[r, t]
+                for d in range(dv):
+                    acc[r, d] += p * kv[t, d]
+
+
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _decode(q, cache, bf16, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
+def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
+    """``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when ``cache`` has no rows and
+    ``bf16_bits`` holds the cache as uint16, bf16 read through a float32 scratch page."""
     bsz, s_q, h_q, dim = q.shape
-    page_size = cache.shape[1]
+    bf16 = bf16_bits.shape[0] > 0
+    page_size = bf16_bits.shape[1] if bf16 else cache.shape[1]
     rows = s_q * h_q
     for b in numba.prange(bsz):
         n = lens[b]
@@ -30,45 +66,22 @@ def _decode(q, cache, bf16, table, lens, dv, scale, causal, out, lse):  # numpy 
         m = np.full(rows, -np.inf, dtype=np.float32)
         denom = np.zeros(rows, dtype=np.float32)
         acc = np.zeros((rows, dv), dtype=np.float32)
+        scores = np.empty((rows, page_size), dtype=np.float32)
         page = np.empty((page_size, dim), dtype=np.float32)
         page_bits = page.view(np.uint32)
-        scores = np.empty((rows, page_size), dtype=np.float32)
         for start in range(0, n, page_size):
             count = min(page_size, n - start)
-            src = cache[table[b, start // page_size]]
+            block = table[b, start // page_size]
             if bf16:
+                src = bf16_bits[block]
                 for t in range(count):
                     for d in range(dim):
                         page_bits[t, d] = np.uint32(src[t, d]) << np.uint32(16)
+                _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores)
             else:
-                page[:count] = src[:count]
-            for r in range(rows):
-                visible = n - s_q + r // h_q + 1 if causal else n  # keys [0, visible) for this query
-                block_max = -np.inf
-                for t in range(count):
-                    if start + t >= visible:
-                        scores[r, t] = -np.inf
-                        continue
-                    dot = np.float32(0.0)
-                    for d in range(dim):
-                        dot += qb[r, d] * page[t, d]
-                    scores[r, t] = dot * scale
-                    block_max = max(block_max, scores[r, t])
-                if block_max == -np.inf:
-                    continue
-                new_max = max(m[r], block_max)
-                correction = np.exp(m[r] - new_max)
-                denom[r] *= correction
-                for d in range(dv):
-                    acc[r, d] *= correction
-                for t in range(count):
-                    p = np.exp(scores[r, t] - new_max)
-                    if p == 0.0:
-                        continue
-                    denom[r] += p
-                    for d in range(dv):
-                        acc[r, d] += p * page[t, d]
-                m[r] = new_max
+                _attend_page(
+                    qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores
+                )
         for r in range(rows):
             s, h = r // h_q, r % h_q
             if denom[r] == 0.0:
@@ -98,14 +111,18 @@ def mla_decode(
     bf16 = k_cache.dtype == torch.bfloat16
     if not bf16 and k_cache.dtype != torch.float32:
         raise ValueError(f"mla_decode on CPU takes a float32 or bfloat16 cache, got {k_cache.dtype}")
-    cache = k_cache[:, :, 0, :]
-    cache_np = cache.view(torch.int16).numpy().view(np.uint16) if bf16 else cache.numpy()
+    cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], dim)  # a view: numba sees C layout
+    if bf16:
+        cache_np = np.empty((0, 1, dim), dtype=np.float32)
+        bits_np = cache.view(torch.int16).numpy().view(np.uint16)
+    else:
+        cache_np, bits_np = cache.numpy(), np.empty((0, 1, dim), dtype=np.uint16)
     out = torch.empty(bsz, s_q, h_q, head_dim_v, dtype=torch.float32)
     lse = torch.empty(bsz, h_q, s_q, dtype=torch.float32)
     _decode(
         q.detach().float().contiguous().numpy(),
         cache_np,
-        bf16,
+        bits_np,
         block_table.to(torch.int32).contiguous().numpy(),
         cache_seqlens.to(torch.int32).contiguous().numpy(),
         head_dim_v,
