@@ -24,6 +24,19 @@ class RequestMetrics:
     finish_time: float
     num_cached_tokens: int  # prompt tokens served from the prefix cache
 
+    # vLLM's names, which benchmark tools read
+    @property
+    def first_token_latency(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def first_token_ts(self) -> float | None:
+        return self.first_token_time
+
+    @property
+    def last_token_ts(self) -> float:
+        return self.finish_time
+
 
 @dataclass
 class RequestOutput:
