@@ -174,6 +174,21 @@ class LLMEngine:
                 outputs.append(build_output(request_id, prompt, prompt_ids, seqs, self.tokenizer))
         return outputs
 
+    def stats_line(self) -> str:
+        """Counters since start: prefix-cache hits per tier, prefill saved, preemptions, MTP."""
+        sched, kv = self.scheduler.stats, self.kv.stats
+        line = (
+            f"prompt tokens {sched.prompt_tokens_submitted} submitted, {sched.prompt_tokens_computed} computed; "
+            f"cache hits {kv.memory_hit_tokens} memory + {kv.disk_hit_tokens} disk tokens; "
+            f"preemptions {sched.preemptions}; steps {sched.steps}"
+        )
+        if self.args.speculative_mtp:
+            line += (
+                f"; MTP acceptance {sched.acceptance_rate:.1%}, "
+                f"{sched.forwards_per_output_token:.2f} target forwards per decoded token"
+            )
+        return line
+
     def close(self) -> None:
         self.kv.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.outputs import RequestOutput
 
 Prompt = str | list[int]
+log = logging.getLogger("dsinfer.engine")
 
 
 class LLM:
@@ -74,6 +76,7 @@ class LLM:
                 if request_id not in results:
                     self.engine.abort_request(request_id)
             raise
+        log.info("%s", self.engine.stats_line())
         return [results[r] for r in request_ids]
 
 
