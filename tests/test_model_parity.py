@@ -226,3 +226,23 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(built: BuiltCheckpoint) -> No
     logits = loaded.model.compute_logits(loaded.model(ids, batch, pool.caches)[batch.last_token_indices()])
     for i, p in enumerate(prompts):
         compare(hf_logits(built.hf_model, p)[-1], logits[i])
+
+
+def test_batched_fresh_prefill_matches_transformers(built: BuiltCheckpoint) -> None:
+    """Several prompts with no cached prefix in one forward (the padded decompressed path)."""
+    loaded = _load(built)
+    prompts = [_prompt(n, seed=40 + n) for n in (30, 25, 33, 20)]
+    pool = LatentKVPool(loaded.model.num_cache_layers, 12, loaded.config.kv_cache_dim, page_size=PAGE)
+    pages = [pool.allocator.allocate(pool.pages_for(len(p))) for p in prompts]
+    batch = ForwardBatch(
+        positions=torch.cat([torch.arange(len(p)) for p in prompts]),
+        slot_mapping=torch.cat([pool.slots(pg, 0, len(p)) for p, pg in zip(prompts, pages, strict=True)]),
+        block_tables=pool.block_table(pages),
+        q_lens=[len(p) for p in prompts],
+        kv_lens=[len(p) for p in prompts],
+    )
+    logits = loaded.model.compute_logits(loaded.model(torch.tensor(sum(prompts, [])), batch, pool.caches))
+    start = 0
+    for p in prompts:
+        compare(hf_logits(built.hf_model, p), logits[start : start + len(p)])
+        start += len(p)

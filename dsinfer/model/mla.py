@@ -92,6 +92,11 @@ class MLA(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
     ) -> torch.Tensor:
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
+        n = batch.num_decompressed
+        q_lens, kv_lens = batch.q_lens[:n], batch.kv_lens[:n]
+        # Fresh prompts of similar lengths run as one padded batch; otherwise one sequence at a time.
+        if n > 1 and q_lens == kv_lens and n * max(q_lens) <= 2 * sum(q_lens):
+            return self._decompressed_padded(q, batch, kv_cache)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         page_size = kv_cache.shape[1]
         start = 0
@@ -118,6 +123,34 @@ class MLA(nn.Module):
             out[start : start + q_len] = o.transpose(0, 1)
             start += q_len
         return out
+
+    def _decompressed_padded(
+        self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Sequences with no cached prefix: pad to [n, L], decompress once, one causal attention."""
+        n = batch.num_decompressed
+        lens = torch.tensor(batch.q_lens[:n], device=q.device)
+        length, page_size = int(lens.max()), kv_cache.shape[1]
+        pos = torch.arange(length, device=q.device)
+        valid = pos[None, :] < lens[:, None]  # [n, L]
+        pages = batch.block_tables[:n, (pos // page_size).clamp(max=batch.block_tables.shape[1] - 1)].long()
+        latent = kv_cache.view(-1, kv_cache.shape[-1])[pages * page_size + pos % page_size].to(q.dtype)
+        c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [n, L, C], [n, L, rope]
+        kv = self.kv_b_proj(c).view(n, length, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        flat = valid.view(-1).nonzero().squeeze(1)  # padded row of each packed token, in order
+        q_pad = q.new_zeros(n * length, self.num_heads, q.shape[-1]).index_copy_(0, flat, q)
+        # causal within each sequence; a padding query sees key 0 only (its output is dropped)
+        mask = (pos[None, :, None] >= pos[None, None, :]) & (valid[:, None, :] | (pos == 0)[None, None, :])
+        o = F.scaled_dot_product_attention(
+            q_pad.view(n, length, self.num_heads, -1).transpose(1, 2),  # [n, H, L, d]
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None],
+            scale=self.softmax_scale,
+        )
+        return o.transpose(1, 2).reshape(n * length, self.num_heads, self.v_dim)[flat]
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
