@@ -241,7 +241,9 @@ def test_batched_fresh_prefill_matches_transformers(built: BuiltCheckpoint) -> N
         q_lens=[len(p) for p in prompts],
         kv_lens=[len(p) for p in prompts],
     )
-    logits = loaded.model.compute_logits(loaded.model(torch.tensor(sum(prompts, [])), batch, pool.caches))
+    logits = loaded.model.compute_logits(
+        loaded.model(torch.tensor([t for p in prompts for t in p]), batch, pool.caches)
+    )
     start = 0
     for p in prompts:
         compare(hf_logits(built.hf_model, p), logits[start : start + len(p)])
