@@ -8,7 +8,8 @@ tokens (its prefix plus the new ones), found through row i of ``block_tables``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +26,18 @@ class ForwardBatch:
     q_lens: list[int]  # new tokens per sequence
     kv_lens: list[int]  # cached tokens per sequence after this step (prefix + new)
     num_absorbed: int = 0
+    _rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def rope_cos_sin(
+        self,
+        compute: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]],
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of ``positions``, computed by the first layer that asks and reused by the others
+        (every layer of a model shares one RoPE configuration)."""
+        if dtype not in self._rope:
+            self._rope[dtype] = compute(self.positions, dtype)
+        return self._rope[dtype]
 
     def __post_init__(self) -> None:
         if len(self.q_lens) != len(self.kv_lens):

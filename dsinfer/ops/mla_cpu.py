@@ -20,12 +20,30 @@ _FASTMATH = {"reassoc", "contract", "nsz"}  # let LLVM vectorize dot products; k
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _scores4(qb, kv, t, r, dim, scale, scores):
+    """Scores of key t for query rows r..r+3: each cached value is loaded once for four FMAs."""
+    s0 = s1 = s2 = s3 = np.float32(0.0)
+    for d in range(dim):
+        k = kv[t, d]
+        s0 += qb[r, d] * k
+        s1 += qb[r + 1, d] * k
+        s2 += qb[r + 2, d] * k
+        s3 += qb[r + 3, d] * k
+    scores[r, t], scores[r + 1, t] = s0 * scale, s1 * scale
+    scores[r + 2, t], scores[r + 3, t] = s2 * scale, s3 * scale
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores):
     """Online-softmax update of every query row with keys start..start+count-1 held in kv.
-    Key-major loops: each cached row is read once from memory for all query rows."""
+    Key-major loops: each cached row is read once from memory for all query rows; query rows go
+    four at a time so a loaded value feeds four FMAs."""
     rows, dim = qb.shape
+    blocked = rows - rows % 4
     for t in range(count):
-        for r in range(rows):
+        for r in range(0, blocked, 4):
+            _scores4(qb, kv, t, r, dim, scale, scores)
+        for r in range(blocked, rows):
             dot = np.float32(0.0)
             for d in range(dim):
                 dot += qb[r, d] * kv[t, d]
@@ -33,23 +51,31 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
     for r in range(rows):
         visible = min(count, (n - s_q + r // h_q + 1 if causal else n) - start)  # keys [start, start+visible)
         if visible <= 0:
+            for t in range(count):
+                scores[r, t] = 0.0
             continue
         new_max = max(m[r], scores[r, :visible].max())
         correction = np.exp(m[r] - new_max)
         denom[r] *= correction
         for d in range(dv):
             acc[r, d] *= correction
-        for t in range(visible):
-            scores[r, t] = np.exp(scores[r, t] - new_max)
+        for t in range(count):
+            scores[r, t] = np.exp(scores[r, t] - new_max) if t < visible else 0.0
             denom[r] += scores[r, t]
         m[r] = new_max
     for t in range(count):
-        for r in range(rows):
-            visible = min(count, (n - s_q + r // h_q + 1 if causal else n) - start)
-            if t < visible:
-                p = scores[r, t]
-                for d in range(dv):
-                    acc[r, d] += p * kv[t, d]
+        for r in range(0, blocked, 4):
+            p0, p1, p2, p3 = scores[r, t], scores[r + 1, t], scores[r + 2, t], scores[r + 3, t]
+            for d in range(dv):
+                k = kv[t, d]
+                acc[r, d] += p0 * k
+                acc[r + 1, d] += p1 * k
+                acc[r + 2, d] += p2 * k
+                acc[r + 3, d] += p3 * k
+        for r in range(blocked, rows):
+            p = scores[r, t]
+            for d in range(dv):
+                acc[r, d] += p * kv[t, d]
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
