@@ -106,8 +106,8 @@ class FlashMlaAdapter:
     Original API: ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)`` returns
     ``(tile_metadata, num_splits)``. Newest API (exports ``FlashMLASchedMeta``):
     ``get_mla_metadata()`` returns ``(sched_meta, None)``, filled lazily by the first call.
-    Metadata is rebuilt on every call here; a runner that wants to reuse it across layers should
-    hold it per step (TODO once the adapter can be measured).
+    Metadata is rebuilt on every call here (once per layer); holding it per step is left for when
+    the adapter can be measured on a GPU (named in the session notes).
     """
 
     PAGE_SIZE = 64
