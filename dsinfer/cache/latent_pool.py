@@ -16,12 +16,13 @@ class OutOfPagesError(RuntimeError):
 
 
 class PageAllocator:
-    """Free list of page ids with reference counts (a page shared by prefixes has count > 1)."""
+    """Free list of page ids. References (a prefix page shared by several sequences) are counted
+    by the KV cache manager, which frees a page here once nobody holds it."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
-        self._refs = [0] * num_pages
+        self._allocated = [False] * num_pages
 
     @property
     def num_free(self) -> int:
@@ -32,22 +33,15 @@ class PageAllocator:
             raise OutOfPagesError(f"{n} pages requested, {len(self._free)} free of {self.num_pages}")
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
-            self._refs[p] = 1
+            self._allocated[p] = True
         return pages
-
-    def share(self, pages: list[int]) -> None:
-        for p in pages:
-            if self._refs[p] <= 0:
-                raise ValueError(f"page {p} is not allocated")
-            self._refs[p] += 1
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
-            if self._refs[p] <= 0:
+            if not self._allocated[p]:
                 raise ValueError(f"page {p} freed twice")
-            self._refs[p] -= 1
-            if self._refs[p] == 0:
-                self._free.append(p)
+            self._allocated[p] = False
+            self._free.append(p)
 
 
 class LatentKVPool:

@@ -95,12 +95,12 @@ class LLMEngine:
 
     def _make_pool(self, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
         layers = self.model.num_cache_layers
-        page_bytes = layers * PAGE_SIZE * self.config.kv_cache_dim * dtype.itemsize
         budget = self.args.kv_cache_memory
         if budget is None:
             fraction = self.args.kv_cache_memory_fraction or (0.9 if device.type == "cuda" else 0.1)
             budget = int(free_memory(device) * fraction)
-        num_pages = budget // page_bytes
+        num_pages = LatentKVPool.num_pages_for_budget(self.config, layers, budget, dtype)
+        page_bytes = LatentKVPool.page_bytes_for(self.config, layers, dtype)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
         log.info(

@@ -101,7 +101,7 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv.page_size)
+        return self.kv.pool.pages_for(num_tokens)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         needed = self.pages_for(prompt_len + max_tokens)
