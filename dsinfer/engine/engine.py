@@ -91,7 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, pool, self.ops, mtp=args.speculative_mtp)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._seeds = random.Random(args.seed)
-        self._requests: dict[str, tuple[list[int], list[Sequence], str | None]] = {}
+        self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
 
     def _make_pool(self, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
         layers = self.model.num_cache_layers
@@ -148,7 +148,7 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        self._requests[request_id] = (list(prompt_token_ids), seqs, prompt)
+        self._requests[request_id] = (seqs, prompt)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -168,10 +168,10 @@ class LLMEngine:
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         outputs = []
         for request_id in dict.fromkeys(seq.request_id for seq in finished):
-            prompt_ids, seqs, prompt = self._requests[request_id]
+            seqs, prompt = self._requests[request_id]
             if all(s.is_finished for s in seqs):
                 del self._requests[request_id]
-                outputs.append(build_output(request_id, prompt, prompt_ids, seqs, self.tokenizer))
+                outputs.append(build_output(request_id, prompt, seqs, self.tokenizer))
         return outputs
 
     def stats_line(self) -> str:

@@ -50,7 +50,7 @@ class RequestOutput:
 
 
 def build_output(
-    request_id: str, prompt: str | None, prompt_ids: list[int], seqs: list[Sequence], tokenizer: Tokenizer
+    request_id: str, prompt: str | None, seqs: list[Sequence], tokenizer: Tokenizer
 ) -> RequestOutput:
     completions = []
     for seq in seqs:
@@ -70,4 +70,5 @@ def build_output(
         finish_time=max(s.finish_time or 0.0 for s in seqs),
         num_cached_tokens=first.num_cached_prompt_tokens,
     )
+    prompt_ids = first.token_ids[: first.prompt_len]
     return RequestOutput(request_id, prompt, prompt_ids, first.prompt_logprobs, completions, metrics)
