@@ -161,6 +161,20 @@ def _pass_record(
     }
 
 
+def _three_passes(
+    generate: Callable[[int], tuple[float, Any]], spec: RunSpec, load_s: float
+) -> tuple[float, float, float, Any]:
+    """The same passes for every engine: warm-up, prefill-only (max_tokens=1), timed.
+    Returns (warm-up s, prefill s, timed s, the timed pass's outputs)."""
+    progress(f"loaded in {load_s:.1f}s; warm-up pass ({spec.warmup_output_len} tokens)")
+    warmup_s, _ = generate(spec.warmup_output_len)
+    progress(f"warm-up {warmup_s:.2f}s; prefill-only pass")
+    prefill_s, _ = generate(1)
+    progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
+    wall, outs = generate(spec.output_len)
+    return warmup_s, prefill_s, wall, outs
+
+
 def run_vllm(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
     try:
         import torch
@@ -196,12 +210,7 @@ def run_vllm(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         outs = llm.generate(inputs, params(n), use_tqdm=False)
         return time.perf_counter() - t, outs
 
-    progress(f"loaded in {load_s:.1f}s; warm-up pass ({spec.warmup_output_len} tokens)")
-    warmup_s, _ = generate(spec.warmup_output_len)
-    progress(f"warm-up {warmup_s:.2f}s; prefill-only pass")
-    prefill_s, _ = generate(1)
-    progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
-    wall, outs = generate(spec.output_len)
+    warmup_s, prefill_s, wall, outs = _three_passes(generate, spec, load_s)
 
     progress(f"timed pass {wall:.2f}s; shutting the engine down")
     try:
@@ -327,12 +336,7 @@ def run_dsinfer(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         outs = llm.generate(prompts, params)
         return time.perf_counter() - t, list(outs)
 
-    progress(f"loaded in {load_s:.1f}s; warm-up pass ({spec.warmup_output_len} tokens)")
-    warmup_s, _ = generate(spec.warmup_output_len)
-    progress(f"warm-up {warmup_s:.2f}s; prefill-only pass")
-    prefill_s, _ = generate(1)
-    progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
-    wall, outs = generate(spec.output_len)
+    warmup_s, prefill_s, wall, outs = _three_passes(generate, spec, load_s)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
 
     ttft, tpot = _dsinfer_request_timings(outs)
