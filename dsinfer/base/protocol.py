@@ -1,0 +1,213 @@
+"""Control-plane messages between the gateway, the workers and the pool launchers.
+
+Every message is a tagged msgspec Struct sent as one ZMQ frame of msgpack. Tensors never ride
+the control plane: KV moves through the transfer library (dsinfer.transfer), activations through
+the EP communicator. ``encode`` refuses a message over ``MAX_MESSAGE_BYTES`` and ``decode``
+refuses a frame over it, so a bug cannot push a tensor's worth of bytes through ZMQ.
+
+Who sends what (docs/serving.md has the whole flow):
+
+- worker rank -> gateway (DEALER -> ROUTER at --gateway-addr): Register once per incarnation,
+  then LoadReport every ``HEARTBEAT_INTERVAL`` s (it is also the heartbeat), KVDestination,
+  TokenDelta.
+- launcher -> gateway: PoolDown when a rank of its pool died (the pool restarts whole).
+- gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
+  (prefill), Abort.
+- prefill rank -> decode rank (PUSH -> the decode rank's inbox): PrefillDone after its last KV
+  write completed, TransferAborted once no write of an aborted transfer can still land.
+- decode rank -> prefill rank (PUSH -> the prefill rank's inbox): Abort of a transfer the decode
+  side gave up on (timeout or client abort).
+
+Request ids: the gateway splits a request with ``n`` choices into ``n`` worker requests
+``"<id>/<choice>"``, each with ``params.n == 1``, the request's ``choice`` index and one shared
+``seed``; the counter-based sampler keyed by (seed, choice, position, draw) makes every choice
+identical to the offline engine's, wherever its tokens are sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from dsinfer.base.sampling_params import SamplingParams
+
+MAX_MESSAGE_BYTES = 16 * 2**20
+HEARTBEAT_INTERVAL = 0.5  # seconds between LoadReports of one rank
+HEARTBEAT_TIMEOUT = 5.0  # a rank silent this long is dead to the gateway
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class MessageTooLargeError(ValueError):
+    pass
+
+
+class _Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+# worker -> gateway -----------------------------------------------------------------------------
+class Register(_Message, kw_only=True):
+    """A rank is up and serving. ``incarnation`` is new each time its pool (re)starts."""
+
+    worker: str  # "<role>/<pool>/<rank>", e.g. "decode/1/0"
+    role: str
+    pool: int
+    rank: int
+    pool_size: int
+    incarnation: str
+    inbox: str  # tcp://host:port of this rank's PULL socket for peer messages
+    transfer_agent: str = ""  # this rank's transfer-library agent name ("" for colocated)
+    transfer_metadata: bytes = b""  # what a peer needs to write into this rank's KV pool
+    kv_pages_total: int
+    page_size: int
+    max_model_len: int
+    model: str  # the served model's identity (config hash), so mixed pools are refused
+
+
+class LoadReport(_Message, kw_only=True):
+    """Heartbeat plus the numbers the balancers and /metrics need. Counters are since start."""
+
+    worker: str
+    incarnation: str
+    num_running: int = 0
+    num_waiting: int = 0  # queued, including decode requests waiting for their KV
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens admitted or queued but not yet computed
+    pending_attention_load: int = 0  # sum over queued prefills of new tokens x total context
+    prompt_tokens: int = 0
+    memory_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    transfer_bytes: int = 0  # KV bytes written (prefill) or received (decode)
+    transfer_seconds: float = 0.0  # summed wall time from first write to completion
+    transfers: int = 0
+    draining: bool = False
+
+
+class KVDestination(_Message, kw_only=True):
+    """Decode's answer to DecodeAdmit: where the prefill rank writes the prompt's KV.
+
+    The decode rank already holds the first ``num_cached_tokens`` prompt tokens (its prefix
+    cache; a multiple of the page size); ``pages`` are its pages for the prompt's remaining
+    pages in order, pre-allocated and reserved for this request until the transfer ends."""
+
+    request_id: str
+    worker: str
+    num_cached_tokens: int
+    pages: list[int]
+
+
+class TokenDelta(_Message, kw_only=True):
+    """New tokens of one worker request; the last one has ``finish_reason`` or ``error``."""
+
+    request_id: str
+    token_ids: list[int] = []
+    logprobs: list[dict[int, float]] | None = None  # one dict per token when asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta
+    num_prompt_tokens: int = 0  # with the first delta
+    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (first delta)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_text_len: int | None = None  # the text is cut here (a stop string matched)
+    error: str | None = None  # the request failed; a one-line reason
+
+
+class PoolDown(_Message, kw_only=True):
+    role: str
+    pool: int
+    incarnation: str
+    reason: str
+
+
+# gateway -> worker -----------------------------------------------------------------------------
+class WorkerRequest(_Message, kw_only=True):
+    """Fields every request to a worker has. ``params.n == 1``; ``seed`` is always set."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choice: int = 0
+    seed: int
+    deadline: float = 0.0  # time.time() after which the worker gives up (0 = none)
+
+
+class GenerateRequest(WorkerRequest, kw_only=True):
+    """Colocated role: prefill and decode on the same rank."""
+
+
+class DecodeAdmit(WorkerRequest, kw_only=True):
+    """Reserve pages for the prompt, answer with KVDestination, then wait for PrefillDone."""
+
+    prefill_worker: str
+    prefill_inbox: str
+
+
+class PrefillRequest(WorkerRequest, kw_only=True):
+    """Compute the prompt, write its KV into ``destination`` layer by layer, then PrefillDone."""
+
+    destination: KVDestination
+    decode_inbox: str
+    decode_agent: str
+    decode_transfer_metadata: bytes
+
+
+class Abort(_Message, kw_only=True):
+    request_id: str
+
+
+# prefill rank <-> decode rank ------------------------------------------------------------------
+class PrefillDone(_Message, kw_only=True):
+    """Every KV write of the request has completed; decode may start from ``first_token``."""
+
+    request_id: str
+    first_token: int
+    first_logprobs: dict[int, float] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens the prefill rank served from its own cache
+    mtp_draft: int | None = None  # the MTP layer's proposal after first_token
+    bytes_written: int = 0
+
+
+class TransferAborted(_Message, kw_only=True):
+    """Fence: no write of this request's transfer can land any more."""
+
+    request_id: str
+
+
+Message = (
+    Register
+    | LoadReport
+    | KVDestination
+    | TokenDelta
+    | PoolDown
+    | GenerateRequest
+    | DecodeAdmit
+    | PrefillRequest
+    | Abort
+    | PrefillDone
+    | TransferAborted
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: _Message) -> bytes:
+    data = _encoder.encode(message)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageTooLargeError(
+            f"{type(message).__name__} is {len(data)} bytes; the control plane carries at most "
+            f"{MAX_MESSAGE_BYTES} (tensors go through the transfer library)"
+        )
+    return data
+
+
+def decode(frame: bytes) -> Message:
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return _decoder.decode(frame)
+
+
+def worker_name(role: str, pool: int, rank: int) -> str:
+    return f"{role}/{pool}/{rank}"

@@ -1,0 +1,69 @@
+"""Arguments of one worker rank, as its pool launcher passes them (``--args-json``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from dsinfer.base.protocol import ROLES
+from dsinfer.engine.args import EngineArgs
+
+TRANSFER_BACKENDS = ("nixl", "mooncake")
+
+
+class PoolArgs(BaseModel):
+    """One pool: what ``dsinfer serve --role prefill|decode|colocated`` is given."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: str
+    pool_id: int = 0
+    pool_size: int = 1  # ranks in the pool (= EP size = DP size)
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's torch.distributed store; None = pick
+    gateway_addr: str  # HOST:PORT of the gateway's control socket
+    host: str = "127.0.0.1"  # address this node's ranks bind their inboxes on
+    engine: EngineArgs = EngineArgs()
+    transfer_backend: str = "nixl"
+    kv_transfer_timeout: float = 30.0  # seconds decode waits for PrefillDone
+    kv_quarantine: float = 60.0  # seconds an aborted transfer's pages stay unused without a fence
+    threads_per_rank: int | None = None  # torch threads per rank; None = cores / local ranks
+    max_restarts: int = 100  # launcher gives up after this many pool restarts
+    restart_backoff: float = 1.0  # seconds before a restart (doubles, capped at 30)
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolArgs:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(
+                f"transfer_backend must be one of {', '.join(TRANSFER_BACKENDS)}, got {self.transfer_backend!r}"
+            )
+        if self.pool_size < 1 or self.nnodes < 1:
+            raise ValueError("pool_size and nnodes must be at least 1")
+        if self.pool_size % self.nnodes:
+            raise ValueError(f"pool_size {self.pool_size} is not a multiple of nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("dist_init_addr is required when nnodes > 1")
+        for name in ("kv_transfer_timeout", "kv_quarantine"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.pool_size // self.nnodes
+
+
+class RankArgs(BaseModel):
+    """One rank of a pool, started by the launcher with a fresh ``incarnation`` per pool start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pool: PoolArgs
+    rank: int  # global rank in the pool
+    local_rank: int
+    dist_init_addr: str  # resolved by the launcher
+    incarnation: str
