@@ -23,6 +23,7 @@ __all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (dividing by them would overflow)
 PENALTY_LIMIT = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -54,11 +55,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_counts()
         self._normalise_stops()
+        self._check_logit_bias()
 
     def _check_numbers(self) -> None:
         for name in (
@@ -118,6 +121,18 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not _is_number(value) or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,15 @@ def free_memory(device: torch.device) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read free memory (no /proc/meminfo); pass kv_cache_memory")
+
+
+@dataclass
+class SeqUpdate:
+    """What one step added to a sequence (``seq.is_finished`` says whether it ended)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
 
 
 class LLMEngine:
@@ -116,9 +126,19 @@ class LLMEngine:
 
     # Requests ------------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        *,
+        first_choice: int = 0,
     ) -> None:
-        """Validates and queues; raises ValueError naming the problem (nothing is queued then)."""
+        """Validates and queues; raises ValueError naming the problem (nothing is queued then).
+
+        The request's choices are numbered from ``first_choice``: a server that splits ``n``
+        choices into ``n`` requests of one choice each passes the choice index here, so the
+        counter-based sampler draws exactly what the offline engine draws for that choice."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_len = len(prompt_token_ids)
@@ -135,7 +155,7 @@ class LLMEngine:
         seqs = [
             Sequence(
                 request_id=request_id,
-                choice=i,
+                choice=first_choice + i,
                 prompt_len=prompt_len,
                 token_ids=list(prompt_token_ids),
                 params=params,
@@ -164,6 +184,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         finished = self.scheduler.postprocess(batch, self.runner.run(batch))
         return self._collect(finished)
+
+    def step_updates(self) -> list[SeqUpdate]:
+        """Run one scheduled forward; returns every sequence that got tokens or finished in it."""
+        batch = self.scheduler.schedule()
+        before = [item.seq.num_tokens for item in batch.seqs]
+        finished = self.scheduler.postprocess(batch, self.runner.run(batch))
+        updates = []
+        for item, num_before in zip(batch.seqs, before, strict=True):
+            seq = item.seq
+            new = seq.num_tokens - num_before
+            if new or seq.is_finished:
+                logprobs = seq.logprobs[len(seq.logprobs) - new :] if seq.logprobs is not None else None
+                updates.append(SeqUpdate(seq, seq.token_ids[num_before:], logprobs))
+        self._collect(finished)
+        return updates
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         outputs = []

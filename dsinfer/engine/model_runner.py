@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.cache.latent_pool import LatentKVPool
 from dsinfer.engine.forward import build_forward_batch
 from dsinfer.engine.mtp import MTPProposer
@@ -89,6 +90,8 @@ class ModelRunner:
                 torch.tensor([p.frequency_penalty for p in params], device=self.device),
                 torch.tensor([p.repetition_penalty for p in params], device=self.device),
             )
+        if any(p.logit_bias for p in params):
+            logits = _apply_logit_bias(logits, params)
         sampling = SamplingTensors.from_params(
             params,
             seed=[seq.seed for seq in seqs],
@@ -126,6 +129,21 @@ class ModelRunner:
                 entry = _as_dict(lp.top_ids[j], lp.top_logprobs[j])
                 entry[token] = float(lp.token_logprob[j])
                 result.prompt_logprobs.append(entry)
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's logit_bias, added after the penalties; ids outside the vocabulary are ignored."""
+    vocab = logits.shape[-1]
+    rows, cols, values = [], [], []
+    for row, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if token < vocab:
+                rows.append(row)
+                cols.append(token)
+                values.append(value)
+    logits = logits.clone()
+    logits[rows, cols] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits
 
 
 def _step_tokens(item: ScheduledSeq) -> list[int]:
