@@ -222,6 +222,15 @@ class KVCacheManager:
                 self._key_of.pop(p, None)
                 self._alloc.free([p])
 
+    def retain(self, pages: list[int]) -> None:
+        """One more reference on pages that are already referenced (e.g. while a transfer reads
+        them); undone by ``release``."""
+        for p in pages:
+            if self._refs.get(p, 0) < 1:
+                raise ValueError(f"page {p} holds no reference to add to")
+        for p in pages:
+            self._refs[p] += 1
+
     def _evict_one(self) -> int:
         page, _ = self._evictable.popitem(last=False)
         del self._cached[self._key_of.pop(page)]

@@ -133,14 +133,29 @@ class LLMEngine:
         prompt: str | None = None,
         *,
         first_choice: int = 0,
+        prefill_only: bool = False,
     ) -> None:
         """Validates and queues; raises ValueError naming the problem (nothing is queued then).
 
         The request's choices are numbered from ``first_choice``: a server that splits ``n``
         choices into ``n`` requests of one choice each passes the choice index here, so the
-        counter-based sampler draws exactly what the offline engine draws for that choice."""
+        counter-based sampler draws exactly what the offline engine draws for that choice.
+        ``prefill_only`` (PD prefill side) ends each choice after its first token."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        seqs = self._new_sequences(request_id, prompt_token_ids, params, first_choice, prefill_only)
+        self._requests[request_id] = (seqs, prompt)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _new_sequences(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_choice: int,
+        prefill_only: bool,
+    ) -> list[Sequence]:
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
             raise ValueError("prompt is empty")
@@ -152,7 +167,7 @@ class LLMEngine:
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
         self.scheduler.check_fits(prompt_len, max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        seqs = [
+        return [
             Sequence(
                 request_id=request_id,
                 choice=first_choice + i,
@@ -160,17 +175,44 @@ class LLMEngine:
                 token_ids=list(prompt_token_ids),
                 params=params,
                 seed=seed,
-                max_tokens=max_tokens,
+                max_tokens=1 if prefill_only else max_tokens,
                 eos_ids=self.eos_ids,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-                if params.stop
+                if params.stop and not prefill_only
                 else None,
             )
             for i in range(params.n)
         ]
-        self._requests[request_id] = (seqs, prompt)
-        for seq in seqs:
-            self.scheduler.add(seq)
+
+    # PD decode side ------------------------------------------------------------------------
+    def new_remote_prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_choice: int = 0
+    ) -> Sequence:
+        """A validated one-choice sequence whose prompt another rank prefills: hold its pages with
+        ``scheduler.reserve``, then ``join_remote_prefill`` when the KV has arrived."""
+        if params.n != 1:
+            raise ValueError(f"n must be 1 for a remotely prefilled request, got {params.n}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        [seq] = self._new_sequences(request_id, prompt_token_ids, params, first_choice, False)
+        return seq
+
+    def join_remote_prefill(
+        self,
+        seq: Sequence,
+        first_token: int,
+        logprobs: dict[int, float] | None,
+        prompt_logprobs: list[dict[int, float] | None] | None,
+        draft: int | None,
+    ) -> SeqUpdate:
+        if seq.prompt_logprobs is not None and prompt_logprobs is not None:
+            seq.prompt_logprobs = list(prompt_logprobs)
+        self._requests[seq.request_id] = ([seq], None)
+        if self.scheduler.join(seq, first_token, logprobs):
+            self._collect([seq])
+        elif self.args.speculative_mtp:
+            seq.draft = draft
+        return SeqUpdate(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

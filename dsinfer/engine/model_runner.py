@@ -11,6 +11,8 @@ seeded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsinfer.base.sampling_params import SamplingParams
@@ -35,8 +37,11 @@ class ModelRunner:
         self.page_size = pool.page_size
         self.mtp = MTPProposer(model, pool, ops) if mtp else None
 
-    def run(self, batch: ScheduledBatch) -> list[StepResult]:
-        """One forward over the batch (plus the MTP layer's when speculating)."""
+    def run(
+        self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
+    ) -> list[StepResult]:
+        """One forward over the batch (plus the MTP layer's when speculating). ``after_layer`` is
+        called with each cache layer's index as soon as that layer's latent KV is written."""
         if not batch.seqs:
             return []
         forward = build_forward_batch(
@@ -47,6 +52,7 @@ class ModelRunner:
             self.page_size,
             self.device,
         )
+        forward.after_layer = after_layer
         ids = [t for s in batch.seqs for t in _step_tokens(s)]
         hidden = self.model(torch.tensor(ids, device=self.device), forward, self.pool.caches)
         ends = forward.last_token_indices().tolist()
@@ -66,7 +72,7 @@ class ModelRunner:
                         result.tokens.append(bonus)
         self._prompt_logprobs(batch, hidden, ends, results)
         if self.mtp is not None:
-            self.mtp.propose(batch, hidden, ends, results)
+            self.mtp.propose(batch, hidden, ends, results, after_layer)
         return results
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sample]:

@@ -10,6 +10,8 @@ draws the same token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsinfer.cache.latent_pool import LatentKVPool
@@ -25,7 +27,12 @@ class MTPProposer:
         self.device = pool.caches[0].device
 
     def propose(
-        self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int], results: list[StepResult]
+        self,
+        batch: ScheduledBatch,
+        hidden: torch.Tensor,
+        ends: list[int],
+        results: list[StepResult],
+        after_layer: Callable[[int], None] | None = None,
     ) -> None:
         """Run the MTP layer over this step's valid positions; set ``next_draft`` of samplers."""
         valid = [
@@ -44,6 +51,7 @@ class MTPProposer:
             self.pool.page_size,
             self.device,
         )
+        forward.after_layer = after_layer
         rows, next_tokens = [], []
         for i in order:
             item, result = batch.seqs[i], results[i]

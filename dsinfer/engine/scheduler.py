@@ -98,6 +98,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_reserved = 0
         self.stats = SchedulerStats()
 
     def pages_for(self, num_tokens: int) -> int:
@@ -117,6 +118,52 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # PD decode side: a sequence whose prompt KV another rank computes ------------------------
+    def reserve(self, seq: Sequence) -> bool:
+        """Hold pages for ``seq``'s whole prompt (its cached prefix first); False, holding
+        nothing, while seats or pages are short. The caller later ``join``s or gives the pages
+        back through ``cancel_reserved`` (their KV may still be being written)."""
+        if len(self.running) + self.num_reserved >= self.max_num_seqs:
+            return False
+        match = self.kv.match_prefix(seq.token_ids) if seq.uses_prefix_cache else None
+        cached_pages = match.pages if match else []
+        needed = self.pages_for(seq.prompt_len) - len(cached_pages)
+        if needed > self.kv.num_available_pages():
+            self.kv.release(cached_pages)
+            return False
+        seq.pages = cached_pages + self.kv.allocate(needed)
+        seq.num_cached_prompt_tokens = match.num_tokens if match else 0
+        seq.status = SeqStatus.RESERVED
+        self.num_reserved += 1
+        self.stats.prompt_tokens_submitted += seq.prompt_len
+        self.stats.prompt_tokens_cached += seq.num_cached_prompt_tokens
+        return True
+
+    def join(self, seq: Sequence, first_token: int, logprobs: dict[int, float] | None) -> bool:
+        """The prompt's KV has arrived: record the first token (sampled by the prefill rank) and
+        run the sequence. Returns whether it finished with that token."""
+        self.num_reserved -= 1
+        seq.num_computed_tokens = seq.prompt_len
+        seq.status = SeqStatus.RUNNING
+        if seq.uses_prefix_cache:
+            self.kv.commit(seq.token_ids, seq.pages, seq.prompt_len)
+        seq.append(first_token, logprobs)
+        if seq.finish_reason is not None:
+            self._finish(seq)
+            return True
+        self.running.append(seq)
+        return False
+
+    def cancel_reserved(self, seq: Sequence, reason: str = "abort") -> list[int]:
+        """End a reserved sequence; returns its pages, still referenced, for the caller to release
+        once no write can land in them."""
+        self.num_reserved -= 1
+        pages, seq.pages = seq.pages, []
+        seq.finish_reason = reason
+        seq.status = SeqStatus.FINISHED
+        seq.finish_time = time.monotonic()
+        return pages
 
     # Scheduling ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

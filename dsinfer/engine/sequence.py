@@ -17,6 +17,7 @@ from dsinfer.base.tokenizer import IncrementalDetokenizer
 
 class SeqStatus(Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"  # decode side of PD: pages held for the prompt's KV, which a prefill rank writes
     RUNNING = "running"
     FINISHED = "finished"
 

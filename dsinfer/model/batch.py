@@ -26,6 +26,7 @@ class ForwardBatch:
     q_lens: list[int]  # new tokens per sequence
     kv_lens: list[int]  # cached tokens per sequence after this step (prefix + new)
     num_absorbed: int = 0
+    after_layer: Callable[[int], None] | None = None  # called with each cache layer's index once written
     _rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def rope_cos_sin(

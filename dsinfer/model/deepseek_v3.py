@@ -127,8 +127,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]; writes each layer's latent cache."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=False):  # MTP caches follow
-            x = layer(x, batch, kv_cache)
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
+            x = layer(x, batch, kv_cache)  # (MTP caches follow the decoder layers' in kv_caches)
+            if batch.after_layer is not None:
+                batch.after_layer(i)
         return self.model.norm(x)
 
     @torch.inference_mode()
@@ -146,7 +148,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """MTP module ``depth`` over (hidden of position t, token t+1) -> its hidden states [T, H]."""
         layer = self._mtp_layer(depth)
-        return layer.forward_mtp(hidden, next_tokens, batch, kv_caches[self.config.num_hidden_layers + depth])
+        index = self.config.num_hidden_layers + depth
+        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[index])
+        if batch.after_layer is not None:
+            batch.after_layer(index)
+        return out
 
     @torch.inference_mode()
     def compute_mtp_logits(self, mtp_hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
