@@ -167,6 +167,8 @@ class PrefillDone(_Message, kw_only=True):
     num_cached_tokens: int = 0  # prompt tokens the prefill rank served from its own cache
     mtp_draft: int | None = None  # the MTP layer's proposal after first_token
     bytes_written: int = 0
+    first_write_at: float = 0.0  # time.time() when the first KV write started
+    forward_done_at: float = 0.0  # time.time() when the forward that sampled first_token ended
 
 
 class TransferAborted(_Message, kw_only=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from dsinfer.cache.latent_pool import LatentKVPool
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
-from dsinfer.engine.scheduler import Scheduler
+from dsinfer.engine.scheduler import ScheduledBatch, Scheduler
 from dsinfer.engine.sequence import Sequence
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
@@ -85,6 +86,7 @@ class LLMEngine:
             )
         pool = self._make_pool(device, dtype)
         root = _model_identity(loaded.path, loaded.load_format, args.seed, dtype)
+        self.model_identity = root.hex()  # servers refuse to mix workers of different models
         disk = None
         if args.kv_disk_cache_dir is not None:
             disk = DiskKVTier(
@@ -214,6 +216,9 @@ class LLMEngine:
             seq.draft = draft
         return SeqUpdate(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
@@ -227,11 +232,18 @@ class LLMEngine:
         finished = self.scheduler.postprocess(batch, self.runner.run(batch))
         return self._collect(finished)
 
-    def step_updates(self) -> list[SeqUpdate]:
-        """Run one scheduled forward; returns every sequence that got tokens or finished in it."""
+    def step_updates(
+        self, layer_hook_for: Callable[[ScheduledBatch], Callable[[int], None] | None] | None = None
+    ) -> list[SeqUpdate]:
+        """Run one scheduled forward; returns every sequence that got tokens or finished in it.
+
+        ``layer_hook_for(batch)``, when given, sees the scheduled batch before the forward and may
+        return a callback the model calls with each cache layer's index once that layer's KV is
+        written (the PD prefill side starts its KV writes there)."""
         batch = self.scheduler.schedule()
         before = [item.seq.num_tokens for item in batch.seqs]
-        finished = self.scheduler.postprocess(batch, self.runner.run(batch))
+        hook = layer_hook_for(batch) if layer_hook_for is not None else None
+        finished = self.scheduler.postprocess(batch, self.runner.run(batch, hook))
         updates = []
         for item, num_before in zip(batch.seqs, before, strict=True):
             seq = item.seq

@@ -257,7 +257,7 @@ class Scheduler:
                 seq.append(token, logprobs)
                 if seq.finish_reason is not None:
                     break
-            seq.draft = result.next_draft if seq.finish_reason is None else None
+            seq.draft = result.next_draft  # kept after a prefill-only finish: PD sends it on
             if seq.uses_prefix_cache:
                 self.kv.commit(seq.token_ids, seq.pages, seq.num_computed_tokens)
             if seq.finish_reason is not None:

@@ -1,0 +1,166 @@
+"""PD decode role: reserve pages for incoming prompts, receive their KV, decode.
+
+DecodeAdmit -> the request queues until the scheduler can reserve its prompt pages (seats and
+KV permitting), then KVDestination tells the gateway where the prefill rank writes. PrefillDone
+(sent by the prefill rank after its last write completed) joins the request to the running batch
+with its first token. Reserved pages of a transfer that ends any other way (abort, timeout, the
+prefill side giving up) go to quarantine: they return to the pool only when the prefill rank
+confirms no write can land (TransferAborted, or a late PrefillDone) or after ``quarantine``
+seconds, so a late write never lands in a page given to another request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from dsinfer.base.protocol import (
+    Abort,
+    DecodeAdmit,
+    KVDestination,
+    Message,
+    PrefillDone,
+    TokenDelta,
+    TransferAborted,
+)
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.sequence import Sequence
+from dsinfer.workers.role import Outbox, RoleWorker, abort_running, delta_of, request_params
+
+log = logging.getLogger("dsinfer.worker")
+
+
+@dataclass
+class _Incoming:
+    msg: DecodeAdmit
+    seq: Sequence
+    deadline: float = 0.0  # monotonic; set once the pages are reserved
+
+
+class DecodeWorker(RoleWorker):
+    role = "decode"
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        outbox: Outbox,
+        worker: str,
+        incarnation: str,
+        *,
+        transfer_timeout: float,
+        quarantine: float,
+    ) -> None:
+        super().__init__(engine, outbox, worker, incarnation)
+        self.transfer_timeout, self.quarantine = transfer_timeout, quarantine
+        self._queued: deque[_Incoming] = deque()  # waiting for seats or pages
+        self._reserved: dict[str, _Incoming] = {}  # pages held, waiting for PrefillDone
+        self._quarantined: dict[str, tuple[list[int], float]] = {}  # pages, release time
+
+    # Messages --------------------------------------------------------------------------------
+    def handle(self, message: Message, now: float) -> None:
+        if isinstance(message, DecodeAdmit):
+            self._admit(message, now)
+        elif isinstance(message, PrefillDone):
+            self._join(message, now)
+        elif isinstance(message, TransferAborted):
+            self._fenced(message.request_id)
+        elif isinstance(message, Abort):
+            self._abort(message.request_id, now)
+        else:
+            log.warning("decode worker ignored %s", type(message).__name__)
+
+    def _admit(self, msg: DecodeAdmit, now: float) -> None:
+        if self.refuse_if_draining(msg):
+            return
+        try:
+            seq = self.engine.new_remote_prefill(
+                msg.request_id, msg.prompt_token_ids, request_params(msg), msg.choice
+            )
+        except ValueError as e:
+            self.fail(msg.request_id, str(e))
+            return
+        self._queued.append(_Incoming(msg, seq))
+        self._reserve_queued(now)
+
+    def _reserve_queued(self, now: float) -> None:
+        page_size = self.engine.kv.page_size
+        while self._queued and self.engine.scheduler.reserve(self._queued[0].seq):
+            item = self._queued.popleft()
+            seq = item.seq
+            item.deadline = now + self.transfer_timeout
+            self._reserved[seq.request_id] = item
+            first_page = seq.num_cached_prompt_tokens // page_size
+            self.outbox.send_gateway(
+                KVDestination(
+                    request_id=seq.request_id,
+                    worker=self.worker,
+                    num_cached_tokens=seq.num_cached_prompt_tokens,
+                    pages=seq.pages[first_page:],
+                )
+            )
+
+    def _join(self, done: PrefillDone, now: float) -> None:
+        item = self._reserved.pop(done.request_id, None)
+        if item is None:  # aborted meanwhile: the message is the fence for its pages
+            self._fenced(done.request_id)
+            return
+        if done.first_write_at:
+            self.transfer.seconds += max(0.0, done.forward_done_at - done.first_write_at)
+        self.transfer.bytes += done.bytes_written
+        self.transfer.count += 1
+        update = self.engine.join_remote_prefill(
+            item.seq, done.first_token, done.first_logprobs, done.prompt_logprobs, done.mtp_draft
+        )
+        self.outbox.send_gateway(delta_of(update, num_cached_tokens=done.num_cached_tokens))
+
+    def _fenced(self, request_id: str) -> None:
+        """No write of ``request_id``'s transfer can land any more."""
+        held = self._quarantined.pop(request_id, None)
+        if held is not None:
+            self.engine.kv.release(held[0])
+            return
+        item = self._reserved.pop(request_id, None)
+        if item is not None:  # the prefill side gave up on its own
+            self.engine.kv.release(self.engine.scheduler.cancel_reserved(item.seq))
+            self.fail(request_id, f"prefill rank {item.msg.prefill_worker} aborted the KV transfer")
+
+    def _abort(self, request_id: str, now: float) -> None:
+        for item in self._queued:
+            if item.seq.request_id == request_id:
+                self._queued.remove(item)
+                self.outbox.send_gateway(TokenDelta(request_id=request_id, finish_reason="abort"))
+                return
+        if request_id in self._reserved:
+            self._give_up(request_id, now)
+            self.outbox.send_gateway(TokenDelta(request_id=request_id, finish_reason="abort"))
+            return
+        abort_running(self.engine, self.outbox, request_id)
+
+    def _give_up(self, request_id: str, now: float) -> None:
+        item = self._reserved.pop(request_id)
+        pages = self.engine.scheduler.cancel_reserved(item.seq)
+        self._quarantined[request_id] = (pages, now + self.quarantine)
+        self.outbox.send_peer(item.msg.prefill_inbox, Abort(request_id=request_id))
+
+    # Progress ----------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for request_id, item in list(self._reserved.items()):
+            if now >= item.deadline:
+                self._give_up(request_id, now)
+                self.fail(
+                    request_id,
+                    f"KV transfer from {item.msg.prefill_worker} timed out after {self.transfer_timeout:g} s",
+                )
+        for request_id, (pages, release_at) in list(self._quarantined.items()):
+            if now >= release_at:
+                log.info("quarantine of %s expired; %d pages released", request_id, len(pages))
+                del self._quarantined[request_id]
+                self.engine.kv.release(pages)
+        self._reserve_queued(now)
+
+    def busy(self) -> bool:
+        return self.has_work() or bool(self._queued or self._reserved or self._quarantined)
+
+    def num_queued_elsewhere(self) -> int:
+        return len(self._queued) + len(self._reserved)

@@ -1,0 +1,218 @@
+"""PD prefill role: compute prompts, write their KV into decode ranks' pages layer by layer.
+
+Per request: the engine prefills it (chunked, prefix cache) and samples the first token. Before
+each forward the role plans, per request in the batch, the prompt pages that are complete after
+this step and not yet sent (from the decode side's first uncached page); the model's per-layer
+callback starts the write of layer l as soon as layer l's KV is written, so transfers of the
+first layers run while later layers compute. Pages being read by a write hold an extra
+reference (they cannot be evicted or reused) until that write is done. When the first token is
+known and every write is done, PrefillDone goes to the decode rank: it is the fence after which
+the decode side may read the pages. An abort stops scheduling, waits for the writes in flight,
+then sends TransferAborted (the fence for an aborted transfer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from dsinfer.base.protocol import (
+    Abort,
+    Message,
+    PrefillDone,
+    PrefillRequest,
+    TransferAborted,
+)
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.scheduler import ScheduledBatch
+from dsinfer.engine.sequence import Sequence
+from dsinfer.transfer.base import TransferBackend, TransferError, TransferHandle
+from dsinfer.workers.role import Outbox, RoleWorker, request_params
+
+log = logging.getLogger("dsinfer.worker")
+
+
+@dataclass
+class _Outgoing:
+    msg: PrefillRequest
+    first_page: int  # prompt pages before this one the decode rank already holds
+    sent: set[int] = field(default_factory=set)  # prompt page indices whose writes were started
+    in_flight: list[tuple[TransferHandle, list[int]]] = field(default_factory=list)  # + pages retained
+    bytes_written: int = 0
+    started: float | None = None
+    done: Sequence | None = None  # the finished prefill (first token sampled)
+    forward_done_at: float = 0.0  # time.time() when the step that sampled the first token ended
+    aborted: bool = False
+    error: str | None = None
+
+
+class PrefillWorker(RoleWorker):
+    role = "prefill"
+
+    def __init__(
+        self, engine: LLMEngine, outbox: Outbox, worker: str, incarnation: str, transfer: TransferBackend
+    ) -> None:
+        super().__init__(engine, outbox, worker, incarnation)
+        self.backend = transfer
+        self.page_size = engine.kv.page_size
+        self.page_bytes = [c[0].numel() * c.element_size() for c in engine.kv.pool.caches]
+        self._out: dict[str, _Outgoing] = {}
+
+    # Messages --------------------------------------------------------------------------------
+    def handle(self, message: Message, now: float) -> None:
+        if isinstance(message, PrefillRequest):
+            self._start(message)
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+        else:
+            log.warning("prefill worker ignored %s", type(message).__name__)
+
+    def _start(self, msg: PrefillRequest) -> None:
+        if self.refuse_if_draining(msg):
+            return
+        dest = msg.destination
+        if dest.num_cached_tokens % self.page_size:
+            self.fail(msg.request_id, f"decode cached {dest.num_cached_tokens} tokens, not whole pages")
+            return
+        try:
+            self.backend.connect(msg.decode_agent, msg.decode_transfer_metadata)
+            self.engine.add_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                request_params(msg),
+                first_choice=msg.choice,
+                prefill_only=True,
+            )
+        except (ValueError, TransferError) as e:
+            self.fail(msg.request_id, str(e))
+            return
+        first_page = dest.num_cached_tokens // self.page_size
+        expected = self.engine.kv.pool.pages_for(len(msg.prompt_token_ids)) - first_page
+        if len(dest.pages) != expected:
+            self.engine.abort_request(msg.request_id)
+            self.fail(msg.request_id, f"decode gave {len(dest.pages)} pages for {expected} to send")
+            return
+        self._out[msg.request_id] = _Outgoing(msg, first_page)
+
+    def _abort(self, request_id: str) -> None:
+        out = self._out.get(request_id)
+        if out is None:
+            return
+        out.aborted = True
+        if self.engine.has_request(request_id):
+            self.engine.abort_request(request_id)
+
+    # Step --------------------------------------------------------------------------------------
+    def step(self) -> None:
+        for update in self.engine.step_updates(self._plan_writes):
+            seq = update.seq
+            out = self._out.get(seq.request_id)
+            if out is not None and seq.is_finished and seq.finish_reason != "abort":
+                out.done, out.forward_done_at = seq, time.time()
+
+    def _plan_writes(self, batch: ScheduledBatch) -> object:
+        plan: list[tuple[_Outgoing, list[int], list[int]]] = []
+        for item in batch.seqs:
+            out = self._out.get(item.seq.request_id)
+            if out is None or out.aborted:
+                continue
+            seq = item.seq
+            last = seq.prompt_len if item.end >= seq.prompt_len else item.end
+            complete = -(-last // self.page_size) if last == seq.prompt_len else last // self.page_size
+            new = [p for p in range(out.first_page, complete) if p not in out.sent]
+            if not new:
+                continue
+            out.sent.update(new)
+            src = [seq.pages[p] for p in new]
+            dst = [out.msg.destination.pages[p - out.first_page] for p in new]
+            plan.append((out, src, dst))
+        if not plan:
+            return None
+
+        def after_layer(layer: int) -> None:
+            now = time.monotonic()
+            for out, src, dst in plan:
+                if out.error is not None:
+                    continue
+                try:
+                    handle = self.backend.write_pages(out.msg.decode_agent, layer, src, dst)
+                except TransferError as e:
+                    out.error = f"KV write to {out.msg.destination.worker} failed: {e}"
+                    continue
+                self.engine.kv.retain(src)
+                out.in_flight.append((handle, src))
+                out.bytes_written += len(src) * self.page_bytes[layer]
+                out.started = out.started or now
+
+        return after_layer
+
+    # Progress ----------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        for request_id in list(self._out):
+            out = self._out[request_id]
+            self._poll(out)
+            if out.in_flight:
+                continue
+            if out.aborted or out.error is not None:
+                if out.error is not None:
+                    self.fail(request_id, out.error)
+                    if self.engine.has_request(request_id):
+                        self.engine.abort_request(request_id)
+                self.outbox.send_peer(out.msg.decode_inbox, TransferAborted(request_id=request_id))
+                del self._out[request_id]
+            elif out.done is not None:
+                self._finish(out, now)
+                del self._out[request_id]
+
+    def _poll(self, out: _Outgoing) -> None:
+        pending = []
+        for handle, pages in out.in_flight:
+            state = self.backend.poll(handle)
+            if state == "pending":
+                pending.append((handle, pages))
+                continue
+            self.backend.release(handle)
+            self.engine.kv.release(pages)
+            if state == "failed" and out.error is None:
+                out.error = f"KV write to {out.msg.destination.worker} failed"
+        out.in_flight = pending
+
+    def _finish(self, out: _Outgoing, now: float) -> None:
+        seq = out.done
+        assert seq is not None
+        first_token = seq.output_token_ids[0]
+        if out.started is not None:
+            self.transfer.seconds += now - out.started
+        self.transfer.bytes += out.bytes_written
+        self.transfer.count += 1
+        self.outbox.send_peer(
+            out.msg.decode_inbox,
+            PrefillDone(
+                request_id=seq.request_id,
+                first_token=first_token,
+                first_logprobs=seq.logprobs[0] if seq.logprobs else None,
+                prompt_logprobs=seq.prompt_logprobs,
+                num_cached_tokens=seq.num_cached_prompt_tokens,
+                mtp_draft=seq.draft,
+                bytes_written=out.bytes_written,
+                first_write_at=_wall(out.started),
+                forward_done_at=out.forward_done_at,
+            ),
+        )
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def busy(self) -> bool:
+        return self.has_work() or bool(self._out)
+
+    def num_queued_elsewhere(self) -> int:
+        return sum(1 for out in self._out.values() if out.done is not None)
+
+
+def _wall(monotonic: float | None) -> float:
+    """A monotonic instant as time.time() (timestamps that cross processes)."""
+    if monotonic is None:
+        return 0.0
+    return time.time() - (time.monotonic() - monotonic)

@@ -1,0 +1,172 @@
+"""One rank of a pool: ``python -m dsinfer.workers.rank --args-json JSON`` (its launcher starts it).
+
+The step loop runs in lockstep across the pool (docs/serving.md): every iteration all ranks
+all-reduce (max) three flags - has work, stopping, busy - and every rank steps when any rank
+has work, an empty batch where it has none, so the collectives of a step always line up. When
+the whole pool is idle each rank blocks in its socket poll for up to ``IDLE_POLL_MS`` instead of
+spinning. SIGTERM drains: the rank refuses new requests, finishes what it holds, and the pool
+exits together once every rank is stopping and no rank is busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dsinfer.base.protocol import HEARTBEAT_INTERVAL, Register, worker_name
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.transfer.base import TransferBackend
+from dsinfer.transfer.registry import make_transfer_backend
+from dsinfer.workers.args import RankArgs
+from dsinfer.workers.channel import WorkerChannel
+from dsinfer.workers.decode import DecodeWorker
+from dsinfer.workers.prefill import PrefillWorker
+from dsinfer.workers.role import ColocatedWorker, RoleWorker
+
+log = logging.getLogger("dsinfer.worker")
+
+IDLE_POLL_MS = 20
+REGISTER_EVERY = 5.0  # seconds; a restarted gateway learns the ranks again from these
+DIST_TIMEOUT = timedelta(minutes=10)
+
+
+class StepFlags:
+    """The pool-wide OR of each rank's flags, through one all-reduce (none for a single rank)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def agree(self, has_work: bool, stopping: bool, busy: bool) -> tuple[bool, bool, bool]:
+        """(any has work, all stopping, any busy)."""
+        if self.world_size == 1:
+            return has_work, stopping, busy
+        flags = torch.tensor([int(has_work), int(not stopping), int(busy)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), not bool(flags[1]), bool(flags[2])
+
+
+def build_role(
+    args: RankArgs, engine: LLMEngine, channel: WorkerChannel
+) -> tuple[RoleWorker, TransferBackend | None]:
+    pool = args.pool
+    name = worker_name(pool.role, pool.pool_id, args.rank)
+    if pool.role == "colocated":
+        return ColocatedWorker(engine, channel, name, args.incarnation), None
+    transfer = make_transfer_backend(pool.transfer_backend, f"{name}@{args.incarnation}")
+    transfer.register_pool(engine.kv.pool.caches)
+    if pool.role == "prefill":
+        return PrefillWorker(engine, channel, name, args.incarnation, transfer), transfer
+    worker = DecodeWorker(
+        engine,
+        channel,
+        name,
+        args.incarnation,
+        transfer_timeout=pool.kv_transfer_timeout,
+        quarantine=pool.kv_quarantine,
+    )
+    return worker, transfer
+
+
+def run_rank(args: RankArgs) -> int:
+    pool = args.pool
+    threads = pool.threads_per_rank or max(1, (os.cpu_count() or 1) // pool.ranks_per_node)
+    torch.set_num_threads(threads)
+    name = worker_name(pool.role, pool.pool_id, args.rank)
+    if pool.pool_size > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{args.dist_init_addr}",
+            rank=args.rank,
+            world_size=pool.pool_size,
+            timeout=DIST_TIMEOUT,
+        )
+    stopping = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    engine = LLMEngine(pool.engine)
+    channel = WorkerChannel(name, pool.gateway_addr, pool.host)
+    role, transfer = build_role(args, engine, channel)
+    register = Register(
+        worker=name,
+        role=pool.role,
+        pool=pool.pool_id,
+        rank=args.rank,
+        pool_size=pool.pool_size,
+        incarnation=args.incarnation,
+        inbox=channel.inbox_addr,
+        transfer_agent=transfer.agent_name if transfer else "",
+        transfer_metadata=transfer.metadata() if transfer else b"",
+        kv_pages_total=engine.kv.num_pages,
+        page_size=engine.kv.page_size,
+        max_model_len=engine.max_model_len,
+        model=engine.model_identity,
+    )
+    flags = StepFlags(pool.pool_size)
+    log.info(
+        "rank %s up (incarnation %s, %d threads, inbox %s)",
+        name,
+        args.incarnation,
+        threads,
+        channel.inbox_addr,
+    )
+    last_report = last_register = 0.0
+    try:
+        while True:
+            now = time.monotonic()
+            if now - last_register >= REGISTER_EVERY:
+                channel.send_gateway(register)
+                last_register = now
+            timeout = 0 if role.busy() else IDLE_POLL_MS
+            for message in channel.receive(timeout):
+                role.handle(message, time.monotonic())
+            if stopping and not role.draining:
+                role.draining = True
+                log.info("rank %s draining", name)
+            role.tick(time.monotonic())
+            has_work, all_stopping, any_busy = flags.agree(role.has_work(), stopping, role.busy())
+            if all_stopping and not any_busy:
+                break
+            if has_work:
+                role.step()
+            if time.monotonic() - last_report >= HEARTBEAT_INTERVAL:
+                channel.send_gateway(role.load_report())
+                last_report = time.monotonic()
+    finally:
+        channel.send_gateway(role.load_report())
+        engine.close()
+        if transfer is not None:
+            transfer.close()
+        channel.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    log.info("rank %s stopped", name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsinfer-rank")
+    parser.add_argument("--args-json", required=True)
+    parser.add_argument("--log-level", default="INFO")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run_rank(RankArgs.model_validate_json(ns.args_json))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
