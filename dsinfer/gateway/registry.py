@@ -1,0 +1,108 @@
+"""The gateway's view of the worker ranks: who registered, who is healthy, their last load."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from dsinfer.base.protocol import HEARTBEAT_TIMEOUT, LoadReport, Register
+
+log = logging.getLogger("dsinfer.gateway")
+
+
+@dataclass
+class WorkerInfo:
+    register: Register
+    last_seen: float
+    report: LoadReport | None = None
+    healthy: bool = True  # heartbeats recent and its pool not reported down
+    pool_down: bool = False  # this incarnation's pool died: never healthy again
+
+    @property
+    def name(self) -> str:
+        return self.register.worker
+
+    @property
+    def role(self) -> str:
+        return self.register.role
+
+    @property
+    def pool_key(self) -> tuple[str, int]:
+        return self.register.role, self.register.pool
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.workers: dict[str, WorkerInfo] = {}
+        self.model: str | None = None  # identity of the first registered model
+
+    def register(self, msg: Register, now: float) -> tuple[bool, WorkerInfo | None]:
+        """Returns (accepted, the replaced entry when the rank came back as a new incarnation)."""
+        if self.model is None:
+            self.model = msg.model
+        elif msg.model != self.model:
+            log.error(
+                "refused %s: it serves another model (%s, not %s)",
+                msg.worker,
+                msg.model[:12],
+                self.model[:12],
+            )
+            return False, None
+        old = self.workers.get(msg.worker)
+        if old is not None and old.register.incarnation == msg.incarnation:
+            self._seen(old, now)
+            return True, None
+        self.workers[msg.worker] = WorkerInfo(msg, now)
+        log.info(
+            "worker %s registered (pool %s/%d, incarnation %s)",
+            msg.worker,
+            msg.role,
+            msg.pool,
+            msg.incarnation,
+        )
+        return True, old
+
+    def report(self, msg: LoadReport, now: float) -> WorkerInfo | None:
+        info = self.workers.get(msg.worker)
+        if info is None or info.register.incarnation != msg.incarnation:
+            return None
+        info.report = msg
+        self._seen(info, now)
+        return info
+
+    def _seen(self, info: WorkerInfo, now: float) -> None:
+        info.last_seen = now
+        if not info.healthy and not info.pool_down:
+            info.healthy = True
+            log.info("worker %s is back in rotation", info.name)
+
+    def expired(self, now: float) -> list[WorkerInfo]:
+        """Healthy workers whose heartbeats stopped; they are marked unhealthy."""
+        dead = [w for w in self.workers.values() if w.healthy and now - w.last_seen > self.heartbeat_timeout]
+        for info in dead:
+            info.healthy = False
+            log.warning(
+                "worker %s missed heartbeats for %.1f s: out of rotation", info.name, now - info.last_seen
+            )
+        return dead
+
+    def pool_down(self, role: str, pool: int, incarnation: str) -> list[WorkerInfo]:
+        down = [
+            w
+            for w in self.workers.values()
+            if w.pool_key == (role, pool) and w.register.incarnation == incarnation and not w.pool_down
+        ]
+        for info in down:
+            info.healthy, info.pool_down = False, True
+        return down
+
+    def candidates(self, role: str) -> list[str]:
+        return sorted(
+            w.name
+            for w in self.workers.values()
+            if w.role == role and w.healthy and not (w.report is not None and w.report.draining)
+        )
+
+    def get(self, name: str) -> WorkerInfo | None:
+        return self.workers.get(name)

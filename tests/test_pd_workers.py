@@ -1,0 +1,266 @@
+"""The prefill and decode roles in one process, wired by a harness that plays the gateway:
+real engines, real NIXL transfers between their KV pools, the real protocol messages (each one
+encoded and decoded as on the wire).
+
+Checks: PD tokens equal the offline engine's (greedy, seeded, n > 1 split into choices, stop
+strings, logprobs); bytes sent = pages x layers x page bytes; the first layer's write starts
+before the prefill forward ends; a decode prefix hit sends fewer pages; an abort mid-transfer
+and a transfer that never completes both free every page on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.base.protocol import (
+    Abort,
+    DecodeAdmit,
+    KVDestination,
+    PrefillDone,
+    PrefillRequest,
+    TokenDelta,
+    decode,
+    encode,
+)
+from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.transfer.base import TransferBackend
+from dsinfer.transfer.registry import make_transfer_backend
+from dsinfer.workers.decode import DecodeWorker
+from dsinfer.workers.prefill import PrefillWorker
+from tests.fixtures.checkpoints import BuiltCheckpoint
+
+PREFILL_INBOX, DECODE_INBOX = "inbox://prefill", "inbox://decode"
+ENGINE = {"dtype": "float32", "kv_cache_memory": "8MiB", "max_num_batched_tokens": 40}
+
+
+class Harness:
+    """Gateway and wire for one prefill and one decode role."""
+
+    def __init__(self, engines: list[LLMEngine], backends: list[TransferBackend]) -> None:
+        self.engines, self.backends = engines, backends
+        self.prefill = PrefillWorker(engines[0], self, "prefill/0/0", "p0", backends[0])
+        self.decode = DecodeWorker(
+            engines[1], self, "decode/0/0", "d0", transfer_timeout=30.0, quarantine=30.0
+        )
+        self.inboxes = {PREFILL_INBOX: self.prefill, DECODE_INBOX: self.decode}
+        self.to_gateway: list[object] = []
+        self.wire: list[tuple[str, bytes]] = []
+        self.admits: dict[str, DecodeAdmit] = {}
+        self.done_messages: list[PrefillDone] = []
+        self.held: set[str] = set()  # destinations not forwarded (a prefill that never comes)
+
+    # Outbox of both roles
+    def send_gateway(self, message: msgspec.Struct) -> None:
+        self.to_gateway.append(decode(encode(message)))
+
+    def send_peer(self, inbox: str, message: msgspec.Struct) -> None:
+        self.wire.append((inbox, encode(message)))
+
+    def admit(self, rid: str, prompt: list[int], params: SamplingParams, choice: int = 0) -> None:
+        msg = DecodeAdmit(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            params=dataclasses.replace(params, n=1),
+            choice=choice,
+            seed=params.seed if params.seed is not None else 1234,
+            prefill_worker="prefill/0/0",
+            prefill_inbox=PREFILL_INBOX,
+        )
+        self.admits[rid] = msg
+        self.decode.handle(msg, time.monotonic())
+
+    def abort(self, rid: str) -> None:
+        for role in (self.prefill, self.decode):
+            role.handle(Abort(request_id=rid), time.monotonic())
+
+    def cycle(self) -> list[TokenDelta]:
+        now = time.monotonic()
+        deltas = []
+        for message in self.to_gateway:
+            if isinstance(message, KVDestination):
+                if message.request_id not in self.held:
+                    self._prefill(message)
+            elif isinstance(message, TokenDelta):
+                deltas.append(message)
+        self.to_gateway = []
+        for role in (self.prefill, self.decode):
+            role.tick(now)
+            if role.has_work():
+                role.step()
+        wire, self.wire = self.wire, []
+        for inbox, frame in wire:
+            message = decode(frame)
+            if isinstance(message, PrefillDone):
+                self.done_messages.append(message)
+            self.inboxes[inbox].handle(message, time.monotonic())
+        return deltas
+
+    def _prefill(self, dest: KVDestination) -> None:
+        admit = self.admits[dest.request_id]
+        self.prefill.handle(
+            PrefillRequest(
+                request_id=admit.request_id,
+                prompt_token_ids=admit.prompt_token_ids,
+                params=admit.params,
+                choice=admit.choice,
+                seed=admit.seed,
+                destination=dest,
+                decode_inbox=DECODE_INBOX,
+                decode_agent=self.backends[1].agent_name,
+                decode_transfer_metadata=self.backends[1].metadata(),
+            ),
+            time.monotonic(),
+        )
+
+    def run(self, rids: list[str], timeout: float = 60.0) -> dict[str, list[TokenDelta]]:
+        deltas: dict[str, list[TokenDelta]] = defaultdict(list)
+        open_ = set(rids)
+        deadline = time.monotonic() + timeout
+        while open_:
+            assert time.monotonic() < deadline, f"requests {sorted(open_)} did not finish"
+            for delta in self.cycle():
+                deltas[delta.request_id].append(delta)
+                if delta.finish_reason or delta.error:
+                    open_.discard(delta.request_id)
+        return deltas
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Run until neither role holds anything (transfers, quarantine)."""
+        deadline = time.monotonic() + timeout
+        while self.prefill.busy() or self.decode.busy():
+            assert time.monotonic() < deadline, "roles did not settle"
+            self.cycle()
+
+    def all_pages_free(self) -> bool:
+        return all(e.kv.num_available_pages() == e.kv.num_pages for e in self.engines)
+
+
+@pytest.fixture(scope="module")
+def harness(tiny_ckpt: BuiltCheckpoint) -> Iterator[Harness]:
+    engines = [LLMEngine(EngineArgs(model=str(tiny_ckpt.path), **ENGINE)) for _ in range(2)]
+    backends = [make_transfer_backend("nixl", f"test-{role}-{time.time_ns()}") for role in ("p", "d")]
+    try:
+        for engine, backend in zip(engines, backends, strict=True):
+            backend.register_pool(engine.kv.pool.caches)
+        yield Harness(engines, backends)
+    finally:
+        for engine, backend in zip(engines, backends, strict=True):
+            backend.close()
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt: BuiltCheckpoint) -> LLM:
+    return LLM(str(tiny_ckpt.path), **ENGINE)
+
+
+def _tokens(deltas: list[TokenDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def _prompts() -> list[list[int]]:
+    return [list(range(5, 5 + n)) for n in (3, 64, 100, 150)]
+
+
+def test_pd_tokens_equal_offline(harness: Harness, offline: LLM) -> None:
+    cases = [
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=10, n=2),
+    ]
+    for params in cases:
+        prompts = _prompts()
+        expected = offline.generate(prompts, params, use_tqdm=False)
+        rids = []
+        for p, prompt in enumerate(prompts):
+            for choice in range(params.n):
+                rid = f"{id(params)}-{p}/{choice}"
+                harness.admit(rid, prompt, params, choice)
+                rids.append(rid)
+        deltas = harness.run(rids)
+        for p, out in enumerate(expected):
+            for choice, completion in enumerate(out.outputs):
+                got = deltas[f"{id(params)}-{p}/{choice}"]
+                assert _tokens(got) == completion.token_ids, (p, choice)
+                assert got[-1].finish_reason == completion.finish_reason
+                if params.logprobs is not None:
+                    got_lp = [lp for d in got for lp in d.logprobs or []]
+                    assert [set(d) for d in got_lp] == [set(d) for d in completion.logprobs]
+    harness.settle()
+    assert harness.all_pages_free()
+
+
+def test_pd_stop_string_and_first_token_finish(harness: Harness, offline: LLM) -> None:
+    prompt = list(range(40, 90))
+    probe = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    stop = probe.outputs[0].text[3:6]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=8, stop=[stop]),
+        SamplingParams(temperature=0, max_tokens=1),
+    ):
+        expected = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        rid = f"stop-{params.max_tokens}"
+        harness.admit(rid, prompt, params)
+        got = harness.run([rid])[rid]
+        assert _tokens(got) == expected.token_ids
+        assert got[-1].finish_reason == expected.finish_reason
+    harness.settle()
+    assert harness.all_pages_free()
+
+
+def test_transfer_bytes_and_layer_overlap(harness: Harness) -> None:
+    harness.done_messages.clear()
+    prompt = list(range(7, 7 + 150))  # 3 pages, written over 4 chunks of 40 tokens
+    harness.admit("bytes", prompt, SamplingParams(temperature=0, max_tokens=2))
+    harness.run(["bytes"])
+    done = harness.done_messages[-1]
+    pool = harness.engines[0].kv.pool
+    page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
+    assert done.bytes_written == 3 * pool.num_layers * page_bytes
+    assert 0 < done.first_write_at < done.forward_done_at
+    harness.settle()
+    assert harness.all_pages_free()
+
+
+def test_decode_prefix_hit_sends_fewer_pages(harness: Harness) -> None:
+    shared = list(range(200, 200 + 128))
+    harness.admit("first", [*shared, 1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+    harness.run(["first"])
+    harness.done_messages.clear()
+    harness.admit("second", [*shared, 4, 5, 6], SamplingParams(temperature=0, max_tokens=2))
+    harness.run(["second"])
+    pool = harness.engines[0].kv.pool
+    page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
+    assert harness.done_messages[-1].bytes_written == 1 * pool.num_layers * page_bytes  # only the 3rd page
+    harness.settle()
+    assert harness.all_pages_free()
+
+
+def test_abort_mid_transfer_frees_both_sides(harness: Harness) -> None:
+    prompt = list(range(300, 300 + 150))
+    harness.admit("gone", prompt, SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(3):  # destination forwarded, some chunks prefilled and written
+        harness.cycle()
+    harness.abort("gone")
+    harness.settle()
+    assert harness.all_pages_free()
+
+
+def test_transfer_that_never_completes_times_out(harness: Harness) -> None:
+    harness.decode.transfer_timeout, harness.decode.quarantine = 0.2, 0.3
+    try:
+        harness.held.add("lost")
+        harness.admit("lost", list(range(10, 80)), SamplingParams(temperature=0, max_tokens=4))
+        got = harness.run(["lost"], timeout=10)["lost"]
+        assert got[-1].error is not None and "timed out" in got[-1].error
+        harness.settle()
+        assert harness.all_pages_free()
+    finally:
+        harness.decode.transfer_timeout, harness.decode.quarantine = 30.0, 30.0
