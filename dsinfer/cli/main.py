@@ -1,4 +1,4 @@
-"""The ``dsinfer`` command: ``dsinfer generate`` today; the servers join as they are built."""
+"""The ``dsinfer`` command: ``dsinfer generate`` and ``dsinfer serve``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dsinfer.base.config import ConfigError
 from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
 from dsinfer.cli.errors import UsageError
+from dsinfer.cli.serve import add_serve_args
 from dsinfer.model.loader import CheckpointError
 
 
@@ -26,10 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    # exit_on_error=False: a bad serve flag is reported by the top parser (short usage, "dsinfer: error:").
+    serve = sub.add_parser(
+        "serve", help="the OpenAI server: gateway, worker pools, or all-in-one", exit_on_error=False
+    )
+    add_serve_args(serve)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -41,6 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsinfer.cli.generate import run_generate
 
             return run_generate(args)
+        if args.command == "serve":
+            from dsinfer.cli.serve import run_serve
+
+            return run_serve(args, argv)
     except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError) as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2

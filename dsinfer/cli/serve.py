@@ -1,0 +1,189 @@
+"""``dsinfer serve``: the gateway, one pool, or everything on this machine (no ``--role``).
+
+Every flag can also come from ``--config FILE``, a YAML mapping of flag names (dashes or
+underscores) to values; flags on the command line override the file. ``--dry-run`` prints the
+layout and memory plan and exits without starting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from dsinfer.cli.engine_args import add_engine_args, engine_args_from
+from dsinfer.cli.errors import UsageError
+from dsinfer.cli.gateway_args import add_gateway_args, gateway_args_from
+from dsinfer.cli.pool_args import add_pool_args, pool_args_from
+from dsinfer.workers.args import PoolArgs
+
+SERVE_ROLES = ("gateway", "prefill", "decode", "colocated")
+POOL_ONLY = ("pool_size", "pool_id", "nnodes", "node_rank", "dist_init_addr", "gateway_addr")
+ALL_IN_ONE_ONLY = ("prefill_pool_size", "decode_pool_size", "prefill_pools", "decode_pools", "colocated")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a bad flag as a UsageError (one line, exit 2 in main) instead of usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--role", choices=SERVE_ROLES, default=None, help="one process of a deployment (default: all-in-one)"
+    )
+    parser.add_argument("--config", default=None, metavar="FILE", help="YAML of flag names -> values")
+    parser.add_argument("--dry-run", action="store_true", help="print the layout and memory plan, then exit")
+    add_engine_args(parser)
+    add_pool_args(parser)
+    add_gateway_args(parser)
+    group = parser.add_argument_group("all-in-one (no --role)")
+    group.add_argument("--prefill-pool-size", type=int, default=1, help="ranks per prefill pool")
+    group.add_argument("--decode-pool-size", type=int, default=1, help="ranks per decode (or colocated) pool")
+    group.add_argument("--prefill-pools", type=int, default=1)
+    group.add_argument("--decode-pools", type=int, default=1)
+    group.add_argument(
+        "--colocated", action="store_true", help="--decode-pools colocated pools and no prefill pools"
+    )
+
+
+def serve_parser(prog: str = "dsinfer serve") -> OneLineParser:
+    parser = OneLineParser(prog=prog, add_help=False)
+    add_serve_args(parser)
+    return parser
+
+
+def actions_of(add: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
+    """The flags a ``add_*_args`` function defines."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add(parser)
+    return list(parser._actions)
+
+
+# --config FILE ---------------------------------------------------------------------------------
+def apply_config(args: argparse.Namespace, argv: Sequence[str]) -> argparse.Namespace:
+    """Re-parse ``serve``'s flags with the file's in front, so that the command line wins."""
+    tokens = config_tokens(Path(args.config))
+    serve_argv = _after_command(list(argv), "serve")
+    merged = serve_parser().parse_args([*tokens, *serve_argv])
+    for name in ("command", "log_level"):
+        setattr(merged, name, getattr(args, name))
+    return merged
+
+
+def config_tokens(path: Path) -> list[str]:
+    """The file's settings as command-line tokens, checked by the serve parser (errors name the file)."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such config file") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of flag names to values, got {type(data).__name__}")
+    parser = serve_parser(prog=str(path))
+    options = {opt: a for a in parser._actions for opt in a.option_strings}
+    tokens: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = options.get(flag)
+        if action is None or flag == "--config":
+            raise UsageError(f"{path}: unknown key {key!r} (keys are `dsinfer serve` flag names)")
+        tokens += _tokens_for(path, key, flag, action, value)
+    parser.parse_args(tokens)
+    return tokens
+
+
+def _tokens_for(path: Path, key: str, flag: str, action: argparse.Action, value: Any) -> list[str]:
+    if action.nargs == 0:
+        if not isinstance(value, bool):
+            raise UsageError(f"{path}: {key} takes true or false, got {value!r}")
+        return [flag] if value else []
+    if value is None:
+        return []
+    if isinstance(value, (dict, list)):
+        raise UsageError(f"{path}: {key} takes one value, got {value!r}")
+    return [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+
+
+def _after_command(argv: list[str], command: str) -> list[str]:
+    for i, token in enumerate(argv):
+        if token == command and (i == 0 or argv[i - 1] != "--log-level"):
+            return argv[i + 1 :]
+    raise ValueError(f"no {command!r} in {argv}")
+
+
+# Which flags go with which role ----------------------------------------------------------------
+def pristine_defaults() -> argparse.Namespace:
+    return serve_parser().parse_args([])
+
+
+def check_role_flags(args: argparse.Namespace) -> None:
+    defaults = pristine_defaults()
+
+    def given(names: Sequence[str]) -> list[str]:
+        return ["--" + n.replace("_", "-") for n in names if getattr(args, n) != getattr(defaults, n)]
+
+    if args.role is None:
+        wrong = given(POOL_ONLY)
+        if wrong:
+            raise UsageError(
+                f"{wrong[0]} applies to one pool (--role prefill|decode|colocated); the all-in-one "
+                f"server takes --prefill-pool-size/--decode-pool-size/--prefill-pools/--decode-pools"
+            )
+        if args.colocated:
+            wrong = given(("prefill_pool_size", "prefill_pools"))
+            if wrong:
+                raise UsageError(f"{wrong[0]} does not apply with --colocated (it runs no prefill pool)")
+        return
+    wrong = given(ALL_IN_ONE_ONLY)
+    if wrong:
+        raise UsageError(f"{wrong[0]} applies to the all-in-one server (no --role)")
+    if args.role == "gateway":
+        wrong = given(POOL_ONLY)
+        if wrong:
+            raise UsageError(
+                f"{wrong[0]} applies to a pool (--role prefill|decode|colocated), not the gateway"
+            )
+    elif args.gateway_addr is None:
+        raise UsageError(f"--role {args.role} needs --gateway-addr HOST:PORT (the gateway's control socket)")
+
+
+def pool_args_for_role(args: argparse.Namespace) -> PoolArgs:
+    return pool_args_from(args, args.role, engine_args_from(args))
+
+
+# Dispatch ----------------------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.config is not None:
+        args = apply_config(args, argv)
+    check_role_flags(args)
+    if args.role is None:
+        from dsinfer.cli.serve_all_in_one import run_all_in_one
+
+        return run_all_in_one(args)
+    if args.role == "gateway":
+        gateway = gateway_args_from(args)
+        if args.dry_run:
+            from dsinfer.cli.serve_plan import print_gateway_plan
+
+            print_gateway_plan(gateway)
+            return 0
+        from dsinfer.gateway.server import run_gateway
+
+        return run_gateway(gateway)
+    pool = pool_args_for_role(args)
+    if args.dry_run:
+        from dsinfer.cli.serve_plan import print_pool_plan
+
+        print_pool_plan(pool, args.drain_timeout)
+        return 0
+    from dsinfer.workers.launcher import run_pool
+
+    return run_pool(pool, drain_timeout=args.drain_timeout)

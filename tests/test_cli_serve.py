@@ -1,0 +1,313 @@
+"""`dsinfer serve`: --dry-run layouts and memory plans (all-in-one, deployment profiles, --config
+with command-line overrides), one-line flag errors, and the all-in-one supervisor driving fake
+``dsinfer serve --role ...`` children (a fake CLI module from tmp_path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsinfer.cli.main import main
+from tests.test_launcher import TIMEOUT, alive, wait_for
+
+REPO = Path(__file__).resolve().parents[1]
+PREFILL_PROFILE = REPO / "configs/profiles/deepseek-v3-h800-prefill-ep32.yaml"
+DECODE_PROFILE = REPO / "configs/profiles/deepseek-v3-h800-decode-ep144.yaml"
+
+
+def serve(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["serve", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    code, _, err = serve(capsys, *args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dsinfer: error: "), err
+    return lines[0]
+
+
+# --dry-run -------------------------------------------------------------------------------------
+def test_dry_run_default_all_in_one(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--dry-run")
+    assert code == 0, err
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert "all-in-one" in out
+    assert "processes: 1 gateway, 2 pool launchers, 2 ranks" in out
+    assert "http://127.0.0.1:8000/v1, control port a free port at start" in out
+    assert f"prefill pool 0: 1 rank (EP1/DP1), rank 0, {threads} thread" in out
+    assert f"decode pool 0: 1 rank (EP1/DP1), rank 0, {threads} thread" in out
+    assert "memory plan: model tiny, float32 on cpu" in out
+    assert "16 of 16 routed experts" in out and "pages" in out
+
+
+def test_dry_run_colocated_all_in_one(capsys: pytest.CaptureFixture[str]) -> None:
+    args = (
+        "--dry-run",
+        "--colocated",
+        "--decode-pools",
+        "2",
+        "--decode-pool-size",
+        "2",
+        "--threads-per-rank",
+        "3",
+    )
+    code, out, err = serve(capsys, *args)
+    assert code == 0, err
+    assert "prefill" not in out
+    assert "colocated pool 1: 2 ranks (EP2/DP2), ranks 0-1, 3 threads per rank" in out
+    assert "8 of 16 routed experts" in out
+
+
+def test_dry_run_prefill_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--config", str(PREFILL_PROFILE), "--dry-run", "--node-rank", "3")
+    assert code == 0, err
+    assert "prefill pool 0: 32 ranks (EP32/DP32) on 4 nodes, 8 per node" in out
+    assert "this node (node-rank 3): launcher + ranks 24-31" in out
+    assert "dist-init dsinfer-prefill-0:29500; gateway dsinfer-gateway:8001" in out
+    assert "memory plan: model deepseek-v3, bfloat16 on cuda, FP8 weights kept" in out
+    assert "8 of 256 routed experts" in out
+    assert "KV cache: 24.0 GiB (--kv-cache-memory) = 5637 pages" in out  # 62 layers (MTP) x 64 x 576 x 2 B
+
+
+def test_dry_run_decode_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--config", str(DECODE_PROFILE), "--dry-run")
+    assert code == 0, err
+    assert "decode pool 0: 144 ranks (EP144/DP144) on 18 nodes, 8 per node" in out
+    assert "this node (node-rank 0): launcher + ranks 0-7" in out
+    assert "2 of 256 routed experts" in out
+    assert "KV cache: 40.0 GiB (--kv-cache-memory) = 9395 pages" in out
+
+
+def test_config_with_underscores_and_command_line_override(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "pool.yaml"
+    config.write_text(
+        "role: colocated\npool_size: 4\nnnodes: 2\ngateway-addr: '10.0.0.1:9001'\n"
+        "dist_init_addr: 'head:29500'\nkv-cache-memory: 64MiB\nthreads-per-rank: 2\nno-prefix-caching: true\n"
+    )
+    code, out, err = serve(
+        capsys, "--config", str(config), "--dry-run", "--pool-size", "8", "--node-rank", "1"
+    )
+    assert code == 0, err
+    assert "colocated pool 0: 8 ranks (EP8/DP8) on 2 nodes, 4 per node" in out
+    assert "this node (node-rank 1): launcher + ranks 4-7, 2 threads per rank" in out
+    assert "gateway 10.0.0.1:9001" in out and "KV cache: 64.0 MiB" in out
+
+
+def test_gateway_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--role", "gateway", "--port", "9000", "--dry-run")
+    assert code == 0, err
+    assert "http://127.0.0.1:9000/v1" in out and "127.0.0.1:9001" in out
+
+
+def test_dry_run_through_the_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dsinfer.cli.main", "serve", "--config", str(DECODE_PROFILE), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT * 4,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "EP144" in result.stdout
+
+
+# Errors ----------------------------------------------------------------------------------------
+def test_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("pool-size: 2\nbogus-flag: 1\n")
+    assert "unknown key 'bogus-flag'" in one_line_error(capsys, "--config", str(unknown))
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("pool-size: [\n")
+    assert "not valid YAML" in one_line_error(capsys, "--config", str(bad_yaml))
+    bad_value = tmp_path / "value.yaml"
+    bad_value.write_text("pool-size: lots\n")
+    line = one_line_error(capsys, "--config", str(bad_value))
+    assert str(bad_value) in line and "--pool-size: invalid int value" in line
+    bad_bool = tmp_path / "bool.yaml"
+    bad_bool.write_text("colocated: 3\n")
+    assert "colocated takes true or false" in one_line_error(capsys, "--config", str(bad_bool))
+    not_a_map = tmp_path / "list.yaml"
+    not_a_map.write_text("- pool-size\n")
+    assert "expected a mapping" in one_line_error(capsys, "--config", str(not_a_map))
+    assert "no such config file" in one_line_error(capsys, "--config", str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--role", "prefill"), "--role prefill needs --gateway-addr"),
+        (("--pool-size", "2"), "--pool-size applies to one pool"),
+        (
+            ("--role", "decode", "--gateway-addr", "h:1", "--decode-pools", "2"),
+            "--decode-pools applies to the all-in-one",
+        ),
+        (("--role", "gateway", "--nnodes", "2"), "--nnodes applies to a pool"),
+        (("--colocated", "--prefill-pools", "2"), "--prefill-pools does not apply with --colocated"),
+        (("--decode-pool-size", "0"), "--decode-pool-size must be at least 1"),
+        (
+            ("--role", "decode", "--gateway-addr", "h:1", "--pool-size", "3", "--nnodes", "2"),
+            "not a multiple",
+        ),
+        (
+            ("--role", "decode", "--gateway-addr", "h:1", "--nnodes", "2", "--pool-size", "2"),
+            "dist_init_addr",
+        ),
+        (
+            ("--role", "decode", "--gateway-addr", "h:1", "--kv-quarantine", "0"),
+            "kv_quarantine must be positive",
+        ),
+        (("--drain-timeout", "0"), "--drain-timeout must be positive"),
+        (("--max-num-seqs", "0"), "max_num_seqs must be at least 1"),
+        (("--role", "gateway", "--port", "70000"), "port must be in"),
+    ],
+)
+def test_flag_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str
+) -> None:
+    assert needle in one_line_error(capsys, "--dry-run", *args)
+
+
+def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--role", "bogus"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dsinfer: error: argument --role: invalid choice"), last
+
+
+# All-in-one supervision with fake children -----------------------------------------------------
+FAKE_CLI = """
+import json, os, signal, sys, time
+from pathlib import Path
+
+argv = sys.argv[1:]
+flags = argv[argv.index("serve") + 1 :]
+role = flags[flags.index("--role") + 1]
+tag = "gateway" if role == "gateway" else f"{role}.{flags[flags.index('--pool-id') + 1]}"
+out = Path(os.environ["FAKE_CLI_DIR"])
+
+def on_term(signum, frame):
+    (out / f"{tag}.term").write_text("")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+info = {"pid": os.getpid(), "argv": argv, "api_key": os.environ.get("DSINFER_API_KEY")}
+(out / f"{tag}.tmp").write_text(json.dumps(info))
+(out / f"{tag}.tmp").rename(out / f"{tag}.json")
+while not (out / f"die.{tag}").exists():
+    time.sleep(0.02)
+sys.exit(5)
+"""
+
+DRIVER = """
+import logging, sys
+from dsinfer.cli.main import build_parser
+from dsinfer.cli.serve_all_in_one import run_all_in_one
+logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
+sys.exit(run_all_in_one(build_parser().parse_args(sys.argv[1:]), cli_module="fake_cli"))
+"""
+
+
+class AllInOne:
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.dir = tmp_path / "children"
+        self.dir.mkdir()
+        (tmp_path / "fake_cli.py").write_text(FAKE_CLI)
+        pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": pythonpath, "FAKE_CLI_DIR": str(self.dir)}
+        env.pop("DSINFER_API_KEY", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, "serve", *args], env=env, stderr=subprocess.PIPE, text=True
+        )
+
+    def child(self, tag: str) -> dict[str, Any]:
+        path = self.dir / f"{tag}.json"
+        wait_for(path.exists, f"the {tag} child")
+        return json.loads(path.read_text())
+
+    def children(self) -> list[str]:
+        return sorted(p.stem for p in self.dir.glob("*.json"))
+
+    def wait(self) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=TIMEOUT)
+        return self.proc.returncode, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=TIMEOUT)
+        for path in self.dir.glob("*.json"):
+            pid = json.loads(path.read_text())["pid"]
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[AllInOne]]:
+    started: list[AllInOne] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.close()
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_all_in_one_starts_children_with_flags_and_stops_them(
+    tmp_path: Path, servers: list[AllInOne]
+) -> None:
+    server = AllInOne(
+        tmp_path, "--max-num-seqs", "7", "--api-key", "sekrit", "--drain-timeout", "2", "--port", "8123"
+    )
+    servers.append(server)
+    gateway, prefill, decode = server.child("gateway"), server.child("prefill.0"), server.child("decode.0")
+    control = flag(gateway["argv"], "--control-port")
+    assert flag(gateway["argv"], "--role") == "gateway" and flag(gateway["argv"], "--port") == "8123"
+    assert gateway["api_key"] == "sekrit"
+    threads = str(max(1, (os.cpu_count() or 1) // 2))
+    for child, role in ((prefill, "prefill"), (decode, "decode")):
+        argv = child["argv"]
+        assert flag(argv, "--role") == role and flag(argv, "--pool-id") == "0"
+        assert flag(argv, "--gateway-addr") == f"127.0.0.1:{control}"
+        assert flag(argv, "--threads-per-rank") == threads and flag(argv, "--drain-timeout") == "2.0"
+        assert "--port" not in argv
+    for child in (gateway, prefill, decode):
+        assert flag(child["argv"], "--max-num-seqs") == "7" and "sekrit" not in child["argv"]
+    assert server.children() == ["decode.0", "gateway", "prefill.0"]
+
+    server.proc.send_signal(signal.SIGTERM)
+    code, err = server.wait()
+    assert code == 0, err
+    assert all((server.dir / f"{tag}.term").exists() for tag in ("gateway", "prefill.0", "decode.0")), err
+    assert f"API at http://127.0.0.1:8123/v1; pools register on control port {control}" in err
+
+
+def test_all_in_one_stops_everything_when_the_gateway_dies(tmp_path: Path, servers: list[AllInOne]) -> None:
+    server = AllInOne(tmp_path, "--colocated", "--decode-pools", "2", "--decode-pool-size", "3")
+    servers.append(server)
+    pools = [server.child(f"colocated.{i}") for i in range(2)]
+    assert [flag(p["argv"], "--pool-size") for p in pools] == ["3", "3"]
+    server.child("gateway")
+    (server.dir / "die.gateway").write_text("")
+    code, err = server.wait()
+    assert code == 1, err
+    assert "dsinfer: error: gateway exited with code 5; stopping everything" in err
+    assert server.children() == ["colocated.0", "colocated.1", "gateway"]
+    assert all((server.dir / f"colocated.{i}.term").exists() for i in range(2))
+    assert not any(alive(p["pid"]) for p in pools)

@@ -1,0 +1,240 @@
+"""The pool launcher (dsinfer.workers.launcher) with a fake rank module: restart on a rank's death
+with PoolDown to the gateway, drain on SIGTERM, max_restarts, children dying with the launcher.
+
+Each test runs the launcher in a subprocess (it installs signal handlers) with ``fake_rank.py``
+from tmp_path on PYTHONPATH. A fake rank writes ``<incarnation>.<rank>.json`` (pid, threads),
+exits with code 3 when ``die.<incarnation>.<rank>`` appears, and on SIGTERM writes
+``<incarnation>.<rank>.term`` then exits 0 (or ignores SIGTERM when FAKE_RANK_IGNORE_TERM=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from dsinfer.base.protocol import PoolDown, decode
+from dsinfer.workers.args import PoolArgs
+from dsinfer.workers.launcher import free_port
+
+TIMEOUT = 30.0
+
+FAKE_RANK = """
+import argparse, json, os, signal, sys, time
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--args-json", required=True)
+args = json.loads(parser.parse_args().args_json)
+out = Path(os.environ["FAKE_RANK_DIR"])
+tag = f"{args['incarnation']}.{args['rank']}"
+
+def on_term(signum, frame):
+    (out / f"{tag}.term").write_text("")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_RANK_IGNORE_TERM") else on_term)
+info = {
+    "pid": os.getpid(), "rank": args["rank"], "local_rank": args["local_rank"],
+    "incarnation": args["incarnation"], "omp": os.environ.get("OMP_NUM_THREADS"),
+    "threads": args["pool"]["threads_per_rank"], "dist_init_addr": args["dist_init_addr"],
+}
+(out / f"{tag}.tmp").write_text(json.dumps(info))
+(out / f"{tag}.tmp").rename(out / f"{tag}.json")
+if os.environ.get("FAKE_RANK_EXIT_AT_ONCE"):
+    sys.exit(3)
+die = out / f"die.{tag}"
+while not die.exists():
+    time.sleep(0.02)
+sys.exit(3)
+"""
+
+DRIVER = """
+import logging, sys
+from dsinfer.workers.args import PoolArgs
+from dsinfer.workers.launcher import run_pool
+logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
+pool = PoolArgs.model_validate_json(sys.argv[1])
+sys.exit(run_pool(pool, rank_module="fake_rank", drain_timeout=float(sys.argv[2]), kill_grace=1.0))
+"""
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+class Launcher:
+    def __init__(self, tmp_path: Path, pool: PoolArgs, drain_timeout: float = 5.0, **env: str) -> None:
+        self.dir = tmp_path / "ranks"
+        self.dir.mkdir()
+        (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
+        pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, pool.model_dump_json(), str(drain_timeout)],
+            env={**os.environ, "PYTHONPATH": pythonpath, "FAKE_RANK_DIR": str(self.dir), **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def ranks(self) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in self.dir.glob("*.json")]
+
+    def incarnation(self, inc: str, size: int) -> list[dict[str, Any]]:
+        """Wait until all ``size`` ranks of incarnation ``inc`` wrote their file."""
+        found = wait_for(
+            lambda: (r := [x for x in self.ranks() if x["incarnation"] == inc]) and len(r) == size and r,
+            f"{size} ranks of incarnation {inc}",
+        )
+        return sorted(found, key=lambda r: r["rank"])
+
+    def incarnations(self) -> list[str]:
+        seen: dict[str, float] = {}
+        for path in self.dir.glob("*.json"):
+            inc = path.name.split(".")[0]
+            seen[inc] = min(seen.get(inc, path.stat().st_mtime), path.stat().st_mtime)
+        return sorted(seen, key=seen.__getitem__)
+
+    def wait(self, timeout: float = TIMEOUT) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=TIMEOUT)
+        for rank in self.ranks():
+            if alive(rank["pid"]):
+                os.kill(rank["pid"], signal.SIGKILL)
+
+
+@pytest.fixture
+def router() -> Iterator[tuple[zmq.Socket, str]]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield sock, f"127.0.0.1:{port}"
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.fixture
+def launchers() -> Iterator[list[Launcher]]:
+    started: list[Launcher] = []
+    try:
+        yield started
+    finally:
+        for launcher in started:
+            launcher.close()
+
+
+def recv_pool_down(sock: zmq.Socket) -> PoolDown:
+    assert sock.poll(int(TIMEOUT * 1000)), "no PoolDown reached the gateway"
+    _identity, frame = sock.recv_multipart()
+    message = decode(frame)
+    assert isinstance(message, PoolDown), message
+    return message
+
+
+def test_dead_rank_restarts_pool_and_reports_pool_down(
+    tmp_path: Path, router: tuple[zmq.Socket, str], launchers: list[Launcher]
+) -> None:
+    sock, addr = router
+    pool = PoolArgs(role="decode", pool_id=2, pool_size=3, gateway_addr=addr, restart_backoff=0.1)
+    launcher = Launcher(tmp_path, pool)
+    launchers.append(launcher)
+    first_inc = wait_for(launcher.incarnations, "the first incarnation")[0]
+    first = launcher.incarnation(first_inc, 3)
+    assert [r["rank"] for r in first] == [0, 1, 2] and [r["local_rank"] for r in first] == [0, 1, 2]
+    expected_threads = max(1, (os.cpu_count() or 1) // 3)
+    assert all(r["threads"] == expected_threads and r["omp"] == str(expected_threads) for r in first)
+    assert len({r["dist_init_addr"] for r in first}) == 1
+
+    (launcher.dir / f"die.{first_inc}.1").write_text("")
+    down = recv_pool_down(sock)
+    assert (down.role, down.pool, down.incarnation) == ("decode", 2, first_inc)
+    assert down.reason == "rank 1 exited with code 3"
+    for survivor in (0, 2):  # got SIGTERM, and are gone
+        assert (launcher.dir / f"{first_inc}.{survivor}.term").exists()
+        assert not alive(first[survivor]["pid"])
+
+    second_inc = wait_for(lambda: (incs := launcher.incarnations())[1:] and incs[1], "a restart")
+    second = launcher.incarnation(second_inc, 3)
+    assert second_inc != first_inc
+    assert not {r["pid"] for r in second} & {r["pid"] for r in first}
+
+    launcher.proc.send_signal(signal.SIGTERM)
+    code, err = launcher.wait()
+    assert code == 0, err
+    assert all((launcher.dir / f"{second_inc}.{r}.term").exists() for r in range(3)), err
+    assert not any(alive(r["pid"]) for r in second)
+    assert "draining" in err and "restart 1/100" in err, err
+
+
+def test_max_restarts_with_absent_gateway(tmp_path: Path, launchers: list[Launcher]) -> None:
+    absent = f"127.0.0.1:{free_port()}"  # nothing listens: PoolDown must not block the launcher
+    pool = PoolArgs(role="prefill", pool_size=2, gateway_addr=absent, max_restarts=2, restart_backoff=0.05)
+    launcher = Launcher(tmp_path, pool, FAKE_RANK_EXIT_AT_ONCE="1")
+    launchers.append(launcher)
+    started = time.monotonic()
+    code, err = launcher.wait()
+    assert code == 1, err
+    assert time.monotonic() - started < 20
+    assert len(launcher.incarnations()) == 3  # the first start and two restarts
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dsinfer: error: prefill pool 0: gave up after 2 restarts"), err
+    assert "exited with code 3" in last
+
+
+def test_drain_timeout_kills_ranks_that_ignore_sigterm(tmp_path: Path, launchers: list[Launcher]) -> None:
+    pool = PoolArgs(
+        role="colocated", pool_size=2, gateway_addr=f"127.0.0.1:{free_port()}", threads_per_rank=1
+    )
+    launcher = Launcher(tmp_path, pool, drain_timeout=0.5, FAKE_RANK_IGNORE_TERM="1")
+    launchers.append(launcher)
+    inc = wait_for(launcher.incarnations, "the pool to start")[0]
+    ranks = launcher.incarnation(inc, 2)
+    assert all(r["omp"] == "1" for r in ranks)
+    launcher.proc.send_signal(signal.SIGINT)
+    code, err = launcher.wait()
+    assert code == 0, err
+    assert "drain timed out" in err
+    assert not any(alive(r["pid"]) for r in ranks)
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path: Path, launchers: list[Launcher]) -> None:
+    pool = PoolArgs(role="decode", pool_size=2, gateway_addr=f"127.0.0.1:{free_port()}")
+    launcher = Launcher(tmp_path, pool, FAKE_RANK_IGNORE_TERM="1")
+    launchers.append(launcher)
+    inc = wait_for(launcher.incarnations, "the pool to start")[0]
+    ranks = launcher.incarnation(inc, 2)
+    launcher.proc.kill()
+    launcher.wait()
+    wait_for(lambda: not any(alive(r["pid"]) for r in ranks), "the ranks to die with their launcher")
