@@ -6,8 +6,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from dsinfer.base.protocol import ROLES
 from dsinfer.engine.args import EngineArgs
-
-TRANSFER_BACKENDS = ("nixl", "mooncake")
+from dsinfer.transfer.registry import TRANSFER_BACKENDS
 
 
 class PoolArgs(BaseModel):

@@ -1,0 +1,361 @@
+"""KV transfer backends (NIXL, Mooncake) between two real processes.
+
+This process is the writer; a peer is this file run as a script (``peer`` mode) in a child
+process holding a registered LatentKVPool, answering page digests over stdin/stdout. The digest is
+asked for right after the writer's ``poll`` said "done", over a channel of its own, exactly as
+decode reads pages after PrefillDone: the test holds the backends to "done = visible at the peer".
+Every wait is bounded and every child is killed on every exit path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+import torch
+
+from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.transfer import TransferBackend, TransferError, TransferHandle, make_transfer_backend
+
+BACKENDS = ("nixl", "mooncake")
+DTYPES = ("float32", "bfloat16")
+LAYERS, DIM = 3, 40  # pages of 64 tokens x 40 values
+WRITER_PAGES, PEER_PAGES = 16, 24
+WAIT_S = 20.0  # the most any single wait in this file takes
+MARK = "@@dsinfer-peer "  # NIXL prints its own log lines on stdout
+
+
+# The peer process --------------------------------------------------------------------------------
+def page_digests(caches: list[torch.Tensor]) -> list[list[str]]:
+    return [
+        [
+            hashlib.blake2b(c[p].contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+            for p in range(c.shape[0])
+        ]
+        for c in caches
+    ]
+
+
+def peer_main(backend: str, pages: int, agents: list[str]) -> None:
+    """One registered pool per ``name=dtype`` in ``agents``, each behind its own agent."""
+    pools: dict[str, LatentKVPool] = {}
+    txs: dict[str, TransferBackend] = {}
+    for spec in agents:
+        name, dtype = spec.split("=")
+        pools[name] = LatentKVPool(LAYERS, pages, DIM, dtype=getattr(torch, dtype))
+        txs[name] = make_transfer_backend(backend, name)
+        txs[name].register_pool(pools[name].caches)
+
+    def say(**msg: object) -> None:
+        print(MARK + json.dumps(msg), flush=True)
+
+    say(metadata={name: tx.metadata().hex() for name, tx in txs.items()})
+    for line in sys.stdin:  # EOF (the test process is gone) ends the peer too
+        say(pages=page_digests(pools[json.loads(line)["digests"]].caches))
+
+
+class Peer:
+    """A child process with one registered pool per agent (name -> dtype); started without waiting."""
+
+    def __init__(self, backend: str, agents: dict[str, str]) -> None:
+        cmd = [sys.executable, __file__, "peer", backend, str(PEER_PAGES)]
+        cmd += [f"{name}={dtype}" for name, dtype in agents.items()]
+        self.agents = dict(agents)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._lines: queue.Queue[dict | None] = queue.Queue()
+        self._metadata: dict[str, bytes] = {}
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                self._lines.put(json.loads(line[len(MARK) :]))
+        self._lines.put(None)
+
+    def _recv(self) -> dict:
+        try:
+            msg = self._lines.get(timeout=WAIT_S)
+        except queue.Empty:
+            pytest.fail(f"peer process {self.proc.pid} said nothing for {WAIT_S:.0f} s")
+        if msg is None:
+            pytest.fail(f"peer process {self.proc.pid} exited with status {self.proc.wait(timeout=WAIT_S)}")
+        return msg
+
+    def metadata(self, agent: str) -> bytes:
+        if not self._metadata:
+            self._metadata = {name: bytes.fromhex(md) for name, md in self._recv()["metadata"].items()}
+        return self._metadata[agent]
+
+    def digests(self, agent: str) -> list[list[str]]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"digests": agent}) + "\n")
+        self.proc.stdin.flush()
+        return self._recv()["pages"]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=WAIT_S)
+
+
+# Fixtures ----------------------------------------------------------------------------------------
+def require(backend: str) -> None:
+    if backend == "mooncake":
+        try:
+            import mooncake.engine  # noqa: F401
+        except ImportError as e:
+            pytest.skip(
+                "Mooncake tests skipped because mooncake-transfer-engine-non-cuda (the optional "
+                f"'mooncake' extra) or its libibverbs1 is not installed here: {e}"
+            )
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Pair:
+    """The writer (in this process) connected to one peer agent, and what that agent's pool must hold."""
+
+    tx: TransferBackend
+    pool: LatentKVPool
+    peer: Peer
+    agent: str
+    expect: list[torch.Tensor]
+
+    def write(self, layer: int, src: list[int], dst: list[int]) -> TransferHandle:
+        handle = self.tx.write_pages(self.agent, layer, src, dst)
+        self.expect[layer][dst] = self.pool.caches[layer][src]
+        return handle
+
+    def check(self) -> None:
+        assert self.peer.digests(self.agent) == page_digests(self.expect)
+
+
+def make_writer(backend: str, dtype: torch.dtype) -> tuple[TransferBackend, LatentKVPool]:
+    pool = LatentKVPool(LAYERS, WRITER_PAGES, DIM, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    for c in pool.caches:
+        c.copy_(torch.randn(c.shape, generator=g) + 1.0)
+    tx = make_transfer_backend(backend, unique(f"writer-{backend}"))
+    tx.register_pool(pool.caches)
+    return tx, pool
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    require(request.param)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def peer(backend: str) -> Iterator[Peer]:
+    """One peer process for the module, with a float32 and a bfloat16 pool."""
+    proc = Peer(backend, {f"{backend}-{dtype}-{uuid.uuid4().hex[:8]}": dtype for dtype in DTYPES})
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def pairs(backend: str, peer: Peer) -> Iterator[dict[str, Pair]]:
+    """A writer per dtype, connected to the peer process's pool of that dtype."""
+    made: dict[str, Pair] = {}
+    try:
+        for dtype in DTYPES:
+            tx, pool = make_writer(backend, getattr(torch, dtype))
+            agent = next(name for name, d in peer.agents.items() if d == dtype)
+            expect = [torch.zeros(PEER_PAGES, 64, DIM, dtype=pool.dtype) for _ in range(LAYERS)]
+            made[dtype] = Pair(tx, pool, peer, agent, expect)
+            tx.connect(agent, peer.metadata(agent))
+        yield made
+    finally:
+        for p in made.values():
+            p.tx.close()
+
+
+def wait_all(tx: TransferBackend, handles: list[TransferHandle], timeout: float = WAIT_S) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [tx.poll(h) for h in handles]
+        if "pending" not in states:
+            return states
+        if time.monotonic() > deadline:
+            pytest.fail(f"writes still pending after {timeout:.0f} s: {states}")
+        time.sleep(0.001)
+
+
+# Tests -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pages_land_byte_exact_at_their_destinations(pairs: dict[str, Pair], dtype: str) -> None:
+    pair = pairs[dtype]
+    page_bytes = 64 * DIM * pair.pool.dtype.itemsize
+    before = (pair.tx.stats.bytes_written, pair.tx.stats.writes_done)
+    writes = [
+        (0, [0, 1, 2, 3, 4], [8, 9, 10, 11, 12]),  # one run
+        (1, [1, 3, 2, 7], [23, 0, 1, 9]),  # scattered, with a destination run of non-consecutive sources
+        (2, [15, 14, 13], [3, 4, 5]),  # descending sources
+        (2, [5], [23]),  # the peer's last page
+        (0, [], []),
+        (1, list(range(WRITER_PAGES)), [p + 8 for p in range(WRITER_PAGES)][::-1]),
+    ]
+    handles = [pair.write(layer, src, dst) for layer, src, dst in writes]
+    assert wait_all(pair.tx, handles) == ["done"] * len(writes)
+    pair.check()
+    pages = sum(len(src) for _, src, _ in writes)
+    assert pair.tx.stats.bytes_written - before[0] == pages * page_bytes
+    assert pair.tx.stats.writes_done - before[1] == len(writes)
+    assert pair.tx.stats.writes_failed == 0
+    for h in handles:
+        pair.tx.release(h)
+        pair.tx.release(h)  # releasing twice is harmless
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_connect_again_is_a_no_op_and_rewrites_land(pairs: dict[str, Pair], dtype: str) -> None:
+    pair = pairs[dtype]
+    pair.tx.connect(pair.agent, pair.peer.metadata(pair.agent))
+    handle = pair.write(2, [6, 7], [0, 1])
+    assert wait_all(pair.tx, [handle]) == ["done"]
+    pair.check()
+    pair.tx.release(handle)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bad_pages_layers_and_peers_are_refused(pairs: dict[str, Pair], dtype: str) -> None:
+    pair = pairs[dtype]
+    tx, agent = pair.tx, pair.agent
+    before = (tx.stats.writes_done, tx.stats.writes_failed)
+    with pytest.raises(TransferError, match=f"destination page {PEER_PAGES} out of range"):
+        tx.write_pages(agent, 0, [0, 1], [3, PEER_PAGES])
+    with pytest.raises(TransferError, match="destination page -1 out of range"):
+        tx.write_pages(agent, 0, [0], [-1])
+    with pytest.raises(TransferError, match=f"source page {WRITER_PAGES} out of range"):
+        tx.write_pages(agent, 0, [WRITER_PAGES], [0])
+    with pytest.raises(TransferError, match=f"layer {LAYERS} out of range"):
+        tx.write_pages(agent, LAYERS, [0], [0])
+    with pytest.raises(TransferError, match="2 source pages but 1 destination"):
+        tx.write_pages(agent, 0, [0, 1], [0])
+    with pytest.raises(TransferError, match="not connected"):
+        tx.write_pages("nobody", 0, [0], [0])
+    assert (tx.stats.writes_done, tx.stats.writes_failed) == before
+    pair.check()  # nothing landed
+
+
+def test_mooncake_feeds_runs_beyond_its_in_flight_cap(backend: str, pairs: dict[str, Pair]) -> None:
+    if backend != "mooncake":
+        pytest.skip(
+            "only the Mooncake backend submits one request per page run, because NIXL posts one per write"
+        )
+    from dsinfer.transfer.mooncake import MooncakeBackend
+
+    pair = pairs["float32"]
+    tx = MooncakeBackend(unique("capped"), max_in_flight=2)
+    try:
+        tx.register_pool(pair.pool.caches)
+        tx.connect(pair.agent, pair.peer.metadata(pair.agent))
+        capped = Pair(tx, pair.pool, pair.peer, pair.agent, pair.expect)
+        handles = [
+            capped.write(0, [0, 2, 4, 6, 8, 10], [23, 21, 19, 17, 15, 13]),
+            capped.write(1, [1, 3, 5], [2, 6, 4]),
+        ]
+        assert wait_all(tx, handles) == ["done", "done"]
+        assert tx.stats.bytes_written == 9 * 64 * DIM * 4
+        pair.check()
+    finally:
+        tx.close()
+
+
+def test_mismatched_pools_are_refused_at_connect(backend: str) -> None:
+    tx, _ = make_writer(backend, torch.float32)
+    other = make_transfer_backend(backend, unique("odd"))
+    try:
+        with pytest.raises(TransferError, match="no registered pool"):
+            other.metadata()
+        other.register_pool(LatentKVPool(LAYERS, 4, DIM + 8).caches)
+        with pytest.raises(TransferError, match="pages are float32 x 64 tokens x 48 values"):
+            tx.connect(other.agent_name, other.metadata())
+        with pytest.raises(TransferError, match="belongs to agent"):
+            tx.connect("someone-else", other.metadata())
+        with pytest.raises(TransferError, match="not dsinfer transfer metadata"):
+            tx.connect("garbage", b"\x00not msgpack")
+        # the same pool as this rank's but for one field, as a peer of another build would send it
+        own = msgspec.msgpack.decode(tx.metadata())
+        for field, value, what in [
+            ("dtype", "bfloat16", "pages are bfloat16"),
+            ("layers", own["layers"] * 2, f"has {2 * LAYERS} cache layers"),
+            ("backend", "other", "uses transfer backend 'other'"),
+        ]:
+            with pytest.raises(TransferError, match=what):
+                tx.connect(own["agent"], msgspec.msgpack.encode({**own, field: value}))
+    finally:
+        other.close()
+        tx.close()
+
+
+def test_dead_peer_fails_and_a_restarted_peer_is_reconnected(backend: str) -> None:
+    name = unique(f"restarting-{backend}")
+    started: list[Peer] = []
+    tx, pool = make_writer(backend, torch.float32)
+    try:
+        first = Peer(backend, {name: "float32"})
+        started.append(first)
+        second = Peer(backend, {name: "float32"})  # the restarted peer: same name, new addresses
+        started.append(second)
+        tx.connect(name, first.metadata(name))
+        assert wait_all(tx, [tx.write_pages(name, 0, [0, 1], [0, 1])]) == ["done"]
+
+        first.kill()
+        try:
+            handle = tx.write_pages(name, 0, [2, 3], [2, 3])
+        except TransferError:
+            pass
+        else:
+            assert wait_all(tx, [handle]) == ["failed"]
+            assert tx.stats.writes_failed == 1
+            tx.release(handle)
+
+        assert second.metadata(name) != first.metadata(name)
+        tx.connect(name, second.metadata(name))
+        expect = [torch.zeros(PEER_PAGES, 64, DIM) for _ in range(LAYERS)]
+        handles = [tx.write_pages(name, layer, [5, 6, 9], [1, 2, 20]) for layer in range(LAYERS)]
+        for c, e in zip(pool.caches, expect, strict=True):
+            e[[1, 2, 20]] = c[[5, 6, 9]]
+        assert wait_all(tx, handles) == ["done"] * LAYERS
+        assert second.digests(name) == page_digests(expect)
+    finally:
+        tx.close()
+        for p in started:
+            p.kill()
+
+
+def test_unknown_backend_and_missing_library_say_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TransferError, match="unknown transfer backend 'rdma': choose one of nixl, mooncake"):
+        make_transfer_backend("rdma", "x")
+    monkeypatch.delitem(sys.modules, "dsinfer.transfer.nixl", raising=False)
+    monkeypatch.setitem(sys.modules, "nixl_cu12._api", None)
+    with pytest.raises(TransferError, match="pip install nixl-cu12") as info:
+        make_transfer_backend("nixl", "x")
+    assert "\n" not in str(info.value)
+    monkeypatch.delitem(sys.modules, "dsinfer.transfer.mooncake", raising=False)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(TransferError, match="pip install mooncake-transfer-engine-non-cuda"):
+        make_transfer_backend("mooncake", "x")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["peer"]:
+        peer_main(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
