@@ -152,7 +152,7 @@ class Router:
                 RETRY_AFTER,
             )
         pd = bool(self.registry.candidates("prefill") and self.registry.candidates("decode"))
-        if not pd and not self.registry.candidates("colocated"):
+        if not self._ready():
             raise Unavailable("no healthy worker: need a prefill and a decode rank, or a colocated one")
         seed = job.params.seed if job.params.seed is not None else self._random.getrandbits(63)
         params = dataclasses.replace(job.params, n=1, seed=seed)
@@ -192,8 +192,11 @@ class Router:
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
             page_hashes=page_hashes(job.prompt_token_ids, PAGE_SIZE, root),
-            max_tokens=job.params.max_tokens or 0,
+            max_tokens=job.params.max_tokens or max(0, self._max_model_len() - len(job.prompt_token_ids)),
         )
+
+    def _max_model_len(self) -> int:
+        return min((w.register.max_model_len for w in self.registry.workers.values()), default=0)
 
     def _pick(self, role: str, route: RouteRequest) -> str:
         return self.balancers[role].pick(route, self.registry.candidates(role), time.monotonic())
@@ -340,4 +343,10 @@ class Router:
                 )
             )
         waiting = sum(1 for c in self._choices.values() if not c.started)
-        return BackendMetrics(queue_length=waiting, in_flight=len(self._choices), workers=workers)
+        return BackendMetrics(
+            queue_length=waiting, in_flight=len(self._choices), workers=workers, ready=self._ready()
+        )
+
+    def _ready(self) -> bool:
+        candidates = self.registry.candidates
+        return bool(candidates("prefill") and candidates("decode")) or bool(candidates("colocated"))

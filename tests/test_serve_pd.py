@@ -1,0 +1,99 @@
+"""End to end through real processes: `dsinfer serve` (gateway + prefill pool + decode pool, KV
+over NIXL) answers the official OpenAI client with exactly the offline engine's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from dsinfer import LLM, SamplingParams
+from tests.fixtures.checkpoints import BuiltCheckpoint
+from tests.fixtures.servers import Server, serve
+
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "40"]
+PROMPTS = ["Hello, DeepSeek", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt: BuiltCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(["--model", str(tiny_ckpt.path), *ENGINE_FLAGS], tmp_path_factory.mktemp("serve")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt: BuiltCheckpoint) -> LLM:
+    return LLM(str(tiny_ckpt.path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=40)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_completions_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
+    model = _model(client)
+    cases = [
+        ({"temperature": 0, "max_tokens": 12, "logprobs": 2}, SamplingParams(temperature=0, max_tokens=12, logprobs=2)),
+        (
+            {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": 10, "n": 2},
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, n=2),
+        ),
+    ]
+    for kwargs, params in cases:
+        expected = offline.generate(PROMPTS, params, use_tqdm=False)
+        for prompt, want in zip(PROMPTS, expected, strict=True):
+            got = client.completions.create(model=model, prompt=prompt, **kwargs)
+            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [o.text for o in want.outputs]
+            assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+            if params.logprobs is not None:
+                top = got.choices[0].logprobs.top_logprobs
+                assert len(top) == len(want.outputs[0].token_ids)
+
+
+def test_stop_strings_and_streaming_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
+    model = _model(client)
+    probe = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    stop = probe.outputs[0].text[4:7]
+    params = SamplingParams(temperature=0, max_tokens=16, stop=[stop])
+    want = offline.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model=model, prompt=PROMPTS[1], temperature=0, max_tokens=16, stop=[stop])
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == "stop"
+    stream = client.completions.create(
+        model=model,
+        prompt=PROMPTS[2],
+        temperature=0,
+        max_tokens=14,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    want = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=14), use_tqdm=False)[0]
+    assert text == want.outputs[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 14
+
+
+def test_chat_and_metrics(server: Server, client: openai.OpenAI, offline: LLM) -> None:
+    model = _model(client)
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], temperature=0, max_tokens=6
+    )
+    assert reply.choices[0].message.content is not None
+    assert reply.usage.completion_tokens == 6
+    metrics = server.metrics()
+    for series in ("dsinfer_kv_transfer_bytes", "dsinfer_time_to_first_token_seconds", "dsinfer_kv_cache_usage"):
+        assert series in metrics, series
+
+
+def test_bad_request_is_4xx(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=_model(client), prompt="x", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
