@@ -91,6 +91,8 @@ class Harness:
             elif isinstance(message, TokenDelta):
                 deltas.append(message)
         self.to_gateway = []
+        for backend in self.backends:
+            backend.progress()
         for role in (self.prefill, self.decode):
             role.tick(now)
             if role.has_work():

@@ -60,7 +60,23 @@ def peer_main(backend: str, pages: int, agents: list[str]) -> None:
         print(MARK + json.dumps(msg), flush=True)
 
     say(metadata={name: tx.metadata().hex() for name, tx in txs.items()})
-    for line in sys.stdin:  # EOF (the test process is gone) ends the peer too
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            lines.put(line)
+        lines.put(None)  # EOF: the test process is gone, so the peer ends too
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    while True:  # a target drives its library's progress, as a decode rank's loop does
+        for tx in txs.values():
+            tx.progress()
+        try:
+            line = lines.get(timeout=0.001)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
         say(pages=page_digests(pools[json.loads(line)["digests"]].caches))
 
 

@@ -76,3 +76,4 @@ class BackendMetrics:
     queue_length: int  # jobs accepted but not yet dispatched to a worker
     in_flight: int  # worker requests dispatched and not finished
     workers: list[WorkerMetrics] = field(default_factory=list)
+    ready: bool = False  # every role the topology needs has at least one healthy worker (/health)

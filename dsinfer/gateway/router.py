@@ -49,22 +49,29 @@ log = logging.getLogger("dsinfer.gateway")
 
 MONITOR_INTERVAL = 0.25
 RETRY_AFTER = 1.0  # seconds suggested to a client refused for overload
+MAX_RETRIES = 1  # times a choice is sent again after its rank died before its first token
 
 
 @dataclasses.dataclass(eq=False)
 class _Choice:
     stream: RouterStream
     index: int
-    request: WorkerRequest
+    seed: int
+    route: RouteRequest
     deadline: float  # monotonic
-    decode_worker: str | None = None  # decode or colocated rank
+    request: WorkerRequest = dataclasses.field(init=False)
+    decode_worker: str = ""  # decode or colocated rank
     prefill_worker: str | None = None
-    started: bool = False  # the first token arrived (PD: decode is past the transfer)
+    attempt: int = 0  # a choice whose rank died before its first token is sent again, once
+    started: bool = False  # the first token arrived (PD: the prefill rank is done with it)
     finished: bool = False
 
     @property
     def workers(self) -> list[str]:
         return [w for w in (self.prefill_worker, self.decode_worker) if w is not None]
+
+    def depends_on(self, worker: str) -> bool:
+        return worker == self.decode_worker or (worker == self.prefill_worker and not self.started)
 
 
 class RouterStream:
@@ -151,40 +158,43 @@ class Router:
                 f"{len(self._choices)} requests in flight, the limit is {self.max_queued_requests}",
                 RETRY_AFTER,
             )
-        pd = bool(self.registry.candidates("prefill") and self.registry.candidates("decode"))
         if not self._ready():
             raise Unavailable("no healthy worker: need a prefill and a decode rank, or a colocated one")
         seed = job.params.seed if job.params.seed is not None else self._random.getrandbits(63)
-        params = dataclasses.replace(job.params, n=1, seed=seed)
         deadline = time.monotonic() + (job.timeout or self.default_timeout)
         stream = RouterStream(self, job)
         stream._open = job.params.n
         route = self._route_request(job)
         for i in range(job.params.n):
-            fields = dict(
-                request_id=f"{job.request_id}/{i}",
-                prompt_token_ids=job.prompt_token_ids,
-                params=params,
-                choice=i,
-                seed=seed,
-            )
-            if pd:
-                decode_worker = self._pick("decode", route)
-                prefill_worker = self._pick("prefill", route)
-                prefill = self.registry.get(prefill_worker)
-                assert prefill is not None
-                request: WorkerRequest = DecodeAdmit(
-                    **fields, prefill_worker=prefill_worker, prefill_inbox=prefill.register.inbox
-                )
-                choice = _Choice(stream, i, request, deadline, decode_worker, prefill_worker)
-            else:
-                decode_worker = self._pick("colocated", route)
-                request = GenerateRequest(**fields)
-                choice = _Choice(stream, i, request, deadline, decode_worker)
+            choice = _Choice(stream, i, seed, route, deadline)
             stream.choices.append(choice)
-            self._choices[request.request_id] = choice
-            self._send(decode_worker, request)
+            self._dispatch(choice)
         return stream
+
+    def _dispatch(self, choice: _Choice) -> None:
+        """Send the choice to a prefill + decode pair (PD) or to a colocated rank."""
+        job = choice.stream.job
+        suffix = f"~{choice.attempt}" if choice.attempt else ""
+        fields = dict(
+            request_id=f"{job.request_id}/{choice.index}{suffix}",
+            prompt_token_ids=job.prompt_token_ids,
+            params=dataclasses.replace(job.params, n=1, seed=choice.seed),
+            choice=choice.index,
+            seed=choice.seed,
+        )
+        if self.registry.candidates("prefill") and self.registry.candidates("decode"):
+            choice.decode_worker = self._pick("decode", choice.route)
+            choice.prefill_worker = self._pick("prefill", choice.route)
+            prefill = self.registry.get(choice.prefill_worker)
+            assert prefill is not None
+            choice.request = DecodeAdmit(
+                **fields, prefill_worker=choice.prefill_worker, prefill_inbox=prefill.register.inbox
+            )
+        else:
+            choice.decode_worker, choice.prefill_worker = self._pick("colocated", choice.route), None
+            choice.request = GenerateRequest(**fields)
+        self._choices[choice.request.request_id] = choice
+        self._send(choice.decode_worker, choice.request)
 
     def _route_request(self, job: Job) -> RouteRequest:
         root = bytes.fromhex(self.registry.model or "")
@@ -231,11 +241,11 @@ class Router:
                 log.error("dropped an undecodable message from %r: %s", frames[0], e)
                 continue
             try:
-                self._dispatch(message)
+                self._on_message(message)
             except Exception:
                 log.exception("error handling %s", type(message).__name__)
 
-    def _dispatch(self, message: object) -> None:
+    def _on_message(self, message: object) -> None:
         now = time.monotonic()
         if isinstance(message, TokenDelta):
             self._on_delta(message)
@@ -302,23 +312,39 @@ class Router:
                 )
 
     def _fail_worker(self, info: WorkerInfo, reason: str) -> None:
+        """Choices that need the dead rank start again elsewhere if nothing was streamed yet
+        (once), else end with ``reason``; the other rank of a PD pair is told to drop them."""
         for balancer in self.balancers.values():
             balancer.remove(info.name)
-        for choice in [c for c in self._choices.values() if info.name in c.workers]:
-            self.end_choice(choice, TokenDelta(request_id=choice.request.request_id, error=reason))
+        for choice in [c for c in self._choices.values() if c.depends_on(info.name)]:
+            old_id = choice.request.request_id
+            if choice.started or choice.attempt >= MAX_RETRIES or not self._ready():
+                self.end_choice(choice, TokenDelta(request_id=old_id, error=reason))
+                continue
+            self._forget(choice)
+            for worker in choice.workers:
+                if worker != info.name:
+                    self._send(worker, Abort(request_id=old_id))
+            choice.attempt += 1
+            log.info("%s: %s; sending it again", old_id, reason)
+            self._dispatch(choice)
 
     def _send(self, worker: str, message: msgspec.Struct) -> None:
         assert self._sock is not None
-        try:
-            self._sock.send_multipart([worker.encode(), encode(message)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # the rank is not connected (died, restarting)
-            log.warning("cannot reach %s (%s); %s not delivered", worker, e, type(message).__name__)
-            choice = self._choices.get(getattr(message, "request_id", ""))
-            if choice is not None and not isinstance(message, Abort):
-                self.end_choice(
-                    choice,
-                    TokenDelta(request_id=choice.request.request_id, error=f"worker {worker} unreachable"),
-                )
+        sent = self._sock.send_multipart([worker.encode(), encode(message)], flags=zmq.NOBLOCK)
+        # zmq.asyncio reports a failed send on the returned future, not by raising
+        sent.add_done_callback(lambda f: self._sent(f, worker, message))
+
+    def _sent(self, future: asyncio.Future[object], worker: str, message: msgspec.Struct) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is None:
+            return
+        log.warning("cannot reach %s (%s); %s not delivered", worker, error, type(message).__name__)
+        choice = self._choices.get(getattr(message, "request_id", ""))
+        if choice is not None and not isinstance(message, Abort):
+            self.end_choice(
+                choice, TokenDelta(request_id=choice.request.request_id, error=f"worker {worker} unreachable")
+            )
 
     # Metrics ---------------------------------------------------------------------------------
     def metrics_snapshot(self) -> BackendMetrics:

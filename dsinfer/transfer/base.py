@@ -71,5 +71,9 @@ class TransferBackend(ABC):
     @abstractmethod
     def release(self, handle: TransferHandle) -> None: ...
 
+    def progress(self) -> None:  # noqa: B027 - backends with their own threads need nothing
+        """Let the library make progress on this rank's side (a target must, for writers' remote
+        completions to arrive). The rank loop calls it every iteration."""
+
     @abstractmethod
     def close(self) -> None: ...

@@ -65,7 +65,10 @@ class NixlBackend(TransferBackend):
     def __init__(self, agent_name: str) -> None:
         super().__init__(agent_name)
         try:
-            self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+            # NIXL's progress thread busy-polls a whole core per agent even when idle; without
+            # it, UCX makes progress when ``poll`` checks a transfer, which is all a writer needs.
+            config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self._agent = nixl_agent(agent_name, config)
         except Exception as e:
             raise TransferError(f"cannot create NIXL agent {agent_name!r}: {e}") from e
         if "UCX" not in self._agent.backends:
@@ -197,6 +200,9 @@ class NixlBackend(TransferBackend):
         if rec.state == "pending":
             raise TransferError("a pending write cannot be released (it cannot be cancelled): poll it first")
         self._drop(rec)
+
+    def progress(self) -> None:
+        self._agent.get_new_notifs()  # drives the UCX worker (no notifications are sent)
 
     def close(self) -> None:
         if self._closed:

@@ -34,6 +34,7 @@ from dsinfer.workers.role import ColocatedWorker, RoleWorker
 log = logging.getLogger("dsinfer.worker")
 
 IDLE_POLL_MS = 20
+BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
 REGISTER_EVERY = 5.0  # seconds; a restarted gateway learns the ranks again from these
 DIST_TIMEOUT = timedelta(minutes=10)
 
@@ -128,12 +129,14 @@ def run_rank(args: RankArgs) -> int:
             if now - last_register >= REGISTER_EVERY:
                 channel.send_gateway(register)
                 last_register = now
-            timeout = 0 if role.busy() else IDLE_POLL_MS
+            timeout = 0 if role.has_work() else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
             for message in channel.receive(timeout):
                 role.handle(message, time.monotonic())
             if stopping and not role.draining:
                 role.draining = True
                 log.info("rank %s draining", name)
+            if transfer is not None:
+                transfer.progress()
             role.tick(time.monotonic())
             has_work, all_stopping, any_busy = flags.agree(role.has_work(), stopping, role.busy())
             if all_stopping and not any_busy:

@@ -1,0 +1,60 @@
+"""Command-line flags of the gateway (``--port``, ``--api-key`` ...) -> GatewayArgs.
+
+``--model`` and ``--max-model-len`` are the engine's flags (dsinfer/cli/engine_args.py); when
+the namespace has them, ``gateway_args_from`` picks them up too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from dsinfer.gateway.args import BALANCERS, REASONING_PARSERS, GatewayArgs
+
+API_KEY_ENV = "DSINFER_API_KEY"
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gateway")
+    group.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="HTTP port (default: %(default)s)")
+    group.add_argument("--control-port", type=int, default=None, help="ZMQ port the pools register with")
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients pass (default: the model directory's name)",
+    )
+    group.add_argument(
+        "--chat-template", default=None, help="Jinja file replacing the checkpoint's chat template"
+    )
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="return thinking as reasoning_content",
+    )
+    group.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="queued requests before 429 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds before a request ends in an error"
+    )
+    group.add_argument("--max-n", type=int, default=16, help="largest n accepted (default: %(default)s)")
+    group.add_argument(
+        "--balancer", default="load", choices=BALANCERS, help="worker choice (default: %(default)s)"
+    )
+
+
+def gateway_args_from(args: argparse.Namespace, **overrides: Any) -> GatewayArgs:
+    """GatewayArgs from parsed flags; pydantic's ValueError names a bad value."""
+    fields = {name: getattr(args, name) for name in GatewayArgs.model_fields if hasattr(args, name)}
+    return GatewayArgs(**{**fields, **overrides})

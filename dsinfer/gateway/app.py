@@ -1,0 +1,252 @@
+"""The gateway's HTTP app: OpenAI-compatible /v1 endpoints, /health and /metrics over a Backend.
+
+``build_app`` keeps all state on ``app.state.gateway`` (its own Prometheus registry included)
+and starts/stops the backend in the app's lifespan. Every error a client can cause is answered
+in OpenAI's format before anything is submitted to the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from dsinfer.base.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, TokenizerError
+from dsinfer.gateway.args import GatewayArgs
+from dsinfer.gateway.backend import Backend
+from dsinfer.gateway.chat import ChatFormatter
+from dsinfer.gateway.completions import CompletionFormatter
+from dsinfer.gateway.errors import APIError, bad_request, error_body, server_error, timeout_error
+from dsinfer.gateway.metrics import GatewayMetrics
+from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from dsinfer.gateway.prepare import Limits, parse_body, prepare_chat, prepare_completion
+from dsinfer.gateway.serving import (
+    ClientGone,
+    GatewayContext,
+    RequestRun,
+    RequestTimeout,
+    unless_disconnected,
+    wait_for_disconnect,
+)
+from dsinfer.gateway.sse import HEADERS, MEDIA_TYPE
+
+log = logging.getLogger("dsinfer.gateway")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
+
+
+def with_chat_template(tokenizer: Tokenizer, path: Path) -> Tokenizer:
+    """The same tokenizer with the chat template of ``path`` (--chat-template)."""
+    config_path = Path(tokenizer.origin) / TOKENIZER_CONFIG_FILE
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    try:
+        return Tokenizer(
+            tokenizer.backend,
+            config,
+            path.read_text(encoding="utf-8"),
+            extra_eos_token_ids=tokenizer.eos_token_ids,
+            origin=tokenizer.origin,
+        )
+    except TokenizerError as e:
+        raise TokenizerError(f"--chat-template {path}: {e}") from None
+
+
+def build_app(
+    backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, max_model_len: int, vocab_size: int
+) -> FastAPI:
+    if args.chat_template is not None:
+        tokenizer = with_chat_template(tokenizer, args.chat_template)
+    limits = Limits(args.model_name(), max_model_len, vocab_size, args.max_n)
+    ctx = GatewayContext(backend, tokenizer, args, limits, GatewayMetrics(backend.metrics_snapshot))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        log.info("serving %r (context %d tokens) on the OpenAI API", limits.model_name, max_model_len)
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = FastAPI(title="dsinfer gateway", lifespan=lifespan)
+    app.state.gateway = ctx
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            snapshot = backend.metrics_snapshot()
+        except Exception as e:
+            log.exception("backend metrics failed")
+            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        healthy = sum(w.healthy for w in snapshot.workers)
+        body = {"status": "ok" if snapshot.ready else "unavailable", "healthy_workers": healthy}
+        return JSONResponse(body, status_code=200 if snapshot.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            _check_auth(ctx, request)
+        except APIError as e:
+            return e.response()
+        card = ModelCard(id=limits.model_name, root=limits.model_name, max_model_len=max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(ctx, request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(ctx, request, "chat")
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return bad_request(f"invalid request: {exc.errors()[0].get('msg', exc)}").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return server_error(f"internal error: {type(exc).__name__}").response()
+
+
+def _check_auth(ctx: GatewayContext, request: Request) -> None:
+    key = ctx.args.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            401,
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def _request_id(request: Request, prefix: str) -> str:
+    given = request.headers.get("x-request-id")
+    return f"{prefix}-{given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex}"
+
+
+async def _generate(ctx: GatewayContext, request: Request, endpoint: str) -> Response:
+    status = 500
+    try:
+        response = await _serve(ctx, request, endpoint)
+        status = response.status_code
+        return response
+    except APIError as e:
+        status = e.status
+        if e.status < 500:
+            log.info("%s request refused: %d %s", endpoint, e.status, e.message)
+        return e.response()
+    except ClientGone:
+        status = CLIENT_CLOSED
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        ctx.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Response:
+    arrival = time.monotonic()
+    _check_auth(ctx, request)
+    body = await request.body()
+    # Tokenizing a long prompt takes milliseconds: off the event loop that streams other requests.
+    if endpoint == "completions":
+        completion = parse_body(CompletionRequest, body)
+        prepared = await asyncio.to_thread(prepare_completion, completion, ctx.tokenizer, ctx.limits)
+        request_id = _request_id(request, "cmpl")
+    else:
+        chat = parse_body(ChatCompletionRequest, body)
+        prepared = await asyncio.to_thread(prepare_chat, chat, ctx.tokenizer, ctx.limits)
+        request_id = _request_id(request, "chatcmpl")
+    if request_id in ctx.active_ids:
+        raise bad_request(f"request id {request_id!r} is already in use", code="duplicate_request_id")
+    ctx.active_ids.add(request_id)
+    run = RequestRun(ctx, request_id, prepared, endpoint, reasoning=endpoint == "chat", arrival=arrival)
+    model = ctx.limits.model_name
+    formatter = (
+        CompletionFormatter(ctx, run, model) if endpoint == "completions" else ChatFormatter(ctx, run, model)
+    )
+    headers = {"X-Request-Id": request_id}
+    try:
+        run.start()
+    except APIError:
+        await run.close()
+        raise
+    if prepared.stream:
+        return _RunStreamingResponse(
+            run, _stream(request, run, formatter.chunks()), headers={**HEADERS, **headers}
+        )
+    try:
+        result = await unless_disconnected(request, run, formatter.response)
+    except RequestTimeout:
+        raise timeout_error(ctx.args.request_timeout) from None
+    finally:
+        await run.close()
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+
+
+async def _stream(request: Request, run: RequestRun, chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:
+    async def abort_on_disconnect() -> None:
+        await wait_for_disconnect(request)
+        run.outcome = "client gone"
+        await run.abort()
+
+    watcher = asyncio.create_task(abort_on_disconnect())
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        watcher.cancel()
+        with anyio.CancelScope(shield=True):
+            await run.close()
+
+
+class _RunStreamingResponse(StreamingResponse):
+    """Closes its run however the response ends (also when the body never started)."""
+
+    def __init__(self, run: RequestRun, content: AsyncIterator[str], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type=MEDIA_TYPE, headers=headers)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if not self.run.finished and self.run.outcome == "ok":
+                    self.run.outcome = "client gone"
+                await self.run.close()

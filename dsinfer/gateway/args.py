@@ -1,0 +1,65 @@
+"""Gateway arguments: HTTP server, OpenAI API behaviour, admission control, routing policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from dsinfer.base.presets import resolve_model
+
+REASONING_PARSERS = ("deepseek-r1",)
+BALANCERS = ("load", "round_robin")
+
+
+class GatewayArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_port: int | None = None  # ZMQ ROUTER the pools register with; None = the router's default
+    served_model_name: str | None = None  # None = the model directory's name
+    chat_template: Path | None = None  # a Jinja file replacing the checkpoint's chat template
+    api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
+    reasoning_parser: str | None = None  # "deepseek-r1": thinking -> reasoning_content
+    max_queued_requests: int = 1024  # jobs waiting for a worker before new ones get 429
+    request_timeout: float = 600.0  # seconds from arrival until a request is ended with an error
+    max_n: int = 16  # largest n (choices per prompt) accepted
+    balancer: str = "load"
+    model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
+    max_model_len: int | None = None  # None = the model's
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewayArgs:
+        for name in ("port", "control_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
+            )
+        if self.balancer not in BALANCERS:
+            raise ValueError(f"balancer must be one of {', '.join(BALANCERS)}, got {self.balancer!r}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be at least 1, got {self.max_n}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it out to serve without a key)")
+        if self.chat_template is not None and not self.chat_template.is_file():
+            raise ValueError(f"chat_template {str(self.chat_template)!r} is not a file")
+        return self
+
+    def model_name(self) -> str:
+        """The name clients pass as ``model``: --served-model-name, else the model directory's name."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        path, _ = resolve_model(self.model)
+        return path.resolve().name

@@ -1,0 +1,114 @@
+"""/v1/chat/completions: the response body, or its SSE chunks, from a RequestRun's choice updates."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from dsinfer.gateway.choice import ChoiceUpdate
+from dsinfer.gateway.errors import error_body, server_error
+from dsinfer.gateway.openai_api import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprob,
+    ChatResponseMessage,
+    PromptLogprobs,
+    TopLogprob,
+)
+from dsinfer.gateway.serving import GatewayContext, RequestRun, RequestTimeout
+from dsinfer.gateway.sse import DONE, sse
+
+
+class ChatFormatter:
+    def __init__(self, ctx: GatewayContext, run: RequestRun, model: str) -> None:
+        self.ctx, self.run, self.model = ctx, run, model
+        self.wants_logprobs = run.prepared.params.logprobs is not None
+        self.as_id = run.prepared.return_token_ids
+        self.reasoning = ctx.args.reasoning_parser is not None
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> ChatChoiceLogprobs:
+        top = self.run.prepared.top_logprobs
+        content = []
+        for token, alternatives in zip(token_ids, logprobs, strict=False):
+            ranked = sorted(alternatives.items(), key=lambda kv: -kv[1])[:top]
+            content.append(
+                ChatLogprob(
+                    **self._entry(token, alternatives.get(token, float("-inf"))).model_dump(),
+                    top_logprobs=[self._entry(t, lp) for t, lp in ranked],
+                )
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    def _entry(self, token: int, logprob: float) -> TopLogprob:
+        text = self.ctx.token_text(token, self.as_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    def _prompt_logprobs(self) -> PromptLogprobs | None:
+        return self.ctx.prompt_logprobs(self.run.choices[0].prompt_logprobs, self.as_id)
+
+    async def response(self) -> ChatCompletionResponse:
+        async for _, update in self.run.updates():
+            if update.error is not None:
+                await self.run.abort()
+                raise server_error(update.error)
+        choices = []
+        for i, state in enumerate(self.run.choices):
+            if self.reasoning:
+                message = ChatResponseMessage(
+                    content=state.text or None, reasoning_content=state.reasoning or None
+                )
+            else:
+                message = ChatResponseMessage(content=state.text)
+            logprobs = self._logprobs(state.token_ids, state.logprobs) if self.wants_logprobs else None
+            choices.append(
+                ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=state.finish_reason)
+            )
+        return ChatCompletionResponse(
+            id=self.run.request_id,
+            model=self.model,
+            choices=choices,
+            usage=self.run.usage(),
+            prompt_logprobs=self._prompt_logprobs(),
+        )
+
+    def _envelope(self, choices: list[ChatChunkChoice], **fields: object) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.run.request_id, model=self.model, choices=choices, **fields)
+
+    async def chunks(self) -> AsyncIterator[str]:
+        for i in range(len(self.run.choices)):
+            yield sse(
+                self._envelope([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            )
+        try:
+            async for index, update in self.run.updates():
+                if update.error is not None:
+                    await self.run.abort()
+                    yield sse(error_body(update.error, type="server_error", code="internal_error"))
+                    yield DONE
+                    return
+                chunk = self._chunk(index, update)
+                if chunk is not None:
+                    yield sse(chunk)
+        except RequestTimeout as e:
+            yield sse(error_body(str(e), type="timeout_error", code="timeout"))
+            yield DONE
+            return
+        if self.run.prepared.include_usage:
+            yield sse(self._envelope([], usage=self.run.usage()))
+        yield DONE
+
+    def _chunk(self, index: int, update: ChoiceUpdate) -> ChatCompletionChunk | None:
+        logprobs = None
+        if self.wants_logprobs and update.token_ids:
+            logprobs = self._logprobs(update.token_ids, update.logprobs or [])
+        prompt_logprobs = self._prompt_logprobs() if update.first and index == 0 else None
+        if not (update.text or update.reasoning or logprobs or update.finish_reason or prompt_logprobs):
+            return None
+        delta = ChatDelta(content=update.text or None, reasoning_content=update.reasoning or None)
+        choice = ChatChunkChoice(
+            index=index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason
+        )
+        return self._envelope([choice], prompt_logprobs=prompt_logprobs)

@@ -1,0 +1,143 @@
+"""One choice's text: token deltas -> detokenized text, cut at the stop string, split by reasoning.
+
+The worker detects stop strings on the same incremental detokenization (``stop_text_len`` is
+an offset into the choice's full text) and finishes the choice; here the text is cut there. While
+streaming, text that could be the start of a stop string is held back, so the cut never has to
+take back text already sent: a stop string completes in the delta that finishes the choice, and
+the text before its start was all that could have been sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from dsinfer.base.protocol import TokenDelta
+from dsinfer.base.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsinfer.gateway.reasoning import ReasoningParser
+
+log = logging.getLogger("dsinfer.gateway")
+
+
+@dataclass
+class ChoiceUpdate:
+    """What one delta adds to a choice, ready to be sent."""
+
+    text: str = ""  # answer text (all of the text without a reasoning parser)
+    reasoning: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    first: bool = False  # the choice's first update
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+class ChoiceState:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        stops: list[str],
+        skip_special_tokens: bool,
+        include_stop_str: bool,
+        reasoning: ReasoningParser | None,
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stops = stops
+        self.include_stop_str = include_stop_str
+        self.reasoning_parser = reasoning
+        self.emitted = 0  # characters of the detokenized text already passed on
+        self.text = ""  # answer text passed on so far
+        self.reasoning = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.num_cached_tokens = 0
+        self.started = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def update(self, delta: TokenDelta) -> ChoiceUpdate:
+        if self.finished:
+            return ChoiceUpdate()
+        update = ChoiceUpdate(
+            token_ids=list(delta.token_ids), logprobs=delta.logprobs, first=not self.started
+        )
+        if not self.started:
+            self.started = True
+            self.num_cached_tokens = delta.num_cached_tokens
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.token_ids:
+            now = time.monotonic()
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+            self.token_ids.extend(delta.token_ids)
+            if delta.logprobs:
+                self.logprobs.extend(delta.logprobs)
+            for token in delta.token_ids:  # one at a time, as the worker's stop-string check does
+                self.detokenizer.feed([token])
+        ending = delta.finish_reason is not None or delta.error is not None
+        new = self._final_text(delta.stop_text_len) if ending else self._safe_text()
+        if self.reasoning_parser is None:
+            update.text = new
+        else:
+            update.reasoning, update.text = self.reasoning_parser.feed(new)
+            if ending:
+                reasoning, text = self.reasoning_parser.flush()
+                update.reasoning += reasoning
+                update.text += text
+        self.text += update.text
+        self.reasoning += update.reasoning
+        if ending:
+            self.finish_reason = update.finish_reason = delta.finish_reason or "abort"
+            self.error = update.error = delta.error
+        return update
+
+    def _safe_text(self) -> str:
+        text = self.detokenizer.text
+        end = max(self.emitted, len(text) - held_back(text, self.stops))
+        new = text[self.emitted : end]
+        self.emitted = end
+        return new
+
+    def _final_text(self, stop_text_len: int | None) -> str:
+        if stop_text_len is None:
+            self.detokenizer.flush()
+            final = self.detokenizer.text
+        else:
+            full = self.detokenizer.text
+            end = stop_text_len
+            if self.include_stop_str:
+                matched = next((s for s in self.stops if full.startswith(s, end)), "")
+                end += len(matched)
+            final = full[:end]
+        if len(final) < self.emitted:
+            log.warning(
+                "stop_text_len %s lies before text already sent (%d chars)", stop_text_len, self.emitted
+            )
+            return ""
+        new = final[self.emitted :]
+        self.emitted = len(final)
+        return new

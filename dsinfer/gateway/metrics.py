@@ -1,0 +1,120 @@
+"""Prometheus metrics of one gateway app (its own registry, never the process-global one).
+
+Request-side series are observed as requests end; the backend's gauges and per-worker counters
+are read from ``Backend.metrics_snapshot()`` at scrape time by a custom collector.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dsinfer.gateway.backend import BackendMetrics
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class BackendCollector(Collector):
+    def __init__(self, snapshot: Callable[[], BackendMetrics]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield GaugeMetricFamily(
+            "dsinfer_backend_ready", "1 when every needed role has a healthy worker", int(snap.ready)
+        )
+        yield GaugeMetricFamily(
+            "dsinfer_queue_length", "jobs accepted but not yet dispatched", snap.queue_length
+        )
+        yield GaugeMetricFamily(
+            "dsinfer_in_flight_requests", "worker requests dispatched, not finished", snap.in_flight
+        )
+        labels = ["worker", "role"]
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "healthy": GaugeMetricFamily(
+                "dsinfer_worker_healthy", "1 when the worker is healthy", labels=labels
+            ),
+            "running": GaugeMetricFamily(
+                "dsinfer_worker_running_requests", "running on the worker", labels=labels
+            ),
+            "waiting": GaugeMetricFamily(
+                "dsinfer_worker_waiting_requests", "queued on the worker", labels=labels
+            ),
+            "kv": GaugeMetricFamily("dsinfer_kv_cache_usage_ratio", "KV pages in use / total", labels=labels),
+            "prompt": CounterMetricFamily(
+                "dsinfer_worker_prompt_tokens", "prompt tokens admitted", labels=labels
+            ),
+            "hits": CounterMetricFamily(
+                "dsinfer_prefix_cache_hit_tokens",
+                "prompt tokens served from a cache tier",
+                labels=[*labels, "tier"],
+            ),
+            "hit_rate": GaugeMetricFamily(
+                "dsinfer_prefix_cache_hit_rate", "cached / prompt tokens since start", labels=labels
+            ),
+            "bytes": CounterMetricFamily("dsinfer_kv_transfer_bytes", "KV bytes transferred", labels=labels),
+            "seconds": CounterMetricFamily(
+                "dsinfer_kv_transfer_seconds", "KV transfer wall time", labels=labels
+            ),
+            "transfers": CounterMetricFamily("dsinfer_kv_transfers", "KV transfers completed", labels=labels),
+        }
+        for w in snap.workers:
+            key = [w.worker, w.role]
+            families["healthy"].add_metric(key, int(w.healthy))
+            families["running"].add_metric(key, w.num_running)
+            families["waiting"].add_metric(key, w.num_waiting)
+            families["kv"].add_metric(key, w.kv_pages_used / w.kv_pages_total if w.kv_pages_total else 0.0)
+            families["prompt"].add_metric(key, w.prompt_tokens)
+            families["hits"].add_metric([*key, "memory"], w.memory_hit_tokens)
+            families["hits"].add_metric([*key, "disk"], w.disk_hit_tokens)
+            hits = w.memory_hit_tokens + w.disk_hit_tokens
+            families["hit_rate"].add_metric(key, hits / w.prompt_tokens if w.prompt_tokens else 0.0)
+            families["bytes"].add_metric(key, w.transfer_bytes)
+            families["seconds"].add_metric(key, w.transfer_seconds)
+            families["transfers"].add_metric(key, w.transfers)
+        yield from families.values()
+
+
+class GatewayMetrics:
+    def __init__(self, snapshot: Callable[[], BackendMetrics]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "dsinfer_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
+        self.http_in_flight = Gauge(
+            "dsinfer_http_requests_in_flight", "generation requests being served", registry=r
+        )
+        self.ttft = Histogram(
+            "dsinfer_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "dsinfer_time_per_output_token_seconds",
+            "mean time between output tokens of a choice",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "dsinfer_e2e_request_latency_seconds",
+            "arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "dsinfer_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter("dsinfer_generation_tokens", "generated tokens", registry=r)
+        self.cached_tokens = Counter(
+            "dsinfer_cached_prompt_tokens", "prompt tokens served from a cache", registry=r
+        )
+        r.register(BackendCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,318 @@
+"""OpenAI request bodies -> validated prompts (token ids) and SamplingParams.
+
+Everything a worker would refuse is refused here with a 400 in OpenAI's format, so bad input
+never reaches the backend: types (pydantic, strict), the model name, sampling values (through
+SamplingParams, whose ValueError names the field), token ids outside the vocabulary, empty
+prompts and prompts that do not fit the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.base.tokenizer import Tokenizer, TokenizerError
+from dsinfer.gateway.errors import APIError, bad_request
+from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+MAX_LOGPROBS = 20  # top-N logprobs per position, as vLLM's default max_logprobs
+_TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token")
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "nullable"})
+
+_UNION_MESSAGES = {
+    "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "stop must be a string or a list of strings",
+}
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Limits:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_n: int
+
+
+@dataclass
+class Prepared:
+    """A validated request: one job per prompt, each with ``params.n`` choices."""
+
+    prompts: list[list[int]]
+    prompt_texts: list[str]  # for echo
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    include_stop_str: bool
+    return_token_ids: bool  # logprob tokens as "token_id:<id>"
+    echo: bool = False
+    top_logprobs: int = 0  # chat: how many alternatives per token
+
+
+def parse_body(cls: type[RequestT], body: bytes) -> RequestT:
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    if err["type"] == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}")
+    # pydantic names the union member it tried ("str", "list[int]"...): not a place in the body
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
+    if not loc:
+        return bad_request("request body must be a JSON object")
+    if err["type"] == "missing":
+        return bad_request(f"{'.'.join(loc)} is required", param=loc[0])
+    if loc[0] in _UNION_MESSAGES:
+        return bad_request(_UNION_MESSAGES[loc[0]], param=loc[0])
+    return bad_request(f"{'.'.join(loc)}: {err['msg']}", param=loc[0])
+
+
+def check_model(requested: str | None, limits: Limits) -> None:
+    if requested is not None and requested != limits.model_name:
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {limits.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if raw is None:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias: key {key!r} is not a token id", param="logit_bias") from None
+        bias[token] = value
+    _check_ids(list(bias), vocab_size, "logit_bias")
+    return bias
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.min_tokens:
+        raise bad_request("min_tokens is not supported", param="min_tokens")
+    if req.use_beam_search:
+        raise bad_request("beam search is not supported", param="use_beam_search")
+
+
+def _sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    limits: Limits,
+    *,
+    max_tokens: int | None,
+    max_tokens_param: str,
+    logprobs: int | None,
+    logprobs_param: str,
+) -> SamplingParams:
+    if req.n > limits.max_n or req.n < 1:
+        raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", param="n")
+    for name, value in ((logprobs_param, logprobs), ("prompt_logprobs", req.prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise bad_request(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+    fields: dict[str, Any] = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "seed": req.seed,
+    }
+    fields = {k: v for k, v in fields.items() if v is not None}
+    if fields.get("top_k", 0) >= limits.vocab_size:
+        fields["top_k"] = 0  # keeping the whole vocabulary is "off"
+    stop_ids = req.stop_token_ids or []
+    _check_ids(stop_ids, limits.vocab_size, "stop_token_ids")
+    try:
+        return SamplingParams(
+            n=req.n,
+            stop=req.stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            logit_bias=_logit_bias(req.logit_bias, limits.vocab_size),
+            **fields,
+        )
+    except ValueError as e:
+        raise _params_error(str(e), max_tokens_param, logprobs_param) from None
+
+
+def _params_error(message: str, max_tokens_param: str, logprobs_param: str) -> APIError:
+    """SamplingParams' message starts with the field's name: that is the ``param``."""
+    param = message.split(" ", 1)[0]
+    if param == "max_tokens" and max_tokens_param != param:
+        param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
+    elif param == "logprobs" and logprobs_param != param:
+        param, message = logprobs_param, message.replace("logprobs", logprobs_param, 1)
+    return bad_request(message, param=param if param.isidentifier() else None)
+
+
+def _check_length(ids: list[int], params: SamplingParams, limits: Limits, max_tokens_param: str) -> None:
+    _check_ids(ids, limits.vocab_size, "prompt")
+    n, limit = len(ids), limits.max_model_len
+    if n >= limit:
+        raise bad_request(
+            f"the prompt has {n} tokens; this model's context length is {limit} tokens "
+            f"(the prompt must leave room for at least one generated token)",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if params.max_tokens is not None and n + params.max_tokens > limit:
+        raise bad_request(
+            f"this model's context length is {limit} tokens, but {n + params.max_tokens} were requested "
+            f"({n} in the prompt, {params.max_tokens} in {max_tokens_param}); lower {max_tokens_param}",
+            param=max_tokens_param,
+            code="context_length_exceeded",
+        )
+
+
+def _stream_flags(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Prepared:
+    check_model(req.model, limits)
+    _refuse_unsupported(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is only supported when equal to n", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported", param="echo")
+    params = _sampling_params(
+        req,
+        limits,
+        max_tokens=req.max_tokens,
+        max_tokens_param="max_tokens",
+        logprobs=req.logprobs,
+        logprobs_param="logprobs",
+    )
+    raw = req.prompt
+    items: list[str] | list[list[int]]
+    if isinstance(raw, str):
+        items = [raw]
+    elif raw and isinstance(raw[0], int):
+        items = [raw]  # type: ignore[list-item]
+    else:
+        items = raw  # type: ignore[assignment]
+    if not items or any(len(item) == 0 for item in items):
+        raise bad_request("prompt must not be empty", param="prompt")
+    prompts, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+            texts.append(item)
+        else:
+            ids = list(item)
+            _check_ids(ids, limits.vocab_size, "prompt")
+            texts.append(tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
+        if not ids:
+            raise bad_request("prompt must not be empty", param="prompt")
+        _check_length(ids, params, limits, "max_tokens")
+        prompts.append(ids)
+    return Prepared(
+        prompts=prompts,
+        prompt_texts=texts,
+        params=params,
+        stream=req.stream,
+        include_usage=_stream_flags(req),
+        include_stop_str=req.include_stop_str_in_output,
+        return_token_ids=req.return_tokens_as_token_ids,
+        echo=req.echo,
+    )
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    data = message.model_dump(exclude_none=True)
+    if message.role == "developer":
+        data["role"] = "system"
+    if isinstance(message.content, list):
+        parts = []
+        for part in message.content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(
+                    f"messages.{index}.content: only text parts are supported, got {part.type!r}",
+                    param="messages",
+                )
+            parts.append(part.text)
+        data["content"] = "".join(parts)
+    elif message.content is None:
+        data["content"] = ""
+    return data
+
+
+def render_chat(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    if not req.messages:
+        raise bad_request("messages must not be empty", param="messages")
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = [k for k in _TEMPLATE_RESERVED if k in kwargs]
+    if reserved:
+        raise bad_request(f"chat_template_kwargs must not set {reserved[0]!r}", param="chat_template_kwargs")
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, **kwargs
+        )
+    except TokenizerError as e:
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Prepared:
+    check_model(req.model, limits)
+    _refuse_unsupported(req)
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("tools are not supported", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    top = req.top_logprobs or 0
+    uses_new_name = req.max_completion_tokens is not None
+    max_tokens_param = "max_completion_tokens" if uses_new_name else "max_tokens"
+    params = _sampling_params(
+        req,
+        limits,
+        max_tokens=req.max_completion_tokens if uses_new_name else req.max_tokens,
+        max_tokens_param=max_tokens_param,
+        logprobs=top if req.logprobs else None,
+        logprobs_param="top_logprobs",
+    )
+    ids = render_chat(req, tokenizer)
+    if not ids:
+        raise bad_request("the rendered chat prompt is empty", param="messages")
+    _check_length(ids, params, limits, max_tokens_param)
+    return Prepared(
+        prompts=[ids],
+        prompt_texts=[""],
+        params=params,
+        stream=req.stream,
+        include_usage=_stream_flags(req),
+        include_stop_str=req.include_stop_str_in_output,
+        return_token_ids=req.return_tokens_as_token_ids,
+        top_logprobs=top,
+    )

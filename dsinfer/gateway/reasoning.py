@@ -1,0 +1,74 @@
+"""Reasoning parsers: split a chat completion's text into thinking (``reasoning_content``) and answer.
+
+A parser is fed the text deltas of one choice in order and returns ``(reasoning, content)`` for
+each; text that might be the start of a tag is held back until the next delta (or ``flush``),
+so a tag split across deltas is still recognised and never leaks into either part.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class ReasoningParser(Protocol):
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def flush(self) -> tuple[str, str]: ...
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class DeepSeekR1ReasoningParser:
+    """DeepSeek-R1: everything up to ``</think>`` is thinking, the rest is the answer.
+
+    R1 chat templates end the prompt with ``<think>\\n``, so the output usually starts inside
+    the thinking without an opening tag; an opening ``<think>`` at the very start is dropped.
+    Output without ``</think>`` is all thinking (the model was cut off before it answered).
+    """
+
+    START = "<think>"
+    END = "</think>"
+
+    def __init__(self) -> None:
+        self._at_start = True
+        self._thinking = True
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf = self._held + text
+        self._held = ""
+        if self._at_start:
+            if len(buf) < len(self.START) and self.START.startswith(buf):
+                self._held = buf
+                return "", ""
+            self._at_start = False
+            buf = buf.removeprefix(self.START)
+        if not self._thinking:
+            return "", buf
+        end = buf.find(self.END)
+        if end >= 0:
+            self._thinking = False
+            return buf[:end], buf[end + len(self.END) :]
+        keep = _partial_suffix(buf, self.END)
+        if keep:
+            self._held = buf[-keep:]
+            buf = buf[:-keep]
+        return buf, ""
+
+    def flush(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        self._at_start = False
+        return (held, "") if self._thinking else ("", held)
+
+
+PARSERS = {"deepseek-r1": DeepSeekR1ReasoningParser}
+
+
+def make_reasoning_parser(name: str | None) -> ReasoningParser | None:
+    return None if name is None else PARSERS[name]()

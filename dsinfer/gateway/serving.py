@@ -1,0 +1,304 @@
+"""Running one HTTP request on the backend: jobs in, per-choice updates out, aborts and deadline.
+
+A request becomes one ``Job`` per prompt (each with ``params.n`` choices); its choices are
+numbered ``prompt_index * n + choice`` as OpenAI numbers them. ``RequestRun.updates`` merges the
+jobs' streams into ``(index, ChoiceUpdate)`` pairs until every choice ended, and raises
+``RequestTimeout`` at the request's deadline. ``close`` aborts what is still running (client
+gone, timeout, error) and records the request's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from dsinfer.base.protocol import TokenDelta
+from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.gateway.args import GatewayArgs
+from dsinfer.gateway.backend import Backend, Job, JobStream, Overloaded, Unavailable
+from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
+from dsinfer.gateway.errors import overloaded, unavailable
+from dsinfer.gateway.metrics import GatewayMetrics
+from dsinfer.gateway.openai_api import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
+from dsinfer.gateway.prepare import Limits, Prepared
+from dsinfer.gateway.reasoning import make_reasoning_parser
+
+log = logging.getLogger("dsinfer.gateway")
+
+
+class RequestTimeout(Exception):
+    pass
+
+
+@dataclass
+class GatewayContext:
+    """What every handler of one app shares (kept on ``app.state.gateway``)."""
+
+    backend: Backend
+    tokenizer: Tokenizer
+    args: GatewayArgs
+    limits: Limits
+    metrics: GatewayMetrics
+    active_ids: set[str] = field(default_factory=set)
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """How a logprob names a token: its own text, or ``token_id:<id>`` (vLLM's option)."""
+        if as_id:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def prompt_logprobs(
+        self, raw: list[dict[int, float] | None] | None, as_id: bool
+    ) -> PromptLogprobs | None:
+        if raw is None:
+            return None
+        return [
+            None
+            if pos is None
+            else {
+                str(t): PromptLogprob(logprob=lp, decoded_token=self.token_text(t, as_id))
+                for t, lp in pos.items()
+            }
+            for pos in raw
+        ]
+
+
+class RequestRun:
+    def __init__(
+        self,
+        ctx: GatewayContext,
+        request_id: str,
+        prepared: Prepared,
+        endpoint: str,
+        *,
+        reasoning: bool,
+        arrival: float,
+    ) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.prepared = prepared
+        self.endpoint = endpoint
+        self.arrival = arrival  # time.monotonic() when the HTTP request came in
+        self.n = prepared.params.n
+        parser = ctx.args.reasoning_parser if reasoning else None
+        self.choices = [
+            ChoiceState(
+                ctx.tokenizer,
+                stops=list(prepared.params.stop or []),
+                skip_special_tokens=prepared.params.skip_special_tokens,
+                include_stop_str=prepared.include_stop_str,
+                reasoning=make_reasoning_parser(parser),
+            )
+            for _ in range(len(prepared.prompts) * self.n)
+        ]
+        self.streams: list[JobStream] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._aborted: set[int] = set()
+        self.first_token_time: float | None = None
+        self.outcome = "ok"
+        self._closed = False
+        ctx.metrics.http_in_flight.inc()
+
+    @property
+    def job_ids(self) -> list[str]:
+        if len(self.prepared.prompts) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.prepared.prompts))]
+
+    def start(self) -> None:
+        """Submit every job, or raise a 429/503 APIError (``close`` aborts jobs already submitted)."""
+        ctx, prepared = self.ctx, self.prepared
+        snapshot = ctx.backend.metrics_snapshot()
+        if snapshot.queue_length + len(prepared.prompts) > ctx.args.max_queued_requests:
+            self.outcome = "overloaded"
+            raise overloaded(f"the server's queue is full ({snapshot.queue_length} requests waiting)", 1.0)
+        try:
+            for job_id, ids in zip(self.job_ids, prepared.prompts, strict=True):
+                job = Job(
+                    job_id, ids, prepared.params, timeout=ctx.args.request_timeout, arrival_time=self.arrival
+                )
+                self.streams.append(ctx.backend.submit(job))
+        except Overloaded as e:
+            self.outcome = "overloaded"
+            raise overloaded(str(e) or "the server is overloaded", e.retry_after) from None
+        except Unavailable as e:
+            self.outcome = "unavailable"
+            raise unavailable(str(e) or "no healthy worker can serve the request") from None
+        log.debug(
+            "%s: %d job(s), n=%d, %d prompt tokens",
+            self.request_id,
+            len(self.streams),
+            self.n,
+            self.prompt_tokens,
+        )
+
+    async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(i, s, queue)) for i, s in enumerate(self.streams)]
+        deadline = self.arrival + self.ctx.args.request_timeout
+        open_jobs = len(self.streams)
+        while open_jobs:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                kind, job, item = await asyncio.wait_for(queue.get(), remaining)
+            except asyncio.TimeoutError:
+                self.outcome = "timeout"
+                await self.abort()
+                raise RequestTimeout(f"request timed out after {self.ctx.args.request_timeout:g} s") from None
+            if kind == "delta":
+                choice, delta = item
+                update = self._apply(job, choice, delta)
+                if update is not None:
+                    yield update
+                continue
+            open_jobs -= 1
+            reason = (
+                f"backend error: {item}"
+                if kind == "error"
+                else "the backend ended the job before all its choices finished"
+            )
+            for index in range(job * self.n, (job + 1) * self.n):
+                if not self.choices[index].finished:
+                    yield index, self.choices[index].update(TokenDelta(request_id="", error=reason))
+
+    def _apply(self, job: int, choice: int, delta: TokenDelta) -> tuple[int, ChoiceUpdate] | None:
+        if not 0 <= choice < self.n:
+            log.warning(
+                "%s: backend sent choice %d of a job with n=%d; ignored", self.request_id, choice, self.n
+            )
+            return None
+        index = job * self.n + choice
+        update = self.choices[index].update(delta)
+        if update.token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if update.error is not None:
+            self.outcome = "error"
+        return index, update
+
+    async def _pump(self, job: int, stream: JobStream, queue: asyncio.Queue[tuple[str, int, Any]]) -> None:
+        try:
+            async for choice, delta in stream:
+                queue.put_nowait(("delta", job, (choice, delta)))
+        except Exception as e:
+            log.exception("%s: job stream %d failed", self.request_id, job)
+            queue.put_nowait(("error", job, e))
+            return
+        queue.put_nowait(("end", job, None))
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    async def abort(self) -> None:
+        """Abort every job that still has an unfinished choice (each job once)."""
+        for job, stream in enumerate(self.streams):
+            if job in self._aborted:
+                continue
+            if any(not c.finished for c in self.choices[job * self.n : (job + 1) * self.n]):
+                self._aborted.add(job)
+                try:
+                    await stream.abort()
+                except Exception:
+                    log.exception("%s: abort of job %d failed", self.request_id, job)
+
+    async def close(self) -> None:
+        """Abort what still runs, stop reading the streams, record metrics (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            await self.abort()
+        for task in self._tasks:
+            task.cancel()
+        self.ctx.active_ids.discard(self.request_id)
+        self.ctx.metrics.http_in_flight.dec()
+        self._record()
+
+    # Results ----------------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prepared.prompts)
+
+    def usage(self) -> Usage:
+        completion = sum(len(c.token_ids) for c in self.choices)
+        cached = sum(
+            self.choices[job * self.n].num_cached_tokens for job in range(len(self.prepared.prompts))
+        )
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=self.prompt_tokens + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
+
+    def _record(self) -> None:
+        m, now = self.ctx.metrics, time.monotonic()
+        usage = self.usage()
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        m.generation_tokens.inc(usage.completion_tokens)
+        if usage.prompt_tokens_details is not None:
+            m.cached_tokens.inc(usage.prompt_tokens_details.cached_tokens)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival
+        if ttft is not None:
+            m.ttft.observe(ttft)
+        for c in self.choices:
+            if c.first_token_time is not None and c.last_token_time is not None and len(c.token_ids) > 1:
+                m.tpot.observe((c.last_token_time - c.first_token_time) / (len(c.token_ids) - 1))
+        if self.outcome == "ok":
+            m.e2e.observe(now - self.arrival)
+        reasons = sorted({"error" if c.error else c.finish_reason or "unfinished" for c in self.choices})
+        log.info(
+            "%s %s: %s, %d prompt (%d cached) + %d completion tokens, finish %s, ttft %s, %.3f s",
+            self.request_id,
+            self.endpoint,
+            self.outcome,
+            usage.prompt_tokens,
+            usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0,
+            usage.completion_tokens,
+            "/".join(reasons),
+            "-" if ttft is None else f"{ttft:.3f} s",
+            now - self.arrival,
+        )
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client closed the connection (the body must have been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, run: RequestRun, work: Callable[[], Awaitable[Any]]) -> Any:
+    """Await ``work()``; if the client goes away first, abort the run and raise ClientGone."""
+    task = asyncio.create_task(work())
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    run.outcome = "client gone"
+    await run.close()
+    raise ClientGone
+
+
+class ClientGone(Exception):
+    pass
