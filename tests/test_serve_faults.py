@@ -67,7 +67,9 @@ def _wait_kv_free(server: Server, timeout: float = 20.0) -> None:
         in_flight = re.search(r"^dsinfer_in_flight_requests (\S+)$", text, re.MULTILINE)
         if not used and in_flight is not None and float(in_flight.group(1)) == 0:
             return
-        assert time.monotonic() < deadline, f"KV still held: {used}, in flight {in_flight and in_flight.group(1)}"
+        assert time.monotonic() < deadline, (
+            f"KV still held: {used}, in flight {in_flight and in_flight.group(1)}"
+        )
         time.sleep(0.5)
 
 
@@ -76,16 +78,22 @@ def _stream_all(client: openai.OpenAI, prompt: str, max_tokens: int, results: li
     try:
         model = client.models.list().data[0].id
         chunks = list(
-            client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+            client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            )
         )
         results.append(("ok", chunks[-1].choices[0].finish_reason))
     except openai.APIError as e:
         results.append(("error", str(e)))
 
 
-def _concurrent(client: openai.OpenAI, prompt: str, count: int, max_tokens: int) -> tuple[list[object], list[threading.Thread]]:
+def _concurrent(
+    client: openai.OpenAI, prompt: str, count: int, max_tokens: int
+) -> tuple[list[object], list[threading.Thread]]:
     results: list[object] = []
-    threads = [threading.Thread(target=_stream_all, args=(client, prompt, max_tokens, results)) for _ in range(count)]
+    threads = [
+        threading.Thread(target=_stream_all, args=(client, prompt, max_tokens, results)) for _ in range(count)
+    ]
     for t in threads:
         t.start()
     return results, threads

@@ -13,7 +13,11 @@ from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "40"]
-PROMPTS = ["Hello, DeepSeek", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"]
+PROMPTS = [
+    "Hello, DeepSeek",
+    "The capital of France is",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,10 @@ def _model(client: openai.OpenAI) -> str:
 def test_completions_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
     model = _model(client)
     cases = [
-        ({"temperature": 0, "max_tokens": 12, "logprobs": 2}, SamplingParams(temperature=0, max_tokens=12, logprobs=2)),
+        (
+            {"temperature": 0, "max_tokens": 12, "logprobs": 2},
+            SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        ),
         (
             {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": 10, "n": 2},
             SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, n=2),
@@ -49,7 +56,9 @@ def test_completions_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
         expected = offline.generate(PROMPTS, params, use_tqdm=False)
         for prompt, want in zip(PROMPTS, expected, strict=True):
             got = client.completions.create(model=model, prompt=prompt, **kwargs)
-            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [o.text for o in want.outputs]
+            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
+                o.text for o in want.outputs
+            ]
             assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
             if params.logprobs is not None:
                 top = got.choices[0].logprobs.top_logprobs
@@ -88,7 +97,11 @@ def test_chat_and_metrics(server: Server, client: openai.OpenAI, offline: LLM) -
     assert reply.choices[0].message.content is not None
     assert reply.usage.completion_tokens == 6
     metrics = server.metrics()
-    for series in ("dsinfer_kv_transfer_bytes", "dsinfer_time_to_first_token_seconds", "dsinfer_kv_cache_usage"):
+    for series in (
+        "dsinfer_kv_transfer_bytes",
+        "dsinfer_time_to_first_token_seconds",
+        "dsinfer_kv_cache_usage",
+    ):
         assert series in metrics, series
 
 
