@@ -266,3 +266,37 @@ def test_transfer_that_never_completes_times_out(harness: Harness) -> None:
         assert harness.all_pages_free()
     finally:
         harness.decode.transfer_timeout, harness.decode.quarantine = 30.0, 30.0
+
+
+def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
+    """Both sides speculate with the MTP layer: its KV rides with the decoder layers' (the pool
+    has one more layer) and the draft proposed on the prefill side reaches the decode side."""
+    engines = [
+        LLMEngine(EngineArgs(model=str(tiny_ckpt.path), speculative_mtp=True, **ENGINE)) for _ in range(2)
+    ]
+    backends = [make_transfer_backend("nixl", f"test-mtp-{role}-{time.time_ns()}") for role in ("p", "d")]
+    try:
+        for engine, backend in zip(engines, backends, strict=True):
+            backend.register_pool(engine.kv.pool.caches)
+        mtp = Harness(engines, backends)
+        params = SamplingParams(temperature=0, max_tokens=10)
+        prompts = _prompts()
+        expected = offline.generate(prompts, params, use_tqdm=False)
+        for p, prompt in enumerate(prompts):
+            mtp.admit(f"mtp-{p}", prompt, params)
+        deltas = mtp.run([f"mtp-{p}" for p in range(len(prompts))])
+        for p, out in enumerate(expected):
+            assert _tokens(deltas[f"mtp-{p}"]) == out.outputs[0].token_ids, p
+        pool = engines[0].kv.pool
+        assert pool.num_layers == engines[0].config.num_hidden_layers + 1
+        page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
+        last = mtp.done_messages[-1]
+        assert last.mtp_draft is not None
+        pages = sum(-(-len(prompt) // pool.page_size) for prompt in prompts)
+        assert sum(d.bytes_written for d in mtp.done_messages) == pages * pool.num_layers * page_bytes
+        mtp.settle()
+        assert mtp.all_pages_free()
+    finally:
+        for engine, backend in zip(engines, backends, strict=True):
+            backend.close()
+            engine.close()
