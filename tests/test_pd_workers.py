@@ -31,7 +31,7 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.transfer.base import TransferBackend
+from dsinfer.transfer.base import TransferBackend, TransferError
 from dsinfer.transfer.registry import make_transfer_backend
 from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
@@ -296,6 +296,33 @@ def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckp
         assert sum(d.bytes_written for d in mtp.done_messages) == pages * pool.num_layers * page_bytes
         mtp.settle()
         assert mtp.all_pages_free()
+    finally:
+        for engine, backend in zip(engines, backends, strict=True):
+            backend.close()
+            engine.close()
+
+
+def test_pd_over_mooncake(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
+    """The same hand-over through the other backend (skipped where Mooncake is not installed)."""
+    try:
+        backends = [make_transfer_backend("mooncake", f"test-mc-{r}-{time.time_ns()}") for r in ("p", "d")]
+    except TransferError as e:
+        pytest.skip(f"Mooncake Transfer Engine is not usable here: {e}")
+    engines = [LLMEngine(EngineArgs(model=str(tiny_ckpt.path), **ENGINE)) for _ in range(2)]
+    try:
+        for engine, backend in zip(engines, backends, strict=True):
+            backend.register_pool(engine.kv.pool.caches)
+        mc = Harness(engines, backends)
+        params = SamplingParams(temperature=0, max_tokens=8)
+        prompts = _prompts()
+        expected = offline.generate(prompts, params, use_tqdm=False)
+        for p, prompt in enumerate(prompts):
+            mc.admit(f"mc-{p}", prompt, params)
+        deltas = mc.run([f"mc-{p}" for p in range(len(prompts))])
+        for p, out in enumerate(expected):
+            assert _tokens(deltas[f"mc-{p}"]) == out.outputs[0].token_ids, p
+        mc.settle()
+        assert mc.all_pages_free()
     finally:
         for engine, backend in zip(engines, backends, strict=True):
             backend.close()
