@@ -10,6 +10,7 @@ and a transfer that never completes both free every page on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import defaultdict
@@ -145,18 +146,25 @@ class Harness:
         return all(e.kv.num_available_pages() == e.kv.num_pages for e in self.engines)
 
 
-@pytest.fixture(scope="module")
-def harness(tiny_ckpt: BuiltCheckpoint) -> Iterator[Harness]:
-    engines = [LLMEngine(EngineArgs(model=str(tiny_ckpt.path), **ENGINE)) for _ in range(2)]
-    backends = [make_transfer_backend("nixl", f"test-{role}-{time.time_ns()}") for role in ("p", "d")]
+@contextlib.contextmanager
+def make_harness(ckpt: BuiltCheckpoint, backend: str = "nixl", **engine: object) -> Iterator[Harness]:
+    """Two engines on ``ckpt`` (prefill, decode) with their pools registered on ``backend``."""
+    backends = [make_transfer_backend(backend, f"test-{backend}-{r}-{time.time_ns()}") for r in ("p", "d")]
+    engines = [LLMEngine(EngineArgs(model=str(ckpt.path), **{**ENGINE, **engine})) for _ in range(2)]
     try:
-        for engine, backend in zip(engines, backends, strict=True):
-            backend.register_pool(engine.kv.pool.caches)
+        for e, b in zip(engines, backends, strict=True):
+            b.register_pool(e.kv.pool.caches)
         yield Harness(engines, backends)
     finally:
-        for engine, backend in zip(engines, backends, strict=True):
-            backend.close()
-            engine.close()
+        for e, b in zip(engines, backends, strict=True):
+            b.close()
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def harness(tiny_ckpt: BuiltCheckpoint) -> Iterator[Harness]:
+    with make_harness(tiny_ckpt) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
@@ -268,62 +276,37 @@ def test_transfer_that_never_completes_times_out(harness: Harness) -> None:
         harness.decode.transfer_timeout, harness.decode.quarantine = 30.0, 30.0
 
 
+def _greedy_equals_offline(h: Harness, offline: LLM, tag: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=10)
+    prompts = _prompts()
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    for p, prompt in enumerate(prompts):
+        h.admit(f"{tag}-{p}", prompt, params)
+    deltas = h.run([f"{tag}-{p}" for p in range(len(prompts))])
+    for p, out in enumerate(expected):
+        assert _tokens(deltas[f"{tag}-{p}"]) == out.outputs[0].token_ids, p
+    h.settle()
+    assert h.all_pages_free()
+
+
 def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
     """Both sides speculate with the MTP layer: its KV rides with the decoder layers' (the pool
     has one more layer) and the draft proposed on the prefill side reaches the decode side."""
-    engines = [
-        LLMEngine(EngineArgs(model=str(tiny_ckpt.path), speculative_mtp=True, **ENGINE)) for _ in range(2)
-    ]
-    backends = [make_transfer_backend("nixl", f"test-mtp-{role}-{time.time_ns()}") for role in ("p", "d")]
-    try:
-        for engine, backend in zip(engines, backends, strict=True):
-            backend.register_pool(engine.kv.pool.caches)
-        mtp = Harness(engines, backends)
-        params = SamplingParams(temperature=0, max_tokens=10)
-        prompts = _prompts()
-        expected = offline.generate(prompts, params, use_tqdm=False)
-        for p, prompt in enumerate(prompts):
-            mtp.admit(f"mtp-{p}", prompt, params)
-        deltas = mtp.run([f"mtp-{p}" for p in range(len(prompts))])
-        for p, out in enumerate(expected):
-            assert _tokens(deltas[f"mtp-{p}"]) == out.outputs[0].token_ids, p
-        pool = engines[0].kv.pool
-        assert pool.num_layers == engines[0].config.num_hidden_layers + 1
+    with make_harness(tiny_ckpt, speculative_mtp=True) as mtp:
+        _greedy_equals_offline(mtp, offline, "mtp")
+        pool = mtp.engines[0].kv.pool
+        assert pool.num_layers == mtp.engines[0].config.num_hidden_layers + 1
         page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
-        last = mtp.done_messages[-1]
-        assert last.mtp_draft is not None
-        pages = sum(-(-len(prompt) // pool.page_size) for prompt in prompts)
+        assert mtp.done_messages[-1].mtp_draft is not None
+        pages = sum(-(-len(prompt) // pool.page_size) for prompt in _prompts())
         assert sum(d.bytes_written for d in mtp.done_messages) == pages * pool.num_layers * page_bytes
-        mtp.settle()
-        assert mtp.all_pages_free()
-    finally:
-        for engine, backend in zip(engines, backends, strict=True):
-            backend.close()
-            engine.close()
 
 
 def test_pd_over_mooncake(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
     """The same hand-over through the other backend (skipped where Mooncake is not installed)."""
     try:
-        backends = [make_transfer_backend("mooncake", f"test-mc-{r}-{time.time_ns()}") for r in ("p", "d")]
+        make_transfer_backend("mooncake", f"test-probe-{time.time_ns()}").close()
     except TransferError as e:
         pytest.skip(f"Mooncake Transfer Engine is not usable here: {e}")
-    engines = [LLMEngine(EngineArgs(model=str(tiny_ckpt.path), **ENGINE)) for _ in range(2)]
-    try:
-        for engine, backend in zip(engines, backends, strict=True):
-            backend.register_pool(engine.kv.pool.caches)
-        mc = Harness(engines, backends)
-        params = SamplingParams(temperature=0, max_tokens=8)
-        prompts = _prompts()
-        expected = offline.generate(prompts, params, use_tqdm=False)
-        for p, prompt in enumerate(prompts):
-            mc.admit(f"mc-{p}", prompt, params)
-        deltas = mc.run([f"mc-{p}" for p in range(len(prompts))])
-        for p, out in enumerate(expected):
-            assert _tokens(deltas[f"mc-{p}"]) == out.outputs[0].token_ids, p
-        mc.settle()
-        assert mc.all_pages_free()
-    finally:
-        for engine, backend in zip(engines, backends, strict=True):
-            backend.close()
-            engine.close()
+    with make_harness(tiny_ckpt, "mooncake") as mc:
+        _greedy_equals_offline(mc, offline, "mc")
