@@ -40,29 +40,40 @@ def _model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
+def _token_ids(choice: object) -> list[int]:
+    tokens = choice.logprobs.tokens  # type: ignore[attr-defined]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
 def test_completions_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
+    """Token ids (returned as "token_id:N" with the logprobs) and top-2 alternatives, greedy and
+    seeded with n = 2."""
     model = _model(client)
     cases = [
-        (
-            {"temperature": 0, "max_tokens": 12, "logprobs": 2},
-            SamplingParams(temperature=0, max_tokens=12, logprobs=2),
-        ),
+        ({"temperature": 0, "max_tokens": 12}, SamplingParams(temperature=0, max_tokens=12, logprobs=2)),
         (
             {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": 10, "n": 2},
-            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, n=2),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, n=2, logprobs=2),
         ),
     ]
     for kwargs, params in cases:
         expected = offline.generate(PROMPTS, params, use_tqdm=False)
         for prompt, want in zip(PROMPTS, expected, strict=True):
-            got = client.completions.create(model=model, prompt=prompt, **kwargs)
-            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [
-                o.text for o in want.outputs
-            ]
-            assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
-            if params.logprobs is not None:
-                top = got.choices[0].logprobs.top_logprobs
-                assert len(top) == len(want.outputs[0].token_ids)
+            got = client.completions.create(
+                model=model,
+                prompt=prompt,
+                logprobs=2,
+                extra_body={"return_tokens_as_token_ids": True},
+                **kwargs,
+            )
+            choices = sorted(got.choices, key=lambda c: c.index)
+            assert [_token_ids(c) for c in choices] == [o.token_ids for o in want.outputs]
+            assert [c.text for c in choices] == [o.text for o in want.outputs]
+            for c, o in zip(choices, want.outputs, strict=True):
+                for got_top, want_top in zip(c.logprobs.top_logprobs, o.logprobs, strict=True):
+                    ids = {int(t.removeprefix("token_id:")): v for t, v in got_top.items()}
+                    assert ids.keys() == want_top.keys()
+                    assert all(abs(ids[t] - want_top[t]) < 1e-4 for t in ids)
 
 
 def test_stop_strings_and_streaming_equal_offline(client: openai.OpenAI, offline: LLM) -> None:
