@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from dsinfer.gateway.choice import ChoiceUpdate
-from dsinfer.gateway.errors import error_body, server_error
 from dsinfer.gateway.openai_api import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -18,8 +17,8 @@ from dsinfer.gateway.openai_api import (
     PromptLogprobs,
     TopLogprob,
 )
-from dsinfer.gateway.serving import GatewayContext, RequestRun, RequestTimeout
-from dsinfer.gateway.sse import DONE, sse
+from dsinfer.gateway.serving import GatewayContext, RequestRun
+from dsinfer.gateway.sse import run_events
 
 
 class ChatFormatter:
@@ -50,10 +49,7 @@ class ChatFormatter:
         return self.ctx.prompt_logprobs(self.run.choices[0].prompt_logprobs, self.as_id)
 
     async def response(self) -> ChatCompletionResponse:
-        async for _, update in self.run.updates():
-            if update.error is not None:
-                await self.run.abort()
-                raise server_error(update.error)
+        await self.run.complete()
         choices = []
         for i, state in enumerate(self.run.choices):
             if self.reasoning:
@@ -77,28 +73,12 @@ class ChatFormatter:
     def _envelope(self, choices: list[ChatChunkChoice], **fields: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.run.request_id, model=self.model, choices=choices, **fields)
 
-    async def chunks(self) -> AsyncIterator[str]:
-        for i in range(len(self.run.choices)):
-            yield sse(
-                self._envelope([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-            )
-        try:
-            async for index, update in self.run.updates():
-                if update.error is not None:
-                    await self.run.abort()
-                    yield sse(error_body(update.error, type="server_error", code="internal_error"))
-                    yield DONE
-                    return
-                chunk = self._chunk(index, update)
-                if chunk is not None:
-                    yield sse(chunk)
-        except RequestTimeout as e:
-            yield sse(error_body(str(e), type="timeout_error", code="timeout"))
-            yield DONE
-            return
-        if self.run.prepared.include_usage:
-            yield sse(self._envelope([], usage=self.run.usage()))
-        yield DONE
+    def chunks(self) -> AsyncIterator[str]:
+        roles = (
+            self._envelope([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+            for i in range(len(self.run.choices))
+        )
+        return run_events(self.run, self._chunk, lambda usage: self._envelope([], usage=usage), roles)
 
     def _chunk(self, index: int, update: ChoiceUpdate) -> ChatCompletionChunk | None:
         logprobs = None

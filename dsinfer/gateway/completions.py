@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from dsinfer.gateway.choice import ChoiceUpdate
-from dsinfer.gateway.errors import error_body, server_error
 from dsinfer.gateway.openai_api import (
     CompletionChoice,
     CompletionChunk,
@@ -13,8 +12,8 @@ from dsinfer.gateway.openai_api import (
     CompletionResponse,
     PromptLogprobs,
 )
-from dsinfer.gateway.serving import GatewayContext, RequestRun, RequestTimeout
-from dsinfer.gateway.sse import DONE, sse
+from dsinfer.gateway.serving import GatewayContext, RequestRun
+from dsinfer.gateway.sse import run_events
 
 
 class _Logprobs:
@@ -47,10 +46,7 @@ class CompletionFormatter:
         self.logprobs = [_Logprobs(ctx, prepared.return_token_ids, len(p)) for p in self.prefixes]
 
     async def response(self) -> CompletionResponse:
-        async for _, update in self.run.updates():
-            if update.error is not None:
-                await self.run.abort()
-                raise server_error(update.error)
+        await self.run.complete()
         choices = []
         for i, state in enumerate(self.run.choices):
             logprobs = (
@@ -72,27 +68,11 @@ class CompletionFormatter:
     def _prompt_logprobs(self, raw: list[dict[int, float] | None] | None) -> PromptLogprobs | None:
         return self.ctx.prompt_logprobs(raw, self.run.prepared.return_token_ids)
 
-    async def chunks(self) -> AsyncIterator[str]:
-        try:
-            async for index, update in self.run.updates():
-                if update.error is not None:
-                    await self.run.abort()
-                    yield sse(error_body(update.error, type="server_error", code="internal_error"))
-                    yield DONE
-                    return
-                chunk = self._chunk(index, update)
-                if chunk is not None:
-                    yield sse(chunk)
-        except RequestTimeout as e:
-            yield sse(error_body(str(e), type="timeout_error", code="timeout"))
-            yield DONE
-            return
-        if self.run.prepared.include_usage:
-            usage = CompletionChunk(
-                id=self.run.request_id, model=self.model, choices=[], usage=self.run.usage()
-            )
-            yield sse(usage)
-        yield DONE
+    def chunks(self) -> AsyncIterator[str]:
+        return run_events(self.run, self._chunk, lambda usage: self._envelope([], usage=usage))
+
+    def _envelope(self, choices: list[CompletionChoice], **fields: object) -> CompletionChunk:
+        return CompletionChunk(id=self.run.request_id, model=self.model, choices=choices, **fields)
 
     def _chunk(self, index: int, update: ChoiceUpdate) -> CompletionChunk | None:
         text = update.text
@@ -112,4 +92,4 @@ class CompletionFormatter:
             finish_reason=update.finish_reason,
             prompt_logprobs=prompt_logprobs,
         )
-        return CompletionChunk(id=self.run.request_id, model=self.model, choices=[choice])
+        return self._envelope([choice])

@@ -137,13 +137,21 @@ def _now() -> int:
     return int(time.time())
 
 
-class CompletionResponse(_Response):
+class _Completion(_Response):
+    """A response body or stream chunk in OpenAI's field order; subclasses narrow ``object`` and
+    ``choices`` in place."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: Usage | None = None
+
+
+class CompletionResponse(_Completion):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(_Response):
@@ -173,13 +181,9 @@ class ChatChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(_Response):
-    id: str
+class ChatCompletionResponse(_Completion):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM: of the one prompt, at the response level
 
 
@@ -202,23 +206,14 @@ class ChatChunkChoice(_Response):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(_Response):
-    id: str
+class ChatCompletionChunk(_Completion):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None  # in the first chunk with choice 0's first tokens
 
 
-class CompletionChunk(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
+class CompletionChunk(CompletionResponse):
+    """OpenAI streams completions in the response's own shape."""
 
 
 class ModelCard(_Response):

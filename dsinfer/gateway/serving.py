@@ -23,7 +23,7 @@ from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend, Job, JobStream, Overloaded, Unavailable
 from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
-from dsinfer.gateway.errors import overloaded, unavailable
+from dsinfer.gateway.errors import overloaded, server_error, unavailable
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from dsinfer.gateway.prepare import Limits, Prepared
@@ -172,6 +172,14 @@ class RequestRun:
             for index in range(job * self.n, (job + 1) * self.n):
                 if not self.choices[index].finished:
                     yield index, self.choices[index].update(TokenDelta(request_id="", error=reason))
+
+    async def complete(self) -> None:
+        """Read every update into the choices' states; a failed choice aborts the run and raises a
+        500 APIError."""
+        async for _, update in self.updates():
+            if update.error is not None:
+                await self.abort()
+                raise server_error(update.error)
 
     def _apply(self, job: int, choice: int, delta: TokenDelta) -> tuple[int, ChoiceUpdate] | None:
         if not 0 <= choice < self.n:

@@ -1,5 +1,6 @@
 """What both backends share: the pool's page layout, the metadata peers exchange, page lists as
-byte runs, and the bookkeeping of one write handle.
+byte runs, the bookkeeping of one write handle, and ``PoolBackend``, the library-independent half
+of a backend (pool, peers, handles).
 
 The metadata is one msgpack-encoded ``PoolMetadata``: the backend's own connection info
 (``endpoint``: NIXL agent metadata or Mooncake's ``host:port``) plus, for every cache layer, its
@@ -9,19 +10,34 @@ per token) that a writer must share with the pool it writes into.
 
 from __future__ import annotations
 
+import logging
 import time
+from abc import abstractmethod
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import msgspec
 import torch
 
-from dsinfer.transfer.base import TransferError, TransferHandle, TransferState, TransferStats
+from dsinfer.transfer.base import (
+    TransferBackend,
+    TransferError,
+    TransferHandle,
+    TransferState,
+    TransferStats,
+)
+
+log = logging.getLogger("dsinfer.transfer")
 
 
 class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
     addr: int
     page_stride: int  # bytes between the starts of two consecutive pages
     num_pages: int
+
+    def extent(self, page_bytes: int) -> int:
+        """Bytes from the first page's start to the last page's end."""
+        return (self.num_pages - 1) * self.page_stride + page_bytes
 
 
 class PoolMetadata(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,9 +55,9 @@ class PoolMetadata(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.dtype} x {self.page_size} tokens x {self.dim} values ({self.page_bytes} B per page)"
 
 
-def describe_pool(caches: list[torch.Tensor]) -> tuple[str, int, int, int, torch.device, list[LayerRegion]]:
-    """(dtype, page_size, dim, page_bytes, device, regions) of a pool, or TransferError if the
-    caches are not one page geometry on one device with each page contiguous in memory."""
+def describe_pool(backend: str, agent: str, caches: list[torch.Tensor]) -> PoolMetadata:
+    """A pool's metadata (its endpoint still empty), or TransferError if the caches are not one
+    page geometry on one device with each page contiguous in memory."""
     if not caches:
         raise TransferError("register_pool needs at least one cache layer")
     first = caches[0]
@@ -63,8 +79,17 @@ def describe_pool(caches: list[torch.Tensor]) -> tuple[str, int, int, int, torch
     _, page_size, dim = first.shape
     itemsize = first.element_size()
     regions = [LayerRegion(t.data_ptr(), t.stride(0) * itemsize, t.shape[0]) for t in caches]
-    dtype = str(first.dtype).removeprefix("torch.")
-    return dtype, page_size, dim, page_size * dim * itemsize, first.device, regions
+    return PoolMetadata(
+        backend=backend,
+        agent=agent,
+        dtype=str(first.dtype).removeprefix("torch."),
+        page_size=page_size,
+        dim=dim,
+        page_bytes=page_size * dim * itemsize,
+        device=device_name(first.device),
+        layers=regions,
+        endpoint=b"",
+    )
 
 
 def device_name(device: torch.device) -> str:
@@ -163,3 +188,147 @@ class WriteRecord(TransferHandle):
             stats.writes_done += 1
         else:
             stats.writes_failed += 1
+
+
+@dataclass(frozen=True)
+class Peer:
+    meta: PoolMetadata
+    raw: bytes  # the metadata as received: the same bytes again make ``connect`` a no-op
+
+
+PeerT = TypeVar("PeerT", bound=Peer)
+WriteT = TypeVar("WriteT", bound=WriteRecord)
+
+
+class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
+    """A backend's bookkeeping and checks; subclasses add the library calls."""
+
+    label: str  # the library, as messages name it
+    write_type: type[WriteT]
+
+    def __init__(self, agent_name: str) -> None:
+        super().__init__(agent_name)
+        self._caches: list[torch.Tensor] = []
+        self._meta: PoolMetadata | None = None
+        self._peers: dict[str, PeerT] = {}
+        self._open: set[WriteT] = set()
+        self._closed = False
+
+    @abstractmethod
+    def _register(self, pool: PoolMetadata) -> bytes:
+        """Register the pool's layers with the library; the endpoint peers reach it at."""
+
+    @abstractmethod
+    def _open_peer(self, peer_agent: str, meta: PoolMetadata, raw: bytes, replacing: bool) -> PeerT:
+        """Set up the library's side of a compatible peer (``replacing`` an older connection)."""
+
+    @abstractmethod
+    def _advance(self, rec: WriteT) -> None:
+        """Move a pending write on, settling it if it ended."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Drop open writes, peers and the pool's registration, then the library's handle."""
+
+    def _address(self, meta: PoolMetadata) -> str:
+        """Where a pool is reached, as log lines add it after the agent's name."""
+        return ""
+
+    def register_pool(self, caches: list[torch.Tensor]) -> None:
+        if self._meta is not None:
+            raise TransferError(f"agent {self.agent_name!r} already registered a pool")
+        pool = describe_pool(self.name, self.agent_name, caches)
+        endpoint = self._register(pool)
+        self._caches = list(caches)
+        self._meta = meta = msgspec.structs.replace(pool, endpoint=endpoint)
+        log.info(
+            "%s agent %s%s registered %d cache layers x %d pages (%s, %s)",
+            self.label,
+            self.agent_name,
+            self._address(meta),
+            len(meta.layers),
+            meta.layers[0].num_pages,
+            meta.geometry(),
+            meta.device,
+        )
+
+    def metadata(self) -> bytes:
+        return encode_metadata(self._local())
+
+    def connect(self, peer_agent: str, peer_metadata: bytes) -> None:
+        old = self._peers.get(peer_agent)
+        if old is not None and old.raw == peer_metadata:
+            return
+        meta = decode_metadata(peer_agent, peer_metadata)
+        check_compatible(self._local(), meta, peer_agent)
+        self._peers[peer_agent] = self._open_peer(peer_agent, meta, peer_metadata, old is not None)
+        log.info(
+            "%s agent %s %s peer %s%s (%d layers x %d pages)",
+            self.label,
+            self.agent_name,
+            "reconnected to" if old is not None else "connected to",
+            peer_agent,
+            self._address(meta),
+            len(meta.layers),
+            meta.layers[0].num_pages,
+        )
+
+    def _resolve(
+        self, peer_agent: str, layer: int, src_pages: list[int], dst_pages: list[int]
+    ) -> tuple[PeerT, list[tuple[int, int, int]], int]:
+        """The connected peer, the write's (src_addr, dst_addr, nbytes) spans and its byte count,
+        or TransferError for an unknown peer, a layer or page out of range."""
+        local = self._local()
+        peer = self._peers.get(peer_agent)
+        if peer is None:
+            raise TransferError(f"peer {peer_agent!r} is not connected (call connect first)")
+        if not 0 <= layer < len(local.layers):
+            raise TransferError(f"layer {layer} out of range [0, {len(local.layers)})")
+        src, dst = local.layers[layer], peer.meta.layers[layer]
+        where = f"layer {layer} to peer {peer_agent!r}"
+        runs = page_runs(src_pages, dst_pages, src.num_pages, dst.num_pages, where)
+        return peer, byte_runs(runs, src, dst, local.page_bytes), len(src_pages) * local.page_bytes
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        rec = self._own(handle)
+        if rec.state == "pending":
+            self._check_open()
+            self._advance(rec)
+        return rec.state
+
+    def release(self, handle: TransferHandle) -> None:
+        rec = self._own(handle)
+        if rec.released:
+            return
+        if rec.state == "pending":
+            raise TransferError("a pending write cannot be released (it cannot be cancelled): poll it first")
+        self._drop(rec)
+
+    def _drop(self, rec: WriteT) -> None:
+        rec.released = True
+        self._open.discard(rec)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+        self._caches = []
+        log.info("%s agent %s closed", self.label, self.agent_name)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"{self.label} agent {self.agent_name!r} is closed")
+
+    def _local(self) -> PoolMetadata:
+        self._check_open()
+        if self._meta is None:
+            raise TransferError(
+                f"agent {self.agent_name!r} has no registered pool (call register_pool first)"
+            )
+        return self._meta
+
+    def _own(self, handle: TransferHandle) -> WriteT:
+        if not isinstance(handle, self.write_type):
+            raise TransferError(f"{type(handle).__name__} is not a handle of the {self.label} backend")
+        return handle

@@ -24,21 +24,10 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 from mooncake.engine import TransferEngine
 
-from dsinfer.transfer.base import TransferBackend, TransferError, TransferHandle, TransferState
-from dsinfer.transfer.common import (
-    PoolMetadata,
-    WriteRecord,
-    byte_runs,
-    check_compatible,
-    decode_metadata,
-    describe_pool,
-    device_name,
-    encode_metadata,
-    page_runs,
-)
+from dsinfer.transfer.base import TransferError, TransferHandle, TransferStats
+from dsinfer.transfer.common import Peer, PoolBackend, PoolMetadata, WriteRecord
 
 log = logging.getLogger("dsinfer.transfer")
 
@@ -80,6 +69,10 @@ class _MooncakeWrite(WriteRecord):
     in_flight: int = 0
     failed: bool = False
 
+    def settle_if_idle(self, stats: TransferStats) -> None:
+        if self.waiting == self.in_flight == 0:
+            self.settle("failed" if self.failed else "done", stats)
+
 
 @dataclass
 class _Lane:
@@ -90,14 +83,14 @@ class _Lane:
 
 
 @dataclass(frozen=True)
-class _Peer:
-    meta: PoolMetadata
-    raw: bytes
+class _Peer(Peer):
     endpoint: str
 
 
-class MooncakeBackend(TransferBackend):
+class MooncakeBackend(PoolBackend[_Peer, _MooncakeWrite]):
     name = "mooncake"
+    label = "Mooncake"
+    write_type = _MooncakeWrite
 
     def __init__(
         self,
@@ -119,112 +112,40 @@ class MooncakeBackend(TransferBackend):
                 f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) -> {rc}"
             )
         self._host = host
-        self._caches: list[torch.Tensor] = []
-        self._meta: PoolMetadata | None = None
-        self._peers: dict[str, _Peer] = {}
         self._lanes: dict[str, _Lane] = {}  # by endpoint: writes to a replaced peer still drain
-        self._open: set[_MooncakeWrite] = set()
-        self._closed = False
 
     # Registration and peers --------------------------------------------------------------------
-    def register_pool(self, caches: list[torch.Tensor]) -> None:
-        if self._meta is not None:
-            raise TransferError(f"agent {self.agent_name!r} already registered a pool")
-        dtype, page_size, dim, page_bytes, device, regions = describe_pool(caches)
-        for i, r in enumerate(regions):
-            rc = self._engine.register_memory(r.addr, (r.num_pages - 1) * r.page_stride + page_bytes)
+    def _register(self, pool: PoolMetadata) -> bytes:
+        for i, r in enumerate(pool.layers):
+            rc = self._engine.register_memory(r.addr, r.extent(pool.page_bytes))
             if rc != 0:
                 raise TransferError(f"Mooncake could not register cache layer {i} -> {rc}")
-        self._caches = list(caches)
-        endpoint = f"{self._host}:{self._engine.get_rpc_port()}"
-        self._meta = PoolMetadata(
-            backend=self.name,
-            agent=self.agent_name,
-            dtype=dtype,
-            page_size=page_size,
-            dim=dim,
-            page_bytes=page_bytes,
-            device=device_name(device),
-            layers=regions,
-            endpoint=endpoint.encode(),
-        )
-        log.info(
-            "Mooncake agent %s at %s registered %d cache layers x %d pages (%s)",
-            self.agent_name,
-            endpoint,
-            len(regions),
-            regions[0].num_pages,
-            self._meta.geometry(),
-        )
+        return f"{self._host}:{self._engine.get_rpc_port()}".encode()
 
-    def metadata(self) -> bytes:
-        return encode_metadata(self._local())
+    def _open_peer(self, peer_agent: str, meta: PoolMetadata, raw: bytes, replacing: bool) -> _Peer:
+        return _Peer(meta, raw, meta.endpoint.decode())
 
-    def connect(self, peer_agent: str, peer_metadata: bytes) -> None:
-        old = self._peers.get(peer_agent)
-        if old is not None and old.raw == peer_metadata:
-            return
-        meta = decode_metadata(peer_agent, peer_metadata)
-        check_compatible(self._local(), meta, peer_agent)
-        endpoint = meta.endpoint.decode()
-        self._peers[peer_agent] = _Peer(meta, peer_metadata, endpoint)
-        log.info(
-            "Mooncake agent %s %s peer %s at %s (%d layers x %d pages)",
-            self.agent_name,
-            "reconnected to" if old is not None else "connected to",
-            peer_agent,
-            endpoint,
-            len(meta.layers),
-            meta.layers[0].num_pages,
-        )
+    def _address(self, meta: PoolMetadata) -> str:
+        return f" at {meta.endpoint.decode()}"
 
     # Writes ------------------------------------------------------------------------------------
     def write_pages(
         self, peer_agent: str, layer: int, src_pages: list[int], dst_pages: list[int]
     ) -> TransferHandle:
-        local = self._local()
-        peer = self._peers.get(peer_agent)
-        if peer is None:
-            raise TransferError(f"peer {peer_agent!r} is not connected (call connect first)")
-        if not 0 <= layer < len(local.layers):
-            raise TransferError(f"layer {layer} out of range [0, {len(local.layers)})")
-        src, dst = local.layers[layer], peer.meta.layers[layer]
-        where = f"layer {layer} to peer {peer_agent!r}"
-        runs = page_runs(src_pages, dst_pages, src.num_pages, dst.num_pages, where)
-        spans = byte_runs(runs, src, dst, local.page_bytes)
-        rec = _MooncakeWrite(
-            nbytes=len(src_pages) * local.page_bytes, peer=peer_agent, endpoint=peer.endpoint
-        )
+        peer, spans, nbytes = self._resolve(peer_agent, layer, src_pages, dst_pages)
+        rec = _MooncakeWrite(nbytes=nbytes, peer=peer_agent, endpoint=peer.endpoint)
         self._open.add(rec)
         lane = self._lanes.setdefault(peer.endpoint, _Lane())
-        lane.waiting.extend((rec, src_addr, dst_addr, nbytes) for src_addr, dst_addr, nbytes in spans)
+        lane.waiting.extend((rec, src_addr, dst_addr, n) for src_addr, dst_addr, n in spans)
         rec.waiting = len(spans)
         self._progress(peer.endpoint)
-        if rec.waiting == rec.in_flight == 0:
-            rec.settle("failed" if rec.failed else "done", self.stats)
+        rec.settle_if_idle(self.stats)
         return rec
 
-    def poll(self, handle: TransferHandle) -> TransferState:
-        rec = self._own(handle)
-        if rec.state == "pending":
-            if self._closed:
-                raise TransferError(f"Mooncake agent {self.agent_name!r} is closed")
-            self._progress(rec.endpoint)
-        return rec.state
+    def _advance(self, rec: _MooncakeWrite) -> None:
+        self._progress(rec.endpoint)
 
-    def release(self, handle: TransferHandle) -> None:
-        rec = self._own(handle)
-        if rec.released:
-            return
-        if rec.state == "pending":
-            raise TransferError("a pending write cannot be released (it cannot be cancelled): poll it first")
-        rec.released = True
-        self._open.discard(rec)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+    def _shutdown(self) -> None:
         if any(rec.state == "pending" for rec in self._open):
             log.warning("Mooncake agent %s closing with writes in flight", self.agent_name)
         self._open.clear()
@@ -233,25 +154,9 @@ class MooncakeBackend(TransferBackend):
         if self._meta is not None:
             for r in self._meta.layers:
                 self._engine.unregister_memory(r.addr)
-        self._caches = []
         del self._engine
-        log.info("Mooncake agent %s closed", self.agent_name)
 
     # Helpers -----------------------------------------------------------------------------------
-    def _local(self) -> PoolMetadata:
-        if self._closed:
-            raise TransferError(f"Mooncake agent {self.agent_name!r} is closed")
-        if self._meta is None:
-            raise TransferError(
-                f"agent {self.agent_name!r} has no registered pool (call register_pool first)"
-            )
-        return self._meta
-
-    def _own(self, handle: TransferHandle) -> _MooncakeWrite:
-        if not isinstance(handle, _MooncakeWrite):
-            raise TransferError(f"{type(handle).__name__} is not a handle of the Mooncake backend")
-        return handle
-
     def _progress(self, endpoint: str) -> None:
         """Collect finished runs to ``endpoint``, submit waiting ones into the freed slots, and
         settle every write that has nothing left."""
@@ -283,8 +188,7 @@ class MooncakeBackend(TransferBackend):
             rec.in_flight += 1
             lane.submitted.append((batch, rec))
         for rec in touched:
-            if rec.waiting == rec.in_flight == 0:
-                rec.settle("failed" if rec.failed else "done", self.stats)
+            rec.settle_if_idle(self.stats)
 
     @staticmethod
     def _fail(lane: _Lane, rec: _MooncakeWrite) -> None:
