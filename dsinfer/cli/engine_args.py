@@ -30,6 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-disk-cache-dir", default=None, help="on-disk KV cache tier directory")
     group.add_argument("--kv-disk-cache-size", default="8GiB")
     group.add_argument("--speculative-mtp", action="store_true", help="draft with the checkpoint's MTP layer")
+    group.add_argument(
+        "--num-redundant-experts", type=int, default=0, help="extra expert slots per MoE layer (EP pools)"
+    )
+    group.add_argument("--placement", default=None, help="expert placement file (JSON) for EP pools")
 
 
 def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:

@@ -52,6 +52,8 @@ class EngineArgs(BaseModel):
     kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
     kv_disk_cache_size: int = 8 * 2**30
     speculative_mtp: bool = False
+    num_redundant_experts: int = 0  # extra expert slots per MoE layer, spread over an EP group
+    placement: Path | None = None  # expert placement file (JSON); None = the default layout
 
     @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
     @classmethod
@@ -73,6 +75,10 @@ class EngineArgs(BaseModel):
             raise ValueError("max_model_len must be at least 2")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.num_redundant_experts < 0:
+            raise ValueError("num_redundant_experts must be >= 0")
+        if self.placement is not None and not self.placement.is_file():
+            raise ValueError(f"placement {str(self.placement)!r} is not a file")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         return self

@@ -25,6 +25,8 @@ from dsinfer.engine.scheduler import ScheduledBatch, Scheduler
 from dsinfer.engine.sequence import Sequence
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
+from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.placement import ExpertPlacement
 
 log = logging.getLogger("dsinfer.engine")
 
@@ -62,7 +64,9 @@ class SeqUpdate:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, ep_group: EPGroup | None = None) -> None:
+        """``ep_group``: this rank's expert-parallel group (a pool of several ranks); every rank
+        of it must step together (an idle rank runs an empty forward)."""
         self.args = args
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
@@ -75,6 +79,9 @@ class LLMEngine:
             load_format=args.load_format,
             num_mtp_layers=1 if args.speculative_mtp else 0,
             seed=args.seed,
+            ep_group=ep_group,
+            placement=ExpertPlacement.load(args.placement) if args.placement is not None else None,
+            num_redundant_experts=args.num_redundant_experts,
         )
         self.config, self.model = loaded.config, loaded.model
         self.tokenizer = Tokenizer.from_dir(loaded.path)

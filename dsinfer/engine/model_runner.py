@@ -43,6 +43,7 @@ class ModelRunner:
         """One forward over the batch (plus the MTP layer's when speculating). ``after_layer`` is
         called with each cache layer's index as soon as that layer's latent KV is written."""
         if not batch.seqs:
+            self.model.idle_forward()  # under expert parallelism the pool's collectives go on
             return []
         forward = build_forward_batch(
             batch.seqs,

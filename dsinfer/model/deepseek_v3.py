@@ -18,7 +18,7 @@ from dsinfer.base.config import ModelConfig
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.layers import MLP, Embedding, Linear, RMSNorm
 from dsinfer.model.mla import MLA
-from dsinfer.model.moe import MoE
+from dsinfer.model.moe import ExpertParallel, MoE
 from dsinfer.ops import Ops
 
 
@@ -27,12 +27,19 @@ class MTPUnavailableError(RuntimeError):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, layer_id: int, expert_ids: list[int] | None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        layer_id: int,
+        expert_ids: list[int] | None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.self_attn = MLA(config, ops)
         self.mlp: nn.Module = (
-            MoE(config, ops, expert_ids)
+            MoE(config, ops, layer_id, expert_ids, ep)
             if config.is_moe_layer(layer_id)
             else MLP(config.hidden_size, config.intermediate_size, ops)
         )
@@ -59,8 +66,15 @@ class MTPLayer(DecoderLayer):
     model's final-normed output at the same position.
     """
 
-    def __init__(self, config: ModelConfig, ops: Ops, layer_id: int, expert_ids: list[int] | None) -> None:
-        super().__init__(config, ops, layer_id, expert_ids)
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        layer_id: int,
+        expert_ids: list[int] | None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
+        super().__init__(config, ops, layer_id, expert_ids, ep)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -78,11 +92,13 @@ class MTPLayer(DecoderLayer):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, expert_ids: list[int] | None) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: Ops, expert_ids: list[int] | None, ep: ExpertParallel | None
+    ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, i, expert_ids) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, ops, i, expert_ids, ep) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,6 +111,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         *,
         num_mtp_layers: int = 0,
         expert_ids: list[int] | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         if num_mtp_layers > config.num_nextn_predict_layers:
@@ -103,11 +120,12 @@ class DeepseekV3ForCausalLM(nn.Module):
                 f"{config.num_nextn_predict_layers}"
             )
         self.config = config
-        self.model = Backbone(config, ops, expert_ids)
+        self.model = Backbone(config, ops, expert_ids, ep)
+        self.ep = ep
         self.lm_head = Linear(config.hidden_size, config.vocab_size, ops)
         first_mtp = config.num_hidden_layers
         self.mtp_layers = nn.ModuleList(
-            MTPLayer(config, ops, first_mtp + j, expert_ids) for j in range(num_mtp_layers)
+            MTPLayer(config, ops, first_mtp + j, expert_ids, ep) for j in range(num_mtp_layers)
         )
 
     @property
@@ -132,6 +150,26 @@ class DeepseekV3ForCausalLM(nn.Module):
             if batch.after_layer is not None:
                 batch.after_layer(i)
         return self.model.norm(x)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """A forward with no tokens of its own: under expert parallelism this rank still joins
+        every MoE layer's dispatch and combine (and computes what others send its experts), in
+        the order a real forward would - decoder layers, then the MTP layers."""
+        if self.ep is None:
+            return
+        empty = self.model.embed_tokens(torch.empty(0, dtype=torch.int64, device=self.lm_head.weight.device))
+        for layer in [*self.model.layers, *self.mtp_layers]:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp(empty)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each logical expert so far, per MoE layer id (this rank's tokens)."""
+        return {
+            layer.layer_id: layer.mlp.expert_load.tolist()
+            for layer in [*self.model.layers, *self.mtp_layers]
+            if isinstance(layer.mlp, MoE)
+        }
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,11 @@ from dsinfer.base.config import FP8_BLOCK, ConfigError, ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.layers import Linear
-from dsinfer.model.moe import Experts
+from dsinfer.model.moe import ExpertParallel, Experts
 from dsinfer.ops import Ops
 from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
+from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 
 log = logging.getLogger("dsinfer.loader")
 
@@ -68,8 +70,14 @@ def load_model(
     num_mtp_layers: int | None = None,
     expert_ids: list[int] | None = None,
     seed: int = 0,
+    ep_group: EPGroup | None = None,
+    placement: ExpertPlacement | None = None,
+    num_redundant_experts: int = 0,
 ) -> LoadedModel:
-    """Build and load a model. ``num_mtp_layers`` None = every MTP layer the checkpoint carries."""
+    """Build and load a model. ``num_mtp_layers`` None = every MTP layer the checkpoint carries.
+
+    With ``ep_group`` the rank hosts, and reads from the checkpoint, only the expert slots the
+    placement gives it (``placement``, else the default layout with ``num_redundant_experts``)."""
     if load_format not in LOAD_FORMATS:
         raise CheckpointError(f"load_format {load_format!r} unknown (choose from {', '.join(LOAD_FORMATS)})")
     path, is_preset = resolve_model(source)
@@ -98,8 +106,15 @@ def load_model(
             f"{path}: {num_mtp_layers} MTP layer(s) requested but the checkpoint has {available_mtp} "
             f"(no model.layers.{config.num_hidden_layers}.* tensors)"
         )
+    ep = None
+    if ep_group is not None:
+        ep = ExpertParallel(
+            _placement(config, ep_group.size, placement, num_redundant_experts, num_mtp_layers), ep_group
+        )
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, ops, num_mtp_layers=num_mtp_layers, expert_ids=expert_ids)
+        model = DeepseekV3ForCausalLM(
+            config, ops, num_mtp_layers=num_mtp_layers, expert_ids=expert_ids, ep=ep
+        )
     fp8_names = {n.removesuffix(SCALE_SUFFIX) for n in index if n.endswith(".weight" + SCALE_SUFFIX)}
     if load_format == "dummy" and config.is_fp8:
         fp8_names = _fp8_by_convention(model)
@@ -124,6 +139,22 @@ def load_model(
     model.post_load(dtype)
     model.eval()
     return LoadedModel(model, config, path, load_format)
+
+
+def _placement(
+    config: ModelConfig,
+    num_ranks: int,
+    placement: ExpertPlacement | None,
+    num_redundant: int,
+    num_mtp_layers: int,
+) -> ExpertPlacement:
+    if placement is None:
+        return ExpertPlacement.for_model(config, num_ranks, num_redundant, num_mtp_layers)
+    try:
+        placement.check_matches(moe_layer_ids(config, num_mtp_layers), config.n_routed_experts, num_ranks)
+    except ValueError as e:
+        raise CheckpointError(f"expert placement does not fit this model and pool: {e}") from None
+    return placement
 
 
 # Checkpoint files ----------------------------------------------------------------------------

@@ -1,13 +1,18 @@
 """DeepSeekMoE: the noaux_tc router, routed experts through the grouped GEMM, shared experts.
 
 Experts are held stacked per rank: slot s of ``w13`` ([S, 2I, H], gate rows then up rows) and
-``w2`` ([S, H, I]) holds logical expert ``expert_ids[s]``. Today every rank hosts every expert
-once; expert parallelism later gives each rank its own subset (and redundant copies).
+``w2`` ([S, H, I]) holds logical expert ``expert_ids[s]``. Without expert parallelism one rank
+hosts every expert. With it (``ExpertParallel``), a rank hosts the slots the placement gives it;
+each (token, expert) pair picks one replica of its logical expert, travels to the rank hosting
+that physical slot (``EPGroup.dispatch``), is computed there and comes back (``combine``) to be
+weighted and summed at its token. Counters record the tokens routed to each logical expert (the
+input of EPLB) and those computed in each local slot.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +21,20 @@ from torch import nn
 from dsinfer.base.config import FP8_BLOCK, ModelConfig
 from dsinfer.model.layers import MLP
 from dsinfer.ops import Ops
+from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.placement import ExpertPlacement
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's part in an expert-parallel group."""
+
+    placement: ExpertPlacement
+    group: EPGroup
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
 
 
 class Gate(nn.Module):
@@ -66,6 +85,9 @@ class Experts(nn.Module):
             slots, device="cpu"
         )
         self.register_buffer("slot_of_expert", slot_of, persistent=False)
+        self.register_buffer(
+            "slot_load", torch.zeros(slots, dtype=torch.int64, device="cpu"), persistent=False
+        )
 
     def make_fp8(self) -> None:
         device, slots = self.w13.device, len(self.expert_ids)
@@ -83,27 +105,64 @@ class Experts(nn.Module):
         self.w2_scale_inv = nn.Parameter(torch.empty(w2_scale, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Weighted sum over each token's routed experts, x: [T, H] -> [T, H]."""
-        out = torch.zeros_like(x)
-        if x.shape[0] == 0:
-            return out
-        slots = self.slot_of_expert[topk_ids].flatten()  # [T * k]
+        """Weighted sum over each token's routed experts, all hosted here, x: [T, H] -> [T, H]."""
+        pair_token = _pair_tokens(topk_ids)
+        y = self.compute(x[pair_token], self.slot_of_expert[topk_ids].flatten())
+        return _weighted_sum(x, pair_token, y, topk_weights)
+
+    def compute(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Each row through the expert in its local slot: [M, H] -> [M, H], in the rows' order."""
+        self.slot_load += torch.bincount(slots, minlength=len(self.expert_ids))
+        if rows.shape[0] == 0:
+            return rows.new_zeros((0, self.hidden))
         order = torch.argsort(slots, stable=True)
-        rows = order // topk_ids.shape[1]  # token of each sorted (token, expert) pair
         m_indices = slots[order].to(torch.int32)
-        gate_up = self.ops.grouped_gemm_contiguous(x[rows], self.w13, self.w13_scale_inv, m_indices)
+        gate_up = self.ops.grouped_gemm_contiguous(rows[order], self.w13, self.w13_scale_inv, m_indices)
         gate, up = gate_up.chunk(2, dim=-1)
         y = self.ops.grouped_gemm_contiguous(F.silu(gate) * up, self.w2, self.w2_scale_inv, m_indices)
-        weights = topk_weights.flatten()[order].to(y.dtype)
-        return out.index_add_(0, rows, y * weights[:, None])
+        out = torch.empty_like(y)
+        out[order] = y
+        return out
+
+
+def _pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
+    """The token of each flattened (token, k) pair."""
+    tokens, k = topk_ids.shape
+    return torch.arange(tokens, device=topk_ids.device).repeat_interleave(k)
+
+
+def _weighted_sum(
+    x: torch.Tensor, pair_token: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    weights = topk_weights.flatten().to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, pair_token, y * weights[:, None])
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, expert_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: Ops,
+        layer_id: int,
+        expert_ids: list[int] | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.gate = Gate(config, ops)
+        self.ep = ep
+        if ep is not None:
+            expert_ids = ep.placement.local_experts(layer_id, ep.rank)
+            replica_slots, num_replicas = ep.placement.routing_table(layer_id)
+            self.register_buffer("replica_slots", replica_slots.to("cpu"), persistent=False)
+            self.register_buffer("num_replicas", num_replicas.to("cpu"), persistent=False)
+            self.slots_per_rank = ep.placement.slots_per_rank
         ids = list(range(config.n_routed_experts)) if expert_ids is None else expert_ids
         self.experts = Experts(config, ops, ids)
+        self.register_buffer(
+            "expert_load",
+            torch.zeros(config.n_routed_experts, dtype=torch.int64, device="cpu"),
+            persistent=False,
+        )
         self.shared_experts = (
             MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, ops)
             if config.n_shared_experts > 0
@@ -112,7 +171,25 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        y = self.experts(x, topk_weights, topk_ids)
+        self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.expert_load.shape[0])
+        if self.ep is None:
+            y = self.experts(x, topk_weights, topk_ids)
+        else:
+            y = self._routed_ep(x, topk_weights, topk_ids, self.ep.group)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def _routed_ep(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, group: EPGroup
+    ) -> torch.Tensor:
+        pair_token = _pair_tokens(topk_ids)
+        experts = topk_ids.flatten()
+        # spread a token's pairs and consecutive tokens over the replicas of their expert
+        spread = pair_token + torch.arange(topk_ids.shape[1], device=x.device).repeat(topk_ids.shape[0])
+        physical = self.replica_slots[experts, spread % self.num_replicas[experts]]
+        rows, slots, handle = group.dispatch(
+            x[pair_token], physical // self.slots_per_rank, physical % self.slots_per_rank
+        )
+        y = group.combine(self.experts.compute(rows, slots), handle)
+        return _weighted_sum(x, pair_token, y, topk_weights)

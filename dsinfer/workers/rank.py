@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dsinfer.base.protocol import HEARTBEAT_INTERVAL, Register, worker_name
 from dsinfer.engine.engine import LLMEngine
+from dsinfer.parallel.ep import TorchEPGroup
 from dsinfer.transfer.base import TransferBackend
 from dsinfer.transfer.registry import make_transfer_backend
 from dsinfer.workers.args import RankArgs
@@ -96,7 +97,7 @@ def run_rank(args: RankArgs) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    engine = LLMEngine(pool.engine)
+    engine = LLMEngine(pool.engine, ep_group=TorchEPGroup() if pool.pool_size > 1 else None)
     channel = WorkerChannel(name, pool.gateway_addr, pool.host)
     role, transfer = build_role(args, engine, channel)
     register = Register(

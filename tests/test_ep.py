@@ -1,0 +1,105 @@
+"""Expert parallelism at engine level: pools of 1, 2 and 4 rank processes (gloo all-to-all), with
+and without redundant experts, give the offline single-process engine's greedy tokens; each rank
+holds only its experts; redundant slots receive tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+from tests.fixtures.checkpoints import BuiltCheckpoint
+from tests.fixtures.servers import free_port
+
+ENGINE = {"dtype": "float32", "kv_cache_memory": "8MiB", "max_num_batched_tokens": 48}
+MAX_TOKENS = 8
+
+
+def _prompts(count: int = 8) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        torch.randint(2, 4000, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 90, (count,), generator=g)
+    ]
+
+
+def run_pool(ckpt: BuiltCheckpoint, world: int, tmp: Path, **engine: object) -> list[dict]:
+    """Start ``world`` rank processes, prompts dealt round-robin; their results, rank by rank."""
+    prompts = _prompts()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs, outs = [], []
+    try:
+        for rank in range(world):
+            out = tmp / f"rank{rank}-{world}-{time.time_ns()}.json"
+            spec = {
+                "rank": rank,
+                "world": world,
+                "init": init,
+                "model": str(ckpt.path),
+                "engine": {**ENGINE, **engine},
+                "prompts": {f"p{i}": p for i, p in enumerate(prompts) if i % world == rank},
+                "max_tokens": MAX_TOKENS,
+                "out": str(out),
+            }
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.fixtures.ep_rank", json.dumps(spec)]))
+            outs.append(out)
+        for p in procs:
+            assert p.wait(timeout=240) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_ckpt: BuiltCheckpoint) -> dict[str, list[int]]:
+    llm = LLM(str(tiny_ckpt.path), **ENGINE)
+    outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    return {f"p{i}": o.outputs[0].token_ids for i, o in enumerate(outs)}
+
+
+@pytest.mark.parametrize(("world", "redundant"), [(1, 0), (2, 0), (2, 2), (4, 0), (4, 4)])
+def test_ep_pool_tokens_equal_single_process(
+    tiny_ckpt: BuiltCheckpoint, expected: dict[str, list[int]], tmp_path: Path, world: int, redundant: int
+) -> None:
+    results = run_pool(tiny_ckpt, world, tmp_path, num_redundant_experts=redundant)
+    tokens = {rid: t for r in results for rid, t in r["tokens"].items()}
+    assert tokens == expected
+    assert all(r["free_pages_ok"] for r in results)
+    config = json.loads((tiny_ckpt.path / "config.json").read_text())
+    num_experts = config["n_routed_experts"]
+    slots_per_rank = (num_experts + redundant) // world
+    expert_bytes = 3 * config["hidden_size"] * config["moe_intermediate_size"] * 4  # gate, up, down; fp32
+    for r in results:
+        # each rank holds exactly its slots' weights: slots_per_rank experts per MoE layer
+        assert all(len(ids) == slots_per_rank for ids in r["local_experts"])
+        assert r["expert_bytes"] == len(r["local_experts"]) * slots_per_rank * expert_bytes
+    hosted = [
+        set().union(*(set(r["local_experts"][layer]) for r in results))
+        for layer in range(len(results[0]["local_experts"]))
+    ]
+    assert all(h == set(range(num_experts)) for h in hosted)
+    if redundant:
+        # the redundant slots (the replicas) received tokens
+        for layer in range(len(results[0]["local_experts"])):
+            slots = [
+                (r["local_experts"][layer][i], r["slot_load"][layer][i])
+                for r in results
+                for i in range(slots_per_rank)
+            ]
+            totals: dict[int, int] = {}
+            for e, count in slots:
+                totals[e] = totals.get(e, 0) + count
+            replicated = {e for e, _ in slots if sum(1 for x, _ in slots if x == e) > 1}
+            assert replicated
+            # every copy of a replicated expert that saw real traffic computed some of it
+            busy = {e for e in replicated if totals[e] >= 10}
+            assert all(count > 0 for e, count in slots if e in busy), (layer, slots)
