@@ -3,12 +3,19 @@ over NIXL) answers the official OpenAI client with exactly the offline engine's 
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from dsinfer import LLM, SamplingParams
+from dsinfer.base.config import ModelConfig
+from dsinfer.base.expert_load import read_expert_load
+from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
 
@@ -121,3 +128,26 @@ def test_bad_request_is_4xx(client: openai.OpenAI) -> None:
         client.completions.create(model=_model(client), prompt="x", max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+
+def test_expert_load_statistics_export(
+    server: Server, client: openai.OpenAI, tiny_ckpt: BuiltCheckpoint, tmp_path: Path
+) -> None:
+    """Ranks report the tokens routed to each expert; /expert_load is the EPLB input file."""
+    client.completions.create(model=_model(client), prompt=PROMPTS[2], max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 15
+    while True:
+        doc = httpx.get(f"{server.base_url}/expert_load", timeout=10).json()
+        roles = doc.get("roles", {})
+        if all(sum(sum(c) for c in roles.get(r, {}).values()) > 0 for r in ("prefill", "decode")):
+            break
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.5)
+    path = tmp_path / "expert_load.json"
+    path.write_text(json.dumps(doc))
+    load = read_expert_load(path, "decode")
+    config = ModelConfig.from_file(tiny_ckpt.path / "config.json")
+    assert sorted(load) == moe_layer_ids(config)
+    assert all(len(counts) == config.n_routed_experts for counts in load.values())
+    placement = ExpertPlacement.default(sorted(load), config.n_routed_experts, 2, 2, load=load)
+    assert placement.num_physical == config.n_routed_experts + 2

@@ -35,6 +35,7 @@ from dsinfer.base.sampling_params import SamplingParams
 MAX_MESSAGE_BYTES = 16 * 2**20
 HEARTBEAT_INTERVAL = 0.5  # seconds between LoadReports of one rank
 HEARTBEAT_TIMEOUT = 5.0  # a rank silent this long is dead to the gateway
+EXPERT_LOAD_INTERVAL = 5.0  # seconds between LoadReports that carry the expert load
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -84,6 +85,9 @@ class LoadReport(_Message, kw_only=True):
     transfer_seconds: float = 0.0  # summed wall time from first write to completion
     transfers: int = 0
     draining: bool = False
+    # tokens this rank routed to each logical expert since start, per MoE layer id; sent every
+    # EXPERT_LOAD_INTERVAL s (not with every heartbeat): the input of the expert load balancer
+    expert_load: dict[int, list[int]] | None = None
 
 
 class KVDestination(_Message, kw_only=True):

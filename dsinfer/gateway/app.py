@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from dsinfer.base.expert_load import document as expert_load_document
 from dsinfer.base.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, TokenizerError
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend
@@ -102,6 +103,12 @@ def build_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/expert_load")
+    async def expert_load() -> Response:
+        """Tokens routed to each logical expert per MoE layer, summed over each role's ranks:
+        the statistics file of dsinfer/base/expert_load.py (the expert load balancer's input)."""
+        return JSONResponse(expert_load_document(backend.metrics_snapshot().expert_load))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -77,3 +77,4 @@ class BackendMetrics:
     in_flight: int  # worker requests dispatched and not finished
     workers: list[WorkerMetrics] = field(default_factory=list)
     ready: bool = False  # every role the topology needs has at least one healthy worker (/health)
+    expert_load: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # role -> layer -> per expert

@@ -17,6 +17,7 @@ class WorkerInfo:
     report: LoadReport | None = None
     healthy: bool = True  # heartbeats recent and its pool not reported down
     pool_down: bool = False  # this incarnation's pool died: never healthy again
+    expert_load: dict[int, list[int]] | None = None  # the latest one reported
 
     @property
     def name(self) -> str:
@@ -68,6 +69,8 @@ class WorkerRegistry:
         if info is None or info.register.incarnation != msg.incarnation:
             return None
         info.report = msg
+        if msg.expert_load is not None:
+            info.expert_load = msg.expert_load
         self._seen(info, now)
         return info
 

@@ -27,6 +27,7 @@ import zmq.asyncio
 from dsinfer.balancers.base import Balancer, RouteRequest
 from dsinfer.balancers.registry import make_balancer
 from dsinfer.base.config import PAGE_SIZE
+from dsinfer.base.expert_load import sum_loads
 from dsinfer.base.hashing import page_hashes
 from dsinfer.base.protocol import (
     Abort,
@@ -369,8 +370,16 @@ class Router:
                 )
             )
         waiting = sum(1 for c in self._choices.values() if not c.started)
+        loads: dict[str, list[dict[int, list[int]]]] = {}
+        for info in self.registry.workers.values():
+            if info.expert_load is not None:
+                loads.setdefault(info.role, []).append(info.expert_load)
         return BackendMetrics(
-            queue_length=waiting, in_flight=len(self._choices), workers=workers, ready=self._ready()
+            queue_length=waiting,
+            in_flight=len(self._choices),
+            workers=workers,
+            ready=self._ready(),
+            expert_load={role: sum_loads(per_rank) for role, per_rank in loads.items()},
         )
 
     def _ready(self) -> bool:

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dsinfer.base.protocol import HEARTBEAT_INTERVAL, Register, worker_name
+from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL, HEARTBEAT_INTERVAL, Register, worker_name
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import TorchEPGroup
 from dsinfer.transfer.base import TransferBackend
@@ -123,7 +123,7 @@ def run_rank(args: RankArgs) -> int:
         threads,
         channel.inbox_addr,
     )
-    last_report = last_register = 0.0
+    last_report = last_register = last_expert_load = 0.0
     try:
         while True:
             now = time.monotonic()
@@ -145,10 +145,12 @@ def run_rank(args: RankArgs) -> int:
             if has_work:
                 role.step()
             if time.monotonic() - last_report >= HEARTBEAT_INTERVAL:
-                channel.send_gateway(role.load_report())
+                with_load = time.monotonic() - last_expert_load >= EXPERT_LOAD_INTERVAL
+                channel.send_gateway(role.load_report(with_expert_load=with_load))
                 last_report = time.monotonic()
+                last_expert_load = last_report if with_load else last_expert_load
     finally:
-        channel.send_gateway(role.load_report())
+        channel.send_gateway(role.load_report(with_expert_load=True))
         engine.close()
         if transfer is not None:
             transfer.close()

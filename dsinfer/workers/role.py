@@ -94,7 +94,7 @@ class RoleWorker(ABC):
             self.fail(msg.request_id, f"worker {self.worker} is draining")
         return self.draining
 
-    def load_report(self) -> LoadReport:
+    def load_report(self, with_expert_load: bool = False) -> LoadReport:
         engine = self.engine
         sched, kv = engine.scheduler, engine.kv
         prefills = [s for s in [*sched.waiting, *sched.running] if s.num_computed_tokens < s.prompt_len]
@@ -117,6 +117,7 @@ class RoleWorker(ABC):
             transfer_seconds=self.transfer.seconds,
             transfers=self.transfer.count,
             draining=self.draining,
+            expert_load=engine.model.expert_load() if with_expert_load else None,
         )
 
     def num_queued_elsewhere(self) -> int:
