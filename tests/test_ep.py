@@ -4,7 +4,9 @@ holds only its experts; redundant slots receive tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM, SamplingParams
 from tests.fixtures.checkpoints import BuiltCheckpoint
@@ -103,3 +106,37 @@ def test_ep_pool_tokens_equal_single_process(
             # every copy of a replicated expert that saw real traffic computed some of it
             busy = {e for e in replicated if totals[e] >= 10}
             assert all(count > 0 for e, count in slots if e in busy), (layer, slots)
+
+
+def _hot_checkpoint(ckpt: BuiltCheckpoint, dest: Path) -> BuiltCheckpoint:
+    """A copy whose router bias makes experts 0-2 hot in every MoE layer."""
+    shutil.copytree(ckpt.path, dest)
+    for shard in dest.glob("*.safetensors"):
+        tensors = load_file(shard)
+        for name, t in tensors.items():
+            if name.endswith("e_score_correction_bias"):
+                t[:3] += 2.0
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return dataclasses.replace(ckpt, path=dest)
+
+
+def test_online_rebalance_keeps_tokens_and_evens_the_load(tiny_ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
+    hot = _hot_checkpoint(tiny_ckpt, tmp_path / "hot")
+    plain = run_pool(hot, 2, tmp_path, num_redundant_experts=2)
+    moving = run_pool(hot, 2, tmp_path, num_redundant_experts=2, eplb_interval=4, eplb_min_gain=0.0)
+    tokens = {rid: t for r in plain for rid, t in r["tokens"].items()}
+    assert {rid: t for r in moving for rid, t in r["tokens"].items()} == tokens
+    events = [r["rebalances"] for r in moving]
+    assert all(len(e) >= 1 for e in events) and all(e[0]["swap_step"] is not None for e in events)
+    assert events[0][0]["swap_step"] == events[1][0]["swap_step"]  # every rank swapped at the same step
+    assert events[0][0]["balance_after"] < events[0][0]["balance_before"]
+
+    def imbalance(per_rank: list[list[int]]) -> float:
+        layers = list(zip(*per_rank, strict=True))
+        return sum(max(layer) / (sum(layer) / len(layer)) for layer in layers if sum(layer)) / len(layers)
+
+    # measured: pairs each rank computed per MoE layer, before the first swap and after the last
+    before = imbalance([e[0]["received_before"] for e in events])
+    after = imbalance([r["received"] for r in moving])
+    assert after < before
+    assert all(r["free_pages_ok"] for r in moving)

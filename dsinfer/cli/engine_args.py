@@ -34,6 +34,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-redundant-experts", type=int, default=0, help="extra expert slots per MoE layer (EP pools)"
     )
     group.add_argument("--placement", default=None, help="expert placement file (JSON) for EP pools")
+    group.add_argument(
+        "--eplb-interval",
+        type=int,
+        default=0,
+        help="steps between online expert rebalancing checks (0 = off)",
+    )
+    group.add_argument("--eplb-min-gain", type=float, default=0.05, help="relative balance gain to rebalance")
 
 
 def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:

@@ -54,6 +54,8 @@ class EngineArgs(BaseModel):
     speculative_mtp: bool = False
     num_redundant_experts: int = 0  # extra expert slots per MoE layer, spread over an EP group
     placement: Path | None = None  # expert placement file (JSON); None = the default layout
+    eplb_interval: int = 0  # steps between online expert-rebalancing checks in an EP pool; 0 = off
+    eplb_min_gain: float = 0.05  # rebalance when max/mean per-rank load improves by more than this
 
     @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
     @classmethod
@@ -75,6 +77,8 @@ class EngineArgs(BaseModel):
             raise ValueError("max_model_len must be at least 2")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.eplb_interval < 0 or self.eplb_min_gain < 0:
+            raise ValueError("eplb_interval and eplb_min_gain must be >= 0")
         if self.num_redundant_experts < 0:
             raise ValueError("num_redundant_experts must be >= 0")
         if self.placement is not None and not self.placement.is_file():

@@ -19,6 +19,7 @@ from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.latent_pool import LatentKVPool
 from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.expert_balancer import OnlineExpertBalancer
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -84,6 +85,13 @@ class LLMEngine:
             num_redundant_experts=args.num_redundant_experts,
         )
         self.config, self.model = loaded.config, loaded.model
+        self.expert_balancer = (
+            OnlineExpertBalancer(
+                self.model, loaded.experts, interval=args.eplb_interval, min_gain=args.eplb_min_gain
+            )
+            if ep_group is not None and args.eplb_interval > 0
+            else None
+        )
         self.tokenizer = Tokenizer.from_dir(loaded.path)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:
@@ -247,6 +255,8 @@ class LLMEngine:
         ``layer_hook_for(batch)``, when given, sees the scheduled batch before the forward and may
         return a callback the model calls with each cache layer's index once that layer's KV is
         written (the PD prefill side starts its KV writes there)."""
+        if self.expert_balancer is not None:
+            self.expert_balancer.before_step()
         batch = self.scheduler.schedule()
         before = [item.seq.num_tokens for item in batch.seqs]
         hook = layer_hook_for(batch) if layer_hook_for is not None else None
@@ -287,6 +297,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.kv.close()
+        if self.expert_balancer is not None:
+            self.expert_balancer.close()
 
 
 def _model_identity(path: Path, load_format: str, seed: int, dtype: torch.dtype) -> bytes:

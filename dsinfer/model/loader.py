@@ -53,11 +53,45 @@ class Placement:
 
 
 @dataclass
+class ExpertSource:
+    """Builds a routed-experts module holding given logical experts, from the same weights the
+    model was loaded from (checkpoint or dummy): what an expert placement change stages."""
+
+    config: ModelConfig
+    ops: Ops
+    index: dict[str, Path]
+    keep_fp8: set[str]
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+
+    def build(self, module_name: str, expert_ids: list[int]) -> Experts:
+        with torch.device("meta"):
+            experts = Experts(self.config, self.ops, expert_ids)
+        prefix = _checkpoint_prefix(module_name, self.config)
+        if f"{prefix}.{expert_ids[0]}.gate_proj.weight" in self.keep_fp8:
+            experts.make_fp8()
+        table: dict[str, list[Placement]] = defaultdict(list)
+        _expert_placements(table, "", prefix, experts, self.config, self.keep_fp8)
+        params = {name.lstrip("."): t for name, t in _materialize(experts, self.device, self.dtype).items()}
+        places = {
+            n: [Placement(p.param.lstrip("."), p.shape, p.slot, p.rows) for p in ps]
+            for n, ps in table.items()
+        }
+        if self.index:
+            _fill_from_checkpoint(params, places, self.index, self.keep_fp8, progress=False)
+        else:
+            _fill_dummy(params, places, self.config, self.seed, self.keep_fp8, progress=False)
+        return experts
+
+
+@dataclass
 class LoadedModel:
     model: DeepseekV3ForCausalLM
     config: ModelConfig
     path: Path
     load_format: str
+    experts: ExpertSource
 
 
 def load_model(
@@ -138,7 +172,8 @@ def load_model(
         _fill_from_checkpoint(params, placements, index, keep_fp8)
     model.post_load(dtype)
     model.eval()
-    return LoadedModel(model, config, path, load_format)
+    source = ExpertSource(config, ops, index, keep_fp8, device, dtype, seed)
+    return LoadedModel(model, config, path, load_format, source)
 
 
 def _placement(
@@ -206,27 +241,10 @@ def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> d
     """checkpoint tensor name -> where it goes (several places for a replicated expert);
     ``fp8_names``: weights kept FP8 (their scales load too)."""
     table: dict[str, list[Placement]] = defaultdict(list)
-    inter, hidden = config.moe_intermediate_size, config.hidden_size
     for module_name, module in model.named_modules():
         prefix = _checkpoint_prefix(module_name, config)
         if isinstance(module, Experts):
-            for slot, expert in enumerate(module.expert_ids):
-                base = f"{prefix}.{expert}"
-                parts = (
-                    ("gate", "w13", (0, inter), (inter, hidden)),
-                    ("up", "w13", (inter, 2 * inter), (inter, hidden)),
-                    ("down", "w2", None, (hidden, inter)),
-                )
-                for proj, param, rows, shape in parts:
-                    name = f"{base}.{proj}_proj.weight"
-                    table[name].append(Placement(f"{module_name}.{param}", shape, slot, rows))
-                    if name in fp8_names:
-                        scale_rows = None if rows is None else (rows[0] // FP8_BLOCK, rows[1] // FP8_BLOCK)
-                        table[name + SCALE_SUFFIX].append(
-                            Placement(
-                                f"{module_name}.{param}_scale_inv", _scale_shape(shape), slot, scale_rows
-                            )
-                        )
+            _expert_placements(table, module_name, prefix, module, config, fp8_names)
             continue
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{prefix}.{param_name}"
@@ -238,6 +256,32 @@ def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> d
                     Placement(f"{module_name}.weight_scale_inv", _scale_shape(tuple(param.shape)))
                 )
     return dict(table)
+
+
+def _expert_placements(
+    table: dict[str, list[Placement]],
+    module_name: str,
+    prefix: str,
+    module: Experts,
+    config: ModelConfig,
+    fp8_names: set[str],
+) -> None:
+    inter, hidden = config.moe_intermediate_size, config.hidden_size
+    for slot, expert in enumerate(module.expert_ids):
+        base = f"{prefix}.{expert}"
+        parts = (
+            ("gate", "w13", (0, inter), (inter, hidden)),
+            ("up", "w13", (inter, 2 * inter), (inter, hidden)),
+            ("down", "w2", None, (hidden, inter)),
+        )
+        for proj, param, rows, shape in parts:
+            name = f"{base}.{proj}_proj.weight"
+            table[name].append(Placement(f"{module_name}.{param}", shape, slot, rows))
+            if name in fp8_names:
+                scale_rows = None if rows is None else (rows[0] // FP8_BLOCK, rows[1] // FP8_BLOCK)
+                table[name + SCALE_SUFFIX].append(
+                    Placement(f"{module_name}.{param}_scale_inv", _scale_shape(shape), slot, scale_rows)
+                )
 
 
 def _scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -311,17 +355,18 @@ def _fill_from_checkpoint(
     placements: dict[str, list[Placement]],
     index: dict[str, Path],
     keep_fp8: set[str],
+    progress: bool = True,
 ) -> None:
     missing = [n for n in placements if n not in index]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"checkpoint is missing tensor {shown}")
     unused = [n for n in index if n not in placements and not n.endswith(SCALE_SUFFIX)]
-    if unused:
+    if unused and progress:
         log.info("ignoring %d checkpoint tensors this model does not use (e.g. %s)", len(unused), unused[0])
     reader = _Reader(index)
     names = sorted(placements, key=lambda n: str(index[n]))  # one shard after another
-    for name in tqdm(names, desc="Loading weights", unit="tensor", dynamic_ncols=True):
+    for name in tqdm(names, desc="Loading weights", unit="tensor", dynamic_ncols=True, disable=not progress):
         tensor = reader.get(name)
         if tensor.dtype == FP8 and name not in keep_fp8:
             tensor = reader.dequantized(name, tensor)
@@ -373,8 +418,12 @@ def _fill_dummy(
     config: ModelConfig,
     seed: int,
     keep_fp8: set[str],
+    progress: bool = True,
 ) -> None:
-    for name, places in tqdm(placements.items(), desc="Dummy weights", unit="tensor", dynamic_ncols=True):
+    bar = tqdm(
+        placements.items(), desc="Dummy weights", unit="tensor", dynamic_ncols=True, disable=not progress
+    )
+    for name, places in bar:
         if name.endswith(SCALE_SUFFIX):
             continue
         tensor = _dummy_tensor(name, places[0].shape, config, seed)

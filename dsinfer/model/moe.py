@@ -149,13 +149,11 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.gate = Gate(config, ops)
-        self.ep = ep
+        self.layer_id = layer_id
+        self.ep: ExpertParallel | None = None
         if ep is not None:
             expert_ids = ep.placement.local_experts(layer_id, ep.rank)
-            replica_slots, num_replicas = ep.placement.routing_table(layer_id)
-            self.register_buffer("replica_slots", replica_slots.to("cpu"), persistent=False)
-            self.register_buffer("num_replicas", num_replicas.to("cpu"), persistent=False)
-            self.slots_per_rank = ep.placement.slots_per_rank
+            self.set_placement(ep)
         ids = list(range(config.n_routed_experts)) if expert_ids is None else expert_ids
         self.experts = Experts(config, ops, ids)
         self.register_buffer(
@@ -168,6 +166,15 @@ class MoE(nn.Module):
             if config.n_shared_experts > 0
             else None
         )
+
+    def set_placement(self, ep: ExpertParallel) -> None:
+        """Route by ``ep``'s placement (its local experts must be the ones ``experts`` holds)."""
+        replica_slots, num_replicas = ep.placement.routing_table(self.layer_id)
+        device = self.expert_load.device if hasattr(self, "expert_load") else torch.device("cpu")
+        self.register_buffer("replica_slots", replica_slots.to(device), persistent=False)
+        self.register_buffer("num_replicas", num_replicas.to(device), persistent=False)
+        self.slots_per_rank = ep.placement.slots_per_rank
+        self.ep = ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)

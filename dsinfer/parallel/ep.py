@@ -42,6 +42,10 @@ class EPGroup(ABC):
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Results of the received rows [M, H] -> results of the sent rows [N, H], in x's order."""
 
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place over the group; ``op`` is "sum", "min" or "max"."""
+
 
 class TorchEPGroup(EPGroup):
     """All-to-all over a torch.distributed process group (the default group when None)."""
@@ -68,6 +72,11 @@ class TorchEPGroup(EPGroup):
         out = torch.empty_like(back)
         out[handle.order] = back
         return out
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        dist.all_reduce(tensor, op=ops[op], group=self.group)
+        return tensor
 
     def _exchange(self, data: torch.Tensor, out_counts: list[int], in_counts: list[int]) -> torch.Tensor:
         wire = _WIRE_DTYPES.get(data.dtype)
