@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from dsinfer.base.config import ConfigError
 from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
+from dsinfer.cli.eplb import add_eplb_args
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.serve import add_serve_args
 from dsinfer.model.loader import CheckpointError
@@ -32,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="the OpenAI server: gateway, worker pools, or all-in-one", exit_on_error=False
     )
     add_serve_args(serve)
+    add_eplb_args(
+        sub.add_parser("eplb", help="expert placement from expert-load statistics", exit_on_error=False)
+    )
     return parser
 
 
@@ -52,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsinfer.cli.serve import run_serve
 
             return run_serve(args, argv)
+        if args.command == "eplb":
+            from dsinfer.cli.eplb import run_eplb
+
+            return run_eplb(args)
     except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError) as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ import torch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.loader import ExpertSource
 from dsinfer.model.moe import ExpertParallel, Experts, MoE
+from dsinfer.parallel.eplb import placement_from_load
 from dsinfer.parallel.placement import ExpertPlacement
 
 log = logging.getLogger("dsinfer.eplb")
@@ -31,15 +32,14 @@ log = logging.getLogger("dsinfer.eplb")
 PlacementPolicy = Callable[[dict[int, list[float]], ExpertPlacement], ExpertPlacement]
 
 
-def greedy_policy(load: dict[int, list[float]], current: ExpertPlacement) -> ExpertPlacement:
-    """The same slot counts as ``current``, laid out for ``load``."""
-    return ExpertPlacement.default(
-        sorted(current.layers),
-        current.num_logical,
-        current.num_ranks,
-        current.num_physical - current.num_logical,
-        load=load,
-    )
+def eplb_policy(num_groups: int) -> PlacementPolicy:
+    """DeepSeek's EPLB (global policy: one pool-wide packing) with ``current``'s slot counts."""
+
+    def policy(load: dict[int, list[float]], current: ExpertPlacement) -> ExpertPlacement:
+        redundant = current.num_physical - current.num_logical
+        return placement_from_load(load, current.num_logical, current.num_ranks, redundant, num_groups, 1)
+
+    return policy
 
 
 @dataclass
@@ -60,12 +60,13 @@ class OnlineExpertBalancer:
         *,
         interval: int,
         min_gain: float = 0.05,
-        policy: PlacementPolicy = greedy_policy,
+        policy: PlacementPolicy | None = None,
     ) -> None:
         if model.ep is None:
             raise ValueError("online expert rebalancing needs an expert-parallel pool")
         self.model, self.source = model, source
-        self.interval, self.min_gain, self.policy = interval, min_gain, policy
+        self.interval, self.min_gain = interval, min_gain
+        self.policy = policy or eplb_policy(model.config.n_group)
         self.ep: ExpertParallel = model.ep
         self.steps = 0
         self._moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}

@@ -5,10 +5,10 @@ on every layer: rank ``p // slots_per_rank`` holds slot ``p`` at local index
 ``p % slots_per_rank``. Every logical expert has at least one slot; the ``num_physical -
 num_logical`` redundant slots replicate hot experts, never twice on one rank.
 
-``ExpertPlacement.default`` is the simple greedy EPLB: replicate the expert with the highest
+``ExpertPlacement.default`` is a simple greedy layout: replicate the expert with the highest
 load per replica, one copy at a time, then pack the replicas heaviest first onto the least-loaded
-rank with room. DeepSeek's hierarchical policy (expert groups packed onto nodes first) is not
-implemented yet.
+rank with room. DeepSeek's hierarchical and global EPLB policies are in ``dsinfer.parallel.eplb``
+(``placement_from_load``), which the ``dsinfer eplb`` command and online rebalancing use.
 """
 
 from __future__ import annotations

@@ -21,12 +21,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsinfer.base.config import ModelConfig
+from dsinfer.base.presets import resolve_model
 from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL, HEARTBEAT_INTERVAL, Register, worker_name
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.parallel.ep import TorchEPGroup
+from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.registry import make_ep_group
 from dsinfer.transfer.base import TransferBackend
 from dsinfer.transfer.registry import make_transfer_backend
-from dsinfer.workers.args import RankArgs
+from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import WorkerChannel
 from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
@@ -77,6 +80,17 @@ def build_role(
     return worker, transfer
 
 
+def _ep_group(pool: PoolArgs) -> EPGroup:
+    """The pool's expert-parallel group: DeepEP on NCCL when importable, else torch all-to-all."""
+    config = ModelConfig.from_file(resolve_model(pool.engine.model)[0] / "config.json")
+    return make_ep_group(
+        hidden=config.hidden_size,
+        num_local_experts=(config.n_routed_experts + pool.engine.num_redundant_experts) // pool.pool_size,
+        top_k=config.num_experts_per_tok,
+        low_latency=pool.role == "decode",
+    )
+
+
 def run_rank(args: RankArgs) -> int:
     pool = args.pool
     threads = pool.threads_per_rank or max(1, (os.cpu_count() or 1) // pool.ranks_per_node)
@@ -97,7 +111,7 @@ def run_rank(args: RankArgs) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    engine = LLMEngine(pool.engine, ep_group=TorchEPGroup() if pool.pool_size > 1 else None)
+    engine = LLMEngine(pool.engine, ep_group=_ep_group(pool) if pool.pool_size > 1 else None)
     channel = WorkerChannel(name, pool.gateway_addr, pool.host)
     role, transfer = build_role(args, engine, channel)
     register = Register(

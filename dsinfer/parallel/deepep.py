@@ -1,0 +1,522 @@
+"""DeepEP backend of :class:`~dsinfer.parallel.ep.EPGroup`, plus the index bookkeeping it needs.
+
+UNVERIFIED: DeepEP cannot be installed on any machine this project is developed on (not from the
+registry, not on the GPU machine). :class:`DeepEPGroup` is written against the documented API of
+DeepEP's ``Buffer`` (shared/reference/kernel-apis.md; in DeepEP v2 the same class is still
+exported as the "legacy" buffer) and is only ever built by
+:func:`dsinfer.parallel.registry.make_ep_group` when ``import deep_ep`` works and the group is
+NCCL on CUDA. It has never run. The pure functions below (layout conversions between dsinfer's
+pair-level rows and DeepEP's token-level and masked tensors) run anywhere and are what the tests
+hold (tests/test_deepep_adapter.py).
+
+Design: two levels, one model.
+
+- Pair level (the ``EPGroup`` contract the MoE uses today, unchanged): every (token, expert)
+  pair is one row. It maps onto DeepEP by making each pair row a DeepEP "token" routed top-1 to
+  its physical expert ``dest_rank * num_local_experts + local_slot``. Normal mode: the row
+  reaches exactly one rank, arrives with its local slot in ``recv_topk_idx``, and the unweighted
+  combine returns it, alone, to its place in ``x``. Low-latency mode: the same top-1 routing, the
+  ``[E_local, R*T, H]`` receive layout compacted to rows by ``recv_count`` (a host sync) and
+  scattered back before a combine with weight 1. Correct and MoE-transparent, but a token with
+  several experts on one rank travels once per pair, not once per rank, and the low-latency
+  buffers are sized for ``top_k`` times as many rows.
+- Token level (the efficient path, for the MoE to adopt later): :meth:`DeepEPGroup.dispatch_tokens`
+  / :meth:`DeepEPGroup.combine_tokens` (normal) and :meth:`DeepEPGroup.low_latency_dispatch_tokens`
+  / :meth:`DeepEPGroup.low_latency_combine_tokens` expose DeepEP's own semantics (a token once per
+  destination rank with LOCAL expert ids and weights; unweighted combine in normal mode, weighted in
+  low-latency mode). :meth:`DeepEPGroup.routed_experts` and :func:`routed_pairs` give both levels
+  one signature, ``(x, topk_physical, topk_weights, compute) -> [T, H]`` weighted sums, so that
+  the MoE can call one method on any group without forking (the lead's call: an
+  ``EPGroup.routed_experts`` defaulting to :func:`routed_pairs`).
+
+Rank-invariance: every choice that changes which collectives run (DeepEP or the torch fallback,
+pair or token level) depends only on things all ranks share (dtype, hidden size, configuration),
+never on a rank's row count, or the pool would hang. Non-bf16 activations (the float32 parity
+runs) go through the torch all-to-all on the same NCCL group, with the same semantics. A
+low-latency dispatch with more rows than the buffer holds raises: the decode scheduler must cap
+tokens per rank at ``max_tokens_per_rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsinfer.parallel.ep import DispatchHandle, EPGroup, TorchEPGroup
+
+__all__ = [
+    "LOW_LATENCY_HIDDEN",
+    "LOW_LATENCY_MAX_TOPK",
+    "DeepEPGroup",
+    "LowLatencyRecv",
+    "compute_received_tokens",
+    "dequantize_fp8_rows",
+    "expand_received",
+    "is_token_in_rank",
+    "missing_buffer_api",
+    "pack_masked",
+    "pair_expert_ids",
+    "reduce_to_tokens",
+    "routed_pairs",
+    "split_expert_ids",
+    "token_send_plan",
+    "unpack_masked",
+]
+
+# Hidden sizes DeepEP's low-latency kernels are compiled for (the union over releases; older builds
+# lack 3072 and 6144, in which case the kernel's own assertion reports it).
+LOW_LATENCY_HIDDEN: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+LOW_LATENCY_MAX_TOPK = 11
+FP8_GROUP = 128  # DeepEP's FP8 scales: one fp32 per 128 channels of a row
+BYTE_ALIGN = 128  # Buffer sizes are multiples of 128 bytes
+_BUFFER_METHODS = (
+    "get_dispatch_layout",
+    "dispatch",
+    "combine",
+    "low_latency_dispatch",
+    "low_latency_combine",
+)
+
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [Q, H], local slots [Q]) -> [Q, H]
+
+
+# --- pure bookkeeping (no DeepEP, runs on any device) -------------------------------------------
+
+
+def pair_expert_ids(
+    dest_rank: torch.Tensor, local_slot: torch.Tensor, num_local_experts: int
+) -> torch.Tensor:
+    """Pair rows as DeepEP tokens routed top-1: the physical expert id of each row, int64 ``[P, 1]``."""
+    return (dest_rank.to(torch.int64) * num_local_experts + local_slot.to(torch.int64)).reshape(-1, 1)
+
+
+def split_expert_ids(expert_ids: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical expert ids -> (hosting rank, local slot); -1 (no expert) stays -1 in both."""
+    valid = expert_ids >= 0
+    rank = torch.where(valid, expert_ids // num_local_experts, -1)
+    local = torch.where(valid, expert_ids % num_local_experts, -1)
+    return rank, local
+
+
+def is_token_in_rank(topk_idx: torch.Tensor, num_local_experts: int, num_ranks: int) -> torch.Tensor:
+    """``get_dispatch_layout``'s ``is_token_in_rank``: bool ``[N, R]``, token n has an expert on rank r."""
+    dest, _ = split_expert_ids(topk_idx, num_local_experts)
+    ranks = torch.arange(num_ranks, device=topk_idx.device)
+    return (dest[:, :, None] == ranks).any(dim=1)
+
+
+def token_send_plan(
+    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int, num_ranks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a normal-mode dispatch sends from this rank: one row per (token, destination rank).
+
+    ``topk_idx`` int64 ``[N, k]`` physical expert ids (-1 = none), ``topk_weights`` ``[N, k]``.
+    Returns ``(token [Q], rank [Q], local_ids [Q, k], weights [Q, k])`` ordered by destination
+    rank, then token: row q carries token ``token[q]`` to ``rank[q]``, where it arrives with the
+    LOCAL ids of the experts it has there (-1 for experts elsewhere, with weight 0).
+    """
+    dest, _ = split_expert_ids(topk_idx, num_local_experts)
+    pairs = is_token_in_rank(topk_idx, num_local_experts, num_ranks).t().nonzero()  # rank-major
+    rank, token = pairs[:, 0], pairs[:, 1]
+    here = dest[token] == rank[:, None]
+    local_ids = torch.where(here, topk_idx[token] - rank[:, None] * num_local_experts, -1)
+    weights = torch.where(here, topk_weights[token], 0.0)
+    return token, rank, local_ids, weights
+
+
+def expand_received(
+    recv_local_ids: torch.Tensor, recv_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Received tokens -> the pair rows computed here: ``(row_token [Q], row_slot [Q], row_weight [Q])``.
+
+    One row per valid (received token, local expert), token-major, so ``recv_x[row_token]`` with
+    ``row_slot`` is exactly what ``Experts.compute`` takes.
+    """
+    token, j = (recv_local_ids >= 0).nonzero(as_tuple=True)
+    return token, recv_local_ids[token, j], recv_weights[token, j]
+
+
+def reduce_to_tokens(
+    y: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """Weighted sum of the rows' results per received token (float32 accumulation): ``[M, H]``."""
+    out = torch.zeros((num_tokens, y.shape[-1]), dtype=torch.float32, device=y.device)
+    out.index_add_(0, row_token, y.float() * row_weight.float()[:, None])
+    return out.to(y.dtype)
+
+
+def compute_received_tokens(
+    recv_x: torch.Tensor, recv_local_ids: torch.Tensor, recv_weights: torch.Tensor, compute: Compute
+) -> torch.Tensor:
+    """Normal-mode receive side: each received token's weighted sum over its local experts ``[M, H]``,
+    ready for DeepEP's unweighted combine."""
+    token, slot, weight = expand_received(recv_local_ids, recv_weights)
+    return reduce_to_tokens(compute(recv_x[token], slot), token, weight, recv_x.shape[0])
+
+
+def unpack_masked(recv_count: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid rows of a masked ``[E_local, capacity, H]`` layout: ``(flat_index [Q], slot [Q])``.
+
+    Row ``i < recv_count[e]`` of expert ``e`` is flat row ``e * capacity + i``; expert-major, then
+    arrival order. Reads ``recv_count`` on the host once (not CUDA-graph friendly).
+    """
+    counts = recv_count.to(torch.int64).clamp(0, capacity)
+    total = int(counts.sum())
+    experts = torch.arange(counts.numel(), device=counts.device)
+    slot = torch.repeat_interleave(experts, counts, output_size=total)
+    starts = torch.cumsum(counts, 0) - counts
+    offset = torch.arange(total, device=counts.device) - starts[slot]
+    return slot * capacity + offset, slot
+
+
+def pack_masked(
+    y: torch.Tensor, flat_index: torch.Tensor, num_local_experts: int, capacity: int
+) -> torch.Tensor:
+    """Inverse of :func:`unpack_masked`: rows ``[Q, H]`` into a zero ``[E_local, capacity, H]`` layout."""
+    out = y.new_zeros((num_local_experts * capacity, y.shape[-1]))
+    out.index_copy_(0, flat_index, y)
+    return out.view(num_local_experts, capacity, y.shape[-1])
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scales: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
+    """fp8 ``[..., H]`` with fp32 scales ``[..., ceil(H/group)]`` -> float32 (scale layout may be any)."""
+    hidden = q.shape[-1]
+    return q.float() * scales.float().repeat_interleave(group, dim=-1)[..., :hidden]
+
+
+def routed_pairs(
+    group: EPGroup,
+    x: torch.Tensor,
+    topk_physical: torch.Tensor,
+    topk_weights: torch.Tensor,
+    compute: Compute,
+    num_local_experts: int,
+) -> torch.Tensor:
+    """Pair-level routing over any ``EPGroup`` (what ``MoE._routed_ep`` does once replicas are chosen).
+
+    ``topk_physical`` int64 ``[T, k]`` physical slots (every entry valid), ``num_local_experts``
+    the slots per rank; returns the weighted sums ``[T, H]`` in x's dtype.
+    """
+    tokens, k = topk_physical.shape
+    pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    dest, local = split_expert_ids(topk_physical.flatten(), num_local_experts)
+    rows, slots, handle = group.dispatch(x[pair_token], dest, local)
+    y = group.combine(compute(rows, slots), handle)
+    return reduce_to_tokens(y, pair_token, topk_weights.flatten(), tokens)
+
+
+def missing_buffer_api(module: ModuleType) -> str | None:
+    """Why ``module`` (``deep_ep``) lacks the Buffer API used here, or None when it has it."""
+    buffer = getattr(module, "Buffer", None)
+    if buffer is None:  # v2 built without the legacy buffer exports Buffer = None
+        return f"{module.__name__}.Buffer is absent (v2 built without the legacy buffer)"
+    missing = [name for name in _BUFFER_METHODS if not hasattr(buffer, name)]
+    return f"{module.__name__}.Buffer lacks {missing[0]}" if missing else None
+
+
+def _align(n: int, to: int = BYTE_ALIGN) -> int:
+    return -(-int(n) // to) * to
+
+
+# --- the adapter (UNVERIFIED) -----------------------------------------------------------------
+
+
+@dataclass
+class _NormalPairHandle(DispatchHandle):
+    """Pair-level normal-mode handle; the torch fields are unused (empty)."""
+
+    native: Any = None
+
+
+@dataclass
+class _LowLatencyPairHandle(DispatchHandle):
+    """Pair-level low-latency handle; the torch fields are unused (empty)."""
+
+    native: Any = None
+    topk_idx: torch.Tensor | None = None
+    flat_index: torch.Tensor | None = None
+
+
+@dataclass
+class LowLatencyRecv:
+    """Token-level low-latency dispatch result (DeepEP's masked layout, as it comes).
+
+    ``x`` is bf16 ``[E_local, R*T, H]`` or, with FP8, fp8 with ``scales`` fp32
+    ``[E_local, R*T, H/128]`` (column-major in its last two dims); only the first
+    ``recv_count[e]`` rows of expert e are valid. ``hook`` (with ``return_recv_hook``) must be
+    called before the data is read. At most two of these may be alive at once (double buffer).
+    """
+
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    recv_count: torch.Tensor
+    handle: Any
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    hook: Callable[[], None] | None
+
+
+class DeepEPGroup(EPGroup):
+    """UNVERIFIED. Expert-parallel dispatch/combine through DeepEP's ``Buffer``.
+
+    ``low_latency=False``: normal mode (prefill; NVLink/RDMA, SMs used for communication),
+    buffers sized by the dispatch and combine configs' size hints for bf16 rows of ``hidden``.
+    ``low_latency=True``: low-latency mode (decode; pure RDMA), RDMA buffer sized by
+    ``Buffer.get_low_latency_rdma_size_hint`` for ``max_tokens_per_rank * top_k`` dispatched rows
+    (the pair-level path sends one row per pair), one QP per local expert, optional FP8 dispatch.
+    Activations that are not bf16 go through :class:`TorchEPGroup` on the same group.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        module: ModuleType,
+        *,
+        hidden: int,
+        num_local_experts: int,
+        low_latency: bool = False,
+        top_k: int = 8,
+        max_tokens_per_rank: int = 128,
+        use_fp8: bool = True,
+        num_sms: int | None = None,
+    ) -> None:
+        why = missing_buffer_api(module)
+        if why is not None:
+            raise ImportError(why)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.hidden, self.num_local_experts = hidden, num_local_experts
+        self.num_experts = num_local_experts * self.size
+        self.low_latency, self.use_fp8 = low_latency, use_fp8
+        self.top_k = top_k
+        self._torch = TorchEPGroup(group)
+        self._topk_dtype = getattr(module, "topk_idx_t", torch.int64)
+        buffer_cls = module.Buffer
+        if num_sms is not None:
+            buffer_cls.set_num_sms(num_sms)  # class-level in DeepEP: set once, at pool start-up
+        if low_latency:
+            self.max_tokens_per_rank = max_tokens_per_rank
+            self.ll_rows = max_tokens_per_rank * top_k  # pair-level rows; token-level calls use the same
+            rdma = buffer_cls.get_low_latency_rdma_size_hint(
+                self.ll_rows, hidden, self.size, self.num_experts
+            )
+            self.buffer = buffer_cls(
+                self.group,
+                num_nvl_bytes=0,
+                num_rdma_bytes=_align(rdma),
+                low_latency_mode=True,
+                num_qps_per_rank=self.num_experts // self.size,
+            )
+        else:
+            nvl, rdma = self.normal_buffer_bytes(buffer_cls, self.size, hidden * 2)
+            self.buffer = buffer_cls(self.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma)
+
+    @staticmethod
+    def normal_buffer_bytes(buffer_cls: Any, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
+        """(NVLink bytes, RDMA bytes) for normal mode: the larger of the dispatch and combine hints."""
+        nvl = rdma = 0
+        for config in (buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks)):
+            nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+            rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
+        return _align(nvl), _align(rdma)
+
+    def describe(self) -> str:
+        mode = "low-latency" + (" fp8" if self.use_fp8 else " bf16") if self.low_latency else "normal"
+        return f"deepep {mode} (UNVERIFIED), {self.size} ranks x {self.num_local_experts} slots"
+
+    # -- pair level: the EPGroup contract ------------------------------------------------------
+
+    def dispatch(
+        self, x: torch.Tensor, dest_rank: torch.Tensor, local_slot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        if x.dtype != torch.bfloat16:
+            return self._torch.dispatch(x, dest_rank, local_slot)
+        topk_idx = pair_expert_ids(dest_rank, local_slot, self.num_local_experts).to(self._topk_dtype)
+        if self.low_latency:
+            return self._ll_pair_dispatch(x, topk_idx)
+        recv_x, recv_idx, _, native = self._normal_dispatch(
+            x, topk_idx, torch.ones(topk_idx.shape, device=x.device)
+        )
+        # top-1 to the hosting rank: every received row holds its local slot in column 0
+        return recv_x, recv_idx[:, 0].to(torch.int64), _NormalPairHandle(_empty(x), [], [], native)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        if isinstance(handle, _LowLatencyPairHandle):
+            packed = pack_masked(
+                y.to(torch.bfloat16), handle.flat_index, self.num_local_experts, self._capacity
+            )
+            ones = torch.ones(handle.topk_idx.shape, dtype=torch.float32, device=y.device)
+            out, _, _ = self.buffer.low_latency_combine(packed, handle.topk_idx, ones, handle.native)
+            return out.to(y.dtype)
+        if isinstance(handle, _NormalPairHandle):
+            out, _, _ = self.buffer.combine(y.to(torch.bfloat16).contiguous(), handle.native)
+            return out.to(y.dtype)
+        return self._torch.combine(y, handle)
+
+    @property
+    def _capacity(self) -> int:
+        return self.ll_rows * self.size  # rows per local expert in the masked layout (R * T)
+
+    def _ll_pair_dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        self._check_ll(x, topk_idx, self.ll_rows)
+        recv, recv_count, native, _, _ = self.buffer.low_latency_dispatch(
+            x.contiguous(), topk_idx, self.ll_rows, self.num_experts, use_fp8=self.use_fp8
+        )
+        flat_index, slots = unpack_masked(recv_count, self._capacity)
+        if self.use_fp8:
+            q, scales = recv
+            rows = dequantize_fp8_rows(
+                q.reshape(-1, self.hidden)[flat_index], scales.reshape(-1, scales.shape[-1])[flat_index]
+            ).to(x.dtype)
+        else:
+            rows = recv.reshape(-1, self.hidden)[flat_index]
+        handle = _LowLatencyPairHandle(_empty(x), [], [], native, topk_idx, flat_index)
+        return rows, slots, handle
+
+    def _check_ll(self, x: torch.Tensor, topk_idx: torch.Tensor, capacity: int) -> None:
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"DeepEP low-latency buffer is for hidden {self.hidden}, got {x.shape[-1]}")
+        if x.shape[0] > capacity:
+            raise ValueError(
+                f"{x.shape[0]} rows exceed the low-latency capacity of {capacity} per rank "
+                f"(max_tokens_per_rank={self.max_tokens_per_rank}, top_k={self.top_k}); "
+                "the decode scheduler must cap tokens per rank"
+            )
+        if topk_idx.shape[1] > LOW_LATENCY_MAX_TOPK:
+            raise ValueError(
+                f"DeepEP low-latency takes top-k <= {LOW_LATENCY_MAX_TOPK}, got {topk_idx.shape[1]}"
+            )
+
+    def _normal_dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+            topk_idx, self.num_experts
+        )
+        recv_x, recv_idx, recv_weights, _, native, _ = self.buffer.dispatch(
+            x.contiguous(),
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights.to(torch.float32),
+        )
+        return recv_x, recv_idx, recv_weights, native
+
+    # -- token level: DeepEP's own semantics ---------------------------------------------------
+
+    def dispatch_tokens(
+        self, x: torch.Tensor, topk_idx_physical: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """Normal mode: ``x`` bf16 ``[T, H]`` to every rank hosting one of its experts, once per rank.
+
+        -> ``(recv_x [M, H], recv_local_ids [M, k] (-1 = elsewhere), recv_weights [M, k] (0 there),
+        handle)``, rows grouped by source rank then token order (:func:`token_send_plan`).
+        """
+        self._need(x, low_latency=False)
+        recv_x, ids, weights, native = self._normal_dispatch(
+            x, topk_idx_physical.to(self._topk_dtype), topk_weights
+        )
+        return recv_x, ids.to(torch.int64), weights, native
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        dist.all_reduce(tensor, op=ops[op], group=self.group)
+        return tensor
+
+    def combine_tokens(self, y_weighted: torch.Tensor, handle: Any) -> torch.Tensor:
+        """Normal mode: received tokens' already weighted results ``[M, H]`` -> UNWEIGHTED sum per
+        original token over the ranks it went to, ``[T, H]`` in x's order."""
+        self._need(y_weighted, low_latency=False, dtype=False)
+        out, _, _ = self.buffer.combine(y_weighted.to(torch.bfloat16).contiguous(), handle)
+        return out
+
+    def low_latency_dispatch_tokens(
+        self,
+        x: torch.Tensor,
+        topk_idx_physical: torch.Tensor,
+        topk_weights: torch.Tensor,
+        *,
+        use_fp8: bool | None = None,
+        return_recv_hook: bool = False,
+    ) -> LowLatencyRecv:
+        """Low-latency mode: tokens ``[T <= max_tokens_per_rank * top_k, H]`` into the masked layout."""
+        self._need(x, low_latency=True)
+        fp8 = self.use_fp8 if use_fp8 is None else use_fp8
+        topk_idx = topk_idx_physical.to(self._topk_dtype)
+        self._check_ll(x, topk_idx, self.ll_rows)
+        recv, recv_count, native, _, hook = self.buffer.low_latency_dispatch(
+            x.contiguous(),
+            topk_idx,
+            self.ll_rows,
+            self.num_experts,
+            use_fp8=fp8,
+            return_recv_hook=return_recv_hook,
+        )
+        data, scales = recv if fp8 else (recv, None)
+        return LowLatencyRecv(
+            data,
+            scales,
+            recv_count,
+            native,
+            topk_idx,
+            topk_weights.to(torch.float32),
+            hook if return_recv_hook else None,
+        )
+
+    def low_latency_combine_tokens(
+        self, y: torch.Tensor, recv: LowLatencyRecv, *, return_recv_hook: bool = False
+    ) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Low-latency mode: per-expert results bf16 ``[E_local, R*T, H]`` -> WEIGHTED sum over each
+        token's top-k, ``[T, H]`` (valid after ``hook()`` when ``return_recv_hook``)."""
+        out, _, hook = self.buffer.low_latency_combine(
+            y.to(torch.bfloat16),
+            recv.topk_idx,
+            recv.topk_weights,
+            recv.handle,
+            return_recv_hook=return_recv_hook,
+        )
+        return out, (hook if return_recv_hook else None)
+
+    def routed_experts(
+        self, x: torch.Tensor, topk_physical: torch.Tensor, topk_weights: torch.Tensor, compute: Compute
+    ) -> torch.Tensor:
+        """``sum_j w[t, j] * expert_{topk_physical[t, j]}(x[t])`` for every token, ``[T, H]``, through the
+        token-level path (same signature and result as :func:`routed_pairs`)."""
+        if x.dtype != torch.bfloat16:
+            return routed_pairs(self, x, topk_physical, topk_weights, compute, self.num_local_experts)
+        if not self.low_latency:
+            recv_x, ids, weights, handle = self.dispatch_tokens(x, topk_physical, topk_weights)
+            return self.combine_tokens(compute_received_tokens(recv_x, ids, weights, compute), handle)
+        recv = self.low_latency_dispatch_tokens(x, topk_physical, topk_weights)
+        flat_index, slots = unpack_masked(recv.recv_count, self._capacity)
+        if recv.scales is not None:
+            rows = dequantize_fp8_rows(
+                recv.x.reshape(-1, self.hidden)[flat_index],
+                recv.scales.reshape(-1, recv.scales.shape[-1])[flat_index],
+            ).to(x.dtype)
+        else:
+            rows = recv.x.reshape(-1, self.hidden)[flat_index]
+        y = pack_masked(compute(rows, slots), flat_index, self.num_local_experts, self._capacity)
+        out, _ = self.low_latency_combine_tokens(y, recv)
+        return out.to(x.dtype)
+
+    def _need(self, x: torch.Tensor, *, low_latency: bool, dtype: bool = True) -> None:
+        mode = "low-latency" if low_latency else "normal"
+        if self.low_latency != low_latency:
+            raise RuntimeError(f"this DeepEP group was built for the other mode, not {mode}")
+        if dtype and x.dtype != torch.bfloat16:
+            raise TypeError(f"DeepEP {mode} token-level dispatch takes bf16 activations, got {x.dtype}")
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=x.device)
