@@ -1,6 +1,22 @@
 """The project's own Triton kernels, shipped as ``dsinfer.kernels``.
 
 ops/ selects a kernel from here only on a GPU, and only when this package provides it (checked by
-name). Each kernel will come with a torch reference test that also runs on CPU under
-``TRITON_INTERPRET=1``. None is provided yet: until then every op runs its torch reference.
+name). Each kernel has a test against its torch reference that runs on CPU under
+``TRITON_INTERPRET=1`` (tests/test_kernels_*.py). An op whose kernel is not here runs its torch
+reference.
+
+- ``mla_decode``: MLA decode over the paged latent cache (FlashMLA semantics, split-KV), with
+  the ``Ops`` signature.
+- ``quantize_activation_1x128``, ``fp8_gemm_nt``, ``m_grouped_fp8_gemm_nt_contiguous``,
+  ``m_grouped_fp8_gemm_nt_masked``: block-FP8 GEMMs with DeepGEMM's newer names and semantics
+  (1x128 activation scales, 128x128 weight scales, fp32 accumulation).
+- ``moe_gate``: the fused noaux_tc gate (sigmoid, bias for selection, group-limited top-k,
+  renormalization and scaling), with the ``Ops`` signature.
 """
+
+from .fp8_gemm import fp8_gemm_nt as fp8_gemm_nt
+from .fp8_gemm import quantize_activation_1x128 as quantize_activation_1x128
+from .grouped_gemm import m_grouped_fp8_gemm_nt_contiguous as m_grouped_fp8_gemm_nt_contiguous
+from .grouped_gemm import m_grouped_fp8_gemm_nt_masked as m_grouped_fp8_gemm_nt_masked
+from .mla_decode import mla_decode as mla_decode
+from .moe_gate import moe_gate as moe_gate

@@ -1,0 +1,193 @@
+"""Grouped block-FP8 expert GEMMs in Triton with DeepGEMM's contiguous and masked layouts.
+
+Both reuse the dense kernel's tile (:func:`kernels.fp8_gemm._scaled_dot`): one fp8 tensor-core
+product per 128-wide K block, scaled by the 1x128 activation and 128x128 weight scales into fp32.
+
+- Contiguous (prefill): rows of ``A [m_sum, k]`` use expert ``m_indices[row]``; rows marked -1 are
+  skipped (not written), as in DeepGEMM. DeepGEMM needs every expert segment padded to 128 rows;
+  here a row tile may hold several experts (unpadded, even unsorted rows), each computed only for
+  its own rows, so sorted unpadded segments cost at most one extra tile product per boundary.
+- Masked (decode, DeepEP low-latency layout): ``A [G, max_m, k]`` and only the first
+  ``masked_m[g]`` rows of group ``g`` are computed and written; tiles past them exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_gemm import _scaled_dot, _store_tile, _swizzle, check_operands, tile_config
+
+__all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
+
+
+@triton.jit
+def _contiguous_kernel(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    d_ptr,
+    idx_ptr,
+    M,
+    N,
+    K,
+    G,
+    stride_am,
+    stride_ak,
+    stride_sam,
+    stride_sak,
+    stride_bg,
+    stride_bn,
+    stride_bk,
+    stride_sbg,
+    stride_sbn,
+    stride_sbk,
+    stride_dm,
+    stride_dn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.load(idx_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int32)
+    group = tl.where((group >= 0) & (group < G), group, -1)  # no such expert: skipped like -1
+    # int64 expert ids: expert * stride_bg can pass 2^31 (256 experts of 4096 x 7168).
+    first = tl.min(tl.where(group >= 0, group, G), axis=0).to(tl.int64)
+    last = tl.max(group, axis=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for e in range(first, last + 1):
+        rows = group == e
+        if tl.max(rows.to(tl.int32), axis=0) > 0:
+            part = _scaled_dot(
+                a_ptr, sa_ptr, b_ptr + e * stride_bg, sb_ptr + e * stride_sbg,
+                offs_m, offs_n, rows, N, K,
+                stride_am, stride_ak, stride_sam, stride_sak, stride_bn, stride_bk, stride_sbn, stride_sbk,
+                BLOCK_M, BLOCK_N, EVEN_K,
+            )  # fmt: skip
+            acc = tl.where(rows[:, None], part, acc)
+    _store_tile(d_ptr, acc, offs_m, offs_n, group >= 0, N, stride_dm, stride_dn, False)
+
+
+@triton.jit
+def _masked_kernel(
+    a_ptr,
+    sa_ptr,
+    b_ptr,
+    sb_ptr,
+    d_ptr,
+    masked_m_ptr,
+    M_MAX,
+    N,
+    K,
+    stride_ag,
+    stride_am,
+    stride_ak,
+    stride_sag,
+    stride_sam,
+    stride_sak,
+    stride_bg,
+    stride_bn,
+    stride_bk,
+    stride_sbg,
+    stride_sbn,
+    stride_sbk,
+    stride_dg,
+    stride_dm,
+    stride_dn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    g = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M_MAX, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    valid_rows = tl.minimum(tl.load(masked_m_ptr + g).to(tl.int32), M_MAX)
+    if pid_m * BLOCK_M < valid_rows:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = offs_m < valid_rows
+        acc = _scaled_dot(
+            a_ptr + g * stride_ag, sa_ptr + g * stride_sag, b_ptr + g * stride_bg, sb_ptr + g * stride_sbg,
+            offs_m, offs_n, row_mask, N, K,
+            stride_am, stride_ak, stride_sam, stride_sak, stride_bn, stride_bk, stride_sbn, stride_sbk,
+            BLOCK_M, BLOCK_N, EVEN_K,
+        )  # fmt: skip
+        _store_tile(d_ptr + g * stride_dg, acc, offs_m, offs_n, row_mask, N, stride_dm, stride_dn, False)
+
+
+def m_grouped_fp8_gemm_nt_contiguous(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    d: torch.Tensor,
+    m_indices: torch.Tensor,
+) -> None:
+    """DeepGEMM's contiguous grouped GEMM: ``d[i] = (A[i] * sa[i]) @ (B[g] * sb[g])^T``, ``g = m_indices[i]``.
+
+    ``a = (A fp8 [m_sum, k], sa fp32 [m_sum, ceil(k/128)])``, ``b = (B fp8 [G, n, k], sb fp32
+    [G, ceil(n/128), ceil(k/128)])``, ``d`` bf16 or fp32 ``[m_sum, n]``, ``m_indices`` int ``[m_sum]``.
+    Rows whose index is -1 (or not an expert of ``B``) are left untouched.
+    """
+    check_operands(a, b, d, "m_grouped_fp8_gemm_nt_contiguous")
+    (qa, sa), (qb, sb) = a, b
+    (m, k), (num_groups, n) = qa.shape, qb.shape[:2]
+    if tuple(d.shape) != (m, n) or tuple(m_indices.shape) != (m,):
+        raise ValueError(
+            f"m_grouped_fp8_gemm_nt_contiguous: output {tuple(d.shape)} must be [{m}, {n}] and "
+            f"m_indices {tuple(m_indices.shape)} [{m}]"
+        )
+    if m == 0 or n == 0 or num_groups == 0:
+        return
+    cfg = tile_config(m, n)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _contiguous_kernel[grid](
+        qa, sa, qb, sb, d, m_indices, m, n, k, num_groups,
+        qa.stride(0), qa.stride(1), sa.stride(0), sa.stride(1),
+        qb.stride(0), qb.stride(1), qb.stride(2), sb.stride(0), sb.stride(1), sb.stride(2),
+        d.stride(0), d.stride(1),
+        EVEN_K=k % 128 == 0, **cfg,
+    )  # fmt: skip
+
+
+def m_grouped_fp8_gemm_nt_masked(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    d: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+) -> None:
+    """DeepGEMM's masked grouped GEMM: ``d[g, :masked_m[g]] = (A[g] * sa[g]) @ (B[g] * sb[g])^T`` rows.
+
+    ``a = (A fp8 [G, max_m, k], sa fp32 [G, max_m, ceil(k/128)])``, ``b = (B fp8 [G, n, k], sb fp32
+    [G, ceil(n/128), ceil(k/128)])``, ``d`` bf16 or fp32 ``[G, max_m, n]``, ``masked_m`` int ``[G]``
+    (read on the device, no host sync). Rows at or past ``masked_m[g]`` are left untouched.
+    ``expected_m`` (a host-side hint of the typical ``masked_m``) picks the row tile.
+    """
+    check_operands(a, b, d, "m_grouped_fp8_gemm_nt_masked")
+    (qa, sa), (qb, sb) = a, b
+    num_groups, m_max, k = qa.shape
+    n = qb.shape[1]
+    if qb.shape[0] != num_groups or tuple(d.shape) != (num_groups, m_max, n):
+        raise ValueError(
+            f"m_grouped_fp8_gemm_nt_masked: B {tuple(qb.shape)} and output {tuple(d.shape)} must have "
+            f"{num_groups} groups; output [{num_groups}, {m_max}, {n}]"
+        )
+    if tuple(masked_m.shape) != (num_groups,):
+        raise ValueError(
+            f"m_grouped_fp8_gemm_nt_masked: masked_m {tuple(masked_m.shape)} must be [{num_groups}]"
+        )
+    if num_groups == 0 or m_max == 0 or n == 0:
+        return
+    cfg = tile_config(min(max(int(expected_m), 1), m_max), n)
+    grid = (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), num_groups)
+    _masked_kernel[grid](
+        qa, sa, qb, sb, d, masked_m, m_max, n, k,
+        qa.stride(0), qa.stride(1), qa.stride(2), sa.stride(0), sa.stride(1), sa.stride(2),
+        qb.stride(0), qb.stride(1), qb.stride(2), sb.stride(0), sb.stride(1), sb.stride(2),
+        d.stride(0), d.stride(1), d.stride(2),
+        EVEN_K=k % 128 == 0, **cfg,
+    )  # fmt: skip
