@@ -9,7 +9,7 @@ Who sends what (docs/serving.md has the whole flow):
 
 - worker rank -> gateway (DEALER -> ROUTER at --gateway-addr): Register once per incarnation,
   then LoadReport every ``HEARTBEAT_INTERVAL`` s (it is also the heartbeat), KVDestination,
-  TokenDelta.
+  TokenDelta; Deregister when it stops after draining.
 - launcher -> gateway: PoolDown when a rank of its pool died (the pool restarts whole).
 - gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
   (prefill), Abort.
@@ -115,6 +115,14 @@ class TokenDelta(_Message, kw_only=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text_len: int | None = None  # the text is cut here (a stop string matched)
     error: str | None = None  # the request failed; a one-line reason
+    retryable: bool = False  # with error: refused before any work (e.g. draining); send it elsewhere
+
+
+class Deregister(_Message, kw_only=True):
+    """A rank stops after draining: out of rotation at once, nothing of it is in flight."""
+
+    worker: str
+    incarnation: str
 
 
 class PoolDown(_Message, kw_only=True):
@@ -187,6 +195,7 @@ Message = (
     | KVDestination
     | TokenDelta
     | PoolDown
+    | Deregister
     | GenerateRequest
     | DecodeAdmit
     | PrefillRequest

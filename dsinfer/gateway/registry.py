@@ -80,6 +80,14 @@ class WorkerRegistry:
             info.healthy = True
             log.info("worker %s is back in rotation", info.name)
 
+    def deregister(self, worker: str, incarnation: str) -> WorkerInfo | None:
+        info = self.workers.get(worker)
+        if info is None or info.register.incarnation != incarnation:
+            return None
+        del self.workers[worker]
+        log.info("worker %s deregistered (drained)", worker)
+        return info
+
     def expired(self, now: float) -> list[WorkerInfo]:
         """Healthy workers whose heartbeats stopped; they are marked unhealthy."""
         dead = [w for w in self.workers.values() if w.healthy and now - w.last_seen > self.heartbeat_timeout]

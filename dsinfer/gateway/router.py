@@ -32,6 +32,7 @@ from dsinfer.base.hashing import page_hashes
 from dsinfer.base.protocol import (
     Abort,
     DecodeAdmit,
+    Deregister,
     GenerateRequest,
     KVDestination,
     LoadReport,
@@ -260,6 +261,10 @@ class Router:
             _, replaced = self.registry.register(message, now)
             if replaced is not None:
                 self._fail_worker(replaced, f"worker {replaced.name} restarted")
+        elif isinstance(message, Deregister):
+            info = self.registry.deregister(message.worker, message.incarnation)
+            if info is not None:
+                self._fail_worker(info, f"worker {info.name} stopped")
         elif isinstance(message, PoolDown):
             log.warning("pool %s/%d down: %s", message.role, message.pool, message.reason)
             for info in self.registry.pool_down(message.role, message.pool, message.incarnation):
@@ -268,6 +273,9 @@ class Router:
     def _on_delta(self, delta: TokenDelta) -> None:
         choice = self._choices.get(delta.request_id)
         if choice is None:
+            return
+        if delta.retryable and not choice.started and choice.attempt < MAX_RETRIES and self._ready():
+            self._retry(choice, delta.error or "refused")
             return
         if delta.error is not None or delta.finish_reason is not None:
             self._forget(choice)
@@ -322,13 +330,18 @@ class Router:
             if choice.started or choice.attempt >= MAX_RETRIES or not self._ready():
                 self.end_choice(choice, TokenDelta(request_id=old_id, error=reason))
                 continue
-            self._forget(choice)
-            for worker in choice.workers:
-                if worker != info.name:
-                    self._send(worker, Abort(request_id=old_id))
-            choice.attempt += 1
-            log.info("%s: %s; sending it again", old_id, reason)
-            self._dispatch(choice)
+            self._retry(choice, reason, skip=info.name)
+
+    def _retry(self, choice: _Choice, reason: str, skip: str | None = None) -> None:
+        """Send a choice that has streamed nothing yet to other ranks; the old ones drop it."""
+        old_id = choice.request.request_id
+        self._forget(choice)
+        for worker in choice.workers:
+            if worker != skip:
+                self._send(worker, Abort(request_id=old_id))
+        choice.attempt += 1
+        log.info("%s: %s; sending it again", old_id, reason)
+        self._dispatch(choice)
 
     def _send(self, worker: str, message: msgspec.Struct) -> None:
         assert self._sock is not None

@@ -7,18 +7,77 @@ the original ``x``. Every rank of the group must call both, in the same order, o
 layer of every forward, also with zero rows (the collectives must line up). The torch backend
 uses ``all_to_all_single`` with uneven splits (gloo on CPU, NCCL on GPU); DeepEP's normal and
 low-latency kernels have the same contract (dsinfer/ops/external.py style adapters, later).
+
+``dispatch_async`` / ``combine_async`` post the same exchanges and return a :class:`Pending` at
+once, so that a micro-batch schedule computes while the data moves; ``Pending.wait()`` returns
+what the synchronous call returns. The torch backend exchanges the row counts synchronously (a
+few integers), then posts the data with ``async_op=True``; a backend without asynchronous
+transfers inherits the fallback (the synchronous call, returned as a completed Pending). Every
+rank must post and wait in the same order as the others post.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 
 # gloo moves bytes; 16-bit floats travel as int16 (gloo's all_to_all does not take every dtype)
 _WIRE_DTYPES = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+T = TypeVar("T")
+Dispatched = tuple[torch.Tensor, torch.Tensor, "DispatchHandle"]
+
+
+class Pending(Generic[T]):
+    """A transfer in flight. ``posted_ns`` is when it was posted and ``completed_ns`` when its data
+    had arrived (``time.perf_counter_ns``): set by the Works' future callbacks where the backend
+    has them, else when ``wait`` returned. ``wait`` may be called more than once."""
+
+    def __init__(self, works: list[dist.Work], finish: Callable[[], T], posted_ns: int) -> None:
+        self.posted_ns = posted_ns
+        self.completed_ns: int | None = None
+        self._works, self._finish = works, finish
+        self._done: list[int] = []
+        self._result: tuple[T] | None = None
+        for work in works:
+            try:
+                future = work.get_future()
+            except RuntimeError:  # a backend without Work futures: the wait timestamps completion
+                continue
+            future.add_done_callback(self._on_done)
+
+    @classmethod
+    def completed(cls, value: T) -> Pending[T]:
+        """A transfer that already happened (synchronous backends, no communication at all)."""
+        now = time.perf_counter_ns()
+        pending = cls([], lambda: value, now)
+        pending.completed_ns = now
+        return pending
+
+    def _on_done(self, _future: torch.futures.Future) -> None:
+        self._done.append(time.perf_counter_ns())  # runs on the backend's thread
+        if len(self._done) == len(self._works):
+            self.completed_ns = max(self._done)
+
+    @property
+    def is_completed(self) -> bool:
+        return self.completed_ns is not None
+
+    def wait(self) -> T:
+        if self._result is None:
+            for work in self._works:
+                work.wait()
+            if self.completed_ns is None:
+                self.completed_ns = time.perf_counter_ns()
+            self._result = (self._finish(),)
+        return self._result[0]
 
 
 @dataclass
@@ -46,6 +105,16 @@ class EPGroup(ABC):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place over the group; ``op`` is "sum", "min" or "max"."""
 
+    def dispatch_async(
+        self, x: torch.Tensor, dest_rank: torch.Tensor, local_slot: torch.Tensor
+    ) -> Pending[Dispatched]:
+        """``dispatch`` posted; this fallback runs it synchronously."""
+        return Pending.completed(self.dispatch(x, dest_rank, local_slot))
+
+    def combine_async(self, y: torch.Tensor, handle: DispatchHandle) -> Pending[torch.Tensor]:
+        """``combine`` posted; this fallback runs it synchronously."""
+        return Pending.completed(self.combine(y, handle))
+
 
 class TorchEPGroup(EPGroup):
     """All-to-all over a torch.distributed process group (the default group when None)."""
@@ -58,29 +127,49 @@ class TorchEPGroup(EPGroup):
     def dispatch(
         self, x: torch.Tensor, dest_rank: torch.Tensor, local_slot: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        return self.dispatch_async(x, dest_rank, local_slot).wait()
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return self.combine_async(y, handle).wait()
+
+    def dispatch_async(
+        self, x: torch.Tensor, dest_rank: torch.Tensor, local_slot: torch.Tensor
+    ) -> Pending[Dispatched]:
         order = torch.argsort(dest_rank, stable=True)
         send = torch.bincount(dest_rank, minlength=self.size).to(torch.int64)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         handle = DispatchHandle(order, send.tolist(), recv.tolist())
-        rows = self._exchange(x[order], handle.recv_counts, handle.send_counts)
-        slots = self._exchange(local_slot[order], handle.recv_counts, handle.send_counts)
-        return rows, slots, handle
+        posted = time.perf_counter_ns()
+        rows, rows_work, rows_view = self._post(x[order], handle.recv_counts, handle.send_counts)
+        slots, slots_work, _ = self._post(local_slot[order], handle.recv_counts, handle.send_counts)
+        return Pending([rows_work, slots_work], lambda: (rows_view(rows), slots, handle), posted)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        back = self._exchange(y, handle.send_counts, handle.recv_counts)
-        out = torch.empty_like(back)
-        out[handle.order] = back
-        return out
+    def combine_async(self, y: torch.Tensor, handle: DispatchHandle) -> Pending[torch.Tensor]:
+        posted = time.perf_counter_ns()
+        back, work, view = self._post(y, handle.send_counts, handle.recv_counts)
+
+        def finish() -> torch.Tensor:
+            received = view(back)
+            out = torch.empty_like(received)
+            out[handle.order] = received
+            return out
+
+        return Pending([work], finish, posted)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         dist.all_reduce(tensor, op=ops[op], group=self.group)
         return tensor
 
-    def _exchange(self, data: torch.Tensor, out_counts: list[int], in_counts: list[int]) -> torch.Tensor:
+    def _post(
+        self, data: torch.Tensor, out_counts: list[int], in_counts: list[int]
+    ) -> tuple[torch.Tensor, dist.Work, Callable[[torch.Tensor], torch.Tensor]]:
+        """Post one uneven all-to-all: (receive buffer, its Work, buffer -> data in data's dtype)."""
         wire = _WIRE_DTYPES.get(data.dtype)
         send = data.contiguous() if wire is None else data.contiguous().view(wire)
         out = send.new_empty((sum(out_counts), *send.shape[1:]))
-        dist.all_to_all_single(out, send, out_counts, in_counts, group=self.group)
-        return out if wire is None else out.view(data.dtype)
+        work = dist.all_to_all_single(out, send, out_counts, in_counts, group=self.group, async_op=True)
+        assert work is not None
+        dtype = data.dtype
+        return out, work, (lambda buf: buf) if wire is None else (lambda buf: buf.view(dtype))

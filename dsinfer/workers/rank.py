@@ -23,7 +23,13 @@ import torch.distributed as dist
 
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
-from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL, HEARTBEAT_INTERVAL, Register, worker_name
+from dsinfer.base.protocol import (
+    EXPERT_LOAD_INTERVAL,
+    HEARTBEAT_INTERVAL,
+    Deregister,
+    Register,
+    worker_name,
+)
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup
 from dsinfer.parallel.registry import make_ep_group
@@ -149,6 +155,7 @@ def run_rank(args: RankArgs) -> int:
                 role.handle(message, time.monotonic())
             if stopping and not role.draining:
                 role.draining = True
+                channel.send_gateway(role.load_report())  # out of rotation before anything else
                 log.info("rank %s draining", name)
             if transfer is not None:
                 transfer.progress()
@@ -165,6 +172,7 @@ def run_rank(args: RankArgs) -> int:
                 last_expert_load = last_report if with_load else last_expert_load
     finally:
         channel.send_gateway(role.load_report(with_expert_load=True))
+        channel.send_gateway(Deregister(worker=name, incarnation=args.incarnation))
         engine.close()
         if transfer is not None:
             transfer.close()

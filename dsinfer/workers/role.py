@@ -85,13 +85,13 @@ class RoleWorker(ABC):
         for update in self.engine.step_updates():
             self.outbox.send_gateway(delta_of(update))
 
-    def fail(self, request_id: str, error: str) -> None:
+    def fail(self, request_id: str, error: str, retryable: bool = False) -> None:
         log.info("request %s failed: %s", request_id, error)
-        self.outbox.send_gateway(TokenDelta(request_id=request_id, error=error))
+        self.outbox.send_gateway(TokenDelta(request_id=request_id, error=error, retryable=retryable))
 
     def refuse_if_draining(self, msg: WorkerRequest) -> bool:
         if self.draining:
-            self.fail(msg.request_id, f"worker {self.worker} is draining")
+            self.fail(msg.request_id, f"worker {self.worker} is draining", retryable=True)
         return self.draining
 
     def load_report(self, with_expert_load: bool = False) -> LoadReport:
