@@ -118,6 +118,13 @@ class TokenDelta(_Message, kw_only=True):
     retryable: bool = False  # with error: refused before any work (e.g. draining); send it elsewhere
 
 
+class Heartbeat(_Message, kw_only=True):
+    """Sent by a rank's own thread, so a long step (or a slow machine) never looks like death."""
+
+    worker: str
+    incarnation: str
+
+
 class Deregister(_Message, kw_only=True):
     """A rank stops after draining: out of rotation at once, nothing of it is in flight."""
 
@@ -195,6 +202,7 @@ Message = (
     | KVDestination
     | TokenDelta
     | PoolDown
+    | Heartbeat
     | Deregister
     | GenerateRequest
     | DecodeAdmit

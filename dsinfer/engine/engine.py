@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,10 @@ from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.expert_balancer import OnlineExpertBalancer
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
-from dsinfer.engine.scheduler import ScheduledBatch, Scheduler
+from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from dsinfer.engine.sequence import Sequence
 from dsinfer.model.loader import load_model
+from dsinfer.model.moe import MoE
 from dsinfer.ops import select_ops
 from dsinfer.parallel.ep import EPGroup
 from dsinfer.parallel.placement import ExpertPlacement
@@ -115,7 +117,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
         )
-        self.runner = ModelRunner(self.model, pool, self.ops, mtp=args.speculative_mtp)
+        self.runner = ModelRunner.from_args(self.model, pool, self.ops, args)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._seeds = random.Random(args.seed)
         self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
@@ -280,6 +282,23 @@ class LLMEngine:
                 outputs.append(build_output(request_id, prompt, seqs, self.tokenizer))
         return outputs
 
+    def warmup(self) -> None:
+        """One short request through prefill and decode, so kernels compile (numba, Triton)
+        before serving; under expert parallelism every rank of the pool runs it in lockstep.
+        Counters are reset afterwards."""
+        start = time.monotonic()
+        ids = [t % self.config.vocab_size for t in range(1, 9)]
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
+        self.add_request("__warmup__", ids, params)
+        while self.has_unfinished_requests():
+            self.step_updates()
+        self.scheduler.stats = SchedulerStats()
+        for module in self.model.modules():
+            if isinstance(module, MoE):
+                module.expert_load.zero_()
+                module.experts.slot_load.zero_()
+        log.info("warm-up done in %.1f s", time.monotonic() - start)
+
     def stats_line(self) -> str:
         """Counters since start: prefix-cache hits per tier, prefill saved, preemptions, MTP."""
         sched, kv = self.scheduler.stats, self.kv.stats
@@ -296,6 +315,7 @@ class LLMEngine:
         return line
 
     def close(self) -> None:
+        self.runner.close()
         self.kv.close()
         if self.expert_balancer is not None:
             self.expert_balancer.close()

@@ -80,6 +80,11 @@ class WorkerRegistry:
             info.healthy = True
             log.info("worker %s is back in rotation", info.name)
 
+    def heartbeat(self, worker: str, incarnation: str, now: float) -> None:
+        info = self.workers.get(worker)
+        if info is not None and info.register.incarnation == incarnation:
+            self._seen(info, now)
+
     def deregister(self, worker: str, incarnation: str) -> WorkerInfo | None:
         info = self.workers.get(worker)
         if info is None or info.register.incarnation != incarnation:

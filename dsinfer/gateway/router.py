@@ -34,6 +34,7 @@ from dsinfer.base.protocol import (
     DecodeAdmit,
     Deregister,
     GenerateRequest,
+    Heartbeat,
     KVDestination,
     LoadReport,
     PoolDown,
@@ -261,6 +262,8 @@ class Router:
             _, replaced = self.registry.register(message, now)
             if replaced is not None:
                 self._fail_worker(replaced, f"worker {replaced.name} restarted")
+        elif isinstance(message, Heartbeat):
+            self.registry.heartbeat(message.worker, message.incarnation, now)
         elif isinstance(message, Deregister):
             info = self.registry.deregister(message.worker, message.incarnation)
             if info is not None:
@@ -354,11 +357,19 @@ class Router:
         if error is None:
             return
         log.warning("cannot reach %s (%s); %s not delivered", worker, error, type(message).__name__)
+        info = self.registry.get(worker)
+        if info is not None and info.healthy:
+            info.healthy = False  # back in rotation with its next heartbeat, unless its pool is down
+            for balancer in self.balancers.values():
+                balancer.remove(worker)
         choice = self._choices.get(getattr(message, "request_id", ""))
-        if choice is not None and not isinstance(message, Abort):
-            self.end_choice(
-                choice, TokenDelta(request_id=choice.request.request_id, error=f"worker {worker} unreachable")
-            )
+        if choice is None or isinstance(message, Abort):
+            return
+        reason = f"worker {worker} unreachable"
+        if choice.started or choice.attempt >= MAX_RETRIES or not self._ready():
+            self.end_choice(choice, TokenDelta(request_id=choice.request.request_id, error=reason))
+        else:
+            self._retry(choice, reason, skip=worker)
 
     # Metrics ---------------------------------------------------------------------------------
     def metrics_snapshot(self) -> BackendMetrics:

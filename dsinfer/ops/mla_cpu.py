@@ -78,7 +78,7 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
                 acc[r, d] += p * kv[t, d]
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH)
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
 def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
     """``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when ``cache`` has no rows and
     ``bf16_bits`` holds the cache as uint16, bf16 read through a float32 scratch page."""
@@ -145,6 +145,8 @@ def mla_decode(
         cache_np, bits_np = cache.numpy(), np.empty((0, 1, dim), dtype=np.uint16)
     out = torch.empty(bsz, s_q, h_q, head_dim_v, dtype=torch.float32)
     lse = torch.empty(bsz, h_q, s_q, dtype=torch.float32)
+    # one thread budget: the kernel uses as many threads as torch does in this process
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     _decode(
         q.detach().float().contiguous().numpy(),
         cache_np,

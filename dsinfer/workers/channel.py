@@ -3,7 +3,9 @@ PUSH per peer inbox it writes to. Messages are protocol structs; nothing else go
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 
 import msgspec
 import zmq
@@ -29,6 +31,8 @@ class WorkerChannel:
         port = self._inbox.bind_to_random_port(f"tcp://{host}")
         self.inbox_addr = f"tcp://{host}:{port}"
         self._peers: dict[str, zmq.Socket] = {}
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
         self._poller = zmq.Poller()
         self._poller.register(self._gateway, zmq.POLLIN)
         self._poller.register(self._inbox, zmq.POLLIN)
@@ -70,7 +74,28 @@ class WorkerChannel:
                     log.error("dropped an undecodable control message: %s", e)
         return messages
 
+    def start_heartbeat(self, gateway_addr: str, message: msgspec.Struct, interval: float) -> None:
+        """A daemon thread with its own socket sends ``message`` every ``interval`` seconds."""
+        frame = encode(message)
+
+        def beat() -> None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{gateway_addr}")
+            try:
+                while not self._stop.wait(interval):
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(frame, zmq.NOBLOCK)
+            finally:
+                sock.close(linger=0)
+
+        self._beat = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        self._beat.start()
+
     def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
         for sock in [self._gateway, self._inbox, *self._peers.values()]:
             sock.close(linger=0)
         self._ctx.term()

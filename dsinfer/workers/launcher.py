@@ -182,7 +182,8 @@ class PoolLauncher:
         resolved = pool.model_copy(
             update={"threads_per_rank": self.threads, "dist_init_addr": dist_init_addr}
         )
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        threads = str(self.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
         first = pool.node_rank * pool.ranks_per_node
         procs: list[subprocess.Popen[bytes]] = []
         try:

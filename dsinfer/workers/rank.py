@@ -27,6 +27,7 @@ from dsinfer.base.protocol import (
     EXPERT_LOAD_INTERVAL,
     HEARTBEAT_INTERVAL,
     Deregister,
+    Heartbeat,
     Register,
     worker_name,
 )
@@ -118,7 +119,11 @@ def run_rank(args: RankArgs) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     engine = LLMEngine(pool.engine, ep_group=_ep_group(pool) if pool.pool_size > 1 else None)
+    engine.warmup()  # compiles kernels before the gateway can route anything here
     channel = WorkerChannel(name, pool.gateway_addr, pool.host)
+    channel.start_heartbeat(
+        pool.gateway_addr, Heartbeat(worker=name, incarnation=args.incarnation), HEARTBEAT_INTERVAL
+    )
     role, transfer = build_role(args, engine, channel)
     register = Register(
         worker=name,
@@ -144,13 +149,15 @@ def run_rank(args: RankArgs) -> int:
         channel.inbox_addr,
     )
     last_report = last_register = last_expert_load = 0.0
+    pool_working = False
     try:
         while True:
             now = time.monotonic()
             if now - last_register >= REGISTER_EVERY:
                 channel.send_gateway(register)
                 last_register = now
-            timeout = 0 if role.has_work() else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
+            # while the pool works, nobody makes the others wait in the next all-reduce
+            timeout = 0 if role.has_work() or pool_working else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
             for message in channel.receive(timeout):
                 role.handle(message, time.monotonic())
             if stopping and not role.draining:
@@ -161,6 +168,7 @@ def run_rank(args: RankArgs) -> int:
                 transfer.progress()
             role.tick(time.monotonic())
             has_work, all_stopping, any_busy = flags.agree(role.has_work(), stopping, role.busy())
+            pool_working = has_work
             if all_stopping and not any_busy:
                 break
             if has_work:
