@@ -49,6 +49,7 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sampling": ("triton", "torch"),
     }
 )
+FP8_CAPABILITY = (8, 9)  # Ada/Hopper: the first GPUs with fp8 e4m3 tensor-core instructions
 # Names dsinfer.kernels must export for its Triton backend of each kernel to be chosen.
 TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -131,6 +132,8 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if missing:
             return f"dsinfer.kernels lacks {missing[0]}"
         if kernel == "gemm":
+            if torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+                return "fp8 tensor cores need compute capability 8.9 or newer"
             from dsinfer.ops.external import DeepGemmAdapter
 
             return _gemm_impl(DeepGemmAdapter(module))

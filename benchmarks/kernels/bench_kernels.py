@@ -1,0 +1,1202 @@
+"""dsinfer's Triton kernels on a CUDA GPU at DeepSeek-V3 shapes, against this GPU's measured
+ceilings and against torch's own path (the ``dsinfer.ops`` reference of the same signature).
+
+1. Ceilings, measured in the same run: device-to-device copy bandwidth (``Tensor.copy_`` of large
+   buffers; bytes = read + write), the bf16 matmul rate (``torch.mm`` at large square sizes) and
+   the fp8 e4m3 matmul rate (``torch._scaled_mm`` with per-tensor scales, fast accumulation on and
+   off; the best of all is the ceiling; 2x the bf16 rate when ``_scaled_mm`` is unavailable).
+2. Each kernel of ``dsinfer.kernels`` (shapes from configs/models/deepseek-v3/config.json):
+
+   - ``mla_decode``: bf16 paged latent cache (page 64, 576 values per token, pages scattered),
+     batch 64 and 128, 4K-token contexts, 1 and 2 query tokens (causal), 16 query heads (one TP8
+     rank: memory-bound, reported as latent-cache bytes/s against the copy bandwidth, target
+     > 80%) and 128 heads (reported as the fraction of the roofline bound min(compute, memory),
+     target > 60%).
+   - ``fp8_gemm_nt``: the block-FP8 dense GEMM at V3 projection shapes, decode and prefill rows.
+   - ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked``: V3 expert GEMMs (w13 ``[E, 4096, 7168]``,
+     w2 ``[E, 7168, 2048]``) at 32..512 tokens per expert; TFLOP/s against the fp8 matmul rate
+     (target > 60% at >= 256 tokens per expert).
+   - ``moe_gate``: the fused noaux_tc gate at 256 experts, 1..16K tokens.
+
+   Every case also times the same ``Ops`` entry point through torch's reference (``torch`` column;
+   ``speedup`` = torch / Triton path), and checks the kernel's output against that reference once.
+
+Times are GPU times between two ``torch.cuda.Event`` records around one call: a first call
+(compilation), warm-up calls, then the median of N timed calls; before every timed call a 256 MiB
+buffer is zeroed so that no operand stays in L2 from the call before. Prints tables and writes JSON
+(``--out``, default benchmarks/results/kernels_gpu.json). Without a CUDA device it prints one line
+and exits 0; ``--list`` prints the planned cases (shapes, FLOPs, bytes) without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import math
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "models" / "deepseek-v3" / "config.json"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels_gpu.json"
+
+DEVICE = "cuda"  # one GPU: the current CUDA device (CUDA_VISIBLE_DEVICES picks it)
+PAGE_SIZE = 64  # FlashMLA's page size, dsinfer's default KV page
+FP8_BLOCK = 128
+FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MB)
+MIN_ITERS = 3
+BF16 = 2  # bytes
+
+# Targets of the brief (reported as met/missed, never enforced).
+TARGET_MLA_MEMORY = 0.80  # 16 heads: latent-cache bytes/s / copy bandwidth
+TARGET_MLA_ROOFLINE = 0.60  # 128 heads: roofline bound time / measured time
+TARGET_GROUPED_FP8 = 0.60  # grouped GEMMs: TFLOP/s / fp8 matmul rate ...
+TARGET_GROUPED_MIN_TOKENS = 256  # ... at >= this many tokens per expert
+
+SECTIONS = ("mla", "gemm", "grouped", "gate")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class V3:
+    hidden: int
+    intermediate: int
+    moe_intermediate: int
+    heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    experts: int
+    n_group: int
+    topk_group: int
+    top_k: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    softmax_scale: float
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope
+
+
+def load_v3(path: Path = CONFIG) -> V3:
+    from dsinfer.base.config import ModelConfig
+
+    c = ModelConfig.from_file(path)
+    return V3(
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        moe_intermediate=c.moe_intermediate_size,
+        heads=c.num_attention_heads,
+        q_lora_rank=c.q_lora_rank or c.hidden_size,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope=c.qk_nope_head_dim,
+        qk_rope=c.qk_rope_head_dim,
+        v_head=c.v_head_dim,
+        experts=c.n_routed_experts,
+        n_group=c.n_group,
+        topk_group=c.topk_group,
+        top_k=c.num_experts_per_tok,
+        norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor,
+        softmax_scale=c.softmax_scale,
+    )
+
+
+# ---------------------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class MlaCase:
+    batch: int
+    heads: int
+    s_q: int
+    ctx: int
+    dim: int  # latent + rope values per cached token (576)
+    dim_v: int  # latent values (512)
+
+    @property
+    def name(self) -> str:
+        return f"B{self.batch} h{self.heads} s_q{self.s_q} ctx{self.ctx}"
+
+    @property
+    def cache_bytes(self) -> int:
+        """The latent cache of every sequence, read once (bf16)."""
+        return self.batch * self.ctx * self.dim * BF16
+
+    @property
+    def total_bytes(self) -> int:
+        """Cache + q + out (bf16) + lse (fp32) + block table and lengths (int32)."""
+        rows = self.batch * self.s_q * self.heads
+        table = self.batch * (-(-self.ctx // PAGE_SIZE) + 1) * 4
+        return self.cache_bytes + rows * (self.dim + self.dim_v) * BF16 + rows * 4 + table
+
+    @property
+    def flops(self) -> int:
+        """2 * (dim + dim_v) per (query row, visible key); token j of s_q sees ctx - s_q + j + 1 keys."""
+        keys = sum(self.ctx - self.s_q + j + 1 for j in range(self.s_q))
+        return 2 * (self.dim + self.dim_v) * self.heads * keys * self.batch
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    name: str
+    m: int
+    n: int
+    k: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    @property
+    def bytes(self) -> int:
+        """fp8 A and B, bf16 D, fp32 scales (1x128 for A, 128x128 for B)."""
+        kb, nb = -(-self.k // FP8_BLOCK), -(-self.n // FP8_BLOCK)
+        return self.m * self.k + self.n * self.k + self.m * self.n * BF16 + 4 * (self.m * kb + nb * kb)
+
+
+@dataclass(frozen=True)
+class GroupedCase:
+    layout: str  # "contiguous" or "masked"
+    weight: str  # "w13" or "w2"
+    experts: int
+    tokens: int  # valid rows per expert
+    n: int
+    k: int
+    align: int  # contiguous: rows per expert segment rounded up to this (-1 rows pad); masked: m_max
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout} {self.weight} E{self.experts} m{self.tokens}"
+
+    @property
+    def rows_per_expert(self) -> int:
+        """Rows each expert occupies in A (contiguous: padded segment; masked: m_max)."""
+        return -(-self.tokens // self.align) * self.align
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.experts * self.tokens * self.n * self.k
+
+    @property
+    def bytes(self) -> int:
+        kb, nb = -(-self.k // FP8_BLOCK), -(-self.n // FP8_BLOCK)
+        rows = self.experts * self.tokens
+        weights = self.experts * (self.n * self.k + 4 * nb * kb)
+        return weights + rows * (self.k + 4 * kb) + rows * self.n * BF16
+
+
+@dataclass(frozen=True)
+class GateCase:
+    tokens: int
+    experts: int
+    n_group: int
+    topk_group: int
+    top_k: int
+
+    @property
+    def name(self) -> str:
+        return f"T{self.tokens} E{self.experts}"
+
+    @property
+    def bytes(self) -> int:
+        """fp32 logits in, fp32 weights and int64 ids out."""
+        return self.tokens * (self.experts * 4 + self.top_k * 12)
+
+
+@dataclass
+class Plan:
+    mla: list[MlaCase]
+    gemm: list[GemmCase]
+    grouped: list[GroupedCase]
+    gate: list[GateCase]
+    copy_bytes: int
+    matmul_sizes: tuple[int, ...]
+
+
+def projection_shapes(v3: V3) -> list[tuple[str, int, int]]:
+    """(name, n, k) of V3's block-FP8 linear layers (full, unsharded shapes)."""
+    qk = v3.qk_nope + v3.qk_rope
+    return [
+        ("q_a_proj", v3.q_lora_rank, v3.hidden),
+        ("q_b_proj", v3.heads * qk, v3.q_lora_rank),
+        ("kv_a_proj_with_mqa", v3.kv_dim, v3.hidden),
+        ("kv_b_proj", v3.heads * (v3.qk_nope + v3.v_head), v3.kv_lora_rank),
+        ("o_proj", v3.hidden, v3.heads * v3.v_head),
+        ("dense gate_proj/up_proj", v3.intermediate, v3.hidden),
+        ("dense down_proj", v3.hidden, v3.intermediate),
+        ("shared expert w13", 2 * v3.moe_intermediate, v3.hidden),
+        ("shared expert w2", v3.hidden, v3.moe_intermediate),
+    ]
+
+
+def make_plan(args: argparse.Namespace, v3: V3) -> Plan:
+    quick = args.quick
+    mla = [
+        MlaCase(batch, heads, s_q, args.ctx, v3.kv_dim, v3.kv_lora_rank)
+        for heads in (16, v3.heads)
+        for batch in (64, 128)
+        for s_q in (1, 2)
+    ]
+    projections = projection_shapes(v3)
+    if quick:
+        keep = {"q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense down_proj"}
+        projections = [p for p in projections if p[0] in keep]
+    gemm_rows = (128, 4096) if quick else (64, 128, 4096)
+    gemm = [GemmCase(name, m, n, k) for name, n, k in projections for m in gemm_rows]
+    tokens = (32, 256) if quick else (32, 128, 256, 512)
+    weights = (("w13", 2 * v3.moe_intermediate, v3.hidden), ("w2", v3.hidden, v3.moe_intermediate))
+    grouped = [
+        GroupedCase(
+            layout, name, args.experts, t, n, k, args.contiguous_align if layout == "contiguous" else 128
+        )
+        for layout in ("contiguous", "masked")
+        for name, n, k in weights
+        for t in tokens
+    ]
+    gate_tokens = (1, 128, 4096, 16384) if quick else (1, 16, 128, 1024, 4096, 16384)
+    gate = [GateCase(t, v3.experts, v3.n_group, v3.topk_group, v3.top_k) for t in gate_tokens]
+    only = set(args.only)
+    return Plan(
+        mla=mla if "mla" in only else [],
+        gemm=gemm if "gemm" in only else [],
+        grouped=grouped if "grouped" in only else [],
+        gate=gate if "gate" in only else [],
+        copy_bytes=(512 << 20) if quick else (1 << 30),
+        matmul_sizes=(8192,) if quick else (4096, 8192, 16384),
+    )
+
+
+# ---------------------------------------------------------------------------------------- output
+
+
+def fmt(value: Any, spec: str = ".3g") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return format(value, spec)
+    return str(value)
+
+
+def pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def table(title: str, headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = [
+        f"\n## {title}\n",
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |",
+    ]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def print_plan(plan: Plan, v3: V3) -> None:
+    """The cases with their FLOPs and bytes; needs no GPU."""
+    print(f"DeepSeek-V3 shapes from {CONFIG.relative_to(ROOT)}; softmax scale {v3.softmax_scale:.6f}")
+    print(f"ceilings: copy {plan.copy_bytes >> 20} MiB buffers; bf16/fp8 matmul at n = {plan.matmul_sizes}")
+    print(
+        table(
+            "mla_decode (bf16 latent cache, page 64, causal)",
+            ["case", "cache MB", "total MB", "GFLOP", "FLOP/byte"],
+            [
+                [
+                    c.name,
+                    fmt(c.cache_bytes / 1e6, ".1f"),
+                    fmt(c.total_bytes / 1e6, ".1f"),
+                    fmt(c.flops / 1e9, ".1f"),
+                    fmt(c.flops / c.total_bytes, ".0f"),
+                ]
+                for c in plan.mla
+            ],
+        )
+    )
+    print(
+        table(
+            "fp8_gemm_nt (block-FP8 dense)",
+            ["projection", "m", "n", "k", "GFLOP", "MB", "FLOP/byte"],
+            [
+                [
+                    c.name,
+                    str(c.m),
+                    str(c.n),
+                    str(c.k),
+                    fmt(c.flops / 1e9, ".2f"),
+                    fmt(c.bytes / 1e6, ".1f"),
+                    fmt(c.flops / c.bytes, ".0f"),
+                ]
+                for c in plan.gemm
+            ],
+        )
+    )
+    print(
+        table(
+            "grouped FP8 GEMMs",
+            ["case", "n", "k", "rows/expert in A", "GFLOP", "MB", "FLOP/byte"],
+            [
+                [
+                    c.name,
+                    str(c.n),
+                    str(c.k),
+                    str(c.rows_per_expert),
+                    fmt(c.flops / 1e9, ".2f"),
+                    fmt(c.bytes / 1e6, ".1f"),
+                    fmt(c.flops / c.bytes, ".0f"),
+                ]
+                for c in plan.grouped
+            ],
+        )
+    )
+    print(
+        table(
+            "moe_gate (fp32 logits, noaux_tc)",
+            ["case", "n_group", "topk_group", "top_k", "MB"],
+            [
+                [c.name, str(c.n_group), str(c.topk_group), str(c.top_k), fmt(c.bytes / 1e6, ".3f")]
+                for c in plan.gate
+            ],
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """GPU time of one call: first call, warm-up, then the median of ``iters`` Event-timed calls,
+    each after zeroing a buffer larger than L2. Slow functions get fewer calls (``max_s`` each)."""
+
+    def __init__(self, warmup: int, iters: int, max_s: float) -> None:
+        self.warmup, self.iters, self.max_s = warmup, iters, max_s
+        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+
+    def __call__(self, fn: Callable[[], Any], flush: bool = True) -> dict[str, float]:
+        fn()  # compilation, autotuning, allocator growth
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        once = max(time.perf_counter() - t0, 1e-6)
+        affordable = int(self.max_s / once)
+        iters = max(MIN_ITERS, min(self.iters, affordable))
+        for _ in range(min(self.warmup, max(0, affordable - iters))):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for start, end in zip(starts, ends, strict=True):
+            if flush:
+                self.flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+        return {
+            "median_us": 1e3 * statistics.median(ms),
+            "min_us": 1e3 * ms[0],
+            "max_us": 1e3 * ms[-1],
+            "iters": iters,
+        }
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref| (NaN anywhere gives NaN)."""
+    out, ref = out.float(), ref.float()
+    if out.shape != ref.shape:
+        return float("nan")
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    diff = (out - ref).abs().max().item() if ref.numel() else 0.0
+    if math.isnan(diff) or bool(torch.isnan(out).any()):
+        return float("nan")
+    return diff / (scale or 1.0)
+
+
+def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if out.shape != ref.shape:
+        return float("nan")
+    return (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
+
+
+def free_memory() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def guarded(
+    kind: str, name: str, errors: list[dict[str, str]], fn: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """Run one case; an exception (compile error, OOM, wrong shapes) is recorded, not fatal."""
+    try:
+        return fn()
+    except Exception as exc:
+        log(f"  {kind} {name}: {type(exc).__name__}: {exc}")
+        errors.append(
+            {
+                "section": kind,
+                "case": name,
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(limit=6),
+            }
+        )
+        return {"case": name, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        free_memory()
+
+
+# -------------------------------------------------------------------------------------- ceilings
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, one: torch.Tensor, fast: bool) -> torch.Tensor:
+    """``a @ b`` in fp8 with per-tensor scales (``b`` column-major), bf16 out."""
+    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
+
+
+def has_fp8() -> bool:
+    return torch.cuda.get_device_capability() >= (8, 9) and hasattr(torch, "float8_e4m3fn")
+
+
+def measure_ceilings(plan: Plan, timer: Timer) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    n = plan.copy_bytes // 4
+    src = torch.randn(n, device=DEVICE)
+    dst = torch.empty_like(src)
+    t = timer(lambda src=src, dst=dst: dst.copy_(src), flush=False)
+    res["copy"] = {
+        "buffer_bytes": plan.copy_bytes,
+        "bytes_moved": 2 * plan.copy_bytes,
+        **t,
+        "tb_per_s": 2 * plan.copy_bytes / (t["median_us"] * 1e-6) / 1e12,
+    }
+    del src, dst
+    free_memory()
+    log(f"  copy: {res['copy']['tb_per_s']:.3f} TB/s (read + write)")
+
+    res["bf16_matmul"] = []
+    for size in plan.matmul_sizes:
+        a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+        b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+        c = torch.empty_like(a)
+        t = timer(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), flush=False)
+        rate = 2 * size**3 / (t["median_us"] * 1e-6) / 1e12
+        res["bf16_matmul"].append({"n": size, **t, "tflops": rate})
+        log(f"  bf16 matmul n={size}: {rate:.1f} TFLOP/s")
+        del a, b, c
+        free_memory()
+
+    res["fp8_matmul"] = []
+    if has_fp8() and hasattr(torch, "_scaled_mm"):
+        one = torch.ones((), device=DEVICE, dtype=torch.float32)
+        for size in plan.matmul_sizes:
+            a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            bt = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            for fast in (True, False):
+                try:
+                    t = timer(lambda a=a, bt=bt, fast=fast: scaled_mm(a, bt.t(), one, fast), flush=False)
+                except Exception as exc:  # an unsupported combination on this torch/cuBLAS
+                    res["fp8_matmul"].append({"n": size, "fast_accum": fast, "error": repr(exc)})
+                    continue
+                rate = 2 * size**3 / (t["median_us"] * 1e-6) / 1e12
+                res["fp8_matmul"].append({"n": size, "fast_accum": fast, **t, "tflops": rate})
+                log(f"  fp8 _scaled_mm n={size} fast_accum={fast}: {rate:.1f} TFLOP/s")
+            del a, bt
+            free_memory()
+
+    res["copy_tb_per_s"] = res["copy"]["tb_per_s"]
+    res["bf16_tflops"] = max(r["tflops"] for r in res["bf16_matmul"])
+    fp8_rates = [r["tflops"] for r in res["fp8_matmul"] if "tflops" in r]
+    if fp8_rates:
+        res["fp8_tflops"], res["fp8_source"] = max(fp8_rates), "torch._scaled_mm, per-tensor scales"
+    else:
+        res["fp8_tflops"], res["fp8_source"] = 2 * res["bf16_tflops"], "2x bf16 (no usable torch._scaled_mm)"
+    return res
+
+
+def roofline(flops: int, nbytes: int, time_us: float, tflops: float, tb_per_s: float) -> dict[str, float]:
+    """Achieved rates and the fraction of the roofline bound (bound time / measured time)."""
+    s = time_us * 1e-6
+    t_compute, t_memory = flops / (tflops * 1e12), nbytes / (tb_per_s * 1e12)
+    return {
+        "tflops": flops / s / 1e12,
+        "tb_per_s": nbytes / s / 1e12,
+        "bound": "compute" if t_compute >= t_memory else "memory",
+        "roofline_fraction": max(t_compute, t_memory) / s,
+    }
+
+
+# -------------------------------------------------------------------------------------- sections
+
+
+def gen() -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(0)
+
+
+def bench_mla(
+    case: MlaCase, v3: V3, kernels: ModuleType, ceil: dict[str, Any], timer: Timer, args: argparse.Namespace
+) -> dict[str, Any]:
+    from dsinfer.ops import mla as torch_mla
+
+    # The submodule, for its launch heuristics (the package attribute of that name is the function).
+    mla_mod = importlib.import_module(kernels.__name__ + ".mla_decode")
+    g = gen()
+    pages = -(-case.ctx // PAGE_SIZE)
+    num_blocks = case.batch * pages
+    k_cache = torch.randn(
+        num_blocks, PAGE_SIZE, 1, case.dim, device=DEVICE, dtype=torch.bfloat16, generator=g
+    )
+    q = torch.randn(
+        case.batch, case.s_q, case.heads, case.dim, device=DEVICE, dtype=torch.bfloat16, generator=g
+    )
+    # A real pool hands out pages in no order: scatter each sequence's pages over the whole cache.
+    block_table = (
+        torch.randperm(num_blocks, device=DEVICE, generator=g).to(torch.int32).view(case.batch, pages)
+    )
+    lens = torch.full((case.batch,), case.ctx, dtype=torch.int32, device=DEVICE)
+    call = (q, k_cache, block_table, lens, case.dim_v, v3.softmax_scale, True)
+
+    rows = case.s_q * case.heads
+    block_m, block_n, warps, stages = mla_mod.default_launch(rows, torch.bfloat16)
+    row_blocks = -(-rows // block_m)
+    splits = mla_mod.choose_num_splits(
+        case.batch,
+        row_blocks,
+        pages * PAGE_SIZE,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+        block_n,
+    )
+    res: dict[str, Any] = {
+        "case": case.name,
+        **asdict(case),
+        "cache_bytes": case.cache_bytes,
+        "total_bytes": case.total_bytes,
+        "flops": case.flops,
+        "launch": {
+            "block_m": block_m,
+            "block_n": block_n,
+            "num_warps": warps,
+            "num_stages": stages,
+            "num_splits": splits,
+            "row_blocks": row_blocks,
+        },
+    }
+
+    t = timer(lambda: kernels.mla_decode(*call))
+    t_us = t["median_us"]
+    res["triton"] = t
+    res.update(roofline(case.flops, case.total_bytes, t_us, ceil["bf16_tflops"], ceil["copy_tb_per_s"]))
+    res["cache_tb_per_s"] = case.cache_bytes / (t_us * 1e-6) / 1e12
+    res["cache_fraction_of_copy"] = res["cache_tb_per_s"] / ceil["copy_tb_per_s"]
+    if case.heads <= 16:
+        res["target"] = f"latent-cache bytes/s > {TARGET_MLA_MEMORY:.0%} of copy bandwidth"
+        res["target_met"] = res["cache_fraction_of_copy"] > TARGET_MLA_MEMORY
+    else:
+        res["target"] = f"> {TARGET_MLA_ROOFLINE:.0%} of the roofline bound"
+        res["target_met"] = res["roofline_fraction"] > TARGET_MLA_ROOFLINE
+
+    if not args.no_check:
+        out, lse = kernels.mla_decode(*call)
+        ref_out, ref_lse = torch_mla.mla_decode(*call)
+        out_err, lse_err = rel_err(out, ref_out), max_abs_err(lse, ref_lse)
+        # bf16 out (P is rounded to bf16 for P V in the kernel); lse from fp32 sums of exact products
+        res["check"] = {
+            "out_rel_err": out_err,
+            "lse_max_abs_err": lse_err,
+            "ok": out_err <= 2e-2 and lse_err <= 1e-3,
+        }
+        del out, lse, ref_out, ref_lse
+    if not args.no_torch:
+        res["torch"] = timer(lambda: torch_mla.mla_decode(*call))
+        res["speedup"] = res["torch"]["median_us"] / t_us
+
+    if args.sweep_mla:
+        res["sweep"] = sweep_mla(case, mla_mod, call, splits, rows, timer)
+    return res
+
+
+def sweep_mla(
+    case: MlaCase, mla_mod: ModuleType, call: tuple[Any, ...], splits: int, rows: int, timer: Timer
+) -> list[dict[str, Any]]:
+    """Launch parameters around the defaults (kernel time only), best first."""
+    block_ms = (16, 32) if rows <= 32 else (32, 64)
+    results = []
+    for block_m in block_ms:
+        for block_n in (32, 64):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    for ns in sorted({max(1, splits // 2), splits, splits * 2}):
+                        cfg = {
+                            "block_m": block_m,
+                            "block_n": block_n,
+                            "num_warps": warps,
+                            "num_stages": stages,
+                            "num_splits": ns,
+                        }
+                        try:
+                            t = timer(lambda cfg=cfg: mla_mod.mla_decode_split_kv(*call, **cfg))
+                        except Exception as exc:  # out of shared memory / registers: not a candidate
+                            results.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                            continue
+                        us = t["median_us"]
+                        results.append(
+                            {**cfg, "median_us": us, "cache_tb_per_s": case.cache_bytes / (us * 1e-6) / 1e12}
+                        )
+    results.sort(key=lambda r: r.get("median_us", math.inf))
+    if results and "median_us" in results[0]:
+        log(f"    sweep best: {results[0]}")
+    return results
+
+
+def fp8_weights(
+    g: torch.Generator, lead: tuple[int, ...], n: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random fp8 e4m3 weights ``[*lead, n, k]`` with positive 128x128 block scales."""
+    w = torch.randn(*lead, n, k, device=DEVICE, dtype=torch.bfloat16, generator=g).to(torch.float8_e4m3fn)
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    s = torch.rand(*lead, nb, kb, device=DEVICE, generator=g) * 1e-2 + 1e-3
+    return w, s
+
+
+def bench_gemm(
+    case: GemmCase,
+    kernels: ModuleType,
+    adapter: Any,
+    ceil: dict[str, Any],
+    timer: Timer,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    from dsinfer.ops import gemm as torch_gemm
+
+    g = gen()
+    x = torch.randn(case.m, case.k, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    w, ws = fp8_weights(g, (), case.n, case.k)
+    qa, sa = kernels.quantize_activation_1x128(x)
+    d = torch.empty(case.m, case.n, device=DEVICE, dtype=torch.bfloat16)
+    res: dict[str, Any] = {
+        "case": f"{case.name} m{case.m}",
+        **asdict(case),
+        "flops": case.flops,
+        "bytes": case.bytes,
+    }
+
+    t = timer(lambda: kernels.fp8_gemm_nt((qa, sa), (w, ws), d))
+    res["triton"] = t
+    res.update(roofline(case.flops, case.bytes, t["median_us"], ceil["fp8_tflops"], ceil["copy_tb_per_s"]))
+    res["fraction_of_fp8"] = res["tflops"] / ceil["fp8_tflops"]
+    res["quantize"] = timer(lambda: kernels.quantize_activation_1x128(x))
+    res["ops_triton"] = timer(lambda: adapter.linear(x, w, ws))  # what the model calls: bf16 in, bf16 out
+    if has_fp8() and hasattr(torch, "_scaled_mm") and case.m % 16 == 0 and case.n % 16 == 0:
+        one = torch.ones((), device=DEVICE, dtype=torch.float32)
+        try:  # cuBLAS at the same shape with one scale per tensor: not the same numerics, a yardstick
+            res["cublas_fp8_per_tensor"] = timer(lambda: scaled_mm(qa, w.t(), one, True))
+        except Exception as exc:
+            res["cublas_fp8_per_tensor"] = {"error": repr(exc)}
+    if not args.no_check:
+        kernels.fp8_gemm_nt((qa, sa), (w, ws), d)
+        ref = torch_gemm.linear(x, w, ws)
+        err = rel_err(d, ref)
+        res["check"] = {
+            "rel_err": err,
+            "ops_rel_err": rel_err(adapter.linear(x, w, ws), ref),
+            "ok": err <= 1e-2,
+        }
+        del ref
+    if not args.no_torch:
+        res["torch"] = timer(lambda: torch_gemm.linear(x, w, ws))
+        res["speedup"] = res["torch"]["median_us"] / res["ops_triton"]["median_us"]
+    return res
+
+
+def bench_grouped(
+    case: GroupedCase,
+    kernels: ModuleType,
+    adapter: Any,
+    ceil: dict[str, Any],
+    timer: Timer,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    from dsinfer.ops import gemm as torch_gemm
+
+    g = gen()
+    e, rows = case.experts, case.rows_per_expert
+    w, ws = fp8_weights(g, (e,), case.n, case.k)
+    res: dict[str, Any] = {"case": case.name, **asdict(case), "flops": case.flops, "bytes": case.bytes}
+    if case.layout == "contiguous":
+        # Expert segments in order; each padded with -1 rows to a multiple of `align` (1 = no padding:
+        # what dsinfer's MoE layer feeds; 128 = DeepGEMM's contiguous layout).
+        idx = torch.full((e, rows), -1, dtype=torch.int32, device=DEVICE)
+        idx[:, : case.tokens] = torch.arange(e, dtype=torch.int32, device=DEVICE)[:, None]
+        m_indices = idx.flatten()
+        valid = m_indices >= 0
+        x = torch.randn(e * rows, case.k, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        qa, sa = kernels.quantize_activation_1x128(x)
+        d = torch.zeros(e * rows, case.n, device=DEVICE, dtype=torch.bfloat16)
+
+        def kernel() -> None:
+            kernels.m_grouped_fp8_gemm_nt_contiguous((qa, sa), (w, ws), d, m_indices)
+
+        def ops() -> torch.Tensor:
+            return adapter.grouped_gemm_contiguous(x, w, ws, m_indices)
+
+        def ref() -> torch.Tensor:
+            return torch_gemm.grouped_gemm_contiguous(x, w, ws, m_indices)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[valid]
+    else:
+        # DeepEP low-latency layout: [E, m_max, k], the first masked_m[e] rows valid.
+        x = torch.randn(e, rows, case.k, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        masked_m = torch.full((e,), case.tokens, dtype=torch.int32, device=DEVICE)
+        qa, sa = kernels.quantize_activation_1x128(x)
+        d = torch.zeros(e, rows, case.n, device=DEVICE, dtype=torch.bfloat16)
+
+        def kernel() -> None:
+            kernels.m_grouped_fp8_gemm_nt_masked((qa, sa), (w, ws), d, masked_m, case.tokens)
+
+        def ops() -> torch.Tensor:
+            return adapter.grouped_gemm_masked(x, w, ws, masked_m, case.tokens)
+
+        def ref() -> torch.Tensor:
+            return torch_gemm.grouped_gemm_masked(x, w, ws, masked_m, case.tokens)
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t[:, : case.tokens]
+
+    t = timer(kernel)
+    res["triton"] = t
+    res.update(roofline(case.flops, case.bytes, t["median_us"], ceil["fp8_tflops"], ceil["copy_tb_per_s"]))
+    res["fraction_of_fp8"] = res["tflops"] / ceil["fp8_tflops"]
+    if case.tokens >= TARGET_GROUPED_MIN_TOKENS:
+        res["target"] = f"> {TARGET_GROUPED_FP8:.0%} of the fp8 matmul rate"
+        res["target_met"] = res["fraction_of_fp8"] > TARGET_GROUPED_FP8
+    res["ops_triton"] = timer(ops)
+    if not args.no_check:
+        kernel()
+        expected = pick(ref())
+        err = rel_err(pick(d), expected)
+        res["check"] = {"rel_err": err, "ops_rel_err": rel_err(pick(ops()), expected), "ok": err <= 1e-2}
+        del expected
+    if not args.no_torch:
+        res["torch"] = timer(ref)
+        res["speedup"] = res["torch"]["median_us"] / res["ops_triton"]["median_us"]
+    return res
+
+
+def bench_gate(
+    case: GateCase, v3: V3, kernels: ModuleType, timer: Timer, args: argparse.Namespace
+) -> dict[str, Any]:
+    from dsinfer.ops import gate as torch_gate
+
+    g = gen()
+    logits = torch.randn(case.tokens, case.experts, device=DEVICE, generator=g)  # fp32, as the model's router
+    bias = torch.randn(case.experts, device=DEVICE, generator=g) * 0.05
+    call = (
+        logits,
+        bias,
+        case.top_k,
+        case.n_group,
+        case.topk_group,
+        v3.norm_topk_prob,
+        v3.routed_scaling_factor,
+    )
+    res: dict[str, Any] = {"case": case.name, **asdict(case), "bytes": case.bytes}
+    t = timer(lambda: kernels.moe_gate(*call))
+    res["triton"] = t
+    res["tokens_per_s"] = case.tokens / (t["median_us"] * 1e-6)
+    res["gb_per_s"] = case.bytes / (t["median_us"] * 1e-6) / 1e9
+    if not args.no_check:
+        w, ids = kernels.moe_gate(*call)
+        rw, rids = torch_gate.moe_gate(*call)
+        # Same expert sets (the order of exact ties may differ); weights compared per expert id. A row
+        # whose sets differ passes only as a near tie: the chosen experts' biased scores, sorted, agree
+        # within 1e-5 (the kernel's sigmoid and the reference's differ by a few ulp).
+        sids, order = ids.sort(dim=1)
+        rsids, rorder = rids.sort(dim=1)
+        same = (sids == rsids).all(dim=1)
+        werr = (
+            (w.gather(1, order) - rw.gather(1, rorder))[same].abs().max().item() if bool(same.any()) else 0.0
+        )
+        choice = logits.sigmoid() + bias
+        gap = (choice.gather(1, ids).sort(dim=1).values - choice.gather(1, rids).sort(dim=1).values).abs()
+        near_tie = gap.amax(dim=1) <= 1e-5
+        res["check"] = {
+            "rows_with_other_experts": int((~same).sum()),
+            "rows_not_near_tie": int((~same & ~near_tie).sum()),
+            "weights_max_abs_err": werr,
+            "ok": not bool((~same & ~near_tie).any()) and werr <= 1e-5,
+        }
+    if not args.no_torch:
+        res["torch"] = timer(lambda: torch_gate.moe_gate(*call))
+        res["speedup"] = res["torch"]["median_us"] / t["median_us"]
+    return res
+
+
+# ----------------------------------------------------------------------------------------- tables
+
+
+def us(entry: dict[str, Any] | None, key: str = "median_us") -> str:
+    if not entry or key not in entry:
+        return "-"
+    return fmt(entry[key], ".1f")
+
+
+def check_str(r: dict[str, Any]) -> str:
+    c = r.get("check")
+    if not c:
+        return "-"
+    return "ok" if c.get("ok") else "MISMATCH"
+
+
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+MLA_COLUMNS: list[Column] = [
+    ("case", lambda r: r["case"]),
+    ("splits", lambda r: str(r["launch"]["num_splits"])),
+    ("us", lambda r: us(r["triton"])),
+    ("cache TB/s", lambda r: fmt(r["cache_tb_per_s"], ".2f")),
+    ("of copy", lambda r: pct(r["cache_fraction_of_copy"])),
+    ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
+    ("of roofline", lambda r: pct(r["roofline_fraction"])),
+    ("bound", lambda r: r["bound"]),
+    ("target", lambda r: fmt(r.get("target_met"))),
+    ("torch us", lambda r: us(r.get("torch"))),
+    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
+    ("check", lambda r: check_str(r)),
+]
+GEMM_COLUMNS: list[Column] = [
+    ("case", lambda r: r["case"]),
+    ("n", lambda r: str(r["n"])),
+    ("k", lambda r: str(r["k"])),
+    ("us", lambda r: us(r["triton"])),
+    ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
+    ("of fp8", lambda r: pct(r["fraction_of_fp8"])),
+    ("of roofline", lambda r: pct(r["roofline_fraction"])),
+    ("quant us", lambda r: us(r.get("quantize"))),
+    ("cuBLAS us", lambda r: us(r.get("cublas_fp8_per_tensor"))),
+    ("ops us", lambda r: us(r["ops_triton"])),
+    ("torch us", lambda r: us(r.get("torch"))),
+    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
+    ("check", lambda r: check_str(r)),
+]
+GROUPED_COLUMNS: list[Column] = [
+    ("case", lambda r: r["case"]),
+    ("us", lambda r: us(r["triton"])),
+    ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
+    ("of fp8", lambda r: pct(r["fraction_of_fp8"])),
+    ("of roofline", lambda r: pct(r["roofline_fraction"])),
+    ("target", lambda r: fmt(r.get("target_met"))),
+    ("ops us", lambda r: us(r["ops_triton"])),
+    ("torch us", lambda r: us(r.get("torch"))),
+    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
+    ("check", lambda r: check_str(r)),
+]
+GATE_COLUMNS: list[Column] = [
+    ("case", lambda r: r["case"]),
+    ("us", lambda r: us(r["triton"])),
+    ("Mtok/s", lambda r: fmt(r["tokens_per_s"] / 1e6, ".2f")),
+    ("torch us", lambda r: us(r.get("torch"))),
+    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
+    ("check", lambda r: check_str(r)),
+]
+
+
+def records_table(title: str, columns: list[Column], records: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        if "error" in r:
+            rows.append([r["case"], "ERROR", *["-"] * (len(columns) - 2)])
+        else:
+            rows.append([get(r) for _, get in columns])
+    return table(title, [h for h, _ in columns], rows)
+
+
+def report(results: dict[str, Any]) -> str:
+    ceil = results["ceilings"]
+    parts = [f"# dsinfer.kernels on {results['meta']['device']} ({results['meta']['date']})"]
+    if ceil:
+        rows = [["copy (read + write)", f"{ceil['copy_tb_per_s']:.3f} TB/s", ""]]
+        rows += [[f"bf16 torch.mm n={r['n']}", f"{r['tflops']:.1f} TFLOP/s", ""] for r in ceil["bf16_matmul"]]
+        rows += [
+            [
+                f"fp8 _scaled_mm n={r['n']}",
+                fmt(r.get("tflops"), ".1f") + " TFLOP/s",
+                f"fast_accum={r['fast_accum']}",
+            ]
+            for r in ceil["fp8_matmul"]
+        ]
+        rows.append(["fp8 ceiling used", f"{ceil['fp8_tflops']:.1f} TFLOP/s", ceil["fp8_source"]])
+        parts.append(table("ceilings", ["measure", "rate", "note"], rows))
+    sections = [
+        (
+            "mla",
+            MLA_COLUMNS,
+            "mla_decode (bf16, page 64, causal); target: 16 heads: cache bytes/s > 80% of copy; "
+            "128 heads: > 60% of roofline",
+        ),
+        (
+            "dense_gemm",
+            GEMM_COLUMNS,
+            "fp8_gemm_nt: us = kernel on quantized operands; ops = the Ops linear over "
+            "dsinfer.kernels (quantize + GEMM, bf16 in and out); speedup = torch / ops",
+        ),
+        (
+            "grouped_gemm",
+            GROUPED_COLUMNS,
+            "grouped FP8 GEMMs (m = tokens per expert); target: > 60% of the fp8 "
+            "rate at m >= 256; speedup = torch / ops",
+        ),
+        ("gate", GATE_COLUMNS, "moe_gate (fp32 logits, noaux_tc)"),
+    ]
+    for key, columns, title in sections:
+        if results[key]:
+            parts.append(records_table(title, columns, results[key]))
+    if results["errors"]:
+        parts.append(
+            "\nERRORS:\n"
+            + "\n".join(f"- {e['section']} {e['case']}: {e['error']}" for e in results["errors"])
+        )
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="fewer cases and calls (a few minutes on an H100)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help=f"JSON results (default {DEFAULT_OUT.relative_to(ROOT)})",
+    )
+    p.add_argument("--markdown", type=Path, default=None, help="also write the printed tables here")
+    p.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated kernel sections: {','.join(SECTIONS)}"
+    )
+    p.add_argument(
+        "--iters", type=int, default=None, help="timed calls per measurement (default 50; quick 15)"
+    )
+    p.add_argument("--warmup", type=int, default=None, help="warm-up calls (default 10; quick 3)")
+    p.add_argument(
+        "--max-seconds", type=float, default=None, help="time budget per measurement (default 5; quick 2)"
+    )
+    p.add_argument("--ctx", type=int, default=4096, help="MLA context length in tokens (default 4096)")
+    p.add_argument(
+        "--experts", type=int, default=8, help="local experts of the grouped GEMMs (default 8: 256 over EP32)"
+    )
+    p.add_argument(
+        "--contiguous-align",
+        type=int,
+        default=1,
+        help="pad each expert segment of the contiguous layout to this many rows with -1 rows "
+        "(1: none, as dsinfer's MoE layer feeds it; 128: DeepGEMM's layout)",
+    )
+    p.add_argument("--no-torch", action="store_true", help="do not time the torch references")
+    p.add_argument("--no-check", action="store_true", help="do not compare outputs with the torch references")
+    p.add_argument(
+        "--sweep-mla", action="store_true", help="also time MLA launch parameters around the defaults"
+    )
+    p.add_argument("--list", action="store_true", help="print the planned cases and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in args.only if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section {unknown[0]!r}; choose from {','.join(SECTIONS)}")
+    if args.iters is None:
+        args.iters = 15 if args.quick else 50
+    if args.warmup is None:
+        args.warmup = 3 if args.quick else 10
+    if args.max_seconds is None:
+        args.max_seconds = 2.0 if args.quick else 5.0
+    for name in ("iters", "ctx", "experts", "contiguous_align"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def import_project() -> ModuleType:
+    """dsinfer (installed or from this checkout) and its kernels package."""
+    try:
+        import dsinfer  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(ROOT))
+    try:
+        import dsinfer.kernels as kernels
+    except ImportError:  # a checkout on sys.path without the install's package mapping
+        sys.path.insert(0, str(ROOT))
+        import kernels  # type: ignore[no-redef]
+    return kernels
+
+
+def git_state() -> dict[str, Any]:
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "kernels", "dsinfer/ops"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        return {"commit": head, "kernels_or_ops_modified": bool(dirty)}
+    except Exception:
+        return {"commit": None}
+
+
+def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    try:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton_version = None
+    try:
+        from dsinfer.ops.backend import select_ops
+
+        backends = dict(select_ops(DEVICE).backends)
+    except Exception as exc:
+        backends = {"error": repr(exc)}
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "git": git_state(),
+        "ops_backends_selected": backends,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "timing": "GPU time between torch.cuda.Event records around one call; median of N after warm-up; "
+        f"{FLUSH_BYTES >> 20} MiB zeroed before each timed call (kernel sections)",
+    }
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    tmp.replace(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not args.list and not torch.cuda.is_available():
+        print("bench_kernels.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured")
+        return 0
+    kernels = import_project()
+    v3 = load_v3()
+    plan = make_plan(args, v3)
+    if args.list:
+        print_plan(plan, v3)
+        return 0
+
+    torch.manual_seed(0)
+    results: dict[str, Any] = {
+        "meta": metadata(args, [str(Path(__file__).relative_to(ROOT)), *argv]),
+        "ceilings": {},
+        "mla": [],
+        "dense_gemm": [],
+        "grouped_gemm": [],
+        "gate": [],
+        "errors": [],
+    }
+    log(f"{results['meta']['device']}: torch {torch.__version__}, triton {results['meta']['triton']}")
+    timer = Timer(args.warmup, args.iters, args.max_seconds)
+    errors = results["errors"]
+
+    log("ceilings")
+    results["ceilings"] = ceil = measure_ceilings(plan, timer)
+    write(results, args.out)
+    fp8_ok = has_fp8()
+    if not fp8_ok and (plan.gemm or plan.grouped):
+        msg = f"compute capability {results['meta']['capability']} < 8.9: no fp8 e4m3, GEMM sections skipped"
+        log(msg)
+        errors.append({"section": "gemm", "case": "all", "error": msg})
+
+    from dsinfer.ops.external import DeepGemmAdapter
+
+    # The Ops GEMM entry points over dsinfer.kernels: what select_ops builds for the 'triton' backend.
+    adapter = DeepGemmAdapter(kernels)
+    sections: list[tuple[str, str, list[Any], Callable[[Any], dict[str, Any]]]] = [
+        ("mla", "mla", plan.mla, lambda c: bench_mla(c, v3, kernels, ceil, timer, args)),
+        (
+            "gemm",
+            "dense_gemm",
+            plan.gemm if fp8_ok else [],
+            lambda c: bench_gemm(c, kernels, adapter, ceil, timer, args),
+        ),
+        (
+            "grouped",
+            "grouped_gemm",
+            plan.grouped if fp8_ok else [],
+            lambda c: bench_grouped(c, kernels, adapter, ceil, timer, args),
+        ),
+        ("gate", "gate", plan.gate, lambda c: bench_gate(c, v3, kernels, timer, args)),
+    ]
+    for kind, key, cases, run in sections:
+        if cases:
+            log(kind)
+        for case in cases:
+            name = case.name if not isinstance(case, GemmCase) else f"{case.name} m{case.m}"
+            log(f"  {name}")
+            results[key].append(guarded(kind, name, errors, lambda case=case, run=run: run(case)))
+            write(results, args.out)  # after every case: a run cut short keeps what it measured
+
+    text = report(results)
+    print(text)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(text + "\n")
+    write(results, args.out)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
