@@ -357,11 +357,12 @@ def test_prefill_reports_reconcile_dispatches() -> None:
     # finished() drops a dispatch at once
     for worker in workers:
         balancer.update(_prefill_report(worker, 0), now=2.0)
-    assert balancer.pick(_request("s4", [5] * 8000), workers, now=2.1) == workers[0]
-    assert balancer.pick(_request("s5", [6] * 100), workers, now=2.1) == workers[1]
-    balancer.finished("s4", workers[0])
+    # both idle: the rank that was sent fewer tokens so far takes it
+    assert balancer.pick(_request("s4", [5] * 8000), workers, now=2.1) == workers[1]
+    assert balancer.pick(_request("s5", [6] * 100), workers, now=2.1) == workers[0]
+    balancer.finished("s4", workers[1])
     balancer.finished("s4", "prefill/9/9")  # unknown worker: ignored
-    assert balancer.pick(_request("s6", [7] * 100), workers, now=2.1) == workers[0]
+    assert balancer.pick(_request("s6", [7] * 100), workers, now=2.1) == workers[1]
 
 
 def test_prefill_new_incarnation_and_remove_forget_the_prefix() -> None:

@@ -64,6 +64,7 @@ class _Rank:
     draining: bool = False
     dispatched: dict[str, _Dispatch] = field(default_factory=dict)
     prefix: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    total_tokens: int = 0  # new tokens ever sent here: evens out ties between idle ranks
 
     def pending(self) -> tuple[int, int]:
         attention = self.attention + sum(d.attention for d in self.dispatched.values())
@@ -126,15 +127,16 @@ class PrefillBalancer(Balancer):
         pending = {name: ranks[name].pending() for name in eligible}
         load = {name: a + self.token_weight * t for name, (a, t) in pending.items()}
         hot = self.hot_prefix_cap * min(load.values())
-        scored: list[tuple[float, int, str, int]] = []
+        scored: list[tuple[float, int, int, str, int]] = []
         for name in eligible:
             pages = ranks[name].matched_pages(request.page_hashes) if load[name] <= hot else 0
             new_tokens = prompt_len - min(pages, max_cached_pages) * self.page_size
             after = load[name] + self._cost(new_tokens, prompt_len)
-            scored.append((after, pending[name][1] + new_tokens, name, new_tokens))
-        _, _, chosen, new_tokens = min(scored)
+            scored.append((after, pending[name][1] + new_tokens, ranks[name].total_tokens, name, new_tokens))
+        *_, chosen, new_tokens = min(scored)
 
         rank = ranks[chosen]
+        rank.total_tokens += new_tokens
         rank.dispatched[request.request_id] = _Dispatch(now, new_tokens * prompt_len, new_tokens)
         self._remember(rank, request.page_hashes)
         return chosen
