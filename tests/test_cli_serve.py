@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -76,8 +77,8 @@ def test_dry_run_prefill_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert "this node (node-rank 3): launcher + ranks 24-31" in out
     assert "dist-init dsinfer-prefill-0:29500; gateway dsinfer-gateway:8001" in out
     assert "memory plan: model deepseek-v3, bfloat16 on cuda, FP8 weights kept" in out
-    assert "8 of 256 routed experts" in out
-    assert "KV cache: 24.0 GiB (--kv-cache-memory) = 5637 pages" in out  # 62 layers (MTP) x 64 x 576 x 2 B
+    assert "9 of 256 routed experts" in out  # 256 + 32 redundant over 32 ranks
+    assert "KV cache: 16.0 GiB (--kv-cache-memory) = 3758 pages" in out  # 62 layers (MTP) x 64 x 576 x 2 B
 
 
 def test_dry_run_decode_profile(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,7 +87,7 @@ def test_dry_run_decode_profile(capsys: pytest.CaptureFixture[str]) -> None:
     assert "decode pool 0: 144 ranks (EP144/DP144) on 18 nodes, 8 per node" in out
     assert "this node (node-rank 0): launcher + ranks 0-7" in out
     assert "2 of 256 routed experts" in out
-    assert "KV cache: 40.0 GiB (--kv-cache-memory) = 9395 pages" in out
+    assert "KV cache: 26.0 GiB (--kv-cache-memory) = 6107 pages" in out
 
 
 def test_config_with_underscores_and_command_line_override(
@@ -311,3 +312,119 @@ def test_all_in_one_stops_everything_when_the_gateway_dies(tmp_path: Path, serve
     assert server.children() == ["colocated.0", "colocated.1", "gateway"]
     assert all((server.dir / f"colocated.{i}.term").exists() for i in range(2))
     assert not any(alive(p["pid"]) for p in pools)
+
+
+# Per-GPU memory plan and --gpu-memory (deployment) ------------------------------------------
+@pytest.mark.parametrize(
+    ("profile", "slots", "ep"),
+    [
+        (PREFILL_PROFILE, 9, "DeepEP normal mode: NVLink"),
+        (
+            DECODE_PROFILE,
+            2,
+            "DeepEP low-latency RDMA buffer for 1024 rows (128 tokens x top-8) x 288 expert slots",
+        ),
+    ],
+)
+def test_dry_run_h800_profiles_fit_80gb(
+    capsys: pytest.CaptureFixture[str], profile: Path, slots: int, ep: str
+) -> None:
+    code, out, err = serve(capsys, "--config", str(profile), "--dry-run")
+    assert code == 0, err
+    assert "per-GPU memory of --gpu-memory 74.5 GiB:" in out  # 80GB = 80e9 bytes
+    assert re.search(r"^    total +\d+\.\d GiB: fits, \d+\.\d GiB left$", out, re.MULTILINE), out
+    weights = next(line for line in out.splitlines() if line.lstrip().startswith("weights "))
+    assert "FP8" in weights and "routed experts" in weights and "attention" in weights
+    assert "+ bfloat16" in weights and "embedding + lm_head" in weights
+    assert f"{slots} routed slots per MoE layer" in weights
+    assert ep in out
+    assert "KV transfer         0 B  the KV cache is registered in place" in out
+    assert "288 slots" in out and "32 experts replicated" in out
+    assert "warning" not in out
+
+
+def test_dry_run_placement_per_node(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--config", str(PREFILL_PROFILE), "--dry-run")
+    assert code == 0, err
+    nodes = [line for line in out.splitlines() if line.startswith("    node ")]
+    assert len(nodes) == 4 and nodes[0].startswith("    node 0 (ranks 0-7): experts ")
+    assert "layer 3 of 59 MoE layers shown" in out  # 58 MoE layers + the MTP layer
+
+
+def test_dry_run_refuses_a_layout_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--config", str(DECODE_PROFILE), "--dry-run", "--kv-cache-memory", "40GiB")
+    assert code == 2
+    assert "DOES NOT FIT" in out  # the plan is printed first
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "dsinfer: error: decode pool (EP144) does not fit: it needs "
+    )
+    assert "more than --gpu-memory 74.5 GiB; lower --kv-cache-memory to at most 27.9 GiB" in lines[0]
+    # EP8 prefill: 36 expert slots per GPU cannot fit even without a KV cache
+    line = one_line_error(
+        capsys, "--config", str(PREFILL_PROFILE), "--dry-run", "--pool-size", "8", "--nnodes", "1"
+    )
+    assert "prefill pool (EP8) does not fit" in line and "even without a KV cache" in line
+
+
+def test_a_pool_that_does_not_fit_is_refused_before_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(capsys, "--config", str(DECODE_PROFILE), "--kv-cache-memory", "40GiB")
+    assert "decode pool (EP144) does not fit" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ("--num-redundant-experts", "30"),
+            "256 routed + 30 redundant experts = 286 slots cannot be spread evenly",
+        ),
+        (("--gpu-memory", "lots"), "--gpu-memory: cannot read 'lots' as a size"),
+        (("--gpu-memory", "0"), "--gpu-memory must be positive"),
+    ],
+)
+def test_dry_run_plan_errors(capsys: pytest.CaptureFixture[str], args: tuple[str, ...], needle: str) -> None:
+    assert needle in one_line_error(capsys, "--config", str(PREFILL_PROFILE), "--dry-run", *args)
+
+
+def test_gpu_memory_applies_to_pools_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--gpu-memory applies to a pool" in one_line_error(
+        capsys, "--role", "gateway", "--gpu-memory", "80GB", "--dry-run"
+    )
+    assert "--gpu-memory applies to one pool" in one_line_error(capsys, "--gpu-memory", "80GB", "--dry-run")
+
+
+def test_decode_step_beyond_deepep_low_latency_limit_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(
+        capsys,
+        "--config",
+        str(DECODE_PROFILE),
+        "--dry-run",
+        "--max-num-seqs",
+        "128",
+        "--kv-cache-memory",
+        "20GiB",
+    )
+    assert code == 0, err
+    assert (
+        "warning: a decode step of 256 tokens per rank (--max-num-seqs 128 x 2 (MTP)) exceeds the 128" in out
+    )
+
+
+def test_deepep_buffer_estimates_follow_deepep_formulas() -> None:
+    import inspect
+
+    from dsinfer.cli import serve_plan
+    from dsinfer.parallel.registry import make_ep_group
+
+    default = inspect.signature(make_ep_group).parameters["max_tokens_per_rank"].default
+    assert default == serve_plan.LOW_LATENCY_TOKENS_PER_RANK
+    # low latency, V3 on EP144 with 288 slots, 1024 rows: 2 x (send + receive) of 288 x 1024
+    # combine messages (56 x 4 + 7168 x 2 = 14560 bytes) plus signaling, 128-byte aligned
+    n = serve_plan.deepep_low_latency_bytes(1024, 7168, 144, 288)
+    assert n == ((2 * (2 * 288 * 1024 * 14560 + 2432) // 128) + 1) * 128
+    # normal mode on 8 ranks: NVLink only (no RDMA below 9 ranks)
+    nvl, rdma = serve_plan.deepep_normal_bytes(8, 7168 * 2) or (0, 0)
+    raw = 10 * 8 * (2 * 1 + 3) * 4 + 10 * 8 * 256 * (7168 * 2 + 8 + 128 * 12 + 128 * 4)  # 10 channels
+    assert rdma == 0 and nvl == -(-raw // 128) * 128
+    assert serve_plan.deepep_normal_bytes(12, 7168 * 2) is None

@@ -18,10 +18,11 @@ from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.gateway_args import add_gateway_args, gateway_args_from
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
+from dsinfer.engine.args import parse_size
 from dsinfer.workers.args import PoolArgs
 
 SERVE_ROLES = ("gateway", "prefill", "decode", "colocated")
-POOL_ONLY = ("pool_size", "pool_id", "nnodes", "node_rank", "dist_init_addr", "gateway_addr")
+POOL_ONLY = ("pool_size", "pool_id", "nnodes", "node_rank", "dist_init_addr", "gateway_addr", "gpu_memory")
 ALL_IN_ONE_ONLY = ("prefill_pool_size", "decode_pool_size", "prefill_pools", "decode_pools", "colocated")
 
 
@@ -38,6 +39,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML of flag names -> values")
     parser.add_argument("--dry-run", action="store_true", help="print the layout and memory plan, then exit")
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of one GPU (e.g. 80GB): a pool whose memory plan exceeds it is refused before it starts",
+    )
     add_engine_args(parser)
     add_pool_args(parser)
     add_gateway_args(parser)
@@ -155,6 +162,18 @@ def check_role_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--role {args.role} needs --gateway-addr HOST:PORT (the gateway's control socket)")
 
 
+def gpu_memory_of(args: argparse.Namespace) -> int | None:
+    if args.gpu_memory is None:
+        return None
+    try:
+        size = parse_size(args.gpu_memory)
+    except ValueError as e:
+        raise UsageError(f"--gpu-memory: {e}") from None
+    if size <= 0:
+        raise UsageError(f"--gpu-memory must be positive, got {args.gpu_memory!r}")
+    return size
+
+
 def pool_args_for_role(args: argparse.Namespace) -> PoolArgs:
     return pool_args_from(args, args.role, engine_args_from(args))
 
@@ -179,11 +198,16 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         return run_gateway(gateway)
     pool = pool_args_for_role(args)
+    gpu_memory = gpu_memory_of(args)
     if args.dry_run:
         from dsinfer.cli.serve_plan import print_pool_plan
 
-        print_pool_plan(pool, args.drain_timeout)
+        print_pool_plan(pool, args.drain_timeout, gpu_memory)
         return 0
+    if gpu_memory is not None:
+        from dsinfer.cli.serve_plan import check_pool_fits
+
+        check_pool_fits(pool, gpu_memory)
     from dsinfer.workers.launcher import run_pool
 
     return run_pool(pool, drain_timeout=args.drain_timeout)
