@@ -42,6 +42,7 @@ class Tracer:
         self._end = self._file.tell()
         self._first = True
         self._steps_since_flush = 0
+        self.flush()
 
     def add(
         self, name: str, tid: str, start_ns: int, end_ns: int, *, cat: str | None = None, **args: Any

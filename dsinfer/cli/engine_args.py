@@ -41,6 +41,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="steps between online expert rebalancing checks (0 = off)",
     )
     group.add_argument("--eplb-min-gain", type=float, default=0.05, help="relative balance gain to rebalance")
+    group.add_argument(
+        "--enable-overlap",
+        action="store_true",
+        help="EP pools: two micro-batches per step, one's dispatch/combine under the other's compute",
+    )
+    group.add_argument(
+        "--overlap-min-tokens",
+        type=int,
+        default=64,
+        help="with --enable-overlap, steps below this many tokens on every rank run one micro-batch",
+    )
+    group.add_argument(
+        "--trace",
+        dest="trace_dir",
+        default=None,
+        metavar="DIR",
+        help="write a Chrome trace per rank (DIR/trace-rank{R}.json): stage chunks and EP transfers",
+    )
 
 
 def engine_args_from(args: argparse.Namespace, **overrides: Any) -> EngineArgs:

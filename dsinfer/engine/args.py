@@ -56,6 +56,10 @@ class EngineArgs(BaseModel):
     placement: Path | None = None  # expert placement file (JSON); None = the default layout
     eplb_interval: int = 0  # steps between online expert-rebalancing checks in an EP pool; 0 = off
     eplb_min_gain: float = 0.05  # rebalance when max/mean per-rank load improves by more than this
+    enable_overlap: bool = False  # two micro-batches per step in an EP pool (comm under compute)
+    overlap_min_tokens: int = 64  # steps with fewer tokens on every rank run one micro-batch
+    trace_dir: Path | None = None  # Chrome trace per rank (trace-rank{R}.json); None = off
+    trace_flush_steps: int = 50  # steps between appends to the trace file (and at close)
 
     @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
     @classmethod
@@ -81,6 +85,10 @@ class EngineArgs(BaseModel):
             raise ValueError("eplb_interval and eplb_min_gain must be >= 0")
         if self.num_redundant_experts < 0:
             raise ValueError("num_redundant_experts must be >= 0")
+        if self.overlap_min_tokens < 0:
+            raise ValueError("overlap_min_tokens must be >= 0")
+        if self.trace_flush_steps < 1:
+            raise ValueError("trace_flush_steps must be at least 1")
         if self.placement is not None and not self.placement.is_file():
             raise ValueError(f"placement {str(self.placement)!r} is not a file")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:

@@ -13,7 +13,10 @@ same, only where they live changes, so no token changes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +32,7 @@ from dsinfer.parallel.placement import ExpertPlacement
 
 log = logging.getLogger("dsinfer.eplb")
 
+STAGING_NICE = 19  # Linux applies a thread's nice value to that thread alone
 PlacementPolicy = Callable[[dict[int, list[float]], ExpertPlacement], ExpertPlacement]
 
 
@@ -112,6 +116,9 @@ class OnlineExpertBalancer:
         self._pending = (candidate, staged, time.monotonic())
 
     def _stage(self, placement: ExpertPlacement) -> dict[str, Experts]:
+        # the lowest CPU priority for this thread: serving steps must not wait for staging
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STAGING_NICE)
         rank = self.ep.rank
         staged = {}
         for name, moe in self._moes.items():

@@ -1,4 +1,5 @@
-"""Scheduled sequences -> the ForwardBatch the model reads (positions, cache slots, block tables)."""
+"""Scheduled sequences -> the ForwardBatch the model reads (positions, cache slots, block tables),
+and the split of a step into two micro-batches of even attention load."""
 
 from __future__ import annotations
 
@@ -35,3 +36,25 @@ def build_forward_batch(
         kv_lens=[start + q for start, q in zip(starts, q_lens, strict=True)],
         num_absorbed=num_absorbed,
     )
+
+
+def attention_load(item: ScheduledSeq) -> int:
+    """New tokens x context: what one sequence's step costs attention."""
+    return item.num_new * item.end
+
+
+def balanced_split(loads: list[int]) -> int:
+    """The k in [1, n) for which ``loads[:k]`` and ``loads[k:]`` are the most even (n >= 2).
+
+    Whole sequences stay in one micro-batch and the order is kept (prefill chunks, then decodes),
+    so the two micro-batches' outputs concatenate back into the step's token order."""
+    if len(loads) < 2:
+        raise ValueError("a split needs at least two sequences")
+    total, before = sum(loads), 0
+    best, best_k = None, 1
+    for k in range(1, len(loads)):
+        before += loads[k - 1]
+        gap = abs(total - 2 * before)
+        if best is None or gap < best:
+            best, best_k = gap, k
+    return best_k

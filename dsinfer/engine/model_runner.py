@@ -7,20 +7,35 @@ A sequence carrying an MTP draft computes two positions: its last token and the 
 samples both positions with its own counter-based keys; the draft is accepted when it equals the
 target's sample at its position, so output is exactly that of decoding without MTP, greedy or
 seeded.
+
+With ``enable_overlap`` in an expert-parallel pool, every step starts with one all-reduce (max)
+of (wants two micro-batches, has prefill work) over the pool, idle ranks included: the pool runs
+two micro-batches when any rank asks for them, in the prefill schedule when any rank has a
+prefill chunk and in the decode schedule otherwise (dsinfer/model/overlap.py); a rank asks when
+it holds two sequences or more and at least ``overlap_min_tokens`` tokens. The step's sequences
+are split, whole and in order, into two parts of even attention load; a rank with fewer than two
+sequences runs empty micro-batches where it has none, so its transfers pair the others'. The MTP
+layer's forward stays one micro-batch.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable
 
 import torch
 
 from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.base.trace import COMPUTE, Tracer
 from dsinfer.cache.latent_pool import LatentKVPool
-from dsinfer.engine.forward import build_forward_batch
+from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.forward import attention_load, balanced_split, build_forward_batch
 from dsinfer.engine.mtp import MTPProposer
 from dsinfer.engine.scheduler import ScheduledBatch, ScheduledSeq, StepResult
+from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from dsinfer.model.overlap import DECODE, PREFILL, MicroBatch, forward_two
 from dsinfer.ops import Ops, SamplingTensors
 from dsinfer.ops.logprobs import prompt_logprobs, top_logprobs
 from dsinfer.ops.penalties import apply_penalties, penalty_state
@@ -30,33 +45,76 @@ Sample = tuple[int, dict[int, float] | None]
 
 class ModelRunner:
     def __init__(
-        self, model: DeepseekV3ForCausalLM, pool: LatentKVPool, ops: Ops, *, mtp: bool = False
+        self,
+        model: DeepseekV3ForCausalLM,
+        pool: LatentKVPool,
+        ops: Ops,
+        *,
+        mtp: bool = False,
+        enable_overlap: bool = False,
+        overlap_min_tokens: int = 64,
+        tracer: Tracer | None = None,
     ) -> None:
         self.model, self.pool, self.ops = model, pool, ops
         self.device = pool.caches[0].device
         self.page_size = pool.page_size
         self.mtp = MTPProposer(model, pool, ops) if mtp else None
+        self.overlap = enable_overlap and model.ep is not None
+        self.overlap_min_tokens = overlap_min_tokens
+        self.tracer = tracer
+        self.two_micro_batch_steps = {PREFILL: 0, DECODE: 0}  # steps run in each schedule
+
+    @classmethod
+    def from_args(
+        cls, model: DeepseekV3ForCausalLM, pool: LatentKVPool, ops: Ops, args: EngineArgs
+    ) -> ModelRunner:
+        tracer = None
+        if args.trace_dir is not None:
+            rank = model.ep.rank if model.ep is not None else 0
+            path = args.trace_dir / f"trace-rank{rank}-pid{os.getpid()}.json"
+            tracer = Tracer(path, rank, flush_every=args.trace_flush_steps)
+        return cls(
+            model,
+            pool,
+            ops,
+            mtp=args.speculative_mtp,
+            enable_overlap=args.enable_overlap,
+            overlap_min_tokens=args.overlap_min_tokens,
+            tracer=tracer,
+        )
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
 
     def run(
         self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
     ) -> list[StepResult]:
         """One forward over the batch (plus the MTP layer's when speculating). ``after_layer`` is
         called with each cache layer's index as soon as that layer's latent KV is written."""
+        try:
+            return self._run(batch, after_layer)
+        finally:
+            if self.tracer is not None:
+                self.tracer.end_step()
+
+    def _run(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> list[StepResult]:
+        order = self._agree_order(batch) if self.overlap else None
+        if order is not None:
+            self.two_micro_batch_steps[order] += 1
         if not batch.seqs:
-            self.model.idle_forward()  # under expert parallelism the pool's collectives go on
+            # under expert parallelism the pool's collectives go on
+            if order is None:
+                self.model.idle_forward()
+            else:
+                self._forward_two(batch, order, None)
+                self.model.idle_forward(decoder_layers=False)
             return []
-        forward = build_forward_batch(
-            batch.seqs,
-            [s.start for s in batch.seqs],
-            [s.num_new for s in batch.seqs],
-            batch.num_decodes,
-            self.page_size,
-            self.device,
-        )
-        forward.after_layer = after_layer
-        ids = [t for s in batch.seqs for t in _step_tokens(s)]
-        hidden = self.model(torch.tensor(ids, device=self.device), forward, self.pool.caches)
-        ends = forward.last_token_indices().tolist()
+        if order is None:
+            hidden = self._forward_one(batch, after_layer)
+        else:
+            hidden = self._forward_two(batch, order, after_layer)
+        ends = [n - 1 for n in itertools.accumulate(s.num_new for s in batch.seqs)]
         results = [StepResult() for _ in batch.seqs]
         samplers = [i for i, s in enumerate(batch.seqs) if s.samples]
         if samplers:
@@ -75,6 +133,62 @@ class ModelRunner:
         if self.mtp is not None:
             self.mtp.propose(batch, hidden, ends, results, after_layer)
         return results
+
+    def _agree_order(self, batch: ScheduledBatch) -> str | None:
+        """The pool's schedule for this step (None = one micro-batch), by one all-reduce (max)."""
+        assert self.model.ep is not None
+        wants = len(batch.seqs) >= 2 and batch.num_tokens >= self.overlap_min_tokens
+        prefill = any(not s.is_decode for s in batch.seqs)
+        flags = torch.tensor([int(wants), int(prefill)], dtype=torch.int64, device=self.device)
+        self.model.ep.group.all_reduce(flags, "max")
+        wants_pool, prefill_pool = flags.tolist()
+        if not wants_pool:
+            return None
+        return PREFILL if prefill_pool else DECODE
+
+    def _forward_one(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> torch.Tensor:
+        forward = self._forward_batch(batch.seqs, batch.num_decodes)
+        forward.after_layer = after_layer
+        ids = torch.tensor([t for s in batch.seqs for t in _step_tokens(s)], device=self.device)
+        if self.tracer is None:
+            return self.model(ids, forward, self.pool.caches)
+        with self.tracer.span("FORWARD", COMPUTE, cat="forward", micro_batches=1, tokens=[len(ids)]):
+            return self.model(ids, forward, self.pool.caches)
+
+    def _forward_two(
+        self, batch: ScheduledBatch, order: str, after_layer: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        """Both micro-batches through the decoder layers -> the final-normed hidden states [T, H]."""
+        seqs, n = batch.seqs, len(batch.seqs)
+        k = balanced_split([attention_load(s) for s in seqs]) if n >= 2 else n
+        absorbed_first = max(0, k - (n - batch.num_decodes))  # decodes come last in a batch
+        parts = ((seqs[:k], absorbed_first), (seqs[k:], batch.num_decodes - absorbed_first))
+        mbs = (self._micro_batch(*parts[0]), self._micro_batch(*parts[1]))
+        if self.tracer is None:
+            forward_two(self.model, mbs, self.pool.caches, order, after_layer=after_layer)
+        else:
+            tokens = [len(mb.input_ids) for mb in mbs]
+            with self.tracer.span(
+                "FORWARD", COMPUTE, cat="forward", micro_batches=2, order=order, tokens=tokens
+            ):
+                forward_two(
+                    self.model, mbs, self.pool.caches, order, tracer=self.tracer, after_layer=after_layer
+                )
+        return torch.cat([mb.hidden for mb in mbs if mb.hidden is not None])
+
+    def _micro_batch(self, seqs: list[ScheduledSeq], num_absorbed: int) -> MicroBatch:
+        ids = torch.tensor([t for s in seqs for t in _step_tokens(s)], dtype=torch.int64, device=self.device)
+        return MicroBatch(ids, self._forward_batch(seqs, num_absorbed) if seqs else None)
+
+    def _forward_batch(self, seqs: list[ScheduledSeq], num_absorbed: int) -> ForwardBatch:
+        return build_forward_batch(
+            seqs,
+            [s.start for s in seqs],
+            [s.num_new for s in seqs],
+            num_absorbed,
+            self.page_size,
+            self.device,
+        )
 
     def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sample]:
         """Rows: for each sequence its position(s) to sample, in order (the draft's last)."""

@@ -5,11 +5,17 @@ loader maps tensors one to one, except two things: routed experts are stacked pe
 (``mlp.experts.w13`` / ``w2``) and the MTP layers (checkpoint index ``num_hidden_layers + j``) live
 in ``mtp_layers[j]``.
 
-Each decoder layer is exposed in stages (attention projections, core attention, MLP) so that
-micro-batch schedules can interleave two batches without another copy of the model.
+Each decoder layer is exposed in stages so that micro-batch schedules (dsinfer/model/overlap.py)
+interleave two batches without another copy of the model: ``attention_in`` (input norm, MLA
+projections, latent cache written), ``attention_out`` (core attention, o_proj, residual),
+``ffn_begin`` (post-attention norm, MoE gate, dispatch posted), ``ffn_experts`` (routed experts
+on the received rows, combine posted; a dense layer's MLP), ``ffn_shared`` (shared experts) and
+``ffn_end`` (combined results weighted and summed, residual). ``forward`` runs them in order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,12 +24,31 @@ from dsinfer.base.config import ModelConfig
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.layers import MLP, Embedding, Linear, RMSNorm
 from dsinfer.model.mla import MLA
-from dsinfer.model.moe import ExpertParallel, MoE
+from dsinfer.model.moe import ExpertParallel, MoE, Received, RoutedWork
 from dsinfer.ops import Ops
+from dsinfer.parallel.ep import Pending
 
 
 class MTPUnavailableError(RuntimeError):
     """MTP was asked of a model built or loaded without MTP weights."""
+
+
+@dataclass
+class FeedForward:
+    """One micro-batch's feed-forward half of one layer while its stages run."""
+
+    h: torch.Tensor  # post-attention-normed input [T, H]
+    routed: RoutedWork | None = None  # MoE layers: the transfers in flight
+    dense: torch.Tensor | None = None  # dense layers: the MLP's output
+    shared: torch.Tensor | None = None  # the shared experts' output
+
+    @property
+    def dispatch(self) -> Pending[Received] | None:
+        return self.routed.dispatch if self.routed is not None else None
+
+    @property
+    def combine(self) -> Pending[torch.Tensor] | None:
+        return self.routed.combine if self.routed is not None else None
 
 
 class DecoderLayer(nn.Module):
@@ -47,8 +72,50 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.attention_out(x, self.attention_in(x, batch, kv_cache), batch, kv_cache)
+        ffn = self.ffn_begin(x)
+        self.ffn_experts(ffn, ffn.dispatch.wait() if ffn.dispatch is not None else None)
+        self.ffn_shared(ffn)
+        return self.ffn_end(x, ffn, ffn.combine.wait() if ffn.combine is not None else None)
+
+    def attention_in(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm and MLA projections; the new tokens' latents are written to ``kv_cache``."""
+        return self.self_attn.project(self.input_layernorm(x), batch, kv_cache)
+
+    def attention_out(
+        self,
+        x: torch.Tensor,
+        q: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Core attention and output projection, added to the residual ``x``."""
+        return x + self.self_attn.attend(*q, batch, kv_cache)
+
+    def ffn_begin(self, x: torch.Tensor) -> FeedForward:
+        h = self.post_attention_layernorm(x)
+        return FeedForward(h, self.mlp.begin(h) if isinstance(self.mlp, MoE) else None)
+
+    def ffn_experts(self, ffn: FeedForward, received: Received | None) -> None:
+        if ffn.routed is None:
+            ffn.dense = self.mlp(ffn.h)
+        else:
+            assert received is not None and isinstance(self.mlp, MoE)
+            self.mlp.run_experts(ffn.routed, received)
+
+    def ffn_shared(self, ffn: FeedForward) -> None:
+        if isinstance(self.mlp, MoE):
+            ffn.shared = self.mlp.shared(ffn.h)
+
+    def ffn_end(self, x: torch.Tensor, ffn: FeedForward, combined: torch.Tensor | None) -> torch.Tensor:
+        if ffn.routed is None:
+            assert ffn.dense is not None
+            return x + ffn.dense
+        assert combined is not None and isinstance(self.mlp, MoE)
+        y = self.mlp.routed_sum(ffn.routed, combined)
+        return x + (y if ffn.shared is None else y + ffn.shared)
 
 
 class SharedHead(nn.Module):
@@ -152,14 +219,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def idle_forward(self) -> None:
+    def idle_forward(self, *, decoder_layers: bool = True) -> None:
         """A forward with no tokens of its own: under expert parallelism this rank still joins
         every MoE layer's dispatch and combine (and computes what others send its experts), in
-        the order a real forward would - decoder layers, then the MTP layers."""
+        the order a real forward would - decoder layers (unless ``decoder_layers`` is False: a
+        two-micro-batch schedule ran them), then the MTP layers."""
         if self.ep is None:
             return
         empty = self.model.embed_tokens(torch.empty(0, dtype=torch.int64, device=self.lm_head.weight.device))
-        for layer in [*self.model.layers, *self.mtp_layers]:
+        layers = [*self.model.layers] if decoder_layers else []
+        for layer in [*layers, *self.mtp_layers]:
             if isinstance(layer.mlp, MoE):
                 layer.mlp(empty)
 

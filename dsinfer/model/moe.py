@@ -7,6 +7,11 @@ each (token, expert) pair picks one replica of its logical expert, travels to th
 that physical slot (``EPGroup.dispatch``), is computed there and comes back (``combine``) to be
 weighted and summed at its token. Counters record the tokens routed to each logical expert (the
 input of EPLB) and those computed in each local slot.
+
+The routed path runs in three steps that a micro-batch schedule may interleave with other work:
+``begin`` (gate, dispatch posted), ``run_experts`` (the received rows through the local experts,
+combine posted) and ``routed_sum`` (the weighted sum of the combined results); ``forward`` runs
+them back to back. Without expert parallelism the transfers are completed ``Pending``s.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import nn
 from dsinfer.base.config import FP8_BLOCK, ModelConfig
 from dsinfer.model.layers import MLP
 from dsinfer.ops import Ops
-from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.ep import DispatchHandle, EPGroup, Pending
 from dsinfer.parallel.placement import ExpertPlacement
 
 
@@ -35,6 +40,20 @@ class ExpertParallel:
     @property
     def rank(self) -> int:
         return self.group.rank
+
+
+Received = tuple[torch.Tensor, torch.Tensor, DispatchHandle | None]  # rows, local slots, handle
+
+
+@dataclass
+class RoutedWork:
+    """One micro-batch's routed experts of one MoE layer, between the gate and the weighted sum."""
+
+    x: torch.Tensor  # the MoE input [T, H]
+    pair_token: torch.Tensor  # token of each (token, expert) pair [T * k]
+    topk_weights: torch.Tensor  # [T, k]
+    dispatch: Pending[Received]
+    combine: Pending[torch.Tensor] | None = None  # posted by MoE.run_experts
 
 
 class Gate(nn.Module):
@@ -134,8 +153,10 @@ def _pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
 def _weighted_sum(
     x: torch.Tensor, pair_token: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    weights = topk_weights.flatten().to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, pair_token, y * weights[:, None])
+    """Each token's k expert outputs weighted and summed (pairs are token-major, k per token)."""
+    tokens, k = topk_weights.shape
+    weights = topk_weights.to(y.dtype).unsqueeze(-1)
+    return (y.view(tokens, k, y.shape[-1]) * weights).sum(dim=1)
 
 
 class MoE(nn.Module):
@@ -177,26 +198,45 @@ class MoE(nn.Module):
         self.ep = ep
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        work = self.begin(x)
+        self.run_experts(work, work.dispatch.wait())
+        assert work.combine is not None
+        y = self.routed_sum(work, work.combine.wait())
+        shared = self.shared(x)
+        return y if shared is None else y + shared
+
+    def begin(self, x: torch.Tensor) -> RoutedWork:
+        """Route ``x`` [T, H] and post the dispatch of its (token, expert) pairs."""
         topk_weights, topk_ids = self.gate(x)
         self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.expert_load.shape[0])
-        if self.ep is None:
-            y = self.experts(x, topk_weights, topk_ids)
-        else:
-            y = self._routed_ep(x, topk_weights, topk_ids, self.ep.group)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
-
-    def _routed_ep(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, group: EPGroup
-    ) -> torch.Tensor:
         pair_token = _pair_tokens(topk_ids)
         experts = topk_ids.flatten()
+        if self.ep is None:
+            local: Pending[Received] = Pending.completed(
+                (x[pair_token], self.experts.slot_of_expert[experts], None)
+            )
+            return RoutedWork(x, pair_token, topk_weights, local)
         # spread a token's pairs and consecutive tokens over the replicas of their expert
         spread = pair_token + torch.arange(topk_ids.shape[1], device=x.device).repeat(topk_ids.shape[0])
         physical = self.replica_slots[experts, spread % self.num_replicas[experts]]
-        rows, slots, handle = group.dispatch(
+        dispatch = self.ep.group.dispatch_async(
             x[pair_token], physical // self.slots_per_rank, physical % self.slots_per_rank
         )
-        y = group.combine(self.experts.compute(rows, slots), handle)
-        return _weighted_sum(x, pair_token, y, topk_weights)
+        return RoutedWork(x, pair_token, topk_weights, dispatch)
+
+    def run_experts(self, work: RoutedWork, received: Received) -> None:
+        """The rows this rank received through its experts; posts their combine."""
+        rows, slots, handle = received
+        y = self.experts.compute(rows, slots)
+        if handle is None:
+            work.combine = Pending.completed(y)
+        else:
+            assert self.ep is not None
+            work.combine = self.ep.group.combine_async(y, handle)
+
+    def routed_sum(self, work: RoutedWork, combined: torch.Tensor) -> torch.Tensor:
+        """Each token's weighted sum over its routed experts' results [T, H]."""
+        return _weighted_sum(work.x, work.pair_token, combined, work.topk_weights)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_experts(x) if self.shared_experts is not None else None

@@ -18,6 +18,7 @@ rank must post and wait in the same order as the others post.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -27,21 +28,22 @@ from typing import Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-# gloo moves bytes; 16-bit floats travel as int16 (gloo's all_to_all does not take every dtype)
-_WIRE_DTYPES = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
 T = TypeVar("T")
 Dispatched = tuple[torch.Tensor, torch.Tensor, "DispatchHandle"]
 
 
 class Pending(Generic[T]):
-    """A transfer in flight. ``posted_ns`` is when it was posted and ``completed_ns`` when its data
-    had arrived (``time.perf_counter_ns``): set by the Works' future callbacks where the backend
-    has them, else when ``wait`` returned. ``wait`` may be called more than once."""
+    """A transfer in flight. Times are ``time.perf_counter_ns``: ``issued_ns`` when the call began
+    (a synchronous preamble such as the counts exchange runs until ``posted_ns``), ``posted_ns``
+    when the data was posted and ``completed_ns`` when it had arrived: set by the Works' future
+    callbacks where the backend has them, else when ``wait`` returned. ``wait`` may be called more
+    than once."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], T], posted_ns: int) -> None:
+    def __init__(
+        self, works: list[dist.Work], finish: Callable[[], T], posted_ns: int, issued_ns: int | None = None
+    ) -> None:
         self.posted_ns = posted_ns
+        self.issued_ns = posted_ns if issued_ns is None else issued_ns
         self.completed_ns: int | None = None
         self._works, self._finish = works, finish
         self._done: list[int] = []
@@ -63,7 +65,7 @@ class Pending(Generic[T]):
 
     def _on_done(self, _future: torch.futures.Future) -> None:
         self._done.append(time.perf_counter_ns())  # runs on the backend's thread
-        if len(self._done) == len(self._works):
+        if len(self._done) == len(self._works) and self.completed_ns is None:
             self.completed_ns = max(self._done)
 
     @property
@@ -135,41 +137,62 @@ class TorchEPGroup(EPGroup):
     def dispatch_async(
         self, x: torch.Tensor, dest_rank: torch.Tensor, local_slot: torch.Tensor
     ) -> Pending[Dispatched]:
+        issued = time.perf_counter_ns()
         order = torch.argsort(dest_rank, stable=True)
         send = torch.bincount(dest_rank, minlength=self.size).to(torch.int64)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         handle = DispatchHandle(order, send.tolist(), recv.tolist())
         posted = time.perf_counter_ns()
-        rows, rows_work, rows_view = self._post(x[order], handle.recv_counts, handle.send_counts)
-        slots, slots_work, _ = self._post(local_slot[order], handle.recv_counts, handle.send_counts)
-        return Pending([rows_work, slots_work], lambda: (rows_view(rows), slots, handle), posted)
+        # one transfer: each row's bytes with its slot's 8 bytes appended
+        row_bytes = _as_bytes(x[order])
+        packed = torch.cat([row_bytes, _as_bytes(local_slot[order].to(torch.int64))], dim=1)
+        transfer = self._post(packed, handle.recv_counts, handle.send_counts)
+        width = row_bytes.shape[1]
+
+        def finish() -> Dispatched:
+            got = transfer.out
+            rows = _from_bytes(got[:, :width], x.dtype, x.shape[1:])
+            return rows, _from_bytes(got[:, width:], torch.int64, ()), handle
+
+        return Pending([transfer.work], finish, posted, issued)
 
     def combine_async(self, y: torch.Tensor, handle: DispatchHandle) -> Pending[torch.Tensor]:
         posted = time.perf_counter_ns()
-        back, work, view = self._post(y, handle.send_counts, handle.recv_counts)
+        transfer = self._post(_as_bytes(y), handle.send_counts, handle.recv_counts)
 
         def finish() -> torch.Tensor:
-            received = view(back)
+            received = _from_bytes(transfer.out, y.dtype, y.shape[1:])
             out = torch.empty_like(received)
             out[handle.order] = received
             return out
 
-        return Pending([work], finish, posted)
+        return Pending([transfer.work], finish, posted)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         dist.all_reduce(tensor, op=ops[op], group=self.group)
         return tensor
 
-    def _post(
-        self, data: torch.Tensor, out_counts: list[int], in_counts: list[int]
-    ) -> tuple[torch.Tensor, dist.Work, Callable[[torch.Tensor], torch.Tensor]]:
-        """Post one uneven all-to-all: (receive buffer, its Work, buffer -> data in data's dtype)."""
-        wire = _WIRE_DTYPES.get(data.dtype)
-        send = data.contiguous() if wire is None else data.contiguous().view(wire)
-        out = send.new_empty((sum(out_counts), *send.shape[1:]))
-        work = dist.all_to_all_single(out, send, out_counts, in_counts, group=self.group, async_op=True)
+    def _post(self, data: torch.Tensor, out_counts: list[int], in_counts: list[int]) -> _Posted:
+        """Post one uneven all-to-all of ``data``'s rows (bytes)."""
+        out = data.new_empty((sum(out_counts), *data.shape[1:]))
+        work = dist.all_to_all_single(out, data, out_counts, in_counts, group=self.group, async_op=True)
         assert work is not None
-        dtype = data.dtype
-        return out, work, (lambda buf: buf) if wire is None else (lambda buf: buf.view(dtype))
+        return _Posted(work, data, out)
+
+
+@dataclass
+class _Posted:
+    work: dist.Work
+    send: torch.Tensor  # held until the transfer completes
+    out: torch.Tensor  # the receive buffer
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Rows of ``t`` as uint8 rows [N, bytes] (gloo's all-to-all does not take every dtype)."""
+    return t.reshape(t.shape[0], math.prod(t.shape[1:])).contiguous().view(torch.uint8)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    return b.contiguous().view(dtype).view(b.shape[0], *shape)
