@@ -1,0 +1,767 @@
+"""How long an online expert rebalance stalls a step of an expert-parallel pool.
+
+The issue's target: no step longer than twice the median while expert weights move.
+
+The script starts an EP pool of 2 (optionally 4) rank processes on this machine (gloo over
+TCP, one torch thread and one numba thread per rank), each driving an ``LLMEngine`` with
+``TorchEPGroup`` in lockstep as the serving loop does (flags all-reduced every iteration, then
+``engine.step_updates()``). The model is the built-in tiny preset's config with larger MoE sizes
+(written to a temp directory, ``load_format="dummy"``), so staging new experts takes many steps.
+Workload: N prompts of random token ids (dealt round-robin to the ranks), greedy, a fixed output
+length with ``ignore_eos``: after one prefill step every step is a steady decode step.
+
+Each configuration runs twice: without rebalancing (``eplb_interval=0``) and with
+``eplb_interval=K`` and ``eplb_min_gain=0`` (rebalance whenever EPLB proposes any different
+placement, whatever the gain: the load of random dummy weights is nearly even, so a real
+min_gain would usually skip it). Every rank times every ``step_updates()`` call (which runs the
+balancer's ``before_step`` too: the load all-reduce and placement at a decision, the
+ready-flag all-reduce while staging, the swap); the pool's step time is the max over ranks per
+step index. From ``OnlineExpertBalancer.history`` each rebalance marks its staging window (the
+decision step up to the step before the swap: the steps that ran while the background thread
+built the new experts) and its swap step. Reported per run: the median of the steady steps (from
+step ``--warmup`` + 1 on, outside staging windows and swap steps), the max step inside the
+windows, the swap step's time, both as ratios to the median (target <= 2.0), stage_seconds (the
+decision to the swap, wall clock), and the same statistics of the run without rebalancing for
+comparison (its own max/median is the noise floor). A second configuration with bigger experts
+makes staging span many more steps (serving goes on meanwhile). After the timed loop every rank
+also builds all of its experts once more on an idle pool, which gives the staging work's own
+duration without serving competing with it.
+
+    /work/venv/bin/python benchmarks/eplb_stall.py \\
+        --out benchmarks/results/eplb_stall.json --markdown benchmarks/results/eplb_stall.md
+
+Internal: ``eplb_stall.py --rank-child SPEC_JSON`` is one rank of the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 2.0  # the issue: no step longer than twice the median while weights move
+PORT_TAKEN = 75  # a rank's exit status when the rendezvous port was in use
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+# name -> overrides of the tiny preset's config.json
+CONFIGS: dict[str, dict[str, Any]] = {
+    "standard": {
+        "hidden_size": 768,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "n_routed_experts": 32,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_experts_per_tok": 4,
+        "q_lora_rank": 256,
+    },
+    "slow-staging": {
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 512,
+        "num_hidden_layers": 5,
+        "n_routed_experts": 64,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_experts_per_tok": 4,
+        "q_lora_rank": 256,
+    },
+}
+
+
+# The rank child --------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the parent dies, so no rank outlives the benchmark."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+
+
+def rank_main(spec: dict[str, Any]) -> int:
+    _die_with_parent()
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from dsinfer.base.sampling_params import SamplingParams
+    from dsinfer.engine.args import EngineArgs
+    from dsinfer.engine.engine import LLMEngine
+    from dsinfer.model.moe import MoE
+    from dsinfer.parallel.ep import TorchEPGroup
+    from dsinfer.workers.rank import StepFlags
+
+    rank, world, label = spec["rank"], spec["world"], spec["label"]
+    logging.basicConfig(level=logging.WARNING, format=f"    [{label} rank {rank}] %(name)s: %(message)s")
+    logging.getLogger("dsinfer.eplb").setLevel(logging.INFO)
+    import dsinfer.model.loader as loader
+
+    # the loader's progress bars, twice per rank, would bury the progress lines
+    bar = loader.tqdm
+    loader.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=spec["init"],
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=spec["dist_timeout"]),
+        )
+    except dist.DistNetworkError as e:  # the port was taken meanwhile: the parent retries
+        print(f"    [{label} rank {rank}] rendezvous failed: {e}", file=sys.stderr, flush=True)
+        return PORT_TAKEN
+    t_load = time.perf_counter()
+    engine = LLMEngine(EngineArgs(model=spec["model"], **spec["engine"]), ep_group=TorchEPGroup())
+    load_seconds = time.perf_counter() - t_load
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    for rid, ids in spec["prompts"].items():
+        engine.add_request(rid, ids, params)
+    flags = StepFlags(world)
+    dist.barrier()
+    step_s: list[float] = []
+    iter_s: list[float] = []
+    cpu_s: list[float] = []  # CPU time the stepping thread got during the step
+    other_cpu_s: list[float] = []  # CPU time of the process's other threads (staging, gloo) meanwhile
+    tokens: list[int] = []
+    balancer = engine.expert_balancer
+    if balancer is not None and spec["stage_nice"] is not None:
+        # experiment, not dsinfer's behaviour: the staging thread at a lower CPU priority
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        def renice() -> None:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), spec["stage_nice"])
+
+        balancer._executor.shutdown()
+        balancer._executor = ThreadPoolExecutor(1, thread_name_prefix="eplb-stage", initializer=renice)
+    balancer_s: list[float] = []  # the balancer's own share of each step (before_step)
+    if balancer is not None:
+        before_step = balancer.before_step
+
+        def timed_before_step() -> None:
+            t = time.perf_counter()
+            before_step()
+            balancer_s.append(time.perf_counter() - t)
+
+        balancer.before_step = timed_before_step
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        has_work, _, _ = flags.agree(engine.has_unfinished_requests(), False, False)
+        if not has_work:
+            break
+        t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+        updates = engine.step_updates()
+        t2, c2, p2 = time.perf_counter(), time.thread_time(), time.process_time()
+        step_s.append(t2 - t1)
+        cpu_s.append(c2 - c1)
+        other_cpu_s.append((p2 - p1) - (c2 - c1))
+        iter_s.append(t2 - t0)
+        tokens.append(sum(len(u.new_token_ids) for u in updates))
+        if rank != 0:
+            continue
+        n = len(step_s)
+        if n % spec["progress_every"] == 0:
+            recent = sorted(step_s[-spec["progress_every"] :])
+            events = ""
+            if balancer is not None:
+                events = "; rebalances " + (
+                    ", ".join(f"step {e.step}->swap {e.swap_step}" for e in balancer.history) or "none yet"
+                )
+            print(
+                f"    [{label}] step {n}: median of the last {len(recent)} {1e3 * recent[len(recent) // 2]:.1f} ms"
+                f", max {1e3 * recent[-1]:.1f} ms{events}",
+                file=sys.stderr,
+                flush=True,
+            )
+    wall = time.perf_counter() - start
+    history = [vars(e).copy() for e in balancer.history] if balancer is not None else []
+    for event in history:
+        event.pop("received_before", None)
+    moes = [(name, m) for name, m in engine.model.named_modules() if isinstance(m, MoE)]
+    rebuild_seconds = None
+    if balancer is not None:
+        # the staging work alone: every MoE layer's experts built once more, the pool idle (after
+        # a staging still running at the end has finished)
+        balancer.close()
+        dist.barrier()
+        t = time.perf_counter()
+        for name, moe in moes:
+            balancer.source.build(f"{name}.experts", moe.experts.expert_ids)
+        rebuild_seconds = time.perf_counter() - t
+    result = {
+        "rank": rank,
+        "load_seconds": load_seconds,
+        "wall_seconds": wall,
+        "step_seconds": step_s,
+        "iteration_seconds": iter_s,
+        "balancer_seconds": balancer_s,
+        "cpu_seconds": cpu_s,
+        "other_cpu_seconds": other_cpu_s,
+        "tokens": tokens,
+        "history": history,
+        "rebuild_all_experts_seconds": rebuild_seconds,
+        "expert_bytes": sum(m.experts.w13.nbytes + m.experts.w2.nbytes for _, m in moes),
+        "slots_per_layer": len(moes[0][1].experts.expert_ids),
+        "moe_layers": len(moes),
+    }
+    Path(spec["out"]).write_text(json.dumps(result))
+    dist.barrier()
+    engine.close()
+    dist.destroy_process_group()
+    return 0
+
+
+# The parent: pools, statistics, report ---------------------------------------------------------
+_children: list[subprocess.Popen] = []
+
+
+def _kill_children() -> None:
+    for p in _children:
+        if p.poll() is None:
+            p.kill()
+    for p in _children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    _children.clear()
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _kill_children()
+    raise SystemExit(128 + signum)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_model(name: str, dest: Path) -> tuple[Path, dict[str, Any]]:
+    from dsinfer.base.presets import resolve_model
+
+    preset, _ = resolve_model(None)
+    config = json.loads((preset / "config.json").read_text())
+    config.update(CONFIGS[name])
+    path = dest / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    for file in TOKENIZER_FILES:
+        if (preset / file).is_file():
+            shutil.copy(preset / file, path / file)
+    return path, config
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 4000) for _ in range(length)] for _ in range(count)]
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def run_pool(
+    args: argparse.Namespace,
+    world: int,
+    model: Path,
+    label: str,
+    engine: dict[str, Any],
+    tmp: Path,
+    stage_nice: int | None = None,
+) -> list[dict[str, Any]]:
+    """One pool run: ``world`` rank processes; their results, rank by rank. A rendezvous port
+    taken by another process between choosing and binding it costs a retry on a new port."""
+    for attempt in range(3):
+        try:
+            return _run_pool_once(args, world, model, label, engine, tmp, stage_nice)
+        except PortTaken:
+            print(f"   {label}: rendezvous port taken, retrying ({attempt + 1})", flush=True)
+    raise RuntimeError(f"{label}: rendezvous failed three times")
+
+
+def _run_pool_once(
+    args: argparse.Namespace,
+    world: int,
+    model: Path,
+    label: str,
+    engine: dict[str, Any],
+    tmp: Path,
+    stage_nice: int | None,
+) -> list[dict[str, Any]]:
+    ids = prompts(args.num_prompts, args.input_len, args.seed)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "NUMBA_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    outs = []
+    deadline = time.monotonic() + args.run_timeout
+    try:
+        for rank in range(world):
+            out = tmp / f"{label.replace(' ', '_')}-rank{rank}.json"
+            out.unlink(missing_ok=True)
+            spec = {
+                "rank": rank,
+                "world": world,
+                "init": init,
+                "label": label,
+                "model": str(model),
+                "engine": engine,
+                "prompts": {f"p{i}": p for i, p in enumerate(ids) if i % world == rank},
+                "max_tokens": args.output_len,
+                "out": str(out),
+                "progress_every": args.progress_every,
+                "dist_timeout": args.dist_timeout,
+                "stage_nice": stage_nice,
+            }
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-child", json.dumps(spec)]
+            _children.append(subprocess.Popen(cmd, env=env, cwd=REPO))
+            outs.append(out)
+        pending = list(_children)
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{label}: pool did not finish within {args.run_timeout} s")
+            for p in list(pending):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                pending.remove(p)
+                if rc == PORT_TAKEN:
+                    raise PortTaken(label)
+                if rc != 0:
+                    raise RuntimeError(f"{label}: a rank exited with status {rc}")
+            time.sleep(0.2)
+    finally:
+        _kill_children()
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Pool step times (max over ranks per step) and the rebalance windows of rank 0's history
+    (every rank swaps at the same step; checked)."""
+    counts = {len(r["step_seconds"]) for r in ranks}
+    if len(counts) != 1:
+        raise RuntimeError(f"ranks ran different step counts {sorted(counts)}")
+    steps = [max(col) for col in zip(*(r["step_seconds"] for r in ranks), strict=True)]
+    iters = [max(col) for col in zip(*(r["iteration_seconds"] for r in ranks), strict=True)]
+    cpu = [max(col) for col in zip(*(r["cpu_seconds"] for r in ranks), strict=True)]
+    n = len(steps)
+    bal = [r["balancer_seconds"] for r in ranks]
+    own = [max(col) for col in zip(*bal, strict=True)] if all(bal) else None  # balancer share, max over ranks
+    events = ranks[0]["history"]
+    swaps = [[e["swap_step"] for e in r["history"]] for r in ranks]
+    if any(s != swaps[0] for s in swaps):
+        raise RuntimeError(f"ranks swapped at different steps: {swaps}")
+    window: set[int] = set()  # 1-based step indices (the balancer's step count)
+    swap: set[int] = set()
+    per_event = []
+    for e in events:
+        end = e["swap_step"] if e["swap_step"] is not None else n + 1
+        win = list(range(e["step"], end))
+        window.update(win)
+        if e["swap_step"] is not None:
+            swap.add(e["swap_step"])
+        win_times = [steps[i - 1] for i in win if i <= n]
+        win_cpu = [cpu[i - 1] for i in win if i <= n]
+        # CPU the ranks' other threads (the staging thread; gloo's are near idle) got during the window
+        other_cpu = max(sum(r["other_cpu_seconds"][i - 1] for i in win if i <= n) for r in ranks)
+        per_event.append(
+            {
+                "decision_step": e["step"],
+                "swap_step": e["swap_step"],
+                "steps_staging": len(win),
+                "stage_seconds": max(r["history"][len(per_event)]["stage_seconds"] for r in ranks)
+                if e["swap_step"] is not None
+                else None,  # still staging when the run ended
+                "balance_before": e["balance_before"],
+                "balance_after": e["balance_after"],
+                "window_max_ms": 1e3 * max(win_times) if win_times else None,
+                "window_median_ms": 1e3 * statistics.median(win_times) if win_times else None,
+                "window_cpu_median_ms": 1e3 * statistics.median(win_cpu) if win_cpu else None,
+                "window_other_threads_cpu_seconds": other_cpu,
+                "decision_step_ms": 1e3 * steps[e["step"] - 1],
+                "swap_step_ms": 1e3 * steps[e["swap_step"] - 1] if e["swap_step"] is not None else None,
+                # inside those steps, the balancer's own time (load all-reduce + placement; swap)
+                "decision_balancer_ms": 1e3 * own[e["step"] - 1] if own else None,
+                "swap_balancer_ms": 1e3 * own[e["swap_step"] - 1]
+                if own and e["swap_step"] is not None
+                else None,
+            }
+        )
+    steady = [steps[i - 1] for i in range(warmup + 1, n + 1) if i not in window and i not in swap]
+    median = _median(steady)
+    steady_idx = [i for i in range(warmup + 1, n + 1) if i not in window and i not in swap]
+    steady_cpu = _median([cpu[i - 1] for i in steady_idx])
+    moving = [steps[i - 1] for i in sorted(window | swap) if i > warmup]
+    out: dict[str, Any] = {
+        "steps": n,
+        "steady_steps": len(steady),
+        "median_ms": 1e3 * median if median else None,
+        "steady_p90_ms": 1e3 * statistics.quantiles(steady, n=10)[-1] if len(steady) > 10 else None,
+        "steady_max_ms": 1e3 * max(steady) if steady else None,
+        "steady_max_over_median": _ratio(max(steady) if steady else None, median),
+        "steady_cpu_median_ms": 1e3 * steady_cpu if steady_cpu is not None else None,
+        "events": per_event,
+        "window_max_ms": 1e3 * max(moving) if moving else None,
+        "worst_window_ratio": None,
+        "worst_swap_ratio": None,
+        "first_step_ms": 1e3 * steps[0],
+        "iteration_median_ms": 1e3 * statistics.median(iters[warmup:]) if n > warmup else None,
+        "output_tokens": sum(sum(r["tokens"]) for r in ranks),
+        "wall_seconds": max(r["wall_seconds"] for r in ranks),
+        "load_seconds": max(r["load_seconds"] for r in ranks),
+        "rebuild_all_experts_seconds": max(
+            (r["rebuild_all_experts_seconds"] for r in ranks if r["rebuild_all_experts_seconds"] is not None),
+            default=None,
+        ),
+        "expert_bytes_per_rank": ranks[0]["expert_bytes"],
+        "slots_per_layer": ranks[0]["slots_per_layer"],
+        "moe_layers": ranks[0]["moe_layers"],
+        "step_ms": [round(1e3 * s, 3) for s in steps],
+        "balancer_ms": [round(1e3 * s, 3) for s in own] if own else None,
+        "cpu_ms": [round(1e3 * s, 3) for s in cpu],
+        "other_threads_cpu_ms_per_rank": [[round(1e3 * s, 3) for s in r["other_cpu_seconds"]] for r in ranks],
+        "step_ms_per_rank": [[round(1e3 * s, 3) for s in r["step_seconds"]] for r in ranks],
+    }
+    windows = [e["window_max_ms"] for e in per_event if e["window_max_ms"] is not None]
+    swaps_ms = [e["swap_step_ms"] for e in per_event if e["swap_step_ms"] is not None]
+    if median:
+        out["worst_window_ratio"] = max(windows) / out["median_ms"] if windows else None
+        out["worst_swap_ratio"] = max(swaps_ms) / out["median_ms"] if swaps_ms else None
+        out["max_moving_ratio"] = out["window_max_ms"] / out["median_ms"] if moving else None
+        out["target_met"] = (max(moving) / median <= TARGET_RATIO) if moving else None
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"online_cpus": os.cpu_count(), "python": platform.python_version()}
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        info["cpu_model"] = fields.get("Model name", "").strip()
+        info["cores_per_socket"] = fields.get("Core(s) per socket", "").strip()
+        info["threads_per_core"] = fields.get("Thread(s) per core", "").strip()
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
+        info["mem_total_gib"] = round(int(mem[1]) / (1 << 20), 1)
+    info["kernel"] = platform.release()
+    with contextlib.suppress(ImportError):
+        import torch
+
+        info["torch"] = torch.__version__
+    return info
+
+
+def git_commit() -> str:
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", *argv], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+        ).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--", "dsinfer", "kernels", "configs")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}{' (uncommitted changes in dsinfer/, kernels/ or configs/)' if dirty else ''}"
+
+
+def _f(x: float | None, fmt: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+VARIANTS = {
+    "baseline": "no rebalancing",
+    "rebalance": "rebalancing",
+    "rebalance-nice": "rebalancing, staging thread reniced (experiment)",
+}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m, a = doc["machine"], doc["args"]
+    lines = [
+        "# EPLB stall: step times while an online rebalance moves expert weights",
+        "",
+        f"- date: {doc['date']}",
+        f"- machine: {m.get('cpu_model', '?')}, {m['online_cpus']} CPUs ({m.get('cores_per_socket', '?')} "
+        f"cores/socket, {m.get('threads_per_core', '?')} thread/core), {m.get('mem_total_gib', '?')} GiB; "
+        f"Python {m['python']}, torch {m.get('torch', '?')}",
+        f"- load average (1/5/15 min) at start {' / '.join(f'{x:.2f}' for x in doc['load_avg_start'])}, "
+        f"at end {' / '.join(f'{x:.2f}' for x in doc['load_avg_end'])} (other work shared the machine)",
+        f"- commit: {doc['commit']}",
+        f"- command: `{doc['command']}`",
+        f"- workload: {a['num_prompts']} prompts x {a['input_len']} random tokens, {a['output_len']} out "
+        f"(greedy, ignore_eos), dealt round-robin to the ranks; {a['dtype']}, dummy weights, "
+        f"1 torch + 1 numba thread per rank, gloo",
+        f"- rebalancing: eplb_interval {a['interval']}, eplb_min_gain 0 (rebalance whenever EPLB proposes a "
+        f"different placement), {a['redundant']} redundant experts; median = steady steps (from step "
+        f"{a['warmup'] + 1}) outside staging windows and swap steps; pool step time = max over ranks",
+        f"- target: every step while weights move (staging window + swap step) <= {TARGET_RATIO:.1f}x median",
+    ]
+    if a.get("stage_nice") is not None:
+        lines.append(
+            f"- experiment (not dsinfer's behaviour): `rebalancing, staging thread reniced` runs the "
+            f"balancer's staging thread at nice {a['stage_nice']} (the benchmark replaces its executor)"
+        )
+    lines += [
+        "",
+        "Models (the tiny preset with these changes):",
+        "",
+        "| config | hidden | moe_inter | routed experts (groups) | MoE layers | expert weights per rank |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in doc["configs"].items():
+        mib = c.get("expert_mib_per_rank", {})
+        lines.append(
+            f"| {name} | {c['hidden_size']} | {c['moe_intermediate_size']} | {c['n_routed_experts']} "
+            f"({c['n_group']}) | {c['num_hidden_layers'] - c.get('first_k_dense_replace', 1)} | "
+            + ", ".join(f"EP{w}: {v:.0f} MiB" for w, v in mib.items())
+            + " |"
+        )
+    lines += [
+        "",
+        "| EP | config | rep | run | median ms | steady max / median | rebalances | stage s (steps staging) "
+        "| idle rebuild s | max step in windows ms (x median) | max swap step ms (x median) | target met |",
+        "|---:|---|---:|---|---:|---:|---:|---|---:|---|---|---|",
+    ]
+    for r in doc["results"]:
+        for variant, label in VARIANTS.items():
+            e = r.get(variant)
+            if e is None:
+                continue
+            stage = ", ".join(_stage(ev) for ev in e["events"]) or "-"
+            windows = [ev["window_max_ms"] for ev in e["events"] if ev["window_max_ms"] is not None]
+            swaps = [ev["swap_step_ms"] for ev in e["events"] if ev["swap_step_ms"] is not None]
+            moving = variant != "baseline"
+            lines.append(
+                f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {_f(e['median_ms'])} | "
+                f"{_f(e['steady_max_over_median'], '.2f')} | {len(e['events']) if moving else '-'} | {stage} | "
+                f"{_f(e['rebuild_all_experts_seconds'], '.2f') if moving else '-'} | "
+                + (
+                    f"{_f(max(windows, default=None))} ({_f(e['worst_window_ratio'], '.2f')}) | "
+                    f"{_f(max(swaps, default=None))} ({_f(e['worst_swap_ratio'], '.2f')}) | "
+                    f"{_yes(e.get('target_met'))} |"
+                    if moving
+                    else "- | - | - |"
+                )
+            )
+    lines += [
+        "",
+        "Every rebalance (pool step times; ratios to the run's median; balancer ms = the balancer's own "
+        "share of the step: load all-reduce + placement at the decision, module swap at the swap):",
+        "",
+        "| EP | config | rep | run | decision step | swap step | balance before -> after | stage s "
+        "| window median ms | window max ms (x) | decision step ms (balancer ms) | swap step ms (x) (balancer ms) "
+        "| stepping thread CPU ms, window / steady median | other threads' CPU s in window |",
+        "|---:|---|---:|---|---:|---:|---|---:|---:|---|---|---|---|---:|",
+    ]
+    for r in doc["results"]:
+        for variant, label in VARIANTS.items():
+            e = r.get(variant)
+            if e is None or variant == "baseline":
+                continue
+            med = e["median_ms"]
+            for ev in e["events"]:
+                lines.append(
+                    f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {ev['decision_step']} | "
+                    f"{ev['swap_step']} | {ev['balance_before']:.3f} -> {ev['balance_after']:.3f} | "
+                    f"{_f(ev['stage_seconds'], '.2f')} | {_f(ev['window_median_ms'])} | "
+                    f"{_f(ev['window_max_ms'])} ({_f(_ratio(ev['window_max_ms'], med), '.2f')}) | "
+                    f"{_f(ev['decision_step_ms'])} ({_f(ev['decision_balancer_ms'])}) | "
+                    f"{_f(ev['swap_step_ms'])} ({_f(_ratio(ev['swap_step_ms'], med), '.2f')}) "
+                    f"({_f(ev['swap_balancer_ms'])}) | {_f(ev['window_cpu_median_ms'])} / "
+                    f"{_f(e['steady_cpu_median_ms'])} | {ev['window_other_threads_cpu_seconds']:.2f} |"
+                )
+    lines += [
+        "",
+        "Other figures per run:",
+        "",
+        "| EP | config | rep | run | steps | steady p90 ms | steady max ms | steady stepping-thread CPU ms "
+        "| output tok/s | load s |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["results"]:
+        for variant, label in VARIANTS.items():
+            e = r.get(variant)
+            if e is None:
+                continue
+            lines.append(
+                f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {e['steps']} | "
+                f"{_f(e['steady_p90_ms'])} | {_f(e['steady_max_ms'])} | {_f(e['steady_cpu_median_ms'])} | "
+                f"{e['output_tokens'] / e['wall_seconds']:.0f} | {e['load_seconds']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _stage(ev: dict[str, Any]) -> str:
+    if ev["stage_seconds"] is None:
+        return f"unfinished at the end ({ev['steps_staging']})"
+    return f"{ev['stage_seconds']:.2f} ({ev['steps_staging']})"
+
+
+def _yes(x: bool | None) -> str:
+    return "n/a" if x is None else "yes" if x else "**no**"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rank-child", metavar="SPEC", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--pools",
+        default="2:standard,2:slow-staging",
+        help=f"comma-separated EP:CONFIG[:REPEATS] (EP 2 or 4; CONFIG: {', '.join(CONFIGS)}); each repeat "
+        "runs every variant once",
+    )
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--interval", type=int, default=96, help="eplb_interval (steps)")
+    parser.add_argument("--redundant", type=int, default=4, help="num_redundant_experts")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--warmup", type=int, default=8, help="steps left out of the statistics")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--stage-nice",
+        type=int,
+        default=None,
+        help="experiment: also run with the balancer's staging thread at this nice value (e.g. 19)",
+    )
+    parser.add_argument(
+        "--variants", default=None, help="only these of baseline,rebalance,rebalance-nice (default: all)"
+    )
+    parser.add_argument("--progress-every", type=int, default=50)
+    parser.add_argument("--run-timeout", type=float, default=900, help="seconds for one pool run")
+    parser.add_argument("--dist-timeout", type=float, default=120, help="gloo collective timeout (s)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks/results/eplb_stall.json")
+    parser.add_argument("--markdown", type=Path, default=REPO / "benchmarks/results/eplb_stall.md")
+    args = parser.parse_args(argv)
+    if args.rank_child:
+        return rank_main(json.loads(args.rank_child))
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    pools: list[tuple[int, str, int]] = []
+    for item in args.pools.split(","):
+        parts = item.strip().split(":")
+        if len(parts) not in (2, 3) or parts[1] not in CONFIGS:
+            parser.error(
+                f"--pools entry {item!r}: want EP:CONFIG[:REPEATS], CONFIG one of {', '.join(CONFIGS)}"
+            )
+        world, repeats = int(parts[0]), int(parts[2]) if len(parts) == 3 else 1
+        experts = CONFIGS[parts[1]]["n_routed_experts"]
+        if world < 2 or (experts + args.redundant) % world:
+            parser.error(
+                f"--pools entry {item!r}: {experts} experts + {args.redundant} redundant over {world} ranks"
+            )
+        pools.append((world, parts[1], repeats))
+    doc: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(),
+        "commit": git_commit(),
+        "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "load_avg_start": list(os.getloadavg()),
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "rank_child"
+        },
+        "target_ratio": TARGET_RATIO,
+        "configs": {},
+        "results": [],
+    }
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("baseline", {"eplb_interval": 0}),
+        ("rebalance", {"eplb_interval": args.interval, "eplb_min_gain": 0.0}),
+    ]
+    if args.stage_nice is not None:
+        variants.append(("rebalance-nice", {"eplb_interval": args.interval, "eplb_min_gain": 0.0}))
+    if args.variants:
+        variants = [v for v in variants if v[0] in args.variants.split(",")]
+    try:
+        with tempfile.TemporaryDirectory(prefix="eplb-stall-") as tmp_name:
+            tmp = Path(tmp_name)
+            models: dict[str, tuple[Path, dict[str, Any]]] = {}
+            for world, config_name, repeats in pools:
+                if config_name not in models:
+                    models[config_name] = write_model(config_name, tmp / "models")
+                    doc["configs"][config_name] = {
+                        k: models[config_name][1][k] for k in (*CONFIGS[config_name], "first_k_dense_replace")
+                    }
+                model = models[config_name][0]
+                base = {
+                    "load_format": "dummy",
+                    "dtype": args.dtype,
+                    "device": "cpu",
+                    "seed": args.seed,
+                    "kv_cache_memory": "256MiB",
+                    "max_num_seqs": args.num_prompts,
+                    "num_redundant_experts": args.redundant,
+                }
+                for repeat in range(1, repeats + 1):
+                    entry: dict[str, Any] = {"world": world, "config": config_name, "repeat": repeat}
+                    for variant, extra in variants:
+                        label = f"EP{world} {config_name} {variant} #{repeat}"
+                        print(f"== {label}", flush=True)
+                        nice = args.stage_nice if variant == "rebalance-nice" else None
+                        t = time.monotonic()
+                        ranks = run_pool(args, world, model, label, {**base, **extra}, tmp, nice)
+                        r = entry[variant] = analyze(ranks, args.warmup)
+                        print(
+                            f"   {label}: {r['steps']} steps in {time.monotonic() - t:.0f} s, median "
+                            f"{_f(r['median_ms'])} ms, steady max/median "
+                            f"{_f(r['steady_max_over_median'], '.2f')}"
+                            + "".join(
+                                f"; rebalance at step {ev['decision_step']} swapped at {ev['swap_step']} "
+                                f"(stage {_f(ev['stage_seconds'], '.2f')} s), window max "
+                                f"{_f(ev['window_max_ms'])} ms, swap step {_f(ev['swap_step_ms'])} ms"
+                                for ev in r["events"]
+                            ),
+                            flush=True,
+                        )
+                    doc["configs"][config_name].setdefault("expert_mib_per_rank", {})[world] = (
+                        next(iter(v for k, v in entry.items() if k in VARIANTS))["expert_bytes_per_rank"]
+                        / 2**20
+                    )
+                    doc["results"].append(entry)
+    finally:
+        _kill_children()
+    doc["load_avg_end"] = list(os.getloadavg())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
