@@ -94,9 +94,25 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
+def _schedstat(tid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for a CPU) of one thread of this process."""
+    try:
+        on_cpu, waiting, _ = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
+def _staging_tid() -> int | None:
+    import threading
+
+    return next((t.native_id for t in threading.enumerate() if t.name.startswith("eplb-stage")), None)
+
+
 def rank_main(spec: dict[str, Any]) -> int:
     _die_with_parent()
     import logging
+    import threading
 
     import torch
     import torch.distributed as dist
@@ -144,7 +160,6 @@ def rank_main(spec: dict[str, Any]) -> int:
     balancer = engine.expert_balancer
     if balancer is not None and spec["stage_nice"] is not None:
         # experiment, not dsinfer's behaviour: the staging thread at a lower CPU priority
-        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         def renice() -> None:
@@ -162,15 +177,24 @@ def rank_main(spec: dict[str, Any]) -> int:
             balancer_s.append(time.perf_counter() - t)
 
         balancer.before_step = timed_before_step
+    # per iteration (flags + step), from the kernel's schedstat: the stepping thread's and the
+    # staging thread's time on a CPU and time runnable but waiting for one (the rest: blocked)
+    sched: list[list[float]] = []
+    main_tid = threading.get_native_id()
+    stage_tid: int | None = None
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
+        m1, s1 = _schedstat(main_tid), _schedstat(stage_tid) if stage_tid else (0.0, 0.0)
         has_work, _, _ = flags.agree(engine.has_unfinished_requests(), False, False)
         if not has_work:
             break
         t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
         updates = engine.step_updates()
+        stage_tid = stage_tid or (_staging_tid() if balancer is not None else None)
+        m2, s2 = _schedstat(main_tid), _schedstat(stage_tid) if stage_tid else (0.0, 0.0)
         t2, c2, p2 = time.perf_counter(), time.thread_time(), time.process_time()
+        sched.append([m2[0] - m1[0], m2[1] - m1[1], s2[0] - s1[0], s2[1] - s1[1]])
         step_s.append(t2 - t1)
         cpu_s.append(c2 - c1)
         other_cpu_s.append((p2 - p1) - (c2 - c1))
@@ -216,6 +240,7 @@ def rank_main(spec: dict[str, Any]) -> int:
         "balancer_seconds": balancer_s,
         "cpu_seconds": cpu_s,
         "other_cpu_seconds": other_cpu_s,
+        "sched": sched,
         "tokens": tokens,
         "history": history,
         "rebuild_all_experts_seconds": rebuild_seconds,
@@ -397,8 +422,26 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         win_cpu = [cpu[i - 1] for i in win if i <= n]
         # CPU the ranks' other threads (the staging thread; gloo's are near idle) got during the window
         other_cpu = max(sum(r["other_cpu_seconds"][i - 1] for i in win if i <= n) for r in ranks)
+        # thread states over the window's iterations, summed over ranks (seconds): on a CPU,
+        # runnable waiting for a CPU, blocked (the rest: GIL, locks, collectives; the staging
+        # thread also idles in the executor after it finished, at most one iteration)
+        states = {"stepping": [0.0, 0.0, 0.0], "staging": [0.0, 0.0, 0.0]}
+        for r in ranks:
+            for i in win:
+                if i > n:
+                    continue
+                wall = r["iteration_seconds"][i - 1]
+                main_cpu, main_wait, stage_cpu, stage_wait = r["sched"][i - 1]
+                for key, on, wait in (("stepping", main_cpu, main_wait), ("staging", stage_cpu, stage_wait)):
+                    states[key][0] += on
+                    states[key][1] += wait
+                    states[key][2] += max(0.0, wall - on - wait)
         per_event.append(
             {
+                "thread_seconds_in_window": {
+                    k: dict(zip(("on_cpu", "waiting_for_cpu", "blocked"), v, strict=True))
+                    for k, v in states.items()
+                },
                 "decision_step": e["step"],
                 "swap_step": e["swap_step"],
                 "steps_staging": len(win),
@@ -603,6 +646,33 @@ def markdown(doc: dict[str, Any]) -> str:
                     f"{_f(ev['swap_step_ms'])} ({_f(_ratio(ev['swap_step_ms'], med), '.2f')}) "
                     f"({_f(ev['swap_balancer_ms'])}) | {_f(ev['window_cpu_median_ms'])} / "
                     f"{_f(e['steady_cpu_median_ms'])} | {ev['window_other_threads_cpu_seconds']:.2f} |"
+                )
+    lines += [
+        "",
+        "Where the threads' time went during each staging window (kernel schedstat, summed over ranks: "
+        "on a CPU / runnable but waiting for a CPU / blocked - for the staging thread blocked means "
+        "waiting for a lock, in practice the GIL, or idle after it finished, at most one step):",
+        "",
+        "| EP | config | rep | run | decision step | swap step | window s x ranks | staging thread on CPU "
+        "/ waiting / blocked s | stepping thread on CPU / waiting / blocked s |",
+        "|---:|---|---:|---|---:|---:|---:|---|---|",
+    ]
+    for r in doc["results"]:
+        for variant, label in VARIANTS.items():
+            e = r.get(variant)
+            if e is None or variant == "baseline":
+                continue
+            for ev in e["events"]:
+                t = ev.get("thread_seconds_in_window")
+                if not t:
+                    continue
+                st, mt = t["staging"], t["stepping"]
+                total = sum(mt.values())
+                lines.append(
+                    f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {ev['decision_step']} | "
+                    f"{ev['swap_step']} | {total:.1f} | {st['on_cpu']:.2f} / {st['waiting_for_cpu']:.2f} / "
+                    f"{st['blocked']:.2f} | {mt['on_cpu']:.2f} / {mt['waiting_for_cpu']:.2f} / "
+                    f"{mt['blocked']:.2f} |"
                 )
     lines += [
         "",

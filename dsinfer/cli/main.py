@@ -15,6 +15,7 @@ from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
 from dsinfer.cli.eplb import add_eplb_args
 from dsinfer.cli.errors import UsageError
+from dsinfer.cli.plan import add_plan_args
 from dsinfer.cli.serve import add_serve_args
 from dsinfer.model.loader import CheckpointError
 
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_eplb_args(
         sub.add_parser("eplb", help="expert placement from expert-load statistics", exit_on_error=False)
+    )
+    add_plan_args(
+        sub.add_parser("plan", help="pools per role for a traffic and SLO (simulated)", exit_on_error=False)
     )
     return parser
 
@@ -60,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsinfer.cli.eplb import run_eplb
 
             return run_eplb(args)
+        if args.command == "plan":
+            from dsinfer.cli.plan import run_plan
+
+            return run_plan(args)
     except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError) as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2

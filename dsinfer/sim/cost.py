@@ -1,0 +1,313 @@
+"""Roofline cost of one lockstep step of an expert-parallel pool, per layer stage.
+
+Precision as DeepSeek serves (seeds/): FP8 GEMMs and FP8 dispatch, BF16 core MLA, BF16 latent
+cache and BF16 combine. Per layer and micro-batch, for each rank (numpy arrays over ranks):
+
+- ``A0`` decode: q_a+kv_a projection (2112 x 7168), q_b (24576 x 1536), the absorbed W_UK (BF16),
+  norms, RoPE, cache write.
+- ``A1`` decode: FlashMLA over the latent cache (s_q query tokens per request: 2 with an MTP
+  draft), the absorbed W_UV (BF16), o_proj (7168 x 16384), residual + norm, the router (BF16).
+  Prefill: one attention stage (``A1``, ``A0`` = 0): the projections, kv_b (32768 x 512) over every
+  context token of the chunk (cached prefix included: the decompressed path), causal attention
+  at FlashAttention-3 rates, o_proj, router.
+- ``S`` shared expert; ``M`` routed experts as grouped GEMMs over each local slot's rows (masked
+  layout in decode, contiguous in prefill), or the dense FFN of the first layers.
+- ``D``/``C``: DeepEP dispatch (FP8 + scales) and combine (BF16). Decode (low-latency kernels):
+  one copy per (token, expert) pair. Prefill (normal kernels): one copy per destination node
+  (``ExpertModel.node_fanout``), the unit of DeepEP's measured bottleneck bandwidth. A transfer
+  lasts the largest per-rank volume (sent or received) over the measured bandwidth.
+
+Ranks run each stage in lockstep (every dispatch and combine is a pool-wide exchange), so a stage
+lasts as long as its slowest rank. The two micro-batches split each rank's work in halves
+(DeepSeek balances attention between them). With MTP, the step also runs the MTP layer (one more
+MoE layer plus its 14336 -> 7168 projection) and its head; decode runs the LM head once per step
+over every token (not per micro-batch). While DeepEP's normal kernels run (prefill overlap) they
+hold 20 SMs, which slows compute by 132/112.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dsinfer.sim.experts import ExpertModel
+from dsinfer.sim.kernels import Kernels
+from dsinfer.sim.schedule import DECODE_ORDER, PREFILL_ORDER, SERIAL_ORDER, step_time
+from dsinfer.sim.shape import ModelShape
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """What the cost of a step of one pool depends on besides its batch."""
+
+    shape: ModelShape
+    kernels: Kernels
+    experts: ExpertModel
+    overlap: bool = True  # two micro-batches, transfers under compute
+    mtp: bool = True  # one MTP draft token per request per decode step
+    overlap_min_tokens: int = 64  # below this many tokens on every rank a step runs one micro-batch
+
+    @property
+    def ranks(self) -> int:
+        return self.experts.ranks
+
+
+@dataclass
+class StepCost:
+    time: float
+    attention_imbalance: float = 1.0  # max / mean over ranks of the attention stage
+    expert_imbalance: float = 1.0  # max / mean over ranks of routed rows, mean over layers
+    breakdown: dict[str, float] = field(default_factory=dict)  # summed stage time per kind (s)
+
+
+def _max(a: np.ndarray) -> float:
+    return float(np.max(a)) if np.size(a) else 0.0
+
+
+def _ratio(a: np.ndarray) -> float:
+    mean = float(np.mean(a)) if np.size(a) else 0.0
+    return float(np.max(a)) / mean if mean > 0 else 1.0
+
+
+# Stage costs (per rank) ----------------------------------------------------------------------
+def _elementwise_a0(s: ModelShape) -> float:
+    """Bytes per token of A0's small kernels: input norm + FP8 quant, the q/kv latent norms and
+    quant, RoPE on the rope part of q (every head) and k, the cache write."""
+    return 3 * s.hidden + 5 * (s.q_lora + s.latent_dim) + 4 * s.heads * s.rope_dim + 2 * s.latent_dim
+
+
+def _elementwise_a1(s: ModelShape) -> float:
+    """o_proj input quant, residual add + norm + quant."""
+    return 3 * s.heads * s.v_dim + 7 * s.hidden
+
+
+def _expert_row_bytes(s: ModelShape, prefill: bool) -> float:
+    """SiLU-and-mul + quant per routed row; prefill also permutes rows into the contiguous layout
+    and back."""
+    return 5 * s.moe_inter + (4 * s.dispatch_bytes if prefill else 0)
+
+
+def decode_attention(
+    k: Kernels, s: ModelShape, tokens: np.ndarray, kv_tokens: np.ndarray, q_per_req: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(A0, A1) per rank for ``tokens`` query tokens attending over ``kv_tokens`` cached tokens
+    (summed over the requests; each request has ``q_per_req`` query tokens)."""
+    a0 = (
+        k.gemm(tokens, s.q_lora + s.latent_dim, s.hidden)
+        + k.gemm(tokens, s.heads * s.qk_head, s.q_lora)
+        + k.gemm(tokens, s.heads * s.kv_lora, s.nope_dim, bf16=True)
+        + k.elementwise(tokens * _elementwise_a0(s), kernels=5)
+    )
+    flops = kv_tokens * q_per_req * s.mla_decode_flops_per_key
+    a1 = (
+        k.flash_mla(kv_tokens * 2 * s.latent_dim, flops)
+        + k.gemm(tokens, s.heads * s.v_dim, s.kv_lora, bf16=True)
+        + k.gemm(tokens, s.hidden, s.heads * s.v_dim)
+        + k.gemm(tokens, s.experts, s.hidden, bf16=True)
+        + k.elementwise(tokens * _elementwise_a1(s), kernels=4)
+    )
+    return a0, a1
+
+
+def prefill_attention(
+    k: Kernels,
+    s: ModelShape,
+    tokens: np.ndarray,
+    ctx_tokens: np.ndarray,
+    pairs: np.ndarray,
+    key_len: np.ndarray,
+) -> np.ndarray:
+    """A1 per rank: ``tokens`` new tokens, ``ctx_tokens`` tokens whose K/V are decompressed,
+    ``pairs`` causal (query, key) pairs, ``key_len`` their pair-weighted mean key length."""
+    return (
+        k.gemm(tokens, s.q_lora + s.latent_dim, s.hidden)
+        + k.gemm(tokens, s.heads * s.qk_head, s.q_lora)
+        + k.gemm(ctx_tokens, s.heads * (s.nope_dim + s.v_dim), s.kv_lora)
+        + k.prefill_attention(pairs * s.attention_flops_per_pair, key_len)
+        + k.gemm(tokens, s.hidden, s.heads * s.v_dim)
+        + k.gemm(tokens, s.experts, s.hidden, bf16=True)
+        + k.elementwise(tokens * (_elementwise_a0(s) + _elementwise_a1(s)), kernels=9)
+    )
+
+
+def shared_expert(k: Kernels, s: ModelShape, tokens: np.ndarray) -> np.ndarray:
+    inter = s.moe_inter * s.shared_experts
+    return (
+        k.gemm(tokens, 2 * inter, s.hidden)
+        + k.gemm(tokens, s.hidden, inter)
+        + k.elementwise(tokens * 5 * inter, kernels=1)
+    )
+
+
+def dense_ffn(k: Kernels, s: ModelShape, tokens: np.ndarray) -> np.ndarray:
+    return (
+        k.gemm(tokens, 2 * s.inter, s.hidden)
+        + k.gemm(tokens, s.hidden, s.inter)
+        + k.elementwise(tokens * 5 * s.inter, kernels=1)
+    )
+
+
+def routed_experts(k: Kernels, s: ModelShape, e: ExpertModel, rows: np.ndarray, prefill: bool) -> np.ndarray:
+    """[layers, ranks] time of the grouped expert GEMMs for ``rows`` [layers, slots]."""
+    layout = "contiguous" if prefill else "masked"
+    per_slot = k.grouped_gemm(rows, 2 * s.moe_inter, s.hidden, layout) + k.grouped_gemm(
+        rows, s.hidden, s.moe_inter, layout
+    )
+    per_rank = per_slot.reshape(rows.shape[0], e.ranks, e.slots_per_rank).sum(axis=-1)
+    rank_rows = e.rank_rows(rows)
+    return per_rank + k.elementwise(rank_rows * _expert_row_bytes(s, prefill), kernels=3 if prefill else 1)
+
+
+def transfers(
+    pm: PoolModel, sent_units: np.ndarray, rank_rows: np.ndarray, prefill: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(dispatch, combine) time per layer. ``sent_units``: per rank, copies it dispatches (token x
+    fan-out); ``rank_rows`` [layers, ranks]: routed rows each rank receives."""
+    s, k = pm.shape, pm.kernels
+    bw_d, bw_c = k.ep_bandwidth(pm.ranks, "normal" if prefill else "low_latency")
+    total_rows = rank_rows.sum(axis=1, keepdims=True)
+    total_sent = float(np.sum(sent_units))
+    received = np.where(total_rows > 0, rank_rows / np.maximum(total_rows, 1e-9), 0.0) * total_sent
+    units = np.maximum(received.max(axis=1), _max(sent_units))
+    return units * s.dispatch_bytes / bw_d, units * s.combine_bytes / bw_c
+
+
+# Steps -----------------------------------------------------------------------------------------
+def _micro_batches(pm: PoolModel, tokens: np.ndarray) -> int:
+    return 2 if pm.overlap and _max(tokens) >= pm.overlap_min_tokens else 1
+
+
+def _assemble(
+    pm: PoolModel,
+    a0: float,
+    a1: float,
+    shared: float,
+    dense: float,
+    moe: np.ndarray,
+    d: np.ndarray,
+    c: np.ndarray,
+    mtp: tuple[float, float, float, float, float, float] | None,
+    mbs: int,
+    prefill: bool,
+) -> tuple[float, dict[str, float]]:
+    s = pm.shape
+    n_dense = s.dense_layers
+    stages = {
+        "A0": np.full(s.layers, a0),
+        "A1": np.full(s.layers, a1),
+        "S": np.concatenate([np.zeros(n_dense), np.full(s.moe_layers, shared)]),
+        "M": np.concatenate([np.full(n_dense, dense), moe]),
+        "D": np.concatenate([np.zeros(n_dense), d]),
+        "C": np.concatenate([np.zeros(n_dense), c]),
+    }
+    if mtp is not None:
+        for name, value in zip(("A0", "A1", "S", "M", "D", "C"), mtp, strict=True):
+            stages[name] = np.append(stages[name], value)
+    if prefill and pm.overlap and mbs == 2:
+        for name in ("A0", "A1", "S", "M"):
+            stages[name] = stages[name] * pm.kernels.comm_sm_slowdown
+    order = SERIAL_ORDER if mbs == 1 else (PREFILL_ORDER if prefill else DECODE_ORDER)
+    t = step_time(stages, order, serial=not pm.overlap)
+    breakdown = {name: float(np.sum(v)) * mbs for name, v in stages.items()}
+    return t, breakdown
+
+
+def decode_step(
+    pm: PoolModel, requests: np.ndarray, kv_tokens: np.ndarray, rng: np.random.Generator | None = None
+) -> StepCost:
+    """One decode step: ``requests`` running per rank, ``kv_tokens`` their summed context per rank."""
+    s, k, e = pm.shape, pm.kernels, pm.experts
+    requests = np.asarray(requests, dtype=np.float64)
+    kv_tokens = np.asarray(kv_tokens, dtype=np.float64)
+    if not np.any(requests > 0):
+        return StepCost(0.0)
+    q = 2 if pm.mtp else 1
+    tokens = requests * q
+    mbs = _micro_batches(pm, tokens)
+    t_mb, kv_mb = tokens / mbs, kv_tokens / mbs
+    a0, a1 = decode_attention(k, s, t_mb, kv_mb, q)
+    shared = shared_expert(k, s, t_mb)
+    rows = e.rows(float(t_mb.sum()) * s.topk, rng)
+    rank_rows = e.rank_rows(rows)
+    moe = routed_experts(k, s, e, rows, prefill=False).max(axis=1)
+    d, c = transfers(pm, t_mb * s.topk, rank_rows, prefill=False)
+    mtp = None
+    if pm.mtp:
+        r_mb = requests / mbs  # the MTP layer drafts from one position per request
+        m0, m1 = decode_attention(k, s, r_mb, kv_mb, 1)
+        m0 = m0 + k.gemm(r_mb, s.hidden, 2 * s.hidden)
+        mrows = e.mean_share[None, :] * float(r_mb.sum()) * s.topk
+        md, mc = transfers(pm, r_mb * s.topk, e.rank_rows(mrows), prefill=False)
+        mtp = (
+            _max(m0),
+            _max(m1),
+            _max(shared_expert(k, s, r_mb)),
+            _max(routed_experts(k, s, e, mrows, prefill=False)),
+            float(md[0]),
+            float(mc[0]),
+        )
+    t, breakdown = _assemble(
+        pm, _max(a0), _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c, mtp, mbs, prefill=False
+    )
+    head_tokens = tokens + (requests if pm.mtp else 0)
+    heads = 2 if pm.mtp else 1
+    tail = _max(k.gemm(head_tokens / heads, s.vocab, s.hidden, bf16=True)) * heads
+    tail += _max(k.elementwise(head_tokens * 4 * s.hidden, kernels=4))
+    breakdown["head"] = tail
+    return StepCost(
+        t + tail,
+        attention_imbalance=_ratio(a1),
+        expert_imbalance=float(np.mean(rank_rows.max(axis=1) / np.maximum(rank_rows.mean(axis=1), 1e-9))),
+        breakdown=breakdown,
+    )
+
+
+def prefill_step(
+    pm: PoolModel,
+    tokens: np.ndarray,
+    ctx_tokens: np.ndarray,
+    pairs: np.ndarray,
+    key_len: np.ndarray,
+    finishing: np.ndarray,
+    rng: np.random.Generator | None = None,
+) -> StepCost:
+    """One prefill step: per rank, ``tokens`` new tokens, ``ctx_tokens`` tokens whose K/V the
+    chunks decompress, ``pairs`` causal attention pairs (pair-weighted key length ``key_len``),
+    ``finishing`` requests whose last chunk this is (they need logits)."""
+    s, k, e = pm.shape, pm.kernels, pm.experts
+    tokens = np.asarray(tokens, dtype=np.float64)
+    if not np.any(tokens > 0):
+        return StepCost(0.0)
+    mbs = _micro_batches(pm, tokens)
+    t_mb = tokens / mbs
+    a1 = prefill_attention(k, s, t_mb, np.asarray(ctx_tokens) / mbs, np.asarray(pairs) / mbs, key_len)
+    shared = shared_expert(k, s, t_mb)
+    rows = e.rows(float(t_mb.sum()) * s.topk, rng)
+    rank_rows = e.rank_rows(rows)
+    moe = routed_experts(k, s, e, rows, prefill=True).max(axis=1)
+    d, c = transfers(pm, t_mb * e.node_fanout, rank_rows, prefill=True)
+    mtp = None
+    if pm.mtp:
+        mrows = e.mean_share[None, :] * float(t_mb.sum()) * s.topk
+        md, mc = transfers(pm, t_mb * e.node_fanout, e.rank_rows(mrows), prefill=True)
+        mtp = (
+            _max(k.gemm(t_mb, s.hidden, 2 * s.hidden)),
+            _max(a1),
+            _max(shared),
+            _max(routed_experts(k, s, e, mrows, prefill=True)),
+            float(md[0]),
+            float(mc[0]),
+        )
+    t, breakdown = _assemble(
+        pm, 0.0, _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c, mtp, mbs, prefill=True
+    )
+    heads = 2 if pm.mtp else 1
+    tail = _max(k.gemm(np.asarray(finishing, dtype=np.float64), s.vocab, s.hidden, bf16=True)) * heads
+    breakdown["head"] = tail
+    return StepCost(
+        t + tail,
+        attention_imbalance=_ratio(a1),
+        expert_imbalance=float(np.mean(rank_rows.max(axis=1) / np.maximum(rank_rows.mean(axis=1), 1e-9))),
+        breakdown=breakdown,
+    )

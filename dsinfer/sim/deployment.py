@@ -1,0 +1,111 @@
+"""What is simulated: pool specifications (from ``dsinfer serve`` profiles) and the assumptions
+that are not properties of a pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dsinfer.sim.cost import PoolModel
+from dsinfer.sim.experts import expert_model
+from dsinfer.sim.hardware import H800, Hardware
+from dsinfer.sim.kernels import Kernels
+from dsinfer.sim.shape import ModelShape
+
+ROLES = ("prefill", "decode")
+KV_PAGE = 64
+ACTIVATION_RESERVE = 0.10  # of HBM, for activations, communication buffers and CUDA graphs
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool of a role: the ``dsinfer serve`` flags the cost depends on."""
+
+    role: str
+    pool_size: int
+    nnodes: int
+    num_redundant_experts: int = 0
+    overlap: bool = False  # --enable-overlap
+    mtp: bool = False  # --speculative-mtp
+    kv_cache_bytes: float | None = None  # --kv-cache-memory per rank; None: what fits beside the weights
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    overlap_min_tokens: int = 64
+    model: str = "deepseek-v3"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.pool_size < 1 or self.nnodes < 1 or self.pool_size % self.nnodes:
+            raise ValueError(
+                f"pool-size {self.pool_size} must be a positive multiple of nnodes {self.nnodes}"
+            )
+        if self.num_redundant_experts < 0:
+            raise ValueError("num-redundant-experts must be >= 0")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.pool_size // self.nnodes
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Everything the simulation assumes beyond the pools and the traffic (the report lists them)."""
+
+    hardware: Hardware = H800
+    mtp_acceptance: float = 0.85  # DeepSeek-V3 report: the second token is accepted 85-90% of the time
+    expert_skew: float = 0.5  # lognormal sigma of per-layer expert popularity (see experts.py)
+    expert_policy: str = "eplb"  # or "contiguous": no expert balancer
+    balancer: str = "load"  # the gateway's balancers (dsinfer.balancers.make_balancer kind)
+    kv_growth_headroom: float = 0.05  # decode admits while this fraction of its KV pages stays free
+    seed: int = 0
+
+
+def pool_model(spec: PoolSpec, a: Assumptions) -> PoolModel:
+    return _pool_model(spec, a.hardware, a.expert_skew, a.expert_policy, a.seed)
+
+
+@lru_cache(maxsize=32)
+def _pool_model(spec: PoolSpec, hw: Hardware, skew: float, policy: str, seed: int) -> PoolModel:
+    shape = ModelShape.preset(spec.model)
+    experts = expert_model(
+        shape, spec.pool_size, spec.gpus_per_node, spec.num_redundant_experts, policy, skew, seed
+    )
+    return PoolModel(
+        shape,
+        Kernels(hw),
+        experts,
+        overlap=spec.overlap,
+        mtp=spec.mtp and spec.role == "decode",
+        overlap_min_tokens=spec.overlap_min_tokens,
+    )
+
+
+def weight_bytes_per_rank(shape: ModelShape, spec: PoolSpec) -> float:
+    """FP8 weights (scales ignored) a rank holds: attention, dense and shared FFNs whole, its
+    routed slots, embedding and head in BF16, the MTP layer with --speculative-mtp."""
+    attn = (
+        shape.hidden * (shape.q_lora + shape.latent_dim)
+        + shape.q_lora * shape.heads * shape.qk_head
+        + 3 * shape.kv_lora * shape.heads * (shape.nope_dim + shape.v_dim)  # FP8 + a BF16 copy
+        + shape.heads * shape.v_dim * shape.hidden
+    )
+    expert = 3 * shape.hidden * shape.moe_inter
+    slots = -(-(shape.experts + spec.num_redundant_experts) // spec.pool_size)
+    layers = shape.layers + (shape.mtp_layers if spec.mtp else 0)
+    moe_layers = shape.moe_layers + (shape.mtp_layers if spec.mtp else 0)
+    return (
+        layers * attn
+        + shape.dense_layers * 3 * shape.hidden * shape.inter
+        + moe_layers * (shape.shared_experts + slots) * expert
+        + 2 * 2 * shape.vocab * shape.hidden
+    )
+
+
+def kv_capacity_tokens(spec: PoolSpec, hw: Hardware) -> int:
+    shape = ModelShape.preset(spec.model)
+    budget = spec.kv_cache_bytes
+    if budget is None:
+        budget = hw.hbm_bytes * (1 - ACTIVATION_RESERVE) - weight_bytes_per_rank(shape, spec)
+    per_token = shape.kv_bytes_per_token(spec.mtp)
+    return max(0, int(budget // per_token) // KV_PAGE * KV_PAGE)

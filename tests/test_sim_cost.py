@@ -1,0 +1,134 @@
+"""Cost model: the published kernel tables are reproduced, the stage costs behave like rooflines,
+the overlap schedules bound the step between the critical resource and the serial sum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dsinfer.sim.cost import PoolModel, decode_step, prefill_step
+from dsinfer.sim.experts import expert_model
+from dsinfer.sim.hardware import H100, H200, H800, get_hardware
+from dsinfer.sim.kernels import DEEPEP_LOW_LATENCY, DEEPGEMM_DENSE, DEEPGEMM_MASKED, Kernels
+from dsinfer.sim.schedule import DECODE_ORDER, PREFILL_ORDER, SERIAL_ORDER, step_time
+from dsinfer.sim.shape import ModelShape
+
+SHAPE = ModelShape.preset("deepseek-v3")
+
+
+def test_shape_is_deepseek_v3() -> None:
+    assert (SHAPE.layers, SHAPE.dense_layers, SHAPE.experts, SHAPE.topk, SHAPE.mtp_layers) == (
+        61,
+        3,
+        256,
+        8,
+        1,
+    )
+    assert 36e9 < SHAPE.active_params < 38e9  # "37B activated"
+    assert SHAPE.latent_dim == 576
+    assert SHAPE.dispatch_bytes == 7168 + 56 * 4 and SHAPE.combine_bytes == 2 * 7168
+
+
+@pytest.mark.parametrize("shape", sorted(DEEPGEMM_DENSE))
+def test_gemm_reproduces_deepgemm_table(shape: tuple[int, int]) -> None:
+    k = Kernels(H800)
+    n, kk = shape
+    for m, tflops, _ in DEEPGEMM_DENSE[shape]:
+        t = float(k.gemm(m, n, kk))
+        assert 2 * m * n * kk / t / 1e12 == pytest.approx(tflops, rel=1e-9)
+    times = k.gemm(np.arange(0, 9000, 97), n, kk)
+    assert np.all(np.diff(times) > 0)  # more rows never cost less
+    assert float(k.gemm(8192, n, kk)) == pytest.approx(2 * float(k.gemm(4096, n, kk)))  # constant rate above
+
+
+def test_grouped_and_bf16_and_other_gpus() -> None:
+    k = Kernels(H800)
+    for m, tflops, _ in DEEPGEMM_MASKED[(4096, 7168)]:
+        t = float(k.grouped_gemm(np.array([m]), 4096, 7168, "masked")[0])
+        assert 2 * m * 4096 * 7168 / t / 1e12 == pytest.approx(tflops)
+    # contiguous layout pads each group to 128 rows
+    assert float(k.grouped_gemm(np.array([129]), 4096, 7168, "contiguous")[0]) == pytest.approx(
+        float(k.grouped_gemm(np.array([256]), 4096, 7168, "contiguous")[0])
+    )
+    assert float(k.gemm(64, 7168, 2048, bf16=True)) == pytest.approx(2 * float(k.gemm(64, 7168, 2048)))
+    # same compute and HBM: H100 times equal H800's; H200's extra bandwidth helps only memory-bound GEMMs
+    assert float(Kernels(H100).gemm(64, 7168, 16384)) == float(k.gemm(64, 7168, 16384))
+    assert float(Kernels(H200).gemm(64, 7168, 16384)) < 0.8 * float(k.gemm(64, 7168, 16384))
+    assert float(Kernels(H200).gemm(8192, 7168, 16384)) == pytest.approx(float(k.gemm(8192, 7168, 16384)))
+    assert get_hardware("H800") is H800
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("a100")
+
+
+def test_deepep_tables() -> None:
+    k = Kernels(H800)
+    for ep, (d, c) in DEEPEP_LOW_LATENCY.items():
+        assert k.ep_bandwidth(ep, "low_latency") == pytest.approx((d * 1e9, c * 1e9))
+    assert k.ep_bandwidth(32, "normal") == pytest.approx((58e9, 57e9))
+    # one node: NVLink, faster on H100's 900 GB/s than on H800's 400 GB/s
+    assert k.ep_bandwidth(8, "normal")[0] == pytest.approx(153e9)
+    assert Kernels(H100).ep_bandwidth(8, "normal")[0] > 2 * 153e9
+    # 128 tokens x top-8 FP8 at EP128 take DeepEP's measured 192 us (within the table's rounding)
+    assert 128 * 8 * SHAPE.dispatch_bytes / k.ep_bandwidth(128, "low_latency")[0] == pytest.approx(
+        192e-6, rel=0.03
+    )
+
+
+def test_schedule_bounds() -> None:
+    rng = np.random.default_rng(0)
+    layers = 10
+    st = {name: rng.uniform(1, 3, layers) for name in ("A0", "A1", "S", "M", "D", "C")}
+    serial = step_time(st, SERIAL_ORDER, serial=True)
+    assert serial == pytest.approx(sum(float(v.sum()) for v in st.values()))
+    half = {name: v / 2 for name, v in st.items()}
+    compute = sum(float(half[n].sum()) for n in ("A0", "A1", "S", "M")) * 2
+    comm = sum(float(half[n].sum()) for n in ("D", "C")) * 2
+    for order in (DECODE_ORDER, PREFILL_ORDER):
+        t = step_time(half, order)
+        assert max(compute, comm) <= t < serial
+    # no communication: the overlapped step is exactly the compute
+    quiet = {**half, "D": np.zeros(layers), "C": np.zeros(layers)}
+    assert step_time(quiet, DECODE_ORDER) == pytest.approx(compute)
+
+
+def _decode_pool(**kw: object) -> PoolModel:
+    return PoolModel(SHAPE, Kernels(H800), expert_model(SHAPE, 144, 8, 32, "eplb", 0.5), **kw)  # type: ignore[arg-type]
+
+
+def test_decode_step_behaves_like_a_roofline() -> None:
+    pm = _decode_pool()
+    ranks = 144
+
+    def t(batch: float, ctx: float = 4989.0, model: PoolModel = pm) -> float:
+        return decode_step(model, np.full(ranks, batch), np.full(ranks, batch * ctx)).time
+
+    assert t(32) < t(64) < t(128)
+    assert t(64, 2000) < t(64, 8000)
+    # tokens per second per GPU grow with the batch (weights are read once per micro-batch)
+    assert 128 / t(128) > 64 / t(64) > 32 / t(32)
+    # two micro-batches hide transfers under compute; without overlap they add up
+    assert t(128) < t(128, model=_decode_pool(overlap=False))
+    # an MTP draft costs a step some time but yields 1 + acceptance tokens
+    no_mtp = _decode_pool(mtp=False)
+    assert t(128, model=no_mtp) < t(128) < 1.85 * t(128, model=no_mtp)
+    # lockstep: one rank with twice the context slows the whole pool's step
+    kv = np.full(ranks, 128 * 4989.0)
+    kv[7] *= 2
+    assert decode_step(pm, np.full(ranks, 128), kv).time > t(128)
+
+
+def test_prefill_step_and_expert_balance() -> None:
+    ranks = 32
+    eplb = expert_model(SHAPE, ranks, 8, 32, "eplb", 0.5)
+    contiguous = expert_model(SHAPE, ranks, 8, 32, "contiguous", 0.5)
+    assert eplb.balance < 1.1 < contiguous.balance
+    assert 1 <= eplb.node_fanout <= 4 and eplb.node_fanout < eplb.rank_fanout <= 8
+    tokens = np.full(ranks, 16384.0)
+    args = (tokens, tokens, np.full(ranks, 4 * 4096 * 4097 / 2), np.full(ranks, 4096.0), np.full(ranks, 4.0))
+    k = Kernels(H800)
+    fast = prefill_step(PoolModel(SHAPE, k, eplb, mtp=False), *args).time
+    slow = prefill_step(PoolModel(SHAPE, k, contiguous, mtp=False), *args).time
+    serial = prefill_step(PoolModel(SHAPE, k, eplb, overlap=False, mtp=False), *args).time
+    assert fast < slow and fast < serial
+    # a step of 16k tokens per GPU (4k prompts): 5-20 k tokens/s per GPU on the datasheet H800
+    assert 5e3 < 16384 / fast < 20e3
