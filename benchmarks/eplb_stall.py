@@ -13,19 +13,23 @@ length with ``ignore_eos``: after one prefill step every step is a steady decode
 Each configuration runs twice: without rebalancing (``eplb_interval=0``) and with
 ``eplb_interval=K`` and ``eplb_min_gain=0`` (rebalance whenever EPLB proposes any different
 placement, whatever the gain: the load of random dummy weights is nearly even, so a real
-min_gain would usually skip it). Every rank times every ``step_updates()`` call (which runs the
-balancer's ``before_step`` too: the load all-reduce and placement at a decision, the
-ready-flag all-reduce while staging, the swap); the pool's step time is the max over ranks per
-step index. From ``OnlineExpertBalancer.history`` each rebalance marks its staging window (the
-decision step up to the step before the swap: the steps that ran while the background thread
-built the new experts) and its swap step. Reported per run: the median of the steady steps (from
-step ``--warmup`` + 1 on, outside staging windows and swap steps), the max step inside the
-windows, the swap step's time, both as ratios to the median (target <= 2.0), stage_seconds (the
-decision to the swap, wall clock), and the same statistics of the run without rebalancing for
-comparison (its own max/median is the noise floor). A second configuration with bigger experts
-makes staging span many more steps (serving goes on meanwhile). After the timed loop every rank
-also builds all of its experts once more on an idle pool, which gives the staging work's own
-duration without serving competing with it.
+min_gain would usually skip it). The balancer stages the new experts on the serving thread, a
+few pieces per step boundary under ``eplb_stage_budget`` x the median step (``--stage-budget``;
+see dsinfer/engine/expert_balancer.py), swaps when every rank is done, then frees the replaced
+weights a few tensors per boundary. Every rank times every ``step_updates()`` call (which runs
+the balancer's ``before_step`` too: the load all-reduce, placement and staging plan at a
+decision, pieces and the ready-flag all-reduce while staging, the swap, the freeing) and the
+balancer's own share of it; the pool's step time is the max over ranks per step index. From
+``OnlineExpertBalancer.history`` each rebalance marks the steps while weights move: its decision
+and staging window (the decision step up to the step before the swap), its swap step and the
+steps freeing the replaced weights. Reported per run: the median of the steady steps (from step
+``--warmup`` + 1 on, outside those steps), the max step of each kind as ratios to the median
+(target <= 2.0), stage_seconds (the decision to the swap, wall clock), the pieces and the seconds
+spent in them, and the same statistics of the run without rebalancing for comparison (its own
+max/median is the noise floor: other work on the machine). A second configuration with bigger
+experts makes staging span many more steps. After the timed loop every rank also builds all of
+its experts once more on an idle pool (every expert read or drawn, none copied): the work of a
+full restaging without serving beside it.
 
     /work/venv/bin/python benchmarks/eplb_stall.py \\
         --out benchmarks/results/eplb_stall.json --markdown benchmarks/results/eplb_stall.md
@@ -103,12 +107,6 @@ def _schedstat(tid: int) -> tuple[float, float]:
     return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
-def _staging_tid() -> int | None:
-    import threading
-
-    return next((t.native_id for t in threading.enumerate() if t.name.startswith("eplb-stage")), None)
-
-
 def rank_main(spec: dict[str, Any]) -> int:
     _die_with_parent()
     import logging
@@ -155,46 +153,40 @@ def rank_main(spec: dict[str, Any]) -> int:
     step_s: list[float] = []
     iter_s: list[float] = []
     cpu_s: list[float] = []  # CPU time the stepping thread got during the step
-    other_cpu_s: list[float] = []  # CPU time of the process's other threads (staging, gloo) meanwhile
+    other_cpu_s: list[float] = []  # CPU time of the process's other threads (gloo's) meanwhile
     tokens: list[int] = []
     balancer = engine.expert_balancer
-    if balancer is not None and spec["stage_nice"] is not None:
-        # experiment, not dsinfer's behaviour: the staging thread at a lower CPU priority
-        from concurrent.futures import ThreadPoolExecutor
-
-        def renice() -> None:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), spec["stage_nice"])
-
-        balancer._executor.shutdown()
-        balancer._executor = ThreadPoolExecutor(1, thread_name_prefix="eplb-stage", initializer=renice)
     balancer_s: list[float] = []  # the balancer's own share of each step (before_step)
+    budget_s: list[float] = []  # the balancer's staging budget at each step boundary
+    piece_s: list[float] = []  # of which in staging pieces
     if balancer is not None:
         before_step = balancer.before_step
 
         def timed_before_step() -> None:
             t = time.perf_counter()
+            budget_s.append(balancer.budget())
+            work = sum(e.stage_work_seconds for e in balancer.history)
             before_step()
             balancer_s.append(time.perf_counter() - t)
+            piece_s.append(sum(e.stage_work_seconds for e in balancer.history) - work)
 
         balancer.before_step = timed_before_step
-    # per iteration (flags + step), from the kernel's schedstat: the stepping thread's and the
-    # staging thread's time on a CPU and time runnable but waiting for one (the rest: blocked)
+    # per iteration (flags + step), from the kernel's schedstat: the stepping thread's time on a
+    # CPU and time runnable but waiting for one (the rest: blocked)
     sched: list[list[float]] = []
     main_tid = threading.get_native_id()
-    stage_tid: int | None = None
     start = time.perf_counter()
     while True:
         t0 = time.perf_counter()
-        m1, s1 = _schedstat(main_tid), _schedstat(stage_tid) if stage_tid else (0.0, 0.0)
+        m1 = _schedstat(main_tid)
         has_work, _, _ = flags.agree(engine.has_unfinished_requests(), False, False)
         if not has_work:
             break
         t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
         updates = engine.step_updates()
-        stage_tid = stage_tid or (_staging_tid() if balancer is not None else None)
-        m2, s2 = _schedstat(main_tid), _schedstat(stage_tid) if stage_tid else (0.0, 0.0)
+        m2 = _schedstat(main_tid)
         t2, c2, p2 = time.perf_counter(), time.thread_time(), time.process_time()
-        sched.append([m2[0] - m1[0], m2[1] - m1[1], s2[0] - s1[0], s2[1] - s1[1]])
+        sched.append([m2[0] - m1[0], m2[1] - m1[1]])
         step_s.append(t2 - t1)
         cpu_s.append(c2 - c1)
         other_cpu_s.append((p2 - p1) - (c2 - c1))
@@ -223,8 +215,7 @@ def rank_main(spec: dict[str, Any]) -> int:
     moes = [(name, m) for name, m in engine.model.named_modules() if isinstance(m, MoE)]
     rebuild_seconds = None
     if balancer is not None:
-        # the staging work alone: every MoE layer's experts built once more, the pool idle (after
-        # a staging still running at the end has finished)
+        # the work of staging every expert anew (read or drawn, none copied), the pool idle
         balancer.close()
         dist.barrier()
         t = time.perf_counter()
@@ -238,6 +229,8 @@ def rank_main(spec: dict[str, Any]) -> int:
         "step_seconds": step_s,
         "iteration_seconds": iter_s,
         "balancer_seconds": balancer_s,
+        "budget_seconds": budget_s,
+        "piece_seconds": piece_s,
         "cpu_seconds": cpu_s,
         "other_cpu_seconds": other_cpu_s,
         "sched": sched,
@@ -313,13 +306,12 @@ def run_pool(
     label: str,
     engine: dict[str, Any],
     tmp: Path,
-    stage_nice: int | None = None,
 ) -> list[dict[str, Any]]:
     """One pool run: ``world`` rank processes; their results, rank by rank. A rendezvous port
     taken by another process between choosing and binding it costs a retry on a new port."""
     for attempt in range(3):
         try:
-            return _run_pool_once(args, world, model, label, engine, tmp, stage_nice)
+            return _run_pool_once(args, world, model, label, engine, tmp)
         except PortTaken:
             print(f"   {label}: rendezvous port taken, retrying ({attempt + 1})", flush=True)
     raise RuntimeError(f"{label}: rendezvous failed three times")
@@ -332,7 +324,6 @@ def _run_pool_once(
     label: str,
     engine: dict[str, Any],
     tmp: Path,
-    stage_nice: int | None,
 ) -> list[dict[str, Any]]:
     ids = prompts(args.num_prompts, args.input_len, args.seed)
     init = f"tcp://127.0.0.1:{free_port()}"
@@ -361,7 +352,6 @@ def _run_pool_once(
                 "out": str(out),
                 "progress_every": args.progress_every,
                 "dist_timeout": args.dist_timeout,
-                "stage_nice": stage_nice,
             }
             cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-child", json.dumps(spec)]
             _children.append(subprocess.Popen(cmd, env=env, cwd=REPO))
@@ -409,45 +399,51 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     swaps = [[e["swap_step"] for e in r["history"]] for r in ranks]
     if any(s != swaps[0] for s in swaps):
         raise RuntimeError(f"ranks swapped at different steps: {swaps}")
+    budget = [max(col) for col in zip(*(r["budget_seconds"] for r in ranks), strict=True)] if own else None
+    pieces = [max(col) for col in zip(*(r["piece_seconds"] for r in ranks), strict=True)] if own else None
     window: set[int] = set()  # 1-based step indices (the balancer's step count)
     swap: set[int] = set()
+    freeing: set[int] = set()
     per_event = []
-    for e in events:
+    for k, e in enumerate(events):
         end = e["swap_step"] if e["swap_step"] is not None else n + 1
-        win = list(range(e["step"], end))
+        win = [i for i in range(e["step"], end) if i <= n]  # the decision, then staging
         window.update(win)
         if e["swap_step"] is not None:
             swap.add(e["swap_step"])
-        win_times = [steps[i - 1] for i in win if i <= n]
-        win_cpu = [cpu[i - 1] for i in win if i <= n]
-        # CPU the ranks' other threads (the staging thread; gloo's are near idle) got during the window
-        other_cpu = max(sum(r["other_cpu_seconds"][i - 1] for i in win if i <= n) for r in ranks)
-        # thread states over the window's iterations, summed over ranks (seconds): on a CPU,
-        # runnable waiting for a CPU, blocked (the rest: GIL, locks, collectives; the staging
-        # thread also idles in the executor after it finished, at most one iteration)
-        states = {"stepping": [0.0, 0.0, 0.0], "staging": [0.0, 0.0, 0.0]}
+            freed = e["freed_step"] if e["freed_step"] is not None else n
+            freeing.update(range(e["swap_step"] + 1, freed + 1))
+        staged = win[1:]  # the boundaries that staged pieces
+        win_times = [steps[i - 1] for i in win]
+        win_cpu = [cpu[i - 1] for i in win]
+        # CPU the ranks' other threads (gloo's) got during the window
+        other_cpu = max(sum(r["other_cpu_seconds"][i - 1] for i in win) for r in ranks)
+        # the stepping thread's states over the window's iterations, summed over ranks (seconds):
+        # on a CPU, runnable waiting for a CPU (other processes had it), blocked (collectives)
+        states = [0.0, 0.0, 0.0]
         for r in ranks:
             for i in win:
-                if i > n:
-                    continue
-                wall = r["iteration_seconds"][i - 1]
-                main_cpu, main_wait, stage_cpu, stage_wait = r["sched"][i - 1]
-                for key, on, wait in (("stepping", main_cpu, main_wait), ("staging", stage_cpu, stage_wait)):
-                    states[key][0] += on
-                    states[key][1] += wait
-                    states[key][2] += max(0.0, wall - on - wait)
+                on, wait = r["sched"][i - 1]
+                states[0] += on
+                states[1] += wait
+                states[2] += max(0.0, r["iteration_seconds"][i - 1] - on - wait)
+        per_rank = [r["history"][k] for r in ranks]
         per_event.append(
             {
-                "thread_seconds_in_window": {
-                    k: dict(zip(("on_cpu", "waiting_for_cpu", "blocked"), v, strict=True))
-                    for k, v in states.items()
-                },
+                "stepping_thread_seconds_in_window": dict(
+                    zip(("on_cpu", "waiting_for_cpu", "blocked"), states, strict=True)
+                ),
                 "decision_step": e["step"],
                 "swap_step": e["swap_step"],
+                "freed_step": e["freed_step"],
                 "steps_staging": len(win),
-                "stage_seconds": max(r["history"][len(per_event)]["stage_seconds"] for r in ranks)
+                "stage_seconds": max(h["stage_seconds"] for h in per_rank)
                 if e["swap_step"] is not None
                 else None,  # still staging when the run ended
+                # per rank, max over ranks: pieces, boundaries with pieces, seconds in pieces
+                "stage_pieces": max(h["stage_pieces"] for h in per_rank),
+                "stage_steps": max(h["stage_steps"] for h in per_rank),
+                "stage_work_seconds": max(h["stage_work_seconds"] for h in per_rank),
                 "balance_before": e["balance_before"],
                 "balance_after": e["balance_after"],
                 "window_max_ms": 1e3 * max(win_times) if win_times else None,
@@ -456,18 +452,39 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
                 "window_other_threads_cpu_seconds": other_cpu,
                 "decision_step_ms": 1e3 * steps[e["step"] - 1],
                 "swap_step_ms": 1e3 * steps[e["swap_step"] - 1] if e["swap_step"] is not None else None,
-                # inside those steps, the balancer's own time (load all-reduce + placement; swap)
+                # inside those steps, the balancer's own time (load all-reduce + placement + staging
+                # plan; pieces + ready flag; swap), max over ranks
                 "decision_balancer_ms": 1e3 * own[e["step"] - 1] if own else None,
+                "staging_balancer_max_ms": 1e3 * max((own[i - 1] for i in staged), default=0.0)
+                if own
+                else None,
+                "staging_balancer_median_ms": 1e3 * statistics.median(own[i - 1] for i in staged)
+                if own and staged
+                else None,
+                # of which in pieces (the rest: the ready-flag all-reduce, waiting for the slowest rank)
+                "staging_pieces_median_ms": 1e3 * statistics.median(pieces[i - 1] for i in staged)
+                if pieces and staged
+                else None,
+                "staging_pieces_max_ms": 1e3 * max((pieces[i - 1] for i in staged), default=0.0)
+                if pieces
+                else None,
+                "staging_budget_median_ms": 1e3 * statistics.median(budget[i - 1] for i in staged)
+                if budget and staged
+                else None,
                 "swap_balancer_ms": 1e3 * own[e["swap_step"] - 1]
                 if own and e["swap_step"] is not None
                 else None,
+                "freeing_max_ms": 1e3 * max(steps[i - 1] for i in range(e["swap_step"] + 1, freed + 1))
+                if e["swap_step"] is not None and freed > e["swap_step"]
+                else None,
             }
         )
-    steady = [steps[i - 1] for i in range(warmup + 1, n + 1) if i not in window and i not in swap]
+    moving_idx = window | swap | freeing
+    steady_idx = [i for i in range(warmup + 1, n + 1) if i not in moving_idx]
+    steady = [steps[i - 1] for i in steady_idx]
     median = _median(steady)
-    steady_idx = [i for i in range(warmup + 1, n + 1) if i not in window and i not in swap]
     steady_cpu = _median([cpu[i - 1] for i in steady_idx])
-    moving = [steps[i - 1] for i in sorted(window | swap) if i > warmup]
+    moving = [steps[i - 1] for i in sorted(moving_idx) if i > warmup]
     out: dict[str, Any] = {
         "steps": n,
         "steady_steps": len(steady),
@@ -480,6 +497,7 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "window_max_ms": 1e3 * max(moving) if moving else None,
         "worst_window_ratio": None,
         "worst_swap_ratio": None,
+        "worst_freeing_ratio": None,
         "first_step_ms": 1e3 * steps[0],
         "iteration_median_ms": 1e3 * statistics.median(iters[warmup:]) if n > warmup else None,
         "output_tokens": sum(sum(r["tokens"]) for r in ranks),
@@ -500,7 +518,9 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     }
     windows = [e["window_max_ms"] for e in per_event if e["window_max_ms"] is not None]
     swaps_ms = [e["swap_step_ms"] for e in per_event if e["swap_step_ms"] is not None]
+    freeing_ms = [e["freeing_max_ms"] for e in per_event if e["freeing_max_ms"] is not None]
     if median:
+        out["worst_freeing_ratio"] = max(freeing_ms) / out["median_ms"] if freeing_ms else None
         out["worst_window_ratio"] = max(windows) / out["median_ms"] if windows else None
         out["worst_swap_ratio"] = max(swaps_ms) / out["median_ms"] if swaps_ms else None
         out["max_moving_ratio"] = out["window_max_ms"] / out["median_ms"] if moving else None
@@ -545,15 +565,12 @@ def _f(x: float | None, fmt: str = ".1f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-VARIANTS = {
-    "baseline": "no rebalancing",
-    "rebalance": "rebalancing",
-    "rebalance-nice": "rebalancing, staging thread reniced (experiment)",
-}
+VARIANTS = {"baseline": "no rebalancing", "rebalance": "rebalancing"}
 
 
 def markdown(doc: dict[str, Any]) -> str:
     m, a = doc["machine"], doc["args"]
+    budget = a.get("stage_budget")
     lines = [
         "# EPLB stall: step times while an online rebalance moves expert weights",
         "",
@@ -569,16 +586,12 @@ def markdown(doc: dict[str, Any]) -> str:
         f"(greedy, ignore_eos), dealt round-robin to the ranks; {a['dtype']}, dummy weights, "
         f"1 torch + 1 numba thread per rank, gloo",
         f"- rebalancing: eplb_interval {a['interval']}, eplb_min_gain 0 (rebalance whenever EPLB proposes a "
-        f"different placement), {a['redundant']} redundant experts; median = steady steps (from step "
-        f"{a['warmup'] + 1}) outside staging windows and swap steps; pool step time = max over ranks",
-        f"- target: every step while weights move (staging window + swap step) <= {TARGET_RATIO:.1f}x median",
-    ]
-    if a.get("stage_nice") is not None:
-        lines.append(
-            f"- experiment (not dsinfer's behaviour): `rebalancing, staging thread reniced` runs the "
-            f"balancer's staging thread at nice {a['stage_nice']} (the benchmark replaces its executor)"
-        )
-    lines += [
+        f"different placement), {a['redundant']} redundant experts, eplb_stage_budget "
+        f"{'the default' if budget is None else budget} (staging time per step boundary as a fraction of "
+        f"the median step); median = steady steps (from step {a['warmup'] + 1}) outside the steps while "
+        "weights move; pool step time = max over ranks",
+        f"- target: every step while weights move (decision + staging window, swap step, freeing of the "
+        f"replaced weights) <= {TARGET_RATIO:.1f}x median",
         "",
         "Models (the tiny preset with these changes):",
         "",
@@ -596,8 +609,9 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [
         "",
         "| EP | config | rep | run | median ms | steady max / median | rebalances | stage s (steps staging) "
-        "| idle rebuild s | max step in windows ms (x median) | max swap step ms (x median) | target met |",
-        "|---:|---|---:|---|---:|---:|---:|---|---:|---|---|---|",
+        "| idle rebuild s | max step in windows ms (x median) | max swap step ms (x median) "
+        "| max freeing step ms (x median) | target met |",
+        "|---:|---|---:|---|---:|---:|---:|---|---:|---|---|---|---|",
     ]
     for r in doc["results"]:
         for variant, label in VARIANTS.items():
@@ -607,6 +621,7 @@ def markdown(doc: dict[str, Any]) -> str:
             stage = ", ".join(_stage(ev) for ev in e["events"]) or "-"
             windows = [ev["window_max_ms"] for ev in e["events"] if ev["window_max_ms"] is not None]
             swaps = [ev["swap_step_ms"] for ev in e["events"] if ev["swap_step_ms"] is not None]
+            frees = [ev["freeing_max_ms"] for ev in e["events"] if ev["freeing_max_ms"] is not None]
             moving = variant != "baseline"
             lines.append(
                 f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {_f(e['median_ms'])} | "
@@ -615,65 +630,68 @@ def markdown(doc: dict[str, Any]) -> str:
                 + (
                     f"{_f(max(windows, default=None))} ({_f(e['worst_window_ratio'], '.2f')}) | "
                     f"{_f(max(swaps, default=None))} ({_f(e['worst_swap_ratio'], '.2f')}) | "
+                    f"{_f(max(frees, default=None))} ({_f(e.get('worst_freeing_ratio'), '.2f')}) | "
                     f"{_yes(e.get('target_met'))} |"
                     if moving
-                    else "- | - | - |"
+                    else "- | - | - | - |"
                 )
             )
     lines += [
         "",
-        "Every rebalance (pool step times; ratios to the run's median; balancer ms = the balancer's own "
-        "share of the step: load all-reduce + placement at the decision, module swap at the swap):",
+        "Every rebalance (pool step times, ratios to the run's median; balancer ms = the balancer's own "
+        "share of a step, max over ranks: load all-reduce + placement + staging plan at the decision, "
+        "pieces + ready-flag all-reduce while staging, module swap at the swap; pieces ms = the time in "
+        "pieces at one boundary, max over ranks; pieces, boundaries and piece seconds per rank, max over "
+        "ranks):",
         "",
-        "| EP | config | rep | run | decision step | swap step | balance before -> after | stage s "
-        "| window median ms | window max ms (x) | decision step ms (balancer ms) | swap step ms (x) (balancer ms) "
-        "| stepping thread CPU ms, window / steady median | other threads' CPU s in window |",
-        "|---:|---|---:|---|---:|---:|---|---:|---:|---|---|---|---|---:|",
+        "| EP | config | rep | run | decision step | swap step | freed at | balance before -> after | stage s "
+        "| pieces / boundaries / piece s | budget ms (median) | pieces ms per boundary, median / max "
+        "| balancer ms while staging, median / max "
+        "| window median ms | window max ms (x) | decision step ms (balancer ms) | swap step ms (x) "
+        "(balancer ms) | stepping thread CPU ms, window / steady median |",
+        "|---:|---|---:|---|---:|---:|---:|---|---:|---|---:|---|---|---:|---|---|---|---|",
     ]
     for r in doc["results"]:
-        for variant, label in VARIANTS.items():
-            e = r.get(variant)
-            if e is None or variant == "baseline":
-                continue
-            med = e["median_ms"]
-            for ev in e["events"]:
-                lines.append(
-                    f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {ev['decision_step']} | "
-                    f"{ev['swap_step']} | {ev['balance_before']:.3f} -> {ev['balance_after']:.3f} | "
-                    f"{_f(ev['stage_seconds'], '.2f')} | {_f(ev['window_median_ms'])} | "
-                    f"{_f(ev['window_max_ms'])} ({_f(_ratio(ev['window_max_ms'], med), '.2f')}) | "
-                    f"{_f(ev['decision_step_ms'])} ({_f(ev['decision_balancer_ms'])}) | "
-                    f"{_f(ev['swap_step_ms'])} ({_f(_ratio(ev['swap_step_ms'], med), '.2f')}) "
-                    f"({_f(ev['swap_balancer_ms'])}) | {_f(ev['window_cpu_median_ms'])} / "
-                    f"{_f(e['steady_cpu_median_ms'])} | {ev['window_other_threads_cpu_seconds']:.2f} |"
-                )
+        e = r.get("rebalance")
+        if e is None:
+            continue
+        med = e["median_ms"]
+        for ev in e["events"]:
+            lines.append(
+                f"| {r['world']} | {r['config']} | {r['repeat']} | {VARIANTS['rebalance']} | "
+                f"{ev['decision_step']} | {ev['swap_step']} | {ev['freed_step']} | "
+                f"{ev['balance_before']:.3f} -> {ev['balance_after']:.3f} | {_f(ev['stage_seconds'], '.2f')} | "
+                f"{ev['stage_pieces']} / {ev['stage_steps']} / {ev['stage_work_seconds']:.2f} | "
+                f"{_f(ev['staging_budget_median_ms'])} | {_f(ev.get('staging_pieces_median_ms'))} / "
+                f"{_f(ev.get('staging_pieces_max_ms'))} | {_f(ev['staging_balancer_median_ms'])} / "
+                f"{_f(ev['staging_balancer_max_ms'])} | {_f(ev['window_median_ms'])} | "
+                f"{_f(ev['window_max_ms'])} ({_f(_ratio(ev['window_max_ms'], med), '.2f')}) | "
+                f"{_f(ev['decision_step_ms'])} ({_f(ev['decision_balancer_ms'])}) | "
+                f"{_f(ev['swap_step_ms'])} ({_f(_ratio(ev['swap_step_ms'], med), '.2f')}) "
+                f"({_f(ev['swap_balancer_ms'])}) | {_f(ev['window_cpu_median_ms'])} / "
+                f"{_f(e['steady_cpu_median_ms'])} |"
+            )
     lines += [
         "",
-        "Where the threads' time went during each staging window (kernel schedstat, summed over ranks: "
-        "on a CPU / runnable but waiting for a CPU / blocked - for the staging thread blocked means "
-        "waiting for a lock, in practice the GIL, or idle after it finished, at most one step):",
+        "Where the stepping thread's time went during each staging window (kernel schedstat, summed "
+        "over ranks: on a CPU / runnable but waiting for a CPU, i.e. other processes had it / blocked, "
+        "in collectives waiting for the other rank):",
         "",
-        "| EP | config | rep | run | decision step | swap step | window s x ranks | staging thread on CPU "
-        "/ waiting / blocked s | stepping thread on CPU / waiting / blocked s |",
-        "|---:|---|---:|---|---:|---:|---:|---|---|",
+        "| EP | config | rep | run | decision step | swap step | window s x ranks | on CPU / waiting / blocked s "
+        "| other threads' CPU s |",
+        "|---:|---|---:|---|---:|---:|---:|---|---:|",
     ]
     for r in doc["results"]:
-        for variant, label in VARIANTS.items():
-            e = r.get(variant)
-            if e is None or variant == "baseline":
-                continue
-            for ev in e["events"]:
-                t = ev.get("thread_seconds_in_window")
-                if not t:
-                    continue
-                st, mt = t["staging"], t["stepping"]
-                total = sum(mt.values())
-                lines.append(
-                    f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {ev['decision_step']} | "
-                    f"{ev['swap_step']} | {total:.1f} | {st['on_cpu']:.2f} / {st['waiting_for_cpu']:.2f} / "
-                    f"{st['blocked']:.2f} | {mt['on_cpu']:.2f} / {mt['waiting_for_cpu']:.2f} / "
-                    f"{mt['blocked']:.2f} |"
-                )
+        e = r.get("rebalance")
+        if e is None:
+            continue
+        for ev in e["events"]:
+            t = ev["stepping_thread_seconds_in_window"]
+            lines.append(
+                f"| {r['world']} | {r['config']} | {r['repeat']} | {VARIANTS['rebalance']} | "
+                f"{ev['decision_step']} | {ev['swap_step']} | {sum(t.values()):.1f} | {t['on_cpu']:.2f} / "
+                f"{t['waiting_for_cpu']:.2f} / {t['blocked']:.2f} | {ev['window_other_threads_cpu_seconds']:.2f} |"
+            )
     lines += [
         "",
         "Other figures per run:",
@@ -723,14 +741,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of the statistics")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--stage-nice",
-        type=int,
+        "--stage-budget",
+        type=float,
         default=None,
-        help="experiment: also run with the balancer's staging thread at this nice value (e.g. 19)",
+        help="eplb_stage_budget: staging time per step boundary as a fraction of the median step "
+        "(default: the engine's)",
     )
-    parser.add_argument(
-        "--variants", default=None, help="only these of baseline,rebalance,rebalance-nice (default: all)"
-    )
+    parser.add_argument("--variants", default=None, help="only these of baseline,rebalance (default: both)")
     parser.add_argument("--progress-every", type=int, default=50)
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds for one pool run")
     parser.add_argument("--dist-timeout", type=float, default=120, help="gloo collective timeout (s)")
@@ -768,12 +785,13 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {},
         "results": [],
     }
+    rebalance: dict[str, Any] = {"eplb_interval": args.interval, "eplb_min_gain": 0.0}
+    if args.stage_budget is not None:
+        rebalance["eplb_stage_budget"] = args.stage_budget
     variants: list[tuple[str, dict[str, Any]]] = [
         ("baseline", {"eplb_interval": 0}),
-        ("rebalance", {"eplb_interval": args.interval, "eplb_min_gain": 0.0}),
+        ("rebalance", rebalance),
     ]
-    if args.stage_nice is not None:
-        variants.append(("rebalance-nice", {"eplb_interval": args.interval, "eplb_min_gain": 0.0}))
     if args.variants:
         variants = [v for v in variants if v[0] in args.variants.split(",")]
     try:
@@ -801,9 +819,8 @@ def main(argv: list[str] | None = None) -> int:
                     for variant, extra in variants:
                         label = f"EP{world} {config_name} {variant} #{repeat}"
                         print(f"== {label}", flush=True)
-                        nice = args.stage_nice if variant == "rebalance-nice" else None
                         t = time.monotonic()
-                        ranks = run_pool(args, world, model, label, {**base, **extra}, tmp, nice)
+                        ranks = run_pool(args, world, model, label, {**base, **extra}, tmp)
                         r = entry[variant] = analyze(ranks, args.warmup)
                         print(
                             f"   {label}: {r['steps']} steps in {time.monotonic() - t:.0f} s, median "

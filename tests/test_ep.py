@@ -130,6 +130,9 @@ def test_online_rebalance_keeps_tokens_and_evens_the_load(tiny_ckpt: BuiltCheckp
     assert all(len(e) >= 1 for e in events) and all(e[0]["swap_step"] is not None for e in events)
     assert events[0][0]["swap_step"] == events[1][0]["swap_step"]  # every rank swapped at the same step
     assert events[0][0]["balance_after"] < events[0][0]["balance_before"]
+    # staged in pieces on the serving thread, then the placement changed
+    assert all(e[0]["stage_pieces"] >= 1 and e[0]["stage_steps"] >= 1 for e in events)
+    assert [r["local_experts"] for r in moving] != [r["local_experts"] for r in plain]
 
     def imbalance(per_rank: list[list[int]]) -> float:
         layers = list(zip(*per_rank, strict=True))

@@ -42,6 +42,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--eplb-min-gain", type=float, default=0.05, help="relative balance gain to rebalance")
     group.add_argument(
+        "--eplb-stage-budget",
+        type=float,
+        default=0.1,
+        help="online rebalancing: time staging new experts per step, as a fraction of the median step",
+    )
+    group.add_argument(
         "--enable-overlap",
         action="store_true",
         help="EP pools: two micro-batches per step, one's dispatch/combine under the other's compute",
@@ -58,6 +64,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="write a Chrome trace per rank (DIR/trace-rank{R}.json): stage chunks and EP transfers",
+    )
+    group.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: never capture the decode step in CUDA graphs"
+    )
+    group.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="CUDA: largest decode batch captured in a graph (default: --max-num-seqs)",
     )
 
 

@@ -47,7 +47,7 @@ class EngineArgs(BaseModel):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
     kv_cache_memory: int | None = None  # bytes for the latent cache; None = a fraction of free memory
-    kv_cache_memory_fraction: float | None = None  # default 0.9 on a GPU, 0.1 on CPU
+    kv_cache_memory_fraction: float | None = None  # default: kv_fraction_for(device)
     enable_prefix_caching: bool = True
     kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
     kv_disk_cache_size: int = 8 * 2**30
@@ -56,10 +56,21 @@ class EngineArgs(BaseModel):
     placement: Path | None = None  # expert placement file (JSON); None = the default layout
     eplb_interval: int = 0  # steps between online expert-rebalancing checks in an EP pool; 0 = off
     eplb_min_gain: float = 0.05  # rebalance when max/mean per-rank load improves by more than this
+    eplb_stage_budget: float = 0.1  # staging time per step boundary, as a fraction of the median step
     enable_overlap: bool = False  # two micro-batches per step in an EP pool (comm under compute)
     overlap_min_tokens: int = 64  # steps with fewer tokens on every rank run one micro-batch
     trace_dir: Path | None = None  # Chrome trace per rank (trace-rank{R}.json); None = off
     trace_flush_steps: int = 50  # steps between appends to the trace file (and at close)
+    enforce_eager: bool = False  # never capture CUDA graphs (vLLM's name); graphs are CUDA-only anyway
+    cuda_graph_max_bs: int | None = None  # largest captured decode batch; None = max_num_seqs
+
+    def kv_fraction_for(self, device_type: str) -> float:
+        """Fraction of free memory for the latent KV cache when no size is given: 0.8 on a GPU
+        (headroom for activations and the decode step's CUDA graphs, captured after the pool), 0.1
+        on a CPU (a laptop keeps its memory)."""
+        if self.kv_cache_memory_fraction is not None:
+            return self.kv_cache_memory_fraction
+        return 0.8 if device_type == "cuda" else 0.1
 
     @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
     @classmethod
@@ -81,14 +92,16 @@ class EngineArgs(BaseModel):
             raise ValueError("max_model_len must be at least 2")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
-        if self.eplb_interval < 0 or self.eplb_min_gain < 0:
-            raise ValueError("eplb_interval and eplb_min_gain must be >= 0")
+        if self.eplb_interval < 0 or self.eplb_min_gain < 0 or self.eplb_stage_budget < 0:
+            raise ValueError("eplb_interval, eplb_min_gain and eplb_stage_budget must be >= 0")
         if self.num_redundant_experts < 0:
             raise ValueError("num_redundant_experts must be >= 0")
         if self.overlap_min_tokens < 0:
             raise ValueError("overlap_min_tokens must be >= 0")
         if self.trace_flush_steps < 1:
             raise ValueError("trace_flush_steps must be at least 1")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError("cuda_graph_max_bs must be at least 1")
         if self.placement is not None and not self.placement.is_file():
             raise ValueError(f"placement {str(self.placement)!r} is not a file")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:

@@ -89,7 +89,11 @@ class LLMEngine:
         self.config, self.model = loaded.config, loaded.model
         self.expert_balancer = (
             OnlineExpertBalancer(
-                self.model, loaded.experts, interval=args.eplb_interval, min_gain=args.eplb_min_gain
+                self.model,
+                loaded.experts,
+                interval=args.eplb_interval,
+                min_gain=args.eplb_min_gain,
+                stage_budget=args.eplb_stage_budget,
             )
             if ep_group is not None and args.eplb_interval > 0
             else None
@@ -126,8 +130,7 @@ class LLMEngine:
         layers = self.model.num_cache_layers
         budget = self.args.kv_cache_memory
         if budget is None:
-            fraction = self.args.kv_cache_memory_fraction or (0.9 if device.type == "cuda" else 0.1)
-            budget = int(free_memory(device) * fraction)
+            budget = int(free_memory(device) * self.args.kv_fraction_for(device.type))
         num_pages = LatentKVPool.num_pages_for_budget(self.config, layers, budget, dtype)
         page_bytes = LatentKVPool.page_bytes_for(self.config, layers, dtype)
         if num_pages < 1:

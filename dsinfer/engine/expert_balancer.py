@@ -3,36 +3,69 @@
 Every ``interval`` steps all ranks of the pool sum the expert load of the last window (tokens
 routed to each logical expert per MoE layer since the previous check) with one all-reduce, so
 every rank computes the same new placement from the same numbers (a pure function). When it
-balances the window's load better by more than ``min_gain``, each rank stages the routed
-experts of its new slots into shadow modules on a background thread, from the weights the model
-was loaded from, while serving goes on. At every later step boundary the ranks agree (all-reduce
-of a ready flag) whether every rank has staged; the step at which they all have, every rank
-swaps its expert modules and routing tables before running its forward. Expert weights are the
-same, only where they live changes, so no token changes.
+balances the window's load better by more than ``min_gain``, each rank stages the routed experts
+of its new slots into shadow modules while serving goes on; at every later step boundary the
+ranks agree (all-reduce of a ready flag) whether every rank has staged, and at the step at which
+they all have, every rank swaps its expert modules and routing tables before its forward. Expert
+weights are the same, only where they live changes, so no token changes.
+
+Staging contract (what keeps a step from stalling, by construction):
+
+- Staging runs on the serving thread, at step boundaries (``before_step``), in pieces
+  (``ExpertStaging``: one expert projection or a block of its rows, at most ``PIECE_BYTES``;
+  what the rank already holds is copied from its current module, the rest read from the
+  checkpoint or drawn like the loader draws dummy weights: bit-identical to a fresh load).
+- Each boundary gets a time budget: ``stage_budget`` x the median of the last ``STEP_WINDOW``
+  serving steps (time.perf_counter from one boundary's end to the next's start). Pieces run
+  until the next one, at the running estimate of a piece's time, would pass it; at least one
+  piece runs per boundary, so staging always progresses (budget 0 = one piece per step). A
+  step therefore grows by at most the budget plus about one piece, never by the whole staging;
+  no thread competes with serving for cores or the GIL. (An idle pool runs no boundaries, so
+  staging waits for the next step.)
+- Every rank stages at its own pace; the ready flag (all-reduced "min" once per step while
+  staging) picks the common swap step. The swap itself only reassigns module references and
+  routing tables. The replaced modules' weights are freed afterwards, a tensor or a few per
+  boundary under the same budget (freeing hundreds of MiB at once costs tens of ms).
+- Peak memory: the new modules of the layers that change, besides the old ones, from the
+  decision until the old ones are freed.
+
+On a GPU the same contract holds with asynchronous copies: a piece's rows are read from the
+checkpoint into pinned host memory (dummy weights drawn on the CPU; a pinned buffer is reused
+once its copy's event has completed) and copied host-to-device with ``non_blocking=True`` on a
+side stream, experts already on the device device-to-device on
+that stream; the budget then bounds the host-side work and the bytes issued per step (copies
+share PCIe with the RDMA traffic of dispatch/combine), and a piece overlaps the step's kernels
+instead of adding to the step. "Staged" means an event recorded after the last piece has
+completed (``event.query()``), not merely issued; at the swap the serving stream waits on that
+event (free, it has completed) before the first forward with the new modules. A captured CUDA
+graph holds the old weights' addresses, so a swap also has to re-capture, or the pieces have to
+be staged into the captured buffers' twins and the graphs captured over both (graphs run only
+without expert parallelism today, where nothing rebalances). Here on the CPU a piece is a
+synchronous copy on the serving thread, so its time adds to the step it runs at, and freeing
+the old weights costs time (munmap) that a GPU's caching allocator does not.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import threading
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from dsinfer.model.loader import ExpertSource
-from dsinfer.model.moe import ExpertParallel, Experts, MoE
+from dsinfer.model.loader import ExpertSource, ExpertStaging
+from dsinfer.model.moe import ExpertParallel, MoE
 from dsinfer.parallel.eplb import placement_from_load
 from dsinfer.parallel.placement import ExpertPlacement
 
 log = logging.getLogger("dsinfer.eplb")
 
-STAGING_NICE = 19  # Linux applies a thread's nice value to that thread alone
+DEFAULT_STAGE_BUDGET = 0.1  # of the median step: staging slows a step by about 10% at most
+STEP_WINDOW = 32  # serving steps the median step time is taken over
 PlacementPolicy = Callable[[dict[int, list[float]], ExpertPlacement], ExpertPlacement]
 
 
@@ -51,9 +84,41 @@ class Rebalance:
     step: int
     balance_before: float  # max/mean per-rank load of the window under the old placement
     balance_after: float  # the same load under the new placement
-    stage_seconds: float = 0.0
+    stage_pieces: int = 0  # pieces this rank staged
+    stage_steps: int = 0  # step boundaries at which this rank staged pieces
+    stage_work_seconds: float = 0.0  # this rank's time in pieces
+    stage_seconds: float = 0.0  # the decision to the swap, wall clock
     swap_step: int | None = None
+    freed_step: int | None = None  # the step boundary at which the replaced weights were all freed
     received_before: list[int] | None = None  # pairs this rank computed per MoE layer until the swap
+
+
+@dataclass
+class _Pacer:
+    """Runs pieces of work at one step boundary until the next piece would pass a deadline."""
+
+    estimate: float = 0.0  # running estimate of one piece's seconds
+
+    def run(self, piece: Callable[[], bool], deadline: float) -> tuple[int, float]:
+        """``piece()`` does one piece and says whether more are left; at least one runs.
+        -> (pieces run, seconds in them)."""
+        count, spent, more = 0, 0.0, True
+        while more:
+            start = time.perf_counter()
+            if count and start + self.estimate > deadline:
+                break
+            more = piece()
+            took = time.perf_counter() - start
+            self.estimate = took if self.estimate == 0.0 else 0.75 * self.estimate + 0.25 * took
+            count, spent = count + 1, spent + took
+        return count, spent
+
+
+@dataclass
+class _Pending:
+    placement: ExpertPlacement
+    staging: ExpertStaging
+    started: float  # time.monotonic() of the decision
 
 
 class OnlineExpertBalancer:
@@ -64,33 +129,52 @@ class OnlineExpertBalancer:
         *,
         interval: int,
         min_gain: float = 0.05,
+        stage_budget: float = DEFAULT_STAGE_BUDGET,
         policy: PlacementPolicy | None = None,
     ) -> None:
         if model.ep is None:
             raise ValueError("online expert rebalancing needs an expert-parallel pool")
+        if stage_budget < 0:
+            raise ValueError(f"stage_budget must be >= 0, got {stage_budget}")
         self.model, self.source = model, source
-        self.interval, self.min_gain = interval, min_gain
+        self.interval, self.min_gain, self.stage_budget = interval, min_gain, stage_budget
         self.policy = policy or eplb_policy(model.config.n_group)
         self.ep: ExpertParallel = model.ep
         self.steps = 0
         self._moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
         self._layer_of = {name: m.layer_id for name, m in self._moes.items()}
         self._last = self._cumulative()
-        self._pending: tuple[ExpertPlacement, Future[dict[str, Experts]], float] | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="eplb-stage")
+        self._pending: _Pending | None = None
+        self._retired: list[torch.Tensor] = []  # weights of replaced modules, not freed yet
+        self._freeing: Rebalance | None = None  # the rebalance whose replaced weights those are
+        self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._resumed: float | None = None  # when the last before_step returned
+        self._stage_pacer, self._free_pacer = _Pacer(), _Pacer()
         self.history: list[Rebalance] = []
 
     def before_step(self) -> None:
         """Call at every step boundary, on every rank of the pool (it runs collectives)."""
+        now = time.perf_counter()
+        if self._resumed is not None:
+            self._step_seconds.append(now - self._resumed)
         self.steps += 1
+        deadline = now + self.budget()
+        if self._freeing is not None:
+            if self._retired:
+                self._free_pacer.run(self._free_one, deadline)
+            if not self._retired:
+                self._freeing.freed_step, self._freeing = self.steps, None
         if self._pending is not None:
-            placement, staged, started = self._pending
-            ready = torch.tensor([int(staged.done())], dtype=torch.int32)
-            if self.ep.group.all_reduce(ready, "min").item():
-                self._swap(placement, staged.result(), time.monotonic() - started)
-            return
-        if self.steps % self.interval == 0:
+            self._stage(self._pending, deadline)
+        elif self.steps % self.interval == 0:
             self._check()
+        self._resumed = time.perf_counter()
+
+    def budget(self) -> float:
+        """Seconds of staging per step boundary: ``stage_budget`` x the recent median step."""
+        if not self._step_seconds:
+            return 0.0
+        return self.stage_budget * statistics.median(self._step_seconds)
 
     def _cumulative(self) -> torch.Tensor:
         return torch.stack([m.expert_load.to(torch.float64) for m in self._moes.values()])
@@ -105,41 +189,65 @@ class OnlineExpertBalancer:
         before, after = current.stats(load)["balance"], candidate.stats(load)["balance"]
         if candidate.layers == current.layers or before < after * (1 + self.min_gain):
             return
+        rank = self.ep.rank
+        wanted = {}
+        for name, moe in self._moes.items():
+            experts = candidate.local_experts(moe.layer_id, rank)
+            if experts != moe.experts.expert_ids:
+                wanted[f"{name}.experts"] = experts
+        held = {f"{name}.experts": m.experts for name, m in self._moes.items()}
+        staging = self.source.stage(wanted, held)
         self.history.append(Rebalance(self.steps, before, after))
+        self._pending = _Pending(candidate, staging, time.monotonic())
         log.info(
-            "step %d: expert placement %.3f -> %.3f max/mean per-rank load; staging new experts",
+            "step %d: expert placement %.3f -> %.3f max/mean per-rank load; staging %d layers' new "
+            "experts in %d pieces",
             self.steps,
             before,
             after,
+            len(wanted),
+            staging.total,
         )
-        staged = self._executor.submit(self._stage, candidate)
-        self._pending = (candidate, staged, time.monotonic())
 
-    def _stage(self, placement: ExpertPlacement) -> dict[str, Experts]:
-        # the lowest CPU priority for this thread: serving steps must not wait for staging
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STAGING_NICE)
-        rank = self.ep.rank
-        staged = {}
-        for name, moe in self._moes.items():
-            experts = placement.local_experts(moe.layer_id, rank)
-            if experts != moe.experts.expert_ids:
-                staged[name] = self.source.build(f"{name}.experts", experts)
-        return staged
+    def _stage(self, pending: _Pending, deadline: float) -> None:
+        staging, event = pending.staging, self.history[-1]
+        if staging.pieces_left:
+            count, spent = self._stage_pacer.run(staging.fill_next, deadline)
+            event.stage_pieces += count
+            event.stage_steps += 1
+            event.stage_work_seconds += spent
+        ready = torch.tensor([int(staging.pieces_left == 0)], dtype=torch.int32)
+        if self.ep.group.all_reduce(ready, "min").item():
+            self._swap(pending)
 
-    def _swap(self, placement: ExpertPlacement, staged: dict[str, Experts], seconds: float) -> None:
+    def _swap(self, pending: _Pending) -> None:
         event = self.history[-1]
         event.received_before = [int(m.experts.slot_load.sum()) for m in self._moes.values()]
-        ep = ExpertParallel(placement, self.ep.group)
+        ep = ExpertParallel(pending.placement, self.ep.group)
+        staged = pending.staging.modules
         for name, moe in self._moes.items():
             moe.experts.slot_load.zero_()
-            if name in staged:
-                moe.experts = staged[name]
+            new = staged.get(f"{name}.experts")
+            if new is not None:
+                self._retired.extend(moe.experts.parameters())  # freed at later boundaries
+                moe.experts = new
             moe.set_placement(ep)
         self.model.ep = self.ep = ep
-        self._pending = None
-        event.stage_seconds, event.swap_step = seconds, self.steps
-        log.info("step %d: swapped to the new expert placement (staged in %.2f s)", self.steps, seconds)
+        self._pending, self._freeing = None, event
+        event.stage_seconds, event.swap_step = time.monotonic() - pending.started, self.steps
+        log.info(
+            "step %d: swapped to the new expert placement (staged in %.2f s over %d steps, %.3f s of pieces)",
+            self.steps,
+            event.stage_seconds,
+            event.stage_steps,
+            event.stage_work_seconds,
+        )
+
+    def _free_one(self) -> bool:
+        self._retired.pop()
+        return bool(self._retired)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Drop a staging still under way and the replaced weights not freed yet."""
+        self._pending = self._freeing = None
+        self._retired.clear()
