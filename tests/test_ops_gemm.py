@@ -210,9 +210,17 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="dsinfer.ops"):
         ops = select_ops(torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records if r.name == "dsinfer.ops"]
-    assert lines == ["ops backends: gemm=torch mla=numba gate=torch sampling=torch (device cpu)"]
+    assert lines == [
+        "ops backends: gemm=torch experts=numba mla=numba gate=torch sampling=torch (device cpu)"
+    ]
     assert not ops.supports_fp8_gemm
-    assert dict(ops.backends) == {"gemm": "torch", "mla": "numba", "gate": "torch", "sampling": "torch"}
+    assert dict(ops.backends) == {
+        "gemm": "torch",
+        "experts": "numba",
+        "mla": "numba",
+        "gate": "torch",
+        "sampling": "torch",
+    }
     assert ops.linear is torch_gemm.linear
 
 

@@ -157,7 +157,8 @@ class KVCacheManager:
 
     @property
     def num_pages(self) -> int:
-        return self._pool.num_pages
+        """Pages sequences can hold: the pool's, less a reserved dummy page (CUDA graphs)."""
+        return self._pool.num_usable_pages
 
     def num_available_pages(self) -> int:
         return self._alloc.num_free + len(self._evictable)

@@ -2,6 +2,10 @@
 
 Page p of every layer belongs to the same sequence; a sequence's pages are listed in its block
 table. This is FlashMLA's layout (a view adds its single KV-head axis).
+
+A page may be reserved for good (``LatentKVPool.reserve_dummy_page``): the allocator never hands
+it out again and it belongs to no sequence. Padding rows of a CUDA-graph decode step write their
+latent there and attend to it (dsinfer/engine/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -23,10 +27,24 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
         self._allocated = [False] * num_pages
+        self.reserved: list[int] = []  # taken for good, never allocated nor freed
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        """Pages sequences can ever hold: all but the reserved ones."""
+        return self.num_pages - len(self.reserved)
+
+    def reserve(self) -> int:
+        """Take one free page out of circulation for good; OutOfPagesError when none is free."""
+        if not self._free:
+            raise OutOfPagesError(f"no free page to reserve of {self.num_pages}")
+        page = self._free.pop()
+        self.reserved.append(page)
+        return page
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -38,6 +56,8 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         for p in pages:
+            if p in self.reserved:
+                raise ValueError(f"page {p} is reserved and cannot be freed")
             if not self._allocated[p]:
                 raise ValueError(f"page {p} freed twice")
             self._allocated[p] = False
@@ -65,6 +85,18 @@ class LatentKVPool:
             torch.zeros(num_pages, page_size, dim, dtype=dtype, device=device) for _ in range(num_layers)
         ]
         self.allocator = PageAllocator(num_pages)
+        self._dummy_page: int | None = None
+
+    def reserve_dummy_page(self) -> int:
+        """The page no sequence owns, reserved on the first call (idempotent): padding rows of a
+        CUDA-graph decode step write and read only there. Call it before sequences hold pages."""
+        if self._dummy_page is None:
+            self._dummy_page = self.allocator.reserve()
+        return self._dummy_page
+
+    @property
+    def dummy_page(self) -> int | None:
+        return self._dummy_page
 
     @classmethod
     def for_model(
@@ -109,6 +141,11 @@ class LatentKVPool:
     @property
     def num_pages(self) -> int:
         return self.allocator.num_pages
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages sequences can hold (the dummy page, when reserved, is not one of them)."""
+        return self.allocator.num_usable
 
     @property
     def dtype(self) -> torch.dtype:

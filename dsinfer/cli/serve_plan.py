@@ -224,7 +224,7 @@ def rank_memory(plan: ModelPlan, engine: EngineArgs, pool_size: int, free: int |
 def _kv_budget(plan: ModelPlan, engine: EngineArgs, planned_free: int | None) -> tuple[int | None, str]:
     if engine.kv_cache_memory is not None:
         return engine.kv_cache_memory, "--kv-cache-memory"
-    fraction = engine.kv_cache_memory_fraction or (0.9 if plan.device.type == "cuda" else 0.1)
+    fraction = engine.kv_fraction_for(plan.device.type)
     what = f"{fraction:g} of free memory at start-up"
     if planned_free is not None:
         return int(max(planned_free, 0) * fraction), f"{what}: {fmt_bytes(planned_free)} by --gpu-memory"

@@ -16,11 +16,17 @@ it holds two sequences or more and at least ``overlap_min_tokens`` tokens. The s
 are split, whole and in order, into two parts of even attention load; a rank with fewer than two
 sequences runs empty micro-batches where it has none, so its transfers pair the others'. The MTP
 layer's forward stays one micro-batch.
+
+On CUDA, unless ``enforce_eager``, decode-only steps (every sequence one new token, no MTP draft,
+no per-layer callback) replay a CUDA graph of the forward and its logits, padded to a batch-size
+bucket (dsinfer/engine/cuda_graph.py); prefill, mixed and MTP-verification steps, two-micro-batch
+steps and expert-parallel models run eagerly.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Callable
 
@@ -30,6 +36,7 @@ from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.trace import COMPUTE, Tracer
 from dsinfer.cache.latent_pool import LatentKVPool
 from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_unsupported_reason
 from dsinfer.engine.forward import attention_load, balanced_split, build_forward_batch
 from dsinfer.engine.mtp import MTPProposer
 from dsinfer.engine.scheduler import ScheduledBatch, ScheduledSeq, StepResult
@@ -41,6 +48,7 @@ from dsinfer.ops.logprobs import prompt_logprobs, top_logprobs
 from dsinfer.ops.penalties import apply_penalties, penalty_state
 
 Sample = tuple[int, dict[int, float] | None]
+log = logging.getLogger("dsinfer.engine")
 
 
 class ModelRunner:
@@ -63,6 +71,7 @@ class ModelRunner:
         self.overlap_min_tokens = overlap_min_tokens
         self.tracer = tracer
         self.two_micro_batch_steps = {PREFILL: 0, DECODE: 0}  # steps run in each schedule
+        self.decode_graphs: CudaGraphRunner | None = None  # set by enable_decode_graphs
 
     @classmethod
     def from_args(
@@ -73,7 +82,7 @@ class ModelRunner:
             rank = model.ep.rank if model.ep is not None else 0
             path = args.trace_dir / f"trace-rank{rank}-pid{os.getpid()}.json"
             tracer = Tracer(path, rank, flush_every=args.trace_flush_steps)
-        return cls(
+        runner = cls(
             model,
             pool,
             ops,
@@ -82,6 +91,27 @@ class ModelRunner:
             overlap_min_tokens=args.overlap_min_tokens,
             tracer=tracer,
         )
+        if runner.device.type == "cuda" and not args.enforce_eager:
+            reason = graph_unsupported_reason(model)
+            if reason is not None:
+                log.info("CUDA graphs off: %s", reason)
+            else:
+                runner.enable_decode_graphs(
+                    max_batch_size=min(args.cuda_graph_max_bs or args.max_num_seqs, args.max_num_seqs),
+                    max_seq_len=args.max_model_len or model.config.max_position_embeddings,
+                )
+        return runner
+
+    def enable_decode_graphs(
+        self, *, max_batch_size: int, max_seq_len: int, capture: bool = True
+    ) -> CudaGraphRunner:
+        """Run decode-only steps of up to ``max_batch_size`` sequences through static buffers,
+        replayed from CUDA graphs (``capture=False``: the same callable run eagerly, for CPU tests).
+        Reserves the pool's dummy page: call it before sequences hold pages."""
+        self.decode_graphs = CudaGraphRunner(
+            self.model, self.pool, max_batch_size=max_batch_size, max_seq_len=max_seq_len, capture=capture
+        )
+        return self.decode_graphs
 
     def close(self) -> None:
         if self.tracer is not None:
@@ -110,7 +140,11 @@ class ModelRunner:
                 self._forward_two(batch, order, None)
                 self.model.idle_forward(decoder_layers=False)
             return []
-        if order is None:
+        graph_rows = self._graph_rows(batch, after_layer) if order is None else None
+        all_logits: torch.Tensor | None = None  # a graph step computes every row's logits
+        if graph_rows is not None:
+            hidden, all_logits = self._forward_graph(graph_rows)
+        elif order is None:
             hidden = self._forward_one(batch, after_layer)
         else:
             hidden = self._forward_two(batch, order, after_layer)
@@ -119,7 +153,8 @@ class ModelRunner:
         samplers = [i for i, s in enumerate(batch.seqs) if s.samples]
         if samplers:
             rows = [r for i in samplers for r in range(ends[i] - batch.seqs[i].num_draft, ends[i] + 1)]
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            index = torch.tensor(rows, device=self.device)
+            logits = all_logits[index] if all_logits is not None else self.model.compute_logits(hidden[index])
             samples = iter(self._sample([batch.seqs[i] for i in samplers], logits))
             for i in samplers:
                 item, result = batch.seqs[i], results[i]
@@ -154,6 +189,32 @@ class ModelRunner:
             return self.model(ids, forward, self.pool.caches)
         with self.tracer.span("FORWARD", COMPUTE, cat="forward", micro_batches=1, tokens=[len(ids)]):
             return self.model(ids, forward, self.pool.caches)
+
+    def _graph_rows(
+        self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None
+    ) -> DecodeRows | None:
+        """The step as graph rows when it can replay: decode-only, one token each, no callback."""
+        graphs = self.decode_graphs
+        if graphs is None or after_layer is not None or not batch.seqs:
+            return None
+        if batch.num_decodes != len(batch.seqs) or batch.decode_q_len != 1:
+            return None  # prefill chunks, or MTP verification (two query tokens): eager
+        rows = DecodeRows(
+            input_ids=[t for s in batch.seqs for t in _step_tokens(s)],
+            positions=[s.start for s in batch.seqs],
+            page_lists=[s.seq.pages for s in batch.seqs],
+        )
+        return rows if graphs.fits(rows) else None
+
+    def _forward_graph(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.decode_graphs is not None
+        if self.tracer is None:
+            return self.decode_graphs.run(rows)
+        bucket = self.decode_graphs.bucket_for(len(rows))
+        with self.tracer.span(
+            "FORWARD", COMPUTE, cat="forward", micro_batches=1, tokens=[len(rows)], cuda_graph=bucket
+        ):
+            return self.decode_graphs.run(rows)
 
     def _forward_two(
         self, batch: ScheduledBatch, order: str, after_layer: Callable[[int], None] | None

@@ -4,6 +4,13 @@ Tokens of all sequences are flattened into one dimension T (sequence after seque
 contributes ``q_lens[i]`` new tokens, whose latent KV is written at ``slot_mapping`` (a flat slot
 ``page * page_size + offset`` in every layer's cache), and then attends to ``kv_lens[i]`` cached
 tokens (its prefix plus the new ones), found through row i of ``block_tables``.
+
+Per-step device tensors that every layer reads (``cache_seqlens`` of the absorbed sequences) are
+built once here, never per layer. A batch replayed from a CUDA graph (dsinfer/engine/cuda_graph.py)
+is built over static buffers instead: ``cache_seqlens`` and ``token_mask`` are given as device
+tensors (their values change between replays, the host lists do not), padding rows are marked
+False in ``token_mask``, and ``masked_moe`` sends the routed experts through the masked layout,
+which needs no host synchronisation.
 """
 
 from __future__ import annotations
@@ -27,6 +34,12 @@ class ForwardBatch:
     kv_lens: list[int]  # cached tokens per sequence after this step (prefix + new)
     num_absorbed: int = 0
     after_layer: Callable[[int], None] | None = None  # called with each cache layer's index once written
+    # int32 [num_absorbed]: cached tokens of each absorbed sequence (FlashMLA's cache_seqlens); built
+    # from kv_lens when not given. Given (a static buffer), it wins over kv_lens, which then only
+    # hold placeholders for the absorbed sequences.
+    cache_seqlens: torch.Tensor | None = None
+    token_mask: torch.Tensor | None = None  # bool [T]: False on padding rows (no expert load, no experts)
+    masked_moe: bool = False  # routed experts in the masked layout (graph-safe; no host sync)
     _rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def rope_cos_sin(
@@ -49,6 +62,10 @@ class ForwardBatch:
             raise ValueError("num_absorbed must be between 0 and the number of sequences")
         if len(set(self.q_lens[self.num_decompressed :])) > 1:
             raise ValueError("the absorbed MLA path needs the same number of new tokens in every sequence")
+        if self.cache_seqlens is None and self.num_absorbed:
+            self.cache_seqlens = torch.tensor(
+                self.kv_lens[self.num_decompressed :], dtype=torch.int32, device=self.positions.device
+            )
 
     @property
     def num_tokens(self) -> int:

@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         x = self.attention_out(x, self.attention_in(x, batch, kv_cache), batch, kv_cache)
-        ffn = self.ffn_begin(x)
+        ffn = self.ffn_begin(x, batch)
         self.ffn_experts(ffn, ffn.dispatch.wait() if ffn.dispatch is not None else None)
         self.ffn_shared(ffn)
         return self.ffn_end(x, ffn, ffn.combine.wait() if ffn.combine is not None else None)
@@ -94,9 +94,15 @@ class DecoderLayer(nn.Module):
         """Core attention and output projection, added to the residual ``x``."""
         return x + self.self_attn.attend(*q, batch, kv_cache)
 
-    def ffn_begin(self, x: torch.Tensor) -> FeedForward:
+    def ffn_begin(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> FeedForward:
+        """Post-attention norm and, in MoE layers, the gate and the dispatch. ``batch`` (when
+        given) says whether the routed experts take the graph-safe masked layout."""
         h = self.post_attention_layernorm(x)
-        return FeedForward(h, self.mlp.begin(h) if isinstance(self.mlp, MoE) else None)
+        if not isinstance(self.mlp, MoE):
+            return FeedForward(h)
+        if batch is not None and batch.masked_moe:
+            return FeedForward(h, self.mlp.begin(h, token_mask=batch.token_mask, masked=True))
+        return FeedForward(h, self.mlp.begin(h))
 
     def ffn_experts(self, ffn: FeedForward, received: Received | None) -> None:
         if ffn.routed is None:

@@ -163,12 +163,12 @@ class MLA(nn.Module):
         q = torch.cat([q_latent, q_pe], dim=-1).view(
             batch.num_absorbed, -1, self.num_heads, q_pe.shape[-1] + q_latent.shape[-1]
         )
-        cache_seqlens = torch.tensor(batch.kv_lens[first:], dtype=torch.int32, device=q.device)
+        assert batch.cache_seqlens is not None  # built once per step by ForwardBatch
         o_latent, _ = self.ops.mla_decode(
             q.to(kv_cache.dtype),
             kv_cache.unsqueeze(2),
             batch.block_tables[first:],
-            cache_seqlens,
+            batch.cache_seqlens,
             head_dim_v=self.kv_lora_rank,
             softmax_scale=self.softmax_scale,
             causal=True,

@@ -12,6 +12,18 @@ The routed path runs in three steps that a micro-batch schedule may interleave w
 ``begin`` (gate, dispatch posted), ``run_experts`` (the received rows through the local experts,
 combine posted) and ``routed_sum`` (the weighted sum of the combined results); ``forward`` runs
 them back to back. Without expert parallelism the transfers are completed ``Pending``s.
+
+Two layouts compute the routed experts, with equal results:
+
+- grouped by slot (``Experts.compute``, the default): ``ops.fused_experts``, i.e. the fused CPU
+  kernel or the pairs sorted by slot through two ``grouped_gemm_contiguous`` calls (DeepGEMM's
+  contiguous layout). Sorting and the per-expert counts are read on the host.
+- masked (``Experts.compute_masked``, ``begin(..., masked=True)``): pairs scattered into
+  ``[slots, capacity, H]`` at ranks computed on the device, ``grouped_gemm_masked`` with the
+  per-expert counts ``masked_m`` on the device, gathered back. Nothing is read on the host, so a
+  CUDA graph can capture it (the decode step, dsinfer/engine/cuda_graph.py). It is the layout
+  DeepEP's low-latency dispatch delivers; with expert parallelism today's dispatch (pair rows over
+  ``EPGroup.dispatch``) still syncs to the host, so CUDA graphs stay off there.
 """
 
 from __future__ import annotations
@@ -54,6 +66,7 @@ class RoutedWork:
     topk_weights: torch.Tensor  # [T, k]
     dispatch: Pending[Received]
     combine: Pending[torch.Tensor] | None = None  # posted by MoE.run_experts
+    masked: bool = False  # run_experts uses the masked layout (graph-safe)
 
 
 class Gate(nn.Module):
@@ -134,14 +147,57 @@ class Experts(nn.Module):
         self.slot_load += torch.bincount(slots, minlength=len(self.expert_ids))
         if rows.shape[0] == 0:
             return rows.new_zeros((0, self.hidden))
-        order = torch.argsort(slots, stable=True)
-        m_indices = slots[order].to(torch.int32)
-        gate_up = self.ops.grouped_gemm_contiguous(rows[order], self.w13, self.w13_scale_inv, m_indices)
+        return self.ops.fused_experts(rows, slots, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
+
+    def compute_masked(
+        self, rows: torch.Tensor, slots: torch.Tensor, capacity: int | None = None
+    ) -> torch.Tensor:
+        """``compute`` in the masked layout, with no host synchronisation: [M, H] -> [M, H].
+
+        A row whose slot is negative is skipped (its output is zero). ``capacity`` bounds the rows
+        of any one slot (default M; the tokens of a batch, each routed to a slot at most once)."""
+        num_slots, m = len(self.expert_ids), rows.shape[0]
+        capacity = m if capacity is None else capacity
+        if m == 0 or capacity == 0:
+            return rows.new_zeros((m, self.hidden))
+        layout = masked_layout(slots, num_slots)
+        self.slot_load += layout.masked_m
+        # one trash plane past the last slot receives the skipped rows; rows past masked_m are
+        # never read (the GEMMs skip them, the gather below never selects them): no zero fill
+        packed = rows.new_empty((num_slots + 1, capacity, self.hidden))
+        packed[layout.slot, layout.rank] = rows
+        expected_m = max(1, -(-m // num_slots))  # host-side hint: the mean rows per slot
+        masked_m = layout.masked_m.to(torch.int32)
+        gate_up = self.ops.grouped_gemm_masked(
+            packed[:num_slots], self.w13, self.w13_scale_inv, masked_m, expected_m
+        )
         gate, up = gate_up.chunk(2, dim=-1)
-        y = self.ops.grouped_gemm_contiguous(F.silu(gate) * up, self.w2, self.w2_scale_inv, m_indices)
-        out = torch.empty_like(y)
-        out[order] = y
-        return out
+        y = self.ops.grouped_gemm_masked(F.silu(gate) * up, self.w2, self.w2_scale_inv, masked_m, expected_m)
+        # rows past masked_m are undefined (never read): a skipped row selects zero, not y's value
+        picked = y[layout.slot.clamp(max=num_slots - 1), layout.rank]
+        return torch.where(layout.valid[:, None], picked, 0.0).to(rows.dtype)
+
+
+@dataclass(frozen=True)
+class MaskedLayout:
+    """Where each row goes in a masked ``[slots (+1 trash), capacity, H]`` layout."""
+
+    slot: torch.Tensor  # int64 [M]: the row's slot, ``num_slots`` (the trash plane) when skipped
+    rank: torch.Tensor  # int64 [M]: arrival order among the rows of its slot
+    valid: torch.Tensor  # bool [M]
+    masked_m: torch.Tensor  # int64 [num_slots]: rows per slot
+
+
+def masked_layout(slots: torch.Tensor, num_slots: int) -> MaskedLayout:
+    """Device-side ranks of rows within their slot (a negative slot = skipped), no host sync:
+    a running count per slot over a [M, num_slots + 1] comparison (M x slots is small at decode)."""
+    valid = (slots >= 0) & (slots < num_slots)
+    slot = torch.where(valid, slots, num_slots).long()
+    hit = slot[:, None] == torch.arange(num_slots + 1, device=slots.device)[None, :]
+    running = hit.long().cumsum(0)  # [M, slots + 1]: rows of each slot so far, this one included
+    # skipped rows all land on row 0 of the trash plane (however many they are)
+    rank = torch.where(valid, running.gather(1, slot[:, None]).squeeze(1) - 1, 0)
+    return MaskedLayout(slot, rank, valid, running[-1, :num_slots])
 
 
 def _pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
@@ -197,24 +253,48 @@ class MoE(nn.Module):
         self.slots_per_rank = ep.placement.slots_per_rank
         self.ep = ep
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        work = self.begin(x)
+    def forward(
+        self, x: torch.Tensor, *, token_mask: torch.Tensor | None = None, masked: bool = False
+    ) -> torch.Tensor:
+        work = self.begin(x, token_mask=token_mask, masked=masked)
         self.run_experts(work, work.dispatch.wait())
         assert work.combine is not None
         y = self.routed_sum(work, work.combine.wait())
         shared = self.shared(x)
         return y if shared is None else y + shared
 
-    def begin(self, x: torch.Tensor) -> RoutedWork:
-        """Route ``x`` [T, H] and post the dispatch of its (token, expert) pairs."""
+    def begin(
+        self, x: torch.Tensor, *, token_mask: torch.Tensor | None = None, masked: bool = False
+    ) -> RoutedWork:
+        """Route ``x`` [T, H] and post the dispatch of its (token, expert) pairs.
+
+        ``masked``: the graph-safe path (device-side counts, masked expert layout); tokens where
+        ``token_mask`` is False (padding rows of a captured batch) count no load and reach no
+        expert. Both need this rank to host every expert (no expert parallelism)."""
+        if token_mask is not None and not masked:
+            raise ValueError("token_mask is read by the masked routed path only")
         topk_weights, topk_ids = self.gate(x)
-        self.expert_load += torch.bincount(topk_ids.flatten(), minlength=self.expert_load.shape[0])
         pair_token = _pair_tokens(topk_ids)
         experts = topk_ids.flatten()
-        if self.ep is None:
-            local: Pending[Received] = Pending.completed(
-                (x[pair_token], self.experts.slot_of_expert[experts], None)
+        local: Pending[Received]
+        if masked:
+            if self.ep is not None:
+                raise ValueError(
+                    "the masked (graph-safe) routed path runs without expert parallelism: the EP "
+                    "dispatch of pair rows reads row counts on the host"
+                )
+            valid = (
+                token_mask[pair_token]
+                if token_mask is not None
+                else torch.ones_like(experts, dtype=torch.bool)
             )
+            self.expert_load.index_add_(0, experts, valid.long())
+            slots = torch.where(valid, self.experts.slot_of_expert[experts], -1)
+            local = Pending.completed((x[pair_token], slots, None))
+            return RoutedWork(x, pair_token, topk_weights, local, masked=masked)
+        self.expert_load += torch.bincount(experts, minlength=self.expert_load.shape[0])
+        if self.ep is None:
+            local = Pending.completed((x[pair_token], self.experts.slot_of_expert[experts], None))
             return RoutedWork(x, pair_token, topk_weights, local)
         # spread a token's pairs and consecutive tokens over the replicas of their expert
         spread = pair_token + torch.arange(topk_ids.shape[1], device=x.device).repeat(topk_ids.shape[0])
@@ -227,7 +307,10 @@ class MoE(nn.Module):
     def run_experts(self, work: RoutedWork, received: Received) -> None:
         """The rows this rank received through its experts; posts their combine."""
         rows, slots, handle = received
-        y = self.experts.compute(rows, slots)
+        if work.masked:
+            y = self.experts.compute_masked(rows, slots, capacity=work.x.shape[0])
+        else:
+            y = self.experts.compute(rows, slots)
         if handle is None:
             work.combine = Pending.completed(y)
         else:

@@ -6,6 +6,7 @@ Every kernel family has an ordered list of candidate backends, best first:
 kernel      candidates                                   Ops functions
 ==========  ===========================================  ==========================
 gemm        deepgemm, triton, torch                      linear, grouped_gemm_*
+experts     numba, grouped                               fused_experts
 mla         flashmla, triton, numba, torch               mla_decode
 gate        triton, torch                                moe_gate
 sampling    triton, torch                                sample
@@ -16,12 +17,16 @@ and a successful ``import deep_gemm`` / ``import flash_mla``; ``triton`` needs a
 ``dsinfer.kernels`` exporting the kernel's functions (feature check by name, see
 ``TRITON_FEATURES``: the GEMM family uses DeepGEMM's newer names and signatures, the others the
 ``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
-and an importable numba; ``torch`` always works. The chosen functions live in the returned (frozen)
+and an importable numba; ``torch`` always works. ``numba`` for ``experts`` is the fused CPU MoE of
+``ops/experts_cpu.py`` (float32/bfloat16 weights: the CPU loader dequantizes FP8 checkpoints);
+``grouped`` (always available) runs the routed experts as two grouped GEMMs of the chosen ``gemm``
+backend around the SwiGLU (``ops/experts.py``). The chosen functions live in the returned (frozen)
 :class:`Ops`; nothing global is mutated.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable, Mapping
@@ -35,15 +40,17 @@ from dsinfer.ops import gate as torch_gate
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import sampling as torch_sampling
+from dsinfer.ops.experts import grouped_experts
 
 logger = logging.getLogger("dsinfer.ops")
 
 __all__ = ["BACKENDS", "KERNELS", "TRITON_FEATURES", "Ops", "select_ops"]
 
-KERNELS: tuple[str, ...] = ("gemm", "mla", "gate", "sampling")
+KERNELS: tuple[str, ...] = ("gemm", "experts", "mla", "gate", "sampling")
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "gemm": ("deepgemm", "triton", "torch"),
+        "experts": ("numba", "grouped"),
         "mla": ("flashmla", "triton", "numba", "torch"),
         "gate": ("triton", "torch"),
         "sampling": ("triton", "torch"),
@@ -54,6 +61,7 @@ FP8_CAPABILITY = (8, 9)  # Ada/Hopper: the first GPUs with fp8 e4m3 tensor-core 
 TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "gemm": ("fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"),
+        "experts": (),
         "mla": ("mla_decode",),
         "gate": ("moe_gate",),
         "sampling": ("sample",),
@@ -70,6 +78,7 @@ class Ops:
     linear: Callable[..., torch.Tensor]
     grouped_gemm_contiguous: Callable[..., torch.Tensor]
     grouped_gemm_masked: Callable[..., torch.Tensor]
+    fused_experts: Callable[..., torch.Tensor]
     mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_gate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample: Callable[..., torch.Tensor]
@@ -117,9 +126,14 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
     """The implementation of ``kernel`` by ``backend`` on ``device``, or why it is unavailable."""
     if backend == "torch":
         return _torch_impl(kernel)
+    if backend == "grouped":
+        return {}  # bound to the chosen GEMM backend by select_ops
     if backend == "numba":
         if device.type != "cpu":
             return "needs a CPU device"
+        if kernel == "experts":
+            module = _import("dsinfer.ops.experts_cpu")
+            return module if isinstance(module, str) else {"fused_experts": module.fused_experts}
         module = _import("dsinfer.ops.mla_cpu")
         return module if isinstance(module, str) else {"mla_decode": module.mla_decode}
     if device.type != "cuda":
@@ -136,7 +150,8 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
                 return "fp8 tensor cores need compute capability 8.9 or newer"
             from dsinfer.ops.external import DeepGemmAdapter
 
-            return _gemm_impl(DeepGemmAdapter(module))
+            # the Triton grouped GEMM takes unpadded expert segments (no DeepGEMM alignment)
+            return _gemm_impl(DeepGemmAdapter(module, m_alignment=1))
         return {name: getattr(module, name) for name in _torch_impl(kernel)}
     module = _import({"deepgemm": "deep_gemm", "flashmla": "flash_mla"}[backend])
     if isinstance(module, str):
@@ -178,7 +193,7 @@ def select_ops(device: torch.device | str, prefer: str | None = None) -> Ops:
     for kernel in KERNELS:
         order = BACKENDS[kernel]
         if force_torch:
-            order = ("torch",)
+            order = ("torch",) if "torch" in BACKENDS[kernel] else (BACKENDS[kernel][-1],)
         elif preferred:
             order = tuple(b for b in preferred if b in order) + tuple(b for b in order if b not in preferred)
         for backend in order:
@@ -190,6 +205,8 @@ def select_ops(device: torch.device | str, prefer: str | None = None) -> Ops:
             impl.update(found)
             chosen[kernel] = backend
             break
+    if chosen["experts"] == "grouped":
+        impl["fused_experts"] = functools.partial(grouped_experts, impl["grouped_gemm_contiguous"])
     supports_fp8 = chosen["gemm"] != "torch" or device.type == "cuda"
     ops = Ops(
         supports_fp8_gemm=supports_fp8,

@@ -10,6 +10,9 @@ whose semantics they share. The tests hold the torch paths, not these.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -17,9 +20,76 @@ import torch
 
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import mla as torch_mla
-from dsinfer.ops.fp8 import FP8_BLOCK, FP8_DTYPE, quantize_activation_1x128
+from dsinfer.ops.fp8 import FP8_BLOCK, FP8_DTYPE
+from dsinfer.ops.fp8 import quantize_activation_1x128 as torch_quantize_1x128
 
-__all__ = ["DeepGemmAdapter", "FlashMlaAdapter"]
+__all__ = ["DEEPGEMM_CONTIGUOUS_ALIGNMENT", "ContiguousPadding", "DeepGemmAdapter", "FlashMlaAdapter"]
+
+# DeepGEMM's contiguous layout: every expert segment is a multiple of this many rows (documented;
+# the module's own get_mk_alignment_for_contiguous_layout / get_m_alignment_... wins when exported).
+DEEPGEMM_CONTIGUOUS_ALIGNMENT = 128
+_ALIGNMENT_FUNCTIONS = ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout")
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ContiguousPadding:
+    """Rows of a grouped GEMM laid out as DeepGEMM's contiguous layout wants them: the rows of each
+    group together, in group order, each group's segment padded to a multiple of the alignment,
+    padding rows marked -1."""
+
+    dest: torch.Tensor  # int64 [M]: the padded row of each input row; -1 for rows whose index is < 0
+    m_indices: torch.Tensor  # int32 [M_pad]: the group of each padded row, -1 on padding
+    num_rows: int  # M_pad
+
+    def pad(self, a: torch.Tensor) -> torch.Tensor:
+        """``a [M, k]`` -> ``[M_pad, k]``, zeros on padding rows."""
+        out = a.new_zeros((self.num_rows, *a.shape[1:]))
+        keep = self.dest >= 0
+        out[self.dest[keep]] = a[keep]
+        return out
+
+    def unpad(self, out: torch.Tensor) -> torch.Tensor:
+        """``out [M_pad, n]`` -> ``[M, n]`` in the input rows' order, zeros for rows with index < 0."""
+        keep = (self.dest >= 0)[:, None]
+        return torch.where(keep, out[self.dest.clamp(min=0)], 0.0).to(out.dtype)
+
+
+def contiguous_padding(m_indices: torch.Tensor, alignment: int) -> ContiguousPadding:
+    """Where each row of a contiguous grouped GEMM goes once each group's segment is padded to a
+    multiple of ``alignment`` rows. ``m_indices`` needs no order; rows keep their order within a
+    group; negative indices are dropped. Reads the group counts on the host (eager paths only)."""
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    idx = m_indices.long()
+    device, num = idx.device, idx.shape[0]
+    valid = idx >= 0
+    groups = int(idx.max()) + 1 if num and bool(valid.any()) else 0
+    counts = torch.bincount(idx[valid], minlength=groups)  # [G]
+    padded = (counts + alignment - 1) // alignment * alignment
+    first_padded = torch.cumsum(padded, 0) - padded  # start of each group's padded segment
+    first_row = torch.cumsum(counts, 0) - counts  # start of each group among the sorted rows
+    order = torch.argsort(torch.where(valid, idx, groups), stable=True)  # valid rows by group, then the rest
+    num_valid = int(valid.sum())
+    sorted_group = idx[order[:num_valid]]
+    within = torch.arange(num_valid, device=device) - first_row[sorted_group]
+    dest = torch.full((num,), -1, dtype=torch.int64, device=device)
+    dest[order[:num_valid]] = first_padded[sorted_group] + within
+    num_rows = int(padded.sum())
+    padded_indices = torch.full((num_rows,), -1, dtype=torch.int32, device=device)
+    padded_indices[dest[valid]] = idx[valid].to(torch.int32)
+    return ContiguousPadding(dest, padded_indices, num_rows)
+
+
+def _kernel_quantizer() -> Quantizer:
+    """dsinfer.kernels' Triton 1x128 quantization (bit-identical to the torch reference) when it
+    imports, else the torch reference. For CUDA tensors only (Triton kernels run on the GPU)."""
+    try:
+        module = importlib.import_module("dsinfer.kernels")
+    except Exception:  # no triton, or a broken install: the reference computes the same values
+        return torch_quantize_1x128
+    return getattr(module, "quantize_activation_1x128", torch_quantize_1x128)
+
 
 # (dense, grouped contiguous, grouped masked, scale-layout helper) per API generation.
 _DEEPGEMM_NEW = (
@@ -39,21 +109,33 @@ _DEEPGEMM_OLD = (
 class DeepGemmAdapter:
     """UNVERIFIED. Block-FP8 GEMMs through DeepGEMM (or any module exposing DeepGEMM's newer names).
 
-    Activations are quantized 1x128 here; weights must already be fp8 with 128x128 scales.
-    Output is computed in bf16 (DeepGEMM's output type) and cast to the activation's dtype.
+    Activations are quantized 1x128 here (by dsinfer.kernels' Triton kernel when it imports);
+    weights must already be fp8 with 128x128 scales. Output is computed in bf16 (DeepGEMM's output
+    type) and cast to the activation's dtype.
+
+    ``m_alignment``: the row multiple of each expert segment in the contiguous layout. None asks
+    the module (``get_mk_alignment_for_contiguous_layout`` / ``get_m_alignment_...``), else
+    DeepGEMM's documented 128; dsinfer.kernels' Triton GEMM takes unpadded segments (1).
     """
 
-    def __init__(self, module: ModuleType) -> None:
+    def __init__(self, module: ModuleType, *, m_alignment: int | None = None) -> None:
         for names in (_DEEPGEMM_NEW, _DEEPGEMM_OLD):
             if all(hasattr(module, name) for name in names[:3]):
                 self.api = "new" if names is _DEEPGEMM_NEW else "old"
                 self._dense, self._contiguous, self._masked = (getattr(module, n) for n in names[:3])
                 self._align = getattr(module, names[3], None)
+                self.m_alignment = m_alignment or _module_alignment(module)
+                self._cuda_quantize: Quantizer | None = None  # resolved at the first CUDA call
                 return
         raise ImportError(f"{module.__name__} exports neither DeepGEMM API generation")
 
     def _quantize(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, s = quantize_activation_1x128(a)
+        if a.is_cuda:
+            if self._cuda_quantize is None:
+                self._cuda_quantize = _kernel_quantizer()
+            q, s = self._cuda_quantize(a)
+        else:
+            q, s = torch_quantize_1x128(a)
         # The kernels read activation scales MN-major and TMA-aligned (same values, other layout).
         return q, (self._align(s) if self._align is not None else s)
 
@@ -77,12 +159,14 @@ class DeepGemmAdapter:
     ) -> torch.Tensor:
         if not self._native(b, b_scale) or a.shape[0] == 0:
             return torch_gemm.grouped_gemm_contiguous(a, b, b_scale, m_indices)
-        q, s = self._quantize(a)
-        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
-        m_indices = m_indices.to(torch.int32)
-        self._contiguous((q, s), (b, b_scale), out, m_indices)
-        out.masked_fill_((m_indices < 0)[:, None], 0.0)  # the contract: padding rows are zero
-        return out.to(a.dtype)
+        # pad every expert's segment to the kernel's alignment, run, and drop the padding again
+        layout = contiguous_padding(m_indices, self.m_alignment)
+        if layout.num_rows == 0:
+            return a.new_zeros(a.shape[0], b.shape[1])
+        q, s = self._quantize(layout.pad(a))
+        out = torch.empty(layout.num_rows, b.shape[1], dtype=torch.bfloat16, device=a.device)
+        self._contiguous((q, s), (b, b_scale), out, layout.m_indices)
+        return layout.unpad(out).to(a.dtype)  # the contract: rows with index -1 are zero
 
     def grouped_gemm_masked(
         self,
@@ -98,6 +182,13 @@ class DeepGemmAdapter:
         out = torch.empty(a.shape[0], a.shape[1], b.shape[1], dtype=torch.bfloat16, device=a.device)
         self._masked((q, s), (b, b_scale), out, masked_m.to(torch.int32), max(int(expected_m), 1))
         return out.to(a.dtype)
+
+
+def _module_alignment(module: ModuleType) -> int:
+    for name in _ALIGNMENT_FUNCTIONS:
+        if hasattr(module, name):
+            return int(getattr(module, name)())
+    return DEEPGEMM_CONTIGUOUS_ALIGNMENT
 
 
 class FlashMlaAdapter:

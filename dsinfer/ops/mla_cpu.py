@@ -19,39 +19,85 @@ __all__ = ["mla_decode"]
 _FASTMATH = {"reassoc", "contract", "nsz"}  # let LLVM vectorize dot products; keep inf semantics
 
 
+KEY_TILE = 4  # keys whose scores (and value rows) are combined per pass over the channels
+
+
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _scores4(qb, kv, t, r, dim, scale, scores):
-    """Scores of key t for query rows r..r+3: each cached value is loaded once for four FMAs."""
-    s0 = s1 = s2 = s3 = np.float32(0.0)
+def _scores_block(qb, kv, t, r, dim, scale, scores):
+    """Scores of keys t..t+3 for query rows r..r+3: a 4x4 block of dot products, so every loaded
+    query or cached value feeds four FMAs."""
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
+    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0.0)
     for d in range(dim):
-        k = kv[t, d]
-        s0 += qb[r, d] * k
-        s1 += qb[r + 1, d] * k
-        s2 += qb[r + 2, d] * k
-        s3 += qb[r + 3, d] * k
-    scores[r, t], scores[r + 1, t] = s0 * scale, s1 * scale
-    scores[r + 2, t], scores[r + 3, t] = s2 * scale, s3 * scale
+        k0, k1, k2, k3 = kv[t, d], kv[t + 1, d], kv[t + 2, d], kv[t + 3, d]
+        q0, q1, q2, q3 = qb[r, d], qb[r + 1, d], qb[r + 2, d], qb[r + 3, d]
+        s00 += q0 * k0
+        s01 += q0 * k1
+        s02 += q0 * k2
+        s03 += q0 * k3
+        s10 += q1 * k0
+        s11 += q1 * k1
+        s12 += q1 * k2
+        s13 += q1 * k3
+        s20 += q2 * k0
+        s21 += q2 * k1
+        s22 += q2 * k2
+        s23 += q2 * k3
+        s30 += q3 * k0
+        s31 += q3 * k1
+        s32 += q3 * k2
+        s33 += q3 * k3
+    scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3] = s00, s01, s02, s03
+    scores[r + 1, t], scores[r + 1, t + 1], scores[r + 1, t + 2], scores[r + 1, t + 3] = s10, s11, s12, s13
+    scores[r + 2, t], scores[r + 2, t + 1], scores[r + 2, t + 2], scores[r + 2, t + 3] = s20, s21, s22, s23
+    scores[r + 3, t], scores[r + 3, t + 1], scores[r + 3, t + 2], scores[r + 3, t + 3] = s30, s31, s32, s33
+    for i in range(4):
+        for j in range(4):
+            scores[r + i, t + j] *= scale
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _dot(qb, kv, t, r, dim):
+    dot = np.float32(0.0)
+    for d in range(dim):
+        dot += qb[r, d] * kv[t, d]
+    return dot
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _accumulate_block(acc, kv, scores, t, r, dv):
+    """acc[r..r+3] += scores[r..r+3, t..t+3] @ kv[t..t+3, :dv], accumulated in registers per channel."""
+    p00, p01, p02, p03 = scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3]
+    p10, p11, p12, p13 = scores[r + 1, t], scores[r + 1, t + 1], scores[r + 1, t + 2], scores[r + 1, t + 3]
+    p20, p21, p22, p23 = scores[r + 2, t], scores[r + 2, t + 1], scores[r + 2, t + 2], scores[r + 2, t + 3]
+    p30, p31, p32, p33 = scores[r + 3, t], scores[r + 3, t + 1], scores[r + 3, t + 2], scores[r + 3, t + 3]
+    for d in range(dv):
+        k0, k1, k2, k3 = kv[t, d], kv[t + 1, d], kv[t + 2, d], kv[t + 3, d]
+        acc[r, d] += p00 * k0 + p01 * k1 + p02 * k2 + p03 * k3
+        acc[r + 1, d] += p10 * k0 + p11 * k1 + p12 * k2 + p13 * k3
+        acc[r + 2, d] += p20 * k0 + p21 * k1 + p22 * k2 + p23 * k3
+        acc[r + 3, d] += p30 * k0 + p31 * k1 + p32 * k2 + p33 * k3
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores):
     """Online-softmax update of every query row with keys start..start+count-1 held in kv.
-    Key-major loops: each cached row is read once from memory for all query rows; query rows go
-    four at a time so a loaded value feeds four FMAs."""
+    ``kv`` has at least ``count`` rounded up to KEY_TILE rows and the rows past ``count`` are finite
+    (their probabilities are zero). Query rows and keys go in 4x4 blocks (a loaded value feeds four
+    FMAs); leftover query rows one at a time."""
     rows, dim = qb.shape
     blocked = rows - rows % 4
-    for t in range(count):
+    padded = -(-count // KEY_TILE) * KEY_TILE
+    for t in range(0, padded, KEY_TILE):
         for r in range(0, blocked, 4):
-            _scores4(qb, kv, t, r, dim, scale, scores)
+            _scores_block(qb, kv, t, r, dim, scale, scores)
         for r in range(blocked, rows):
-            dot = np.float32(0.0)
-            for d in range(dim):
-                dot += qb[r, d] * kv[t, d]
-            scores[r, t] = dot * scale
+            for j in range(KEY_TILE):
+                scores[r, t + j] = _dot(qb, kv, t + j, r, dim) * scale
     for r in range(rows):
         visible = min(count, (n - s_q + r // h_q + 1 if causal else n) - start)  # keys [start, start+visible)
         if visible <= 0:
-            for t in range(count):
+            for t in range(padded):
                 scores[r, t] = 0.0
             continue
         new_max = max(m[r], scores[r, :visible].max())
@@ -59,32 +105,30 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
         denom[r] *= correction
         for d in range(dv):
             acc[r, d] *= correction
-        for t in range(count):
+        for t in range(padded):
             scores[r, t] = np.exp(scores[r, t] - new_max) if t < visible else 0.0
             denom[r] += scores[r, t]
         m[r] = new_max
-    for t in range(count):
+    for t in range(0, padded, KEY_TILE):
         for r in range(0, blocked, 4):
-            p0, p1, p2, p3 = scores[r, t], scores[r + 1, t], scores[r + 2, t], scores[r + 3, t]
-            for d in range(dv):
-                k = kv[t, d]
-                acc[r, d] += p0 * k
-                acc[r + 1, d] += p1 * k
-                acc[r + 2, d] += p2 * k
-                acc[r + 3, d] += p3 * k
+            _accumulate_block(acc, kv, scores, t, r, dv)
         for r in range(blocked, rows):
-            p = scores[r, t]
-            for d in range(dv):
-                acc[r, d] += p * kv[t, d]
+            for j in range(KEY_TILE):
+                p = scores[r, t + j]
+                for d in range(dv):
+                    acc[r, d] += p * kv[t + j, d]
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
 def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
     """``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when ``cache`` has no rows and
-    ``bf16_bits`` holds the cache as uint16, bf16 read through a float32 scratch page."""
+    ``bf16_bits`` holds the cache as uint16, bf16 read through a float32 scratch page. A page whose
+    key count is not a multiple of KEY_TILE (the last one) is read through the scratch page too,
+    zero-padded: slots past a sequence's length are never read."""
     bsz, s_q, h_q, dim = q.shape
     bf16 = bf16_bits.shape[0] > 0
     page_size = bf16_bits.shape[1] if bf16 else cache.shape[1]
+    padded_page = -(-page_size // KEY_TILE) * KEY_TILE
     rows = s_q * h_q
     for b in numba.prange(bsz):
         n = lens[b]
@@ -92,22 +136,26 @@ def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # n
         m = np.full(rows, -np.inf, dtype=np.float32)
         denom = np.zeros(rows, dtype=np.float32)
         acc = np.zeros((rows, dv), dtype=np.float32)
-        scores = np.empty((rows, page_size), dtype=np.float32)
-        page = np.empty((page_size, dim), dtype=np.float32)
+        scores = np.empty((rows, padded_page), dtype=np.float32)
+        page = np.empty((padded_page, dim), dtype=np.float32)
         page_bits = page.view(np.uint32)
         for start in range(0, n, page_size):
             count = min(page_size, n - start)
             block = table[b, start // page_size]
+            if not bf16 and count % KEY_TILE == 0:
+                _attend_page(
+                    qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores
+                )
+                continue
             if bf16:
                 src = bf16_bits[block]
                 for t in range(count):
                     for d in range(dim):
                         page_bits[t, d] = np.uint32(src[t, d]) << np.uint32(16)
-                _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores)
             else:
-                _attend_page(
-                    qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores
-                )
+                page[:count] = cache[block, :count]
+            page[count : -(-count // KEY_TILE) * KEY_TILE] = 0.0
+            _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores)
         for r in range(rows):
             s, h = r // h_q, r % h_q
             if denom[r] == 0.0:

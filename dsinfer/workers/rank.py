@@ -118,7 +118,10 @@ def run_rank(args: RankArgs) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    engine = LLMEngine(pool.engine, ep_group=_ep_group(pool) if pool.pool_size > 1 else None)
+    engine_args = pool.engine
+    if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
+        engine_args = engine_args.model_copy(update={"enforce_eager": True})
+    engine = LLMEngine(engine_args, ep_group=_ep_group(pool) if pool.pool_size > 1 else None)
     engine.warmup()  # compiles kernels before the gateway can route anything here
     channel = WorkerChannel(name, pool.gateway_addr, pool.host)
     channel.start_heartbeat(

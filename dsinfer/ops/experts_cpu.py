@@ -1,0 +1,173 @@
+"""Fused routed experts for CPUs (numba): SwiGLU expert MLPs over rows grouped by expert.
+
+The grouped-GEMM form (:func:`dsinfer.ops.experts.grouped_experts`) sorts the rows, pads them per
+expert, runs two batched GEMMs around the SwiGLU and scatters back: at decode sizes most of its
+time goes to those dozens of small ops. This kernel does it in one call: rows are grouped by a
+counting sort, experts run in parallel, and each expert multiplies its rows in 4x4 register
+blocks (every loaded activation or weight feeds four FMAs), with the SwiGLU in between.
+
+Math is fp32 (a bf16 activation or weight is widened exactly; an expert's bf16 weights are
+widened once per call into a scratch buffer). Every row is computed by the same code whatever
+the other rows are (rows are zero-padded to whole blocks), so a row's result does not depend on
+how a batch is grouped: expert-parallel pools give the same tokens at every size.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops.experts import grouped_experts
+
+__all__ = ["fused_experts"]
+
+_FASTMATH = {"reassoc", "contract", "nsz"}
+BLOCK = 4  # rows and output columns per register block
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _block(a, w, i, j, k_dim, out):
+    """out[i..i+3, j..j+3] = a[i..i+3, :k_dim] @ w[j..j+3, :k_dim]^T."""
+    c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = np.float32(0.0)
+    c20 = c21 = c22 = c23 = c30 = c31 = c32 = c33 = np.float32(0.0)
+    for k in range(k_dim):
+        w0, w1, w2, w3 = w[j, k], w[j + 1, k], w[j + 2, k], w[j + 3, k]
+        a0, a1, a2, a3 = a[i, k], a[i + 1, k], a[i + 2, k], a[i + 3, k]
+        c00 += a0 * w0
+        c01 += a0 * w1
+        c02 += a0 * w2
+        c03 += a0 * w3
+        c10 += a1 * w0
+        c11 += a1 * w1
+        c12 += a1 * w2
+        c13 += a1 * w3
+        c20 += a2 * w0
+        c21 += a2 * w1
+        c22 += a2 * w2
+        c23 += a2 * w3
+        c30 += a3 * w0
+        c31 += a3 * w1
+        c32 += a3 * w2
+        c33 += a3 * w3
+    out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = c00, c01, c02, c03
+    out[i + 1, j], out[i + 1, j + 1], out[i + 1, j + 2], out[i + 1, j + 3] = c10, c11, c12, c13
+    out[i + 2, j], out[i + 2, j + 1], out[i + 2, j + 2], out[i + 2, j + 3] = c20, c21, c22, c23
+    out[i + 3, j], out[i + 3, j + 1], out[i + 3, j + 2], out[i + 3, j + 3] = c30, c31, c32, c33
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _matmul_nt(a, w, out):
+    """out = a @ w^T for a [M, K] with M a multiple of BLOCK and w [N, K]; output columns past the
+    last whole block are plain dot products (a column's code never depends on M)."""
+    rows, k_dim = a.shape
+    n = w.shape[0]
+    blocked = n - n % BLOCK
+    for j in range(0, blocked, BLOCK):
+        for i in range(0, rows, BLOCK):
+            _block(a, w, i, j, k_dim, out)
+    for j in range(blocked, n):
+        for i in range(rows):
+            dot = np.float32(0.0)
+            for k in range(k_dim):
+                dot += a[i, k] * w[j, k]
+            out[i, j] = dot
+
+
+@numba.njit(cache=True, inline="always")
+def _widen(bits, out):
+    """bf16 bits (uint16) -> float32, exactly."""
+    out_bits = out.view(np.uint32)
+    for r in range(bits.shape[0]):
+        for c in range(bits.shape[1]):
+            out_bits[r, c] = np.uint32(bits[r, c]) << np.uint32(16)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typed by numba
+    """``w13``/``w2`` float32, or empty with ``w13_bits``/``w2_bits`` holding bf16 weights as uint16."""
+    m, hidden = rows.shape
+    bf16 = w13_bits.shape[0] > 0
+    num_slots = w13_bits.shape[0] if bf16 else w13.shape[0]
+    two_inter = w13_bits.shape[1] if bf16 else w13.shape[1]
+    inter = two_inter // 2
+    starts = np.zeros(num_slots + 1, dtype=np.int64)
+    for r in range(m):
+        starts[slots[r] + 1] += 1
+    for s in range(num_slots):
+        starts[s + 1] += starts[s]
+    order = np.empty(m, dtype=np.int64)
+    fill = starts[:-1].copy()
+    for r in range(m):
+        order[fill[slots[r]]] = r
+        fill[slots[r]] += 1
+    for s in numba.prange(num_slots):
+        count = starts[s + 1] - starts[s]
+        if count == 0:
+            continue
+        padded = -(-count // BLOCK) * BLOCK
+        a = np.zeros((padded, hidden), dtype=np.float32)
+        for i in range(count):
+            a[i] = rows[order[starts[s] + i]]
+        if bf16:
+            gate_up_w = np.empty((two_inter, hidden), dtype=np.float32)
+            down_w = np.empty((hidden, inter), dtype=np.float32)
+            _widen(w13_bits[s], gate_up_w)
+            _widen(w2_bits[s], down_w)
+        else:
+            gate_up_w, down_w = w13[s], w2[s]
+        gate_up = np.empty((padded, two_inter), dtype=np.float32)
+        _matmul_nt(a, gate_up_w, gate_up)
+        h = np.empty((padded, inter), dtype=np.float32)
+        for i in range(padded):
+            for c in range(inter):
+                g = gate_up[i, c]
+                h[i, c] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, inter + c]
+        y = np.empty((padded, hidden), dtype=np.float32)
+        _matmul_nt(h, down_w, y)
+        for i in range(count):
+            out[order[starts[s] + i]] = y[i]
+
+
+def fused_experts(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each row through the SwiGLU expert of its local slot: ``[M, H] -> [M, H]`` in ``rows``' dtype
+    and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, CPU tensors.
+    Float32 or bfloat16 weights run fused; others (block-FP8) through the grouped-GEMM reference."""
+    fused_dtypes = (torch.float32, torch.bfloat16)
+    if w13.dtype not in fused_dtypes or w2.dtype != w13.dtype:
+        return grouped_experts(
+            torch_gemm.grouped_gemm_contiguous, rows, slots, w13, w13_scale_inv, w2, w2_scale_inv
+        )
+    hidden = w13.shape[2]
+    out = torch.empty(rows.shape[0], hidden, dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out.to(rows.dtype)
+    empty_bits = np.empty((0, 1, 1), dtype=np.uint16)
+    if w13.dtype == torch.bfloat16:
+        weights = (
+            np.empty((0, 1, 1), dtype=np.float32),
+            w13.contiguous().view(torch.int16).numpy().view(np.uint16),
+            np.empty((0, 1, 1), dtype=np.float32),
+            w2.contiguous().view(torch.int16).numpy().view(np.uint16),
+        )
+    else:
+        weights = (w13.contiguous().numpy(), empty_bits, w2.contiguous().numpy(), empty_bits)
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    _experts(
+        rows.detach().float().contiguous().numpy(),
+        slots.to(torch.int64).contiguous().numpy(),
+        weights[0],
+        weights[1],
+        weights[2],
+        weights[3],
+        out.numpy(),
+    )
+    return out.to(rows.dtype)

@@ -1,0 +1,164 @@
+"""The decode step over static buffers, padded to batch-size buckets (dsinfer/engine/cuda_graph.py).
+
+On CPU the runner's ``capture=False`` mode runs the very callable a CUDA graph captures (static
+buffers, padding rows on the dummy page, masked experts); the GPU test captures and replays."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from dsinfer import LLM, SamplingParams
+from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_batch_sizes, graph_unsupported_reason
+from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.loader import load_model
+from dsinfer.model.moe import MoE
+from dsinfer.ops import select_ops
+from tests.fixtures.checkpoints import BuiltCheckpoint
+from tests.fixtures.hf_reference import compare, hf_logits
+
+PAGE = 16
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 4096, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_batch_size_buckets() -> None:
+    assert graph_batch_sizes(1) == (1,)
+    assert graph_batch_sizes(20) == (1, 2, 4, 8, 16, 20)
+    big = graph_batch_sizes(300)
+    assert big[:6] == (1, 2, 4, 8, 16, 24) and big[-4:] == (256, 272, 288, 300)
+    assert all(b % 8 == 0 for b in big[3:-1])
+
+
+def test_expert_parallel_and_cpu_capture_are_refused() -> None:
+    ep_model: Any = SimpleNamespace(ep=object())
+    reason = graph_unsupported_reason(ep_model)
+    assert reason is not None and "expert parallelism" in reason
+    pool = LatentKVPool(1, 4, 8, page_size=PAGE)
+    with pytest.raises(ValueError, match="expert parallelism"):
+        CudaGraphRunner(ep_model, pool, max_batch_size=4, max_seq_len=64, capture=False)
+    plain_model: Any = SimpleNamespace(ep=None)
+    with pytest.raises(ValueError, match="CUDA device"):
+        CudaGraphRunner(plain_model, pool, max_batch_size=4, max_seq_len=64)
+
+
+def _moe_load(model: torch.nn.Module) -> int:
+    return sum(int(m.expert_load.sum()) for m in model.modules() if isinstance(m, MoE))
+
+
+def test_padded_static_decode_matches_transformers(tiny_ckpt: BuiltCheckpoint) -> None:
+    """Two decode steps through the graph callable (5 sequences in bucket 8, then 3 in bucket 4):
+    logits match transformers, only the new tokens' slots and the dummy page are written, and
+    padding rows count no expert load."""
+    loaded = load_model(tiny_ckpt.path, select_ops("cpu"), dtype=torch.float32)
+    model, config = loaded.model, loaded.config
+    pool = LatentKVPool(model.num_cache_layers, 24, config.kv_cache_dim, page_size=PAGE)
+    graphs = CudaGraphRunner(model, pool, max_batch_size=8, max_seq_len=128, capture=False)
+    assert graphs.batch_sizes == (1, 2, 4, 8) and pool.num_usable_pages == 23
+    prompts = [_prompt(n, seed=60 + n) for n in (9, 23, 17, 30, 12)]
+    pages = [pool.allocator.allocate(pool.pages_for(len(p) + 1)) for p in prompts]
+    assert all(graphs.dummy_page not in pg for pg in pages)
+    # all but the last token of every prompt through the ordinary (decompressed) prefill
+    lens = [len(p) - 1 for p in prompts]
+    prefill = ForwardBatch(
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        slot_mapping=torch.cat([pool.slots(pg, 0, n) for pg, n in zip(pages, lens, strict=True)]),
+        block_tables=pool.block_table(pages),
+        q_lens=lens,
+        kv_lens=lens,
+    )
+    model(torch.tensor([t for p in prompts for t in p[:-1]]), prefill, pool.caches)
+    before = [cache.clone() for cache in pool.caches]
+    load = _moe_load(model)
+
+    _, logits = graphs.run(DecodeRows([p[-1] for p in prompts], lens, pages))
+    assert logits.shape == (5, config.vocab_size)
+    assert dict(graphs.steps) == {8: 1} and graphs.padding_rows == 3
+    for i, p in enumerate(prompts):
+        compare(hf_logits(tiny_ckpt.hf_model, p)[-1], logits[i])
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
+    assert _moe_load(model) - load == 5 * config.num_experts_per_tok * moe_layers
+    written = {pg[n // PAGE] * PAGE + n % PAGE for pg, n in zip(pages, lens, strict=True)}
+    decoder_caches = pool.caches[: config.num_hidden_layers]  # the MTP layer's cache is not run
+    for old, new in zip(before, decoder_caches, strict=False):
+        changed = (old != new).any(dim=-1).flatten().nonzero().flatten().tolist()
+        assert set(changed) - written <= set(range(graphs.dummy_page * PAGE, (graphs.dummy_page + 1) * PAGE))
+        assert written <= set(changed)
+
+    # the next step of three sequences reads the latents the first one wrote
+    extended = [[*p, int(logits[i].argmax())] for i, p in enumerate(prompts[:3])]
+    _, logits = graphs.run(DecodeRows([p[-1] for p in extended], [len(p) - 1 for p in extended], pages[:3]))
+    assert dict(graphs.steps) == {8: 1, 4: 1} and graphs.padding_rows == 4
+    for i, p in enumerate(extended):
+        compare(hf_logits(tiny_ckpt.hf_model, p)[-1], logits[i])
+
+
+def _make(ckpt: BuiltCheckpoint, **kwargs: object) -> LLM:
+    defaults: dict[str, object] = {
+        "dtype": "float32",
+        "kv_cache_memory": "16MiB",
+        "max_num_batched_tokens": 48,
+    }
+    return LLM(str(ckpt.path), **{**defaults, **kwargs})
+
+
+PROMPT_LENS = (5, 19, 11, 27, 8, 14, 22)
+MAX_TOKENS = (12, 3, 9, 6, 12, 1, 8)  # sequences finish at different steps: the batch shrinks
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    prompts = [_prompt(n, seed=n) for n in PROMPT_LENS]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.kv.num_available_pages() == llm.engine.kv.num_pages, "KV pages leaked"
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_engine_decode_through_static_buffers_gives_eager_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
+    eager = _make(tiny_ckpt)
+    assert eager.engine.runner.decode_graphs is None  # CPU: no graphs unless asked for
+    expected = _generate(eager)
+    eager.engine.close()
+
+    llm = _make(tiny_ckpt)
+    graphs = llm.engine.runner.enable_decode_graphs(
+        max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
+    )
+    got = _generate(llm)
+    llm.engine.close()
+    assert got == expected
+    assert sum(graphs.steps.values()) >= 8 and len(graphs.steps) >= 3, graphs.steps  # several buckets
+    assert graphs.padding_rows > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint) -> None:
+    eager = _make(tiny_ckpt, device="cuda", enforce_eager=True)
+    assert eager.engine.runner.decode_graphs is None
+    expected = _generate(eager)
+    eager.engine.close()
+
+    llm = _make(tiny_ckpt, device="cuda", max_num_seqs=8)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture and graphs.batch_sizes == (1, 2, 4, 8)
+    got = _generate(llm)
+    assert got == expected
+    assert sum(graphs.steps.values()) >= 8 and graphs.padding_rows > 0, graphs.steps
+    # one replay against the same padded callable run eagerly, on the same sequences' pages
+    runner = llm.engine.runner
+    same = CudaGraphRunner(runner.model, runner.pool, max_batch_size=8, max_seq_len=512, capture=False)
+    pages = runner.pool.allocator.allocate(3)
+    rows = DecodeRows([5, 9, 300], [0, 40, 130], [pages[:1], pages[:1], pages])
+    _, eager_logits = same.run(rows)
+    eager_logits = eager_logits.clone()
+    _, replayed = graphs.run(rows)
+    compare(eager_logits, replayed)
+    runner.pool.allocator.free(pages)
+    llm.engine.close()
