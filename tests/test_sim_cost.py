@@ -3,6 +3,8 @@ the overlap schedules bound the step between the critical resource and the seria
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -132,3 +134,41 @@ def test_prefill_step_and_expert_balance() -> None:
     assert fast < slow and fast < serial
     # a step of 16k tokens per GPU (4k prompts): 5-20 k tokens/s per GPU on the datasheet H800
     assert 5e3 < 16384 / fast < 20e3
+
+
+def test_decode_mtp_layer_runs_after_the_verifying_head() -> None:
+    """The MTP layer drafts from the token the main model's head just sampled, so it cannot be one
+    more layer of the main pipeline: its transfers have no other layer to hide under."""
+    slow_nic = Kernels(replace(H800, nic_bandwidth=H800.nic_bandwidth / 20))
+    e = expert_model(SHAPE, 144, 8, 32, "eplb", 0.5)
+    pm = PoolModel(SHAPE, slow_nic, e)
+    batch = 128.0
+    cost = decode_step(pm, np.full(144, batch), np.full(144, batch * 4989.0))
+    # the MTP layer's four transfers (dispatch and combine of two micro-batches, one token per request)
+    bw_d, bw_c = slow_nic.ep_bandwidth(144, "low_latency")
+    per_mb = batch / 2 * SHAPE.topk
+    transfers = 2 * per_mb * (SHAPE.dispatch_bytes / bw_d + SHAPE.combine_bytes / bw_c)
+    assert cost.tail >= cost.breakdown["head"] + 0.95 * transfers
+    no_mtp = decode_step(
+        PoolModel(SHAPE, slow_nic, e, mtp=False), np.full(144, batch), np.full(144, batch * 4989.0)
+    )
+    assert no_mtp.tail == pytest.approx(no_mtp.breakdown["head"])
+
+
+def test_prefill_comm_sms_and_mtp_layer() -> None:
+    ranks = 32
+    e = expert_model(SHAPE, ranks, 8, 32, "eplb", 0.0)
+    tokens = np.full(ranks, 16384.0)
+    args = (tokens, tokens, np.full(ranks, 4 * 4096 * 4097 / 2), np.full(ranks, 4096.0), np.full(ranks, 4.0))
+    k = Kernels(H800)
+
+    def t(**kw: object) -> float:
+        return prefill_step(PoolModel(SHAPE, k, e, **kw), *args).time  # type: ignore[arg-type]
+
+    # DeepSeek's profile: communication holds 24 SMs, computation gets 108 (compute-bound here)
+    assert k.comm_sm_slowdown(24) == pytest.approx(132 / 108)
+    assert t(mtp=False) < t(mtp=False, comm_sms=24) < t(mtp=False) * (132 / 108) / (132 / 112) * 1.001
+    # the MTP layer over the prompt is one more (MoE) layer of the pipeline
+    assert t(mtp=False) < t(mtp=True) < t(mtp=False) * 1.03
+    with pytest.raises(ValueError, match="comm_sms"):
+        k.comm_sm_slowdown(132)

@@ -120,5 +120,9 @@ def test_cli(profiles: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "daily mean nodes" in text and "prefill pool: 1 nodes, EP8" in text
     data = json.loads(out.read_text())
     assert len(data["blocks"]) == 2 and data["mean_nodes"]["total"] > 0
+    assert data["prefill_pool"]["attention_token_weight"] is None
+    assert main([*argv, "--attention-chunking"]) == 0
+    assert "token-equivalents (attention-aware chunking)" in capsys.readouterr().out
+    assert 2000 < json.loads(out.read_text())["prefill_pool"]["attention_token_weight"] < 2700
     assert main(["plan", "--config", profiles[0], "--traffic", str(TRAFFIC_FILE)]) == 2
     assert "no decode profile" in capsys.readouterr().err

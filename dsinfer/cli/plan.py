@@ -59,6 +59,12 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="prefill step token budgets to choose from: 'auto' (the profile's and its halvings down "
         "to 1024) or a comma-separated list",
     )
+    parser.add_argument(
+        "--attention-chunking",
+        action="store_true",
+        help="prefill ranks chunk prompts by attention cost, not tokens alone (the engine scheduler's "
+        "attention_token_weight policy, with the model's FLOP-derived weights; no serve flag sets it yet)",
+    )
     parser.add_argument("--expert-skew", type=float, default=0.5, help="lognormal sigma of expert popularity")
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the per-block checks")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
@@ -138,11 +144,17 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, TrafficError) as e:
         raise UsageError(str(e)) from None
     specs = load_pool_specs(args.config, args.overrides)
+    from dataclasses import replace
+
+    if args.attention_chunking:
+        from dsinfer.sim.deployment import chunking_weights
+        from dsinfer.sim.shape import ModelShape
+
+        w, c = chunking_weights(ModelShape.preset(specs["prefill"].model))
+        specs["prefill"] = replace(specs["prefill"], attention_token_weight=w, context_token_weight=c)
     if args.prefill_budgets == "auto":
         prefill = planner.budget_candidates(specs["prefill"])
     else:
-        from dataclasses import replace
-
         try:
             budgets = [int(x) for x in args.prefill_budgets.split(",") if x.strip()]
         except ValueError:
@@ -175,6 +187,8 @@ def plan_to_dict(result: Any, traffic: Any) -> dict[str, Any]:
             "nodes": result.prefill.nnodes,
             "ranks": result.prefill.pool_size,
             "max_num_batched_tokens": result.prefill.max_num_batched_tokens,
+            "attention_token_weight": result.prefill.attention_token_weight,
+            "context_token_weight": result.prefill.context_token_weight,
         },
         "decode_pool": {"nodes": result.decode.nnodes, "ranks": result.decode.pool_size},
         "capacity": {
@@ -182,7 +196,7 @@ def plan_to_dict(result: Any, traffic: Any) -> dict[str, Any]:
                 "requests_per_s_per_pool": c.rate,
                 "analytic_requests_per_s_per_pool": c.analytic_rate,
                 "tokens_per_s_per_node": c.tokens_per_node(
-                    traffic, result.prefill if role == "prefill" else result.decode
+                    result.prefill if role == "prefill" else result.decode
                 ),
                 "at_capacity": c.result.summary() if c.result else {},
                 "probes": c.probes,
@@ -212,10 +226,11 @@ def format_plan(result: Any, traffic: Any) -> str:
     lines = [
         f"plan for {result.traffic} (SLO: TTFT p90 <= {traffic.slo.ttft_p90_s:g} s, "
         f">= {traffic.slo.min_tokens_per_s:g} tok/s per user)",
-        f"  prefill pool: {p.nnodes} nodes, EP{p.pool_size}, step budget {p.max_num_batched_tokens} tokens/rank; "
-        f"{cap['prefill'].rate:.1f} req/s per pool = {cap['prefill'].tokens_per_node(traffic, p) / 1e3:.1f}k input tok/s per node",
+        f"  prefill pool: {p.nnodes} nodes, EP{p.pool_size}, step budget {p.max_num_batched_tokens} "
+        f"{'token-equivalents (attention-aware chunking)' if p.attention_token_weight else 'tokens'}/rank; "
+        f"{cap['prefill'].rate:.1f} req/s per pool = {cap['prefill'].tokens_per_node(p) / 1e3:.1f}k input tok/s per node",
         f"  decode pool:  {d.nnodes} nodes, EP{d.pool_size}; {cap['decode'].rate:.1f} req/s per pool = "
-        f"{cap['decode'].tokens_per_node(traffic, d) / 1e3:.1f}k output tok/s per node",
+        f"{cap['decode'].tokens_per_node(d) / 1e3:.1f}k output tok/s per node",
         "",
         "  hours        peak req/s  prefill pools  decode pools  nodes  checked",
     ]

@@ -8,10 +8,20 @@ recomputed (prompt and the tokens it already generated) when it is readmitted. W
 are then admitted first-come first-served while the budget, ``max_num_seqs`` and free pages last;
 a prefix-cache hit lets a sequence skip computing its cached pages. A request that could never fit
 the pool is refused before it is queued (``check_fits``), so nobody waits forever.
+
+Attention-aware chunking (optional, ``attention_token_weight``): the budget is then counted in
+new-token equivalents of the attention stage, a prefill chunk costing ``prefill_chunk_cost``:
+its tokens (their projections), plus its causal query-key pairs over ``attention_token_weight``
+(pairs that cost as much as one token's projections), plus decompressing the tokens already in
+the cache (``context_token_weight`` each). A continuation over a long cached context then gets a
+short chunk, so that on a lockstep data-parallel pool (where the attention stage is each rank's
+own and the experts' work is pooled) no rank's step is stretched by one long context. Decodes
+still cost their tokens. dsinfer/sim models the same rule.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -92,10 +102,62 @@ class SchedulerStats:
         return self.decode_forwards / self.decode_tokens if self.decode_tokens else 0.0
 
 
+def prefill_chunk_cost(
+    start: int, num_new: int, attention_token_weight: float, context_token_weight: float
+) -> float:
+    """New-token equivalents of computing prompt tokens ``[start, start + num_new)``: the tokens, their
+    causal query-key pairs over ``attention_token_weight``, the ``start`` cached tokens' decompression."""
+    pairs = num_new * start + num_new * (num_new + 1) / 2
+    return num_new + pairs / attention_token_weight + start * context_token_weight
+
+
+def fit_prefill_chunk(
+    start: int,
+    remaining: int,
+    budget: float,
+    attention_token_weight: float,
+    context_token_weight: float,
+    first: bool,
+) -> int:
+    """The most tokens (<= ``remaining``) of a prompt at ``start`` whose chunk cost fits ``budget``.
+    The step's first chunk always makes progress: if its context decompression alone leaves no room,
+    that fixed part is let through (the step overshoots by it), and it gets at least one token."""
+    w, fixed = attention_token_weight, start * context_token_weight
+
+    def fit(room: float) -> int:
+        if room <= 0:
+            return 0
+        b = 1.0 + (start + 0.5) / w  # the root of n^2 / (2 w) + b n = room, cancellation-free
+        n = min(remaining, int(2.0 * room / (b + math.sqrt(b * b + 2.0 * room / w))))
+        while n < remaining and prefill_chunk_cost(start, n + 1, w, 0.0) <= room:
+            n += 1
+        while n > 0 and prefill_chunk_cost(start, n, w, 0.0) > room:
+            n -= 1
+        return n
+
+    n = fit(budget - fixed)
+    if n == 0 and first:
+        n = max(1, fit(budget))
+    return min(n, remaining)
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        attention_token_weight: float | None = None,
+        context_token_weight: float = 0.0,
+    ) -> None:
+        if attention_token_weight is not None and attention_token_weight <= 0:
+            raise ValueError(f"attention_token_weight must be positive, got {attention_token_weight}")
+        if context_token_weight < 0:
+            raise ValueError(f"context_token_weight must be >= 0, got {context_token_weight}")
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.attention_token_weight, self.context_token_weight = attention_token_weight, context_token_weight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_reserved = 0
@@ -167,27 +229,32 @@ class Scheduler:
 
     # Scheduling ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
+        budget: float = self.max_num_batched_tokens
         batch = ScheduledBatch()
         scheduled: list[ScheduledSeq] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(
+                seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens, budget, not scheduled
+            )
+            if num_new == 0 and self.attention_token_weight is not None:
+                break  # not even one token of its chunk fits what is left of the step
             can_draft = seq.num_output_tokens + 1 < seq.max_tokens and budget >= 2
             num_draft = int(seq.draft is not None and num_new == 1 and can_draft)
             if not self._grow(seq, seq.num_computed_tokens + num_new + num_draft, batch):
                 break  # seq itself was preempted: everything after it already was
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new + num_draft, num_draft))
-            budget -= num_new + num_draft
+            item = ScheduledSeq(seq, seq.num_computed_tokens, num_new + num_draft, num_draft)
+            scheduled.append(item)
+            budget -= self._cost(item)
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            item = self._admit(self.waiting[0], budget)
+            item = self._admit(self.waiting[0], budget, first=not scheduled)
             if item is None:
                 break
             self.waiting.popleft()
             scheduled.append(item)
-            budget -= item.num_new
+            budget -= self._cost(item)
         # The absorbed MLA path takes decodes with one common length (with or without a draft).
         lengths = [s.num_new for s in scheduled if s.is_decode]
         q_len = max(set(lengths), key=lengths.count) if lengths else 0
@@ -196,6 +263,21 @@ class Scheduler:
         batch.num_decodes = len(decodes)
         self.stats.steps += 1
         return batch
+
+    def _chunk(self, start: int, remaining: int, budget: float, first: bool) -> int:
+        """Tokens of a sequence at ``start`` with ``remaining`` to compute that ``budget`` affords."""
+        if self.attention_token_weight is None or remaining <= 1:
+            return int(min(remaining, budget))  # decodes (and the token-only budget) count tokens
+        return fit_prefill_chunk(
+            start, remaining, budget, self.attention_token_weight, self.context_token_weight, first
+        )
+
+    def _cost(self, item: ScheduledSeq) -> float:
+        if self.attention_token_weight is None or item.num_new - item.num_draft <= 1:
+            return item.num_new
+        return prefill_chunk_cost(
+            item.start, item.num_new, self.attention_token_weight, self.context_token_weight
+        )
 
     def _grow(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Give ``seq`` pages for ``num_tokens`` tokens, preempting the latest running sequences."""
@@ -210,12 +292,12 @@ class Scheduler:
             seq.pages.extend(self.kv.allocate(needed))
         return True
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+    def _admit(self, seq: Sequence, budget: float, first: bool) -> ScheduledSeq | None:
         match = self.kv.match_prefix(seq.token_ids) if seq.uses_prefix_cache else None
         cached = match.num_tokens if match else 0
-        num_new = min(seq.num_tokens - cached, budget)
+        num_new = self._chunk(cached, seq.num_tokens - cached, budget, first)
         needed = self.pages_for(cached + num_new) - (len(match.pages) if match else 0)
-        if needed > self.kv.num_available_pages():
+        if num_new == 0 or needed > self.kv.num_available_pages():
             if match:
                 self.kv.release(match.pages)
             return None

@@ -15,6 +15,9 @@
   queues and steps), routed by the gateway's own balancers (``dsinfer.balancers``) fed with
   synthetic load reports.
 - :mod:`.planner`: pools per role for a load and SLO, a day/night schedule, checked in the simulator.
+- :mod:`.cache`: ``SimCache``, the explicit memo of costly pure results (traffic calibration, expert
+  placement, pool models) that a planner run or the report owns and passes down; nothing is kept in
+  module globals.
 
 Nothing here is fitted to the throughput figures it is compared with (benchmarks/sim_report.py).
 """

@@ -20,9 +20,14 @@ cache and BF16 combine. Per layer and micro-batch, for each rank (numpy arrays o
 Ranks run each stage in lockstep (every dispatch and combine is a pool-wide exchange), so a stage
 lasts as long as its slowest rank. The two micro-batches split each rank's work in halves
 (DeepSeek balances attention between them). With MTP, the step also runs the MTP layer (one more
-MoE layer plus its 14336 -> 7168 projection) and its head; decode runs the LM head once per step
-over every token (not per micro-batch). While DeepEP's normal kernels run (prefill overlap) they
-hold 20 SMs, which slows compute by 132/112.
+MoE layer plus its 14336 -> 7168 projection) and its head. In prefill the MTP layer is one more
+layer of the pipeline (its inputs, the next prompt tokens, are known). In decode it drafts from
+the token the main model's head has just sampled and verified, so it runs after that head, as a
+pipeline of its own (one layer, two micro-batches: its dispatch and combine have no other layer
+to hide under), followed by its own head; each head runs once per step over every token (not per
+micro-batch). While DeepEP's normal kernels run (prefill overlap) they hold ``comm_sms`` SMs
+(DeepEP's default 20; DeepSeek's published prefill profile: 24 of 132), which slows compute by
+132 / (132 - comm_sms).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dsinfer.sim.experts import ExpertModel
-from dsinfer.sim.kernels import Kernels
+from dsinfer.sim.kernels import DEEPEP_NORMAL_SMS, Kernels
 from dsinfer.sim.schedule import DECODE_ORDER, PREFILL_ORDER, SERIAL_ORDER, step_time
 from dsinfer.sim.shape import ModelShape
 
@@ -47,6 +52,7 @@ class PoolModel:
     overlap: bool = True  # two micro-batches, transfers under compute
     mtp: bool = True  # one MTP draft token per request per decode step
     overlap_min_tokens: int = 64  # below this many tokens on every rank a step runs one micro-batch
+    comm_sms: int = DEEPEP_NORMAL_SMS  # SMs DeepEP's normal kernels hold (prefill overlap)
 
     @property
     def ranks(self) -> int:
@@ -59,6 +65,7 @@ class StepCost:
     attention_imbalance: float = 1.0  # max / mean over ranks of the attention stage
     expert_imbalance: float = 1.0  # max / mean over ranks of routed rows, mean over layers
     breakdown: dict[str, float] = field(default_factory=dict)  # summed stage time per kind (s)
+    tail: float = 0.0  # time after the main layers' pipeline: heads, and in decode the MTP layer's pipeline
 
 
 def _max(a: np.ndarray) -> float:
@@ -178,7 +185,21 @@ def _micro_batches(pm: PoolModel, tokens: np.ndarray) -> int:
     return 2 if pm.overlap and _max(tokens) >= pm.overlap_min_tokens else 1
 
 
-def _assemble(
+def _stages(
+    pm: PoolModel, per_layer: dict[str, np.ndarray], mbs: int, prefill: bool
+) -> dict[str, np.ndarray]:
+    if prefill and pm.overlap and mbs == 2:
+        slow = pm.kernels.comm_sm_slowdown(pm.comm_sms)
+        return {n: v * slow if n in ("A0", "A1", "S", "M") else v for n, v in per_layer.items()}
+    return per_layer
+
+
+def _pipeline(pm: PoolModel, stages: dict[str, np.ndarray], mbs: int, prefill: bool) -> float:
+    order = SERIAL_ORDER if mbs == 1 else (PREFILL_ORDER if prefill else DECODE_ORDER)
+    return step_time(stages, order, serial=not pm.overlap)
+
+
+def _main_stages(
     pm: PoolModel,
     a0: float,
     a1: float,
@@ -187,13 +208,10 @@ def _assemble(
     moe: np.ndarray,
     d: np.ndarray,
     c: np.ndarray,
-    mtp: tuple[float, float, float, float, float, float] | None,
-    mbs: int,
-    prefill: bool,
-) -> tuple[float, dict[str, float]]:
+) -> dict[str, np.ndarray]:
     s = pm.shape
     n_dense = s.dense_layers
-    stages = {
+    return {
         "A0": np.full(s.layers, a0),
         "A1": np.full(s.layers, a1),
         "S": np.concatenate([np.zeros(n_dense), np.full(s.moe_layers, shared)]),
@@ -201,16 +219,18 @@ def _assemble(
         "D": np.concatenate([np.zeros(n_dense), d]),
         "C": np.concatenate([np.zeros(n_dense), c]),
     }
-    if mtp is not None:
-        for name, value in zip(("A0", "A1", "S", "M", "D", "C"), mtp, strict=True):
-            stages[name] = np.append(stages[name], value)
-    if prefill and pm.overlap and mbs == 2:
-        for name in ("A0", "A1", "S", "M"):
-            stages[name] = stages[name] * pm.kernels.comm_sm_slowdown
-    order = SERIAL_ORDER if mbs == 1 else (PREFILL_ORDER if prefill else DECODE_ORDER)
-    t = step_time(stages, order, serial=not pm.overlap)
-    breakdown = {name: float(np.sum(v)) * mbs for name, v in stages.items()}
-    return t, breakdown
+
+
+def _mtp_stages(mtp: tuple[float, float, float, float, float, float]) -> dict[str, np.ndarray]:
+    return {
+        name: np.array([value]) for name, value in zip(("A0", "A1", "S", "M", "D", "C"), mtp, strict=True)
+    }
+
+
+def _breakdown(mbs: int, *parts: dict[str, np.ndarray]) -> dict[str, float]:
+    return {
+        name: sum(float(np.sum(p[name])) for p in parts) * mbs for name in ("A0", "A1", "S", "M", "D", "C")
+    }
 
 
 def decode_step(
@@ -232,34 +252,49 @@ def decode_step(
     rank_rows = e.rank_rows(rows)
     moe = routed_experts(k, s, e, rows, prefill=False).max(axis=1)
     d, c = transfers(pm, t_mb * s.topk, rank_rows, prefill=False)
-    mtp = None
+    main = _main_stages(pm, _max(a0), _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c)
+    main = _stages(pm, main, mbs, prefill=False)
+    parts = [main]
+
+    def head(rows: np.ndarray) -> float:  # LM head (BF16) + final norm, sampling
+        return _max(k.gemm(rows, s.vocab, s.hidden, bf16=True)) + _max(
+            k.elementwise(rows * 4 * s.hidden, kernels=4)
+        )
+
+    # the main model's head verifies the draft and samples, over every token of the step
+    heads = head(tokens)
+    t_main = _pipeline(pm, main, mbs, prefill=False)
+    t = t_main + heads
     if pm.mtp:
-        r_mb = requests / mbs  # the MTP layer drafts from one position per request
+        # then the MTP layer drafts from the sampled token (one query per request): its own
+        # pipeline and head after the main model's
+        r_mb = requests / mbs
         m0, m1 = decode_attention(k, s, r_mb, kv_mb, 1)
         m0 = m0 + k.gemm(r_mb, s.hidden, 2 * s.hidden)
         mrows = e.mean_share[None, :] * float(r_mb.sum()) * s.topk
         md, mc = transfers(pm, r_mb * s.topk, e.rank_rows(mrows), prefill=False)
-        mtp = (
-            _max(m0),
-            _max(m1),
-            _max(shared_expert(k, s, r_mb)),
-            _max(routed_experts(k, s, e, mrows, prefill=False)),
-            float(md[0]),
-            float(mc[0]),
+        mtp = _mtp_stages(
+            (
+                _max(m0),
+                _max(m1),
+                _max(shared_expert(k, s, r_mb)),
+                _max(routed_experts(k, s, e, mrows, prefill=False)),
+                float(md[0]),
+                float(mc[0]),
+            )
         )
-    t, breakdown = _assemble(
-        pm, _max(a0), _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c, mtp, mbs, prefill=False
-    )
-    head_tokens = tokens + (requests if pm.mtp else 0)
-    heads = 2 if pm.mtp else 1
-    tail = _max(k.gemm(head_tokens / heads, s.vocab, s.hidden, bf16=True)) * heads
-    tail += _max(k.elementwise(head_tokens * 4 * s.hidden, kernels=4))
-    breakdown["head"] = tail
+        parts.append(mtp)
+        mtp_head = head(requests)
+        t += _pipeline(pm, mtp, mbs, prefill=False) + mtp_head
+        heads += mtp_head
+    breakdown = _breakdown(mbs, *parts)
+    breakdown["head"] = heads
     return StepCost(
-        t + tail,
+        t,
         attention_imbalance=_ratio(a1),
         expert_imbalance=float(np.mean(rank_rows.max(axis=1) / np.maximum(rank_rows.mean(axis=1), 1e-9))),
         breakdown=breakdown,
+        tail=t - t_main,
     )
 
 
@@ -287,21 +322,25 @@ def prefill_step(
     rank_rows = e.rank_rows(rows)
     moe = routed_experts(k, s, e, rows, prefill=True).max(axis=1)
     d, c = transfers(pm, t_mb * e.node_fanout, rank_rows, prefill=True)
-    mtp = None
+    stages = _main_stages(pm, 0.0, _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c)
     if pm.mtp:
+        # the MTP layer over the prompt: one more layer of the pipeline (its KV goes to decode)
         mrows = e.mean_share[None, :] * float(t_mb.sum()) * s.topk
         md, mc = transfers(pm, t_mb * e.node_fanout, e.rank_rows(mrows), prefill=True)
-        mtp = (
-            _max(k.gemm(t_mb, s.hidden, 2 * s.hidden)),
-            _max(a1),
-            _max(shared),
-            _max(routed_experts(k, s, e, mrows, prefill=True)),
-            float(md[0]),
-            float(mc[0]),
+        mtp = _mtp_stages(
+            (
+                _max(k.gemm(t_mb, s.hidden, 2 * s.hidden)),
+                _max(a1),
+                _max(shared),
+                _max(routed_experts(k, s, e, mrows, prefill=True)),
+                float(md[0]),
+                float(mc[0]),
+            )
         )
-    t, breakdown = _assemble(
-        pm, 0.0, _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c, mtp, mbs, prefill=True
-    )
+        stages = {name: np.concatenate([v, mtp[name]]) for name, v in stages.items()}
+    stages = _stages(pm, stages, mbs, True)
+    t = _pipeline(pm, stages, mbs, prefill=True)
+    breakdown = _breakdown(mbs, stages)
     heads = 2 if pm.mtp else 1
     tail = _max(k.gemm(np.asarray(finishing, dtype=np.float64), s.vocab, s.hidden, bf16=True)) * heads
     breakdown["head"] = tail
@@ -310,4 +349,5 @@ def prefill_step(
         attention_imbalance=_ratio(a1),
         expert_imbalance=float(np.mean(rank_rows.max(axis=1) / np.maximum(rank_rows.mean(axis=1), 1e-9))),
         breakdown=breakdown,
+        tail=tail,
     )

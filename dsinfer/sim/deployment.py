@@ -4,12 +4,11 @@ that are not properties of a pool."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from dsinfer.sim.cost import PoolModel
-from dsinfer.sim.experts import expert_model
+from dsinfer.sim.experts import ExpertModel, expert_model
 from dsinfer.sim.hardware import H800, Hardware
-from dsinfer.sim.kernels import Kernels
+from dsinfer.sim.kernels import DEEPEP_NORMAL_SMS, Kernels
 from dsinfer.sim.shape import ModelShape
 
 ROLES = ("prefill", "decode")
@@ -32,6 +31,14 @@ class PoolSpec:
     max_num_batched_tokens: int = 2048
     overlap_min_tokens: int = 64
     model: str = "deepseek-v3"
+    # SMs DeepEP's normal kernels hold while they overlap prefill compute (Buffer.set_num_sms;
+    # DeepEP's default is 20, DeepSeek's published prefill profile shows 24)
+    comm_sms: int = DEEPEP_NORMAL_SMS
+    # Attention-aware prefill chunking (dsinfer.engine.scheduler, ``attention_token_weight``): the
+    # step budget counts a chunk's core attention and its cached-context decompression besides its
+    # tokens (see dsinfer/sim/pools.py). None: the budget counts tokens only.
+    attention_token_weight: float | None = None
+    context_token_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -42,6 +49,10 @@ class PoolSpec:
             )
         if self.num_redundant_experts < 0:
             raise ValueError("num-redundant-experts must be >= 0")
+        if self.attention_token_weight is not None and self.attention_token_weight <= 0:
+            raise ValueError("attention-token-weight must be positive")
+        if self.context_token_weight < 0:
+            raise ValueError("context-token-weight must be >= 0")
 
     @property
     def gpus_per_node(self) -> int:
@@ -61,24 +72,64 @@ class Assumptions:
     seed: int = 0
 
 
-def pool_model(spec: PoolSpec, a: Assumptions) -> PoolModel:
-    return _pool_model(spec, a.hardware, a.expert_skew, a.expert_policy, a.seed)
-
-
-@lru_cache(maxsize=32)
-def _pool_model(spec: PoolSpec, hw: Hardware, skew: float, policy: str, seed: int) -> PoolModel:
-    shape = ModelShape.preset(spec.model)
-    experts = expert_model(
-        shape, spec.pool_size, spec.gpus_per_node, spec.num_redundant_experts, policy, skew, seed
+def expert_key(spec: PoolSpec, a: Assumptions) -> tuple[str, int, int, int, str, float, int]:
+    """What a pool's expert model depends on."""
+    return (
+        spec.model,
+        spec.pool_size,
+        spec.gpus_per_node,
+        spec.num_redundant_experts,
+        a.expert_policy,
+        float(a.expert_skew),
+        a.seed,
     )
+
+
+def pool_model(spec: PoolSpec, a: Assumptions, experts: ExpertModel | None = None) -> PoolModel:
+    """The cost model of one pool. ``experts``: its expert model when already built (it depends only
+    on :func:`expert_key`); :class:`dsinfer.sim.cache.SimCache` keeps both for repeated use."""
+    shape = ModelShape.preset(spec.model)
+    if experts is None:
+        experts = expert_model(
+            shape,
+            spec.pool_size,
+            spec.gpus_per_node,
+            spec.num_redundant_experts,
+            a.expert_policy,
+            a.expert_skew,
+            a.seed,
+        )
     return PoolModel(
         shape,
-        Kernels(hw),
+        Kernels(a.hardware),
         experts,
         overlap=spec.overlap,
-        mtp=spec.mtp and spec.role == "decode",
+        # decode drafts one token per request per step; prefill runs the MTP layer over the prompt
+        # (decode's MTP layer attends over that layer's KV, which prefill sends with the rest)
+        mtp=spec.mtp,
         overlap_min_tokens=spec.overlap_min_tokens,
+        comm_sms=spec.comm_sms,
     )
+
+
+def chunking_weights(shape: ModelShape) -> tuple[float, float]:
+    """(``attention_token_weight``, ``context_token_weight``) of attention-aware chunking for this
+    model, from FLOPs at the datasheet's rate ratio (BF16 attention at half the FP8 GEMM rate): the
+    causal query-key pairs whose core attention costs as much as one new token's attention-stage
+    GEMMs (q/kv down-projections, q_b, kv_b, o_proj, the router in BF16), and one cached token's
+    kv_b decompression relative to the same (DeepSeek-V3: about 2,330 pairs and 0.088). The engine
+    takes the same two numbers (dsinfer.engine.scheduler.Scheduler)."""
+    kv_b = shape.kv_lora * shape.heads * (shape.nope_dim + shape.v_dim)
+    per_token = (
+        shape.hidden * (shape.q_lora + shape.latent_dim)
+        + shape.q_lora * shape.heads * shape.qk_head
+        + kv_b
+        + shape.heads * shape.v_dim * shape.hidden
+        + 2 * shape.hidden * shape.experts
+    )
+    # one pair: QK^T over qk_head and PV over v_dim per head, in MACs; BF16 at half the FP8 rate
+    per_pair = 2 * shape.heads * (shape.qk_head + shape.v_dim)
+    return per_token / per_pair, kv_b / per_token
 
 
 def weight_bytes_per_rank(shape: ModelShape, spec: PoolSpec) -> float:

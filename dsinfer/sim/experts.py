@@ -18,7 +18,6 @@ chosen at random.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -75,13 +74,8 @@ def expert_model(
     skew: float = 0.5,
     seed: int = 0,
 ) -> ExpertModel:
-    return _expert_model(shape, ranks, gpus_per_node, redundant, policy, float(skew), seed)
-
-
-@lru_cache(maxsize=32)
-def _expert_model(
-    shape: ModelShape, ranks: int, gpus_per_node: int, redundant: int, policy: str, skew: float, seed: int
-) -> ExpertModel:
+    """The pool's expert load (runs the placement algorithm and samples the router: about a second
+    at EP144; :class:`dsinfer.sim.cache.SimCache` keeps results for callers that need them often)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown expert placement policy {policy!r}; choose one of {', '.join(POLICIES)}")
     p = popularity(shape, skew, seed)

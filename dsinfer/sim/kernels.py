@@ -16,7 +16,9 @@ Sources (each table below repeats its numbers):
   (prefill) bottleneck bandwidth 153/158 GB/s intranode EP8 (NVLink), 43/43, 58/57, 51/50 GB/s
   RDMA at EP16/32/64 (dispatch/combine); low-latency kernels (decode, 128 tokens, top-8, FP8
   dispatch, BF16 combine) 98/127, 63/74, 48/53, 43/46, 39/39, 39/40 GB/s at EP8/16/32/64/128/256.
-  Normal kernels hold 20 SMs by default (``Buffer.set_num_sms``, shared/reference/kernel-apis.md).
+  Normal kernels hold 20 SMs by default (``Buffer.set_num_sms``, shared/reference/kernel-apis.md);
+  DeepSeek's published prefill profile (deepseek-ai/profile-data, assets/prefill.jpg) gives
+  communication 24 of the 132 SMs and computation 108.
 
 Interpolation rules (assumptions): a GEMM's time is linear in M between measured M (time = a fixed
 weight-read part plus a per-row part), equal to the weight bytes over the smallest measured M's
@@ -186,7 +188,8 @@ class Kernels:
             raise ValueError(f"unknown DeepEP mode {mode!r}")
         return d * 1e9 * nic, c * 1e9 * nic
 
-    @property
-    def comm_sm_slowdown(self) -> float:
-        """Compute slows by this factor while DeepEP normal kernels hold their SMs."""
-        return self.hw.sms / (self.hw.sms - DEEPEP_NORMAL_SMS)
+    def comm_sm_slowdown(self, comm_sms: int = DEEPEP_NORMAL_SMS) -> float:
+        """Compute slows by this factor while DeepEP normal kernels hold ``comm_sms`` SMs."""
+        if not 0 <= comm_sms < self.hw.sms:
+            raise ValueError(f"comm_sms must be in [0, {self.hw.sms}), got {comm_sms}")
+        return self.hw.sms / (self.hw.sms - comm_sms)

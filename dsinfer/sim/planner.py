@@ -25,8 +25,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from dsinfer.sim.cache import SimCache
 from dsinfer.sim.cost import prefill_step
-from dsinfer.sim.deployment import Assumptions, PoolSpec, kv_capacity_tokens, pool_model
+from dsinfer.sim.deployment import Assumptions, PoolSpec, kv_capacity_tokens
 from dsinfer.sim.simulator import SimResult, Simulation, analytic_decode_speed
 from dsinfer.sim.workload import DAY, TrafficProfile, calibrate, mean_rate, rate_at
 
@@ -51,11 +52,10 @@ class PoolCapacity:
     analytic_rate: float  # the cost model's capacity without imbalance
     result: SimResult | None  # the simulation at ``rate``
     probes: list[tuple[float, bool]] = field(default_factory=list)
+    tokens_per_request: float = 0.0  # mean prompt (prefill, cache hits included) or output (decode)
 
-    def tokens_per_node(self, traffic: TrafficProfile, spec: PoolSpec) -> float:
-        lengths = calibrate(traffic)
-        per_request = lengths.mean_prompt if self.role == "prefill" else lengths.mean_output
-        return self.rate * per_request / spec.nnodes
+    def tokens_per_node(self, spec: PoolSpec) -> float:
+        return self.rate * self.tokens_per_request / spec.nnodes
 
 
 @dataclass
@@ -94,45 +94,56 @@ class Plan:
 
 
 def _run(
-    traffic: TrafficProfile, spec: PoolSpec, a: Assumptions, rate: float, window: SimWindow
+    traffic: TrafficProfile, spec: PoolSpec, a: Assumptions, rate: float, window: SimWindow, cache: SimCache
 ) -> SimResult:
     prefill = spec if spec.role == "prefill" else None
     decode = spec if spec.role == "decode" else None
     duration, warmup = window.for_role(spec.role)
-    return Simulation(traffic, prefill, decode, 1, 1, a).run(rate, duration, warmup)
+    return Simulation(traffic, prefill, decode, 1, 1, a, cache).run(rate, duration, warmup)
 
 
-def analytic_rate(traffic: TrafficProfile, spec: PoolSpec, a: Assumptions) -> float:
+def analytic_rate(
+    traffic: TrafficProfile, spec: PoolSpec, a: Assumptions, cache: SimCache | None = None
+) -> float:
     """Requests/s one pool serves at the SLO in the cost model with every rank equal."""
-    lengths = calibrate(traffic)
+    cache = cache or SimCache()
+    lengths = cache.lengths(traffic)
     if spec.role == "prefill":
-        pm = pool_model(spec, a)
-        ranks, budget = spec.pool_size, spec.max_num_batched_tokens
-        cached = lengths.mean_prompt - lengths.mean_new_tokens
+        pm = cache.pool_model(spec, a)
+        ranks, new = spec.pool_size, lengths.mean_new_tokens
+        cached = lengths.mean_prompt - new
         # a full step of mean requests: the new tokens attend over the cached prefix and themselves
-        per_req_pairs = lengths.mean_new_tokens * cached + lengths.mean_new_tokens**2 / 2
-        reqs = budget / lengths.mean_new_tokens
+        per_req_pairs = new * cached + new**2 / 2
+        tokens = float(spec.max_num_batched_tokens)
+        if spec.attention_token_weight is not None:  # the budget counts a mean request's chunk cost
+            per_req_cost = (
+                new + per_req_pairs / spec.attention_token_weight + cached * spec.context_token_weight
+            )
+            tokens *= new / per_req_cost
+        reqs = tokens / new
         cost = prefill_step(
             pm,
-            np.full(ranks, budget),
+            np.full(ranks, tokens),
             np.full(ranks, reqs * lengths.mean_prompt),
             np.full(ranks, reqs * per_req_pairs),
             np.full(ranks, lengths.mean_prompt),
             np.full(ranks, reqs),
         )
-        return ranks * budget / cost.time / lengths.mean_new_tokens
+        return ranks * tokens / cost.time / new
     target = traffic.slo.min_tokens_per_s
     ctx = lengths.mean_decode_context
     kv_batch = kv_capacity_tokens(spec, a.hardware) * (1 - a.kv_growth_headroom) / ctx
+
+    def speed(batch: float) -> float:
+        return analytic_decode_speed(spec, a, max(batch, 1e-3), ctx, cache)
+
     lo, hi = 0.0, float(min(spec.max_num_seqs, kv_batch))
-    if analytic_decode_speed(spec, a, hi, ctx) < target:
+    if speed(hi) < target:
         for _ in range(40):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if analytic_decode_speed(spec, a, max(mid, 1e-3), ctx) >= target else (lo, mid)
+            lo, hi = (mid, hi) if speed(mid) >= target else (lo, mid)
     batch = lo if hi - lo < 1e-6 or lo > 0 else hi
-    return (
-        batch * spec.pool_size * analytic_decode_speed(spec, a, max(batch, 1e-3), ctx) / lengths.mean_output
-    )
+    return batch * spec.pool_size * speed(batch) / lengths.mean_output
 
 
 def pool_capacity(
@@ -142,15 +153,19 @@ def pool_capacity(
     window: SimWindow = SimWindow(),
     rel_tol: float = 0.02,
     progress: Progress | None = None,
+    cache: SimCache | None = None,
 ) -> PoolCapacity:
     """The largest per-pool rate the simulation passes the SLO at (bisection to ``rel_tol``)."""
     slo = traffic.slo
-    guess = analytic_rate(traffic, spec, a)
+    cache = cache or SimCache()
+    lengths = cache.lengths(traffic)
+    per_request = lengths.mean_prompt if spec.role == "prefill" else lengths.mean_output
+    guess = analytic_rate(traffic, spec, a, cache)
     probes: list[tuple[float, bool]] = []
     results: dict[float, SimResult] = {}
 
     def ok(rate: float) -> bool:
-        res = _run(traffic, spec, a, rate, window)
+        res = _run(traffic, spec, a, rate, window, cache)
         passed = res.meets(slo)
         probes.append((rate, passed))
         results[rate] = res
@@ -164,7 +179,7 @@ def pool_capacity(
         grid = [guess * f for f in PREFILL_GRID]
         passed = [r for r in grid if ok(r)]
         if not passed:
-            return PoolCapacity(spec.role, 0.0, guess, results[grid[0]], probes)
+            return PoolCapacity(spec.role, 0.0, guess, results[grid[0]], probes, per_request)
         lo = max(passed)
         higher = [r for r in grid if r > lo]
         hi = higher[0] if higher else lo * 1.5
@@ -176,22 +191,25 @@ def pool_capacity(
         while not ok(lo):
             hi, lo = lo, lo * 0.5
             if lo < 1e-3 * guess:
-                return PoolCapacity(spec.role, 0.0, guess, results[hi], probes)
+                return PoolCapacity(spec.role, 0.0, guess, results[hi], probes, per_request)
         while ok(hi):
             lo, hi = hi, hi * 1.5
     while hi / lo > 1 + rel_tol:
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return PoolCapacity(spec.role, lo, guess, results[lo], probes)
+    return PoolCapacity(spec.role, lo, guess, results[lo], probes, per_request)
 
 
-def blocks_for(traffic: TrafficProfile, count: int) -> list[tuple[float, float, float]]:
+def blocks_for(
+    traffic: TrafficProfile, count: int, cache: SimCache | None = None
+) -> list[tuple[float, float, float]]:
     """(start hour, end hour, peak request rate) of ``count`` equal blocks of the day."""
+    lengths = (cache or SimCache()).lengths(traffic)
     out = []
     for b in range(count):
         start, end = 24.0 * b / count, 24.0 * (b + 1) / count
         t = np.linspace(start, end, 61) * 3600.0
-        out.append((start, end, float(np.max(rate_at(traffic, t)))))
+        out.append((start, end, float(np.max(rate_at(traffic, t, lengths)))))
     return out
 
 
@@ -215,16 +233,22 @@ def plan(
     verify: bool = True,
     progress: Progress | None = None,
     known: dict[str, dict[int, PoolCapacity]] | None = None,
+    cache: SimCache | None = None,
 ) -> Plan:
     """``prefill``: one pool spec or candidates differing in token budget (the best is planned).
     ``known``: capacities already simulated with the same traffic, assumptions and window, per
     role and token budget (skips their bisection)."""
     known = known or {}
+    cache = cache or SimCache()
     candidates = prefill if isinstance(prefill, list) else [prefill]
 
     def capacity_of(spec: PoolSpec) -> PoolCapacity:
         cached = known.get(spec.role, {}).get(spec.max_num_batched_tokens)
-        return cached if cached is not None else pool_capacity(traffic, spec, a, window, progress=progress)
+        return (
+            cached
+            if cached is not None
+            else pool_capacity(traffic, spec, a, window, progress=progress, cache=cache)
+        )
 
     tried = {c.max_num_batched_tokens: capacity_of(c) for c in candidates}
     best = max(candidates, key=lambda c: (tried[c.max_num_batched_tokens].rate, c.max_num_batched_tokens))
@@ -234,7 +258,7 @@ def plan(
         if cap.rate <= 0:
             raise ValueError(f"no {role} pool meets the SLO at any load (SLO {traffic.slo})")
     out = []
-    for start, end, peak in blocks_for(traffic, blocks):
+    for start, end, peak in blocks_for(traffic, blocks, cache):
         out.append(
             Block(
                 start,
@@ -247,7 +271,7 @@ def plan(
     result = Plan(traffic.name, prefill, decode, capacity, out, tried)
     if verify:
         for block in out:
-            _verify(traffic, prefill, decode, a, block, window, progress)
+            _verify(traffic, prefill, decode, a, block, window, progress, cache)
     return result
 
 
@@ -259,6 +283,7 @@ def _verify(
     block: Block,
     window: SimWindow,
     progress: Progress | None,
+    cache: SimCache,
 ) -> None:
     """Per role: the block's pool count meets the SLO in the simulator and one pool fewer does not.
     Where the simulation disagrees with the capacity estimate (its outcome is noisy within a few
@@ -271,7 +296,7 @@ def _verify(
 
         def check(n: int, role: str = role, spec: PoolSpec = spec, seen: dict = seen) -> bool:
             if n not in seen:
-                res = _run(traffic, spec, a, block.peak_rate / n, window)
+                res = _run(traffic, spec, a, block.peak_rate / n, window, cache)
                 seen[n] = (res.meets(traffic.slo), {"pools": float(n), **res.summary()})
                 if progress:
                     progress(
@@ -301,7 +326,7 @@ def _verify(
 def daily_volume_check(traffic: TrafficProfile) -> dict[str, float]:
     """The traffic's daily input and output tokens as sampled (against the profile's targets)."""
     lengths = calibrate(traffic)
-    requests = mean_rate(traffic) * DAY
+    requests = mean_rate(traffic, lengths) * DAY
     return {
         "requests_per_day": requests,
         "input_tokens_per_day": requests * lengths.mean_prompt,

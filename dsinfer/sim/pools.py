@@ -2,8 +2,15 @@
 
 Prefill: each rank keeps a FIFO of prompts; a step takes up to ``max_num_batched_tokens`` new
 tokens (and ``max_num_seqs`` sequences) per rank from the head of its queue, splitting the last
-prompt it reaches (chunked prefill). Decode: each rank admits requests whose KV has arrived while
-it has a sequence slot and its KV pages stay below ``1 - kv_growth_headroom`` of the total;
+prompt it reaches (chunked prefill), as dsinfer.engine.scheduler does. With
+``attention_token_weight`` set (the scheduler's attention-aware chunking) the budget counts a
+chunk's cost in new-token equivalents instead (:func:`prefill_chunk_cost`: its tokens, its core
+attention, the decompression of its cached context), so a long-context continuation is cut into
+short chunks and no rank's step is stretched by it. The two functions below are the scheduler's
+rule (the simulator may not import the engine; tests/test_sim_chunking.py holds them equal).
+
+Decode: each rank admits requests whose KV has arrived while it has a sequence slot and its KV
+pages stay below ``1 - kv_growth_headroom`` of the total;
 running requests grow by one page every 64 tokens; a rank out of pages preempts its newest
 request back to the head of its waiting queue (DeepSeek-style recompute; the recompute's own cost
 is not modelled, the count is reported).
@@ -11,6 +18,7 @@ is not modelled, the count is reported).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -21,6 +29,44 @@ from dsinfer.sim.cost import PoolModel, StepCost, decode_step, prefill_step
 from dsinfer.sim.deployment import KV_PAGE, PoolSpec
 
 INCARNATION = "sim"
+
+
+def prefill_chunk_cost(
+    start: int, num_new: int, attention_token_weight: float, context_token_weight: float
+) -> float:
+    """New-token equivalents of computing prompt tokens ``[start, start + num_new)``: the tokens, their
+    causal query-key pairs over ``attention_token_weight``, the ``start`` cached tokens' decompression."""
+    pairs = num_new * start + num_new * (num_new + 1) / 2
+    return num_new + pairs / attention_token_weight + start * context_token_weight
+
+
+def fit_prefill_chunk(
+    start: int,
+    remaining: int,
+    budget: float,
+    attention_token_weight: float,
+    context_token_weight: float,
+    first: bool,
+) -> int:
+    """The most tokens (<= ``remaining``) of a prompt at ``start`` whose chunk cost fits ``budget``;
+    the step's first chunk always progresses (its fixed decompression let through, >= 1 token)."""
+    w, fixed = attention_token_weight, start * context_token_weight
+
+    def fit(room: float) -> int:
+        if room <= 0:
+            return 0
+        b = 1.0 + (start + 0.5) / w  # the root of n^2 / (2 w) + b n = room, cancellation-free
+        n = min(remaining, int(2.0 * room / (b + math.sqrt(b * b + 2.0 * room / w))))
+        while n < remaining and prefill_chunk_cost(start, n + 1, w, 0.0) <= room:
+            n += 1
+        while n > 0 and prefill_chunk_cost(start, n, w, 0.0) > room:
+            n -= 1
+        return n
+
+    n = fit(budget - fixed)
+    if n == 0 and first:
+        n = max(1, fit(budget))
+    return min(n, remaining)
 
 
 @dataclass
@@ -59,16 +105,19 @@ class PrefillPool:
         tokens, ctx, pairs, weighted = (np.zeros(ranks) for _ in range(4))
         finishing: list[list[int]] = [[] for _ in range(ranks)]
         for r, queue in enumerate(self.queues):
-            budget, seqs = self.spec.max_num_batched_tokens, self.spec.max_num_seqs
+            budget: float = self.spec.max_num_batched_tokens
+            seqs = self.spec.max_num_seqs
             while queue and budget > 0 and seqs > 0:
                 head = queue[0]
-                chunk = min(head.remaining, budget)
+                chunk = self._chunk(head.done, head.remaining, budget, first=seqs == self.spec.max_num_seqs)
+                if chunk == 0:
+                    break
+                budget -= self._cost(head.done, chunk)
                 p = chunk * head.done + chunk * (chunk + 1) / 2
                 tokens[r] += chunk
                 ctx[r] += head.done + chunk
                 pairs[r] += p
                 weighted[r] += p * (head.done + chunk)
-                budget -= chunk
                 seqs -= 1
                 if chunk == head.remaining:
                     finishing[r].append(head.req)
@@ -78,6 +127,18 @@ class PrefillPool:
                     head.done += chunk
         key_len = np.where(pairs > 0, weighted / np.maximum(pairs, 1), 1.0)
         return PrefillBatch(tokens, ctx, pairs, key_len, finishing)
+
+    def _chunk(self, start: int, remaining: int, budget: float, first: bool) -> int:
+        w = self.spec.attention_token_weight
+        if w is None or remaining <= 1:
+            return int(min(remaining, budget))
+        return fit_prefill_chunk(start, remaining, budget, w, self.spec.context_token_weight, first)
+
+    def _cost(self, start: int, chunk: int) -> float:
+        w = self.spec.attention_token_weight
+        if w is None or chunk <= 1:
+            return chunk
+        return prefill_chunk_cost(start, chunk, w, self.spec.context_token_weight)
 
     def cost(self, batch: PrefillBatch, rng: np.random.Generator) -> StepCost:
         finishing = np.array([len(f) for f in batch.finishing], dtype=np.float64)

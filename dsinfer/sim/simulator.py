@@ -31,10 +31,11 @@ import numpy as np
 
 from dsinfer.balancers import RouteRequest, make_balancer
 from dsinfer.base.protocol import HEARTBEAT_INTERVAL, LoadReport
+from dsinfer.sim.cache import SimCache
 from dsinfer.sim.cost import decode_step
-from dsinfer.sim.deployment import KV_PAGE, Assumptions, PoolSpec, kv_capacity_tokens, pool_model
+from dsinfer.sim.deployment import KV_PAGE, Assumptions, PoolSpec, kv_capacity_tokens
 from dsinfer.sim.pools import DecodePool, PrefillPool
-from dsinfer.sim.workload import Requests, Slo, TrafficProfile, arrivals, calibrate, sample
+from dsinfer.sim.workload import Requests, Slo, TrafficProfile, arrivals, sample
 
 _ARRIVE, _PREFILL_END, _DECODE_END, _KV_READY, _REPORT = range(5)
 DRAIN = 30.0  # seconds after the window to let its requests reach their first token
@@ -132,10 +133,12 @@ class SimResult:
         return {k: float(v) for k, v in out.items()}
 
 
-def analytic_decode_speed(spec: PoolSpec, a: Assumptions, batch: float, context: float) -> float:
+def analytic_decode_speed(
+    spec: PoolSpec, a: Assumptions, batch: float, context: float, cache: SimCache | None = None
+) -> float:
     """Tokens/s per user with ``batch`` requests of mean ``context`` on every rank (no imbalance
     beyond the expert placement's, no routing noise)."""
-    pm = pool_model(spec, a)
+    pm = (cache or SimCache()).pool_model(spec, a)
     ranks = spec.pool_size
     cost = decode_step(pm, np.full(ranks, batch), np.full(ranks, batch * context), None)
     per_step = 1.0 + (a.mtp_acceptance if pm.mtp else 0.0)
@@ -143,15 +146,22 @@ def analytic_decode_speed(spec: PoolSpec, a: Assumptions, batch: float, context:
 
 
 def stationary_batch(
-    spec: PoolSpec, a: Assumptions, rate: float, mean_output: float, context: float, slowdown: float = 1.0
+    spec: PoolSpec,
+    a: Assumptions,
+    rate: float,
+    mean_output: float,
+    context: float,
+    slowdown: float = 1.0,
+    cache: SimCache | None = None,
 ) -> float:
     """Requests per rank of a decode pool serving ``rate`` requests/s at its own speed (fixed
     point), with steps ``slowdown`` times the analytic step time; capped at 4 x max_num_seqs."""
     ranks = spec.pool_size
+    cache = cache or SimCache()
     lo, hi = 0.0, 4.0 * spec.max_num_seqs
     for _ in range(40):
         mid = (lo + hi) / 2
-        speed = analytic_decode_speed(spec, a, max(mid, 1e-3), context) / slowdown
+        speed = analytic_decode_speed(spec, a, max(mid, 1e-3), context, cache) / slowdown
         served = mid * ranks * speed / mean_output  # requests/s the pool finishes at batch ``mid``
         lo, hi = (mid, hi) if served < rate else (lo, mid)
     return (lo + hi) / 2
@@ -166,20 +176,25 @@ class Simulation:
         prefill_pools: int = 1,
         decode_pools: int = 1,
         assumptions: Assumptions | None = None,
+        cache: SimCache | None = None,
     ) -> None:
+        """``cache``: pool models and the traffic's calibration, shared with other simulations
+        (a new one when not given)."""
         if prefill is None and decode is None:
             raise ValueError("simulate at least one role")
         self.traffic = traffic
         self.a = assumptions or Assumptions()
+        self.cache = cache or SimCache()
+        self.lengths = self.cache.lengths(traffic)
         self.hw = self.a.hardware
         self.prefill_spec, self.decode_spec = prefill, decode
         self.prefill: list[PrefillPool] = []
         self.decode: list[DecodePool] = []
         if prefill is not None:
-            pm = pool_model(prefill, self.a)
+            pm = self.cache.pool_model(prefill, self.a)
             self.prefill = [PrefillPool(i, prefill, pm) for i in range(prefill_pools)]
         if decode is not None:
-            pm = pool_model(decode, self.a)
+            pm = self.cache.pool_model(decode, self.a)
             kv = kv_capacity_tokens(decode, self.hw)
             self.decode = [
                 DecodePool(i, decode, pm, kv, self.a.kv_growth_headroom) for i in range(decode_pools)
@@ -191,7 +206,7 @@ class Simulation:
         self.decode_names = [n for p in self.decode for n in p.names]
         any_spec = prefill if prefill is not None else decode
         assert any_spec is not None
-        self.latent_bytes = 2 * pool_model(any_spec, self.a).shape.latent_dim
+        self.latent_bytes = 2 * self.cache.pool_model(any_spec, self.a).shape.latent_dim
         self._ran = False
 
     # -----------------------------------------------------------------------------------------
@@ -203,7 +218,7 @@ class Simulation:
         self._ran = True
         seed = self.a.seed if seed is None else seed
         end = warmup + duration
-        reqs = arrivals(self.traffic, rate, end, seed)
+        reqs = arrivals(self.traffic, rate, end, seed, self.lengths)
         n = len(reqs.arrival)
         self._reqs = reqs
         self._rng = np.random.default_rng(seed + 7)
@@ -401,12 +416,12 @@ class Simulation:
     def _warm_start(self, rate: float, seed: int, first_id: int) -> int:
         spec = self.decode_spec
         assert spec is not None
-        lengths = calibrate(self.traffic)
+        lengths = self.lengths
         per_pool = rate / len(self.decode)
         ctx = lengths.mean_decode_context
-        batch = stationary_batch(spec, self.a, per_pool, lengths.mean_output, ctx)
+        batch = stationary_batch(spec, self.a, per_pool, lengths.mean_output, ctx, cache=self.cache)
         slowdown = self._warm_slowdown(batch, seed)
-        batch = stationary_batch(spec, self.a, per_pool, lengths.mean_output, ctx, slowdown)
+        batch = stationary_batch(spec, self.a, per_pool, lengths.mean_output, ctx, slowdown, self.cache)
         # an overloaded pool starts full; its queue then grows during the window
         batch = min(batch, spec.max_num_seqs)
         count = round(batch * spec.pool_size * len(self.decode))
@@ -444,7 +459,7 @@ class Simulation:
     def _population(self, count: int, seed: int) -> tuple[Requests, np.ndarray, np.ndarray]:
         """``count`` requests in decode at a random instant: chosen length-biased by output, each
         at a uniform point of its output -> (requests, picked indices, tokens already produced)."""
-        reqs = sample(self.traffic, 8 * count + 64, seed)
+        reqs = sample(self.traffic, 8 * count + 64, seed, self.lengths)
         rng = np.random.default_rng(seed + 13)
         weights = reqs.output.astype(np.float64)
         pick = rng.choice(len(weights), size=count, p=weights / weights.sum())
@@ -489,10 +504,10 @@ class Simulation:
             running[r] += 1
             kv[r] += context
             pages[r] += -(-context // KV_PAGE)
-        pm = pool_model(spec, self.a)
+        pm = self.cache.pool_model(spec, self.a)
         tiled = np.resize(np.arange(ranks), spec.pool_size)
         noisy = decode_step(pm, running[tiled], kv[tiled], np.random.default_rng(seed + 17)).time
-        lengths = calibrate(self.traffic)
+        lengths = self.lengths
         ideal = decode_step(
             pm,
             np.full(spec.pool_size, count / ranks),

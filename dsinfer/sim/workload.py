@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -146,11 +145,8 @@ def _bisect(f, lo: float, hi: float, iters: int = 40) -> float:  # f increasing;
 
 
 def calibrate(profile: TrafficProfile) -> Lengths:
-    return _calibrate(profile)
-
-
-@lru_cache(maxsize=16)
-def _calibrate(profile: TrafficProfile) -> Lengths:
+    """Solve the profile's free parameters (a fraction of a second; callers that need it often keep
+    the result, e.g. in a :class:`dsinfer.sim.cache.SimCache`)."""
     ratio = profile.daily_input_tokens / profile.daily_output_tokens
     hit = profile.cache_hit_fraction
     q = hit * ratio / (ratio + 1.0)
@@ -198,11 +194,11 @@ def _streams(seed: int, n: int) -> list[np.random.Generator]:
     return [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(n)]
 
 
-def sample(profile: TrafficProfile, n: int, seed: int) -> Requests:
+def sample(profile: TrafficProfile, n: int, seed: int, lengths: Lengths | None = None) -> Requests:
     """``n`` consecutive requests (arrival times 0) of the stationary conversation process. One
     random stream per quantity, so the first ``n`` requests are the same whatever ``n`` is
-    (common random numbers across loads)."""
-    lengths = calibrate(profile)
+    (common random numbers across loads). ``lengths``: the profile's calibration, if known."""
+    lengths = lengths or calibrate(profile)
     return _sample(profile, n, seed, lengths.new_median, lengths.output_median, lengths.continuation_prob)
 
 
@@ -242,7 +238,9 @@ def _sample(
     return Requests(np.zeros(n), prompt[keep], cached[keep], output[keep], session[keep])
 
 
-def arrivals(profile: TrafficProfile, rate: float, duration: float, seed: int) -> Requests:
+def arrivals(
+    profile: TrafficProfile, rate: float, duration: float, seed: int, lengths: Lengths | None = None
+) -> Requests:
     """Poisson arrivals at a constant ``rate`` (requests/s) over ``duration`` seconds. The same
     seed gives the same requests in the same order at any rate, only closer together."""
     expected = rate * duration
@@ -250,16 +248,16 @@ def arrivals(profile: TrafficProfile, rate: float, duration: float, seed: int) -
     gaps = np.random.default_rng(np.random.SeedSequence(seed).spawn(5)[4]).exponential(size=n_max)
     unit = np.cumsum(gaps)
     n = int(np.searchsorted(unit, expected))
-    reqs = sample(profile, n, seed)
+    reqs = sample(profile, n, seed, lengths)
     return Requests(unit[:n] / rate, reqs.prompt, reqs.cached, reqs.output, reqs.session)
 
 
-def mean_rate(profile: TrafficProfile) -> float:
+def mean_rate(profile: TrafficProfile, lengths: Lengths | None = None) -> float:
     """Requests per second averaged over the day."""
-    return profile.daily_input_tokens / DAY / calibrate(profile).mean_prompt
+    return profile.daily_input_tokens / DAY / (lengths or calibrate(profile)).mean_prompt
 
 
-def rate_at(profile: TrafficProfile, t: float | np.ndarray) -> np.ndarray:
+def rate_at(profile: TrafficProfile, t: float | np.ndarray, lengths: Lengths | None = None) -> np.ndarray:
     """Request rate at ``t`` seconds after midnight."""
     phase = 2 * np.pi * (np.asarray(t, dtype=np.float64) / DAY - profile.day_night.peak_hour / 24.0)
-    return mean_rate(profile) * (1.0 + profile.amplitude * np.cos(phase))
+    return mean_rate(profile, lengths) * (1.0 + profile.amplitude * np.cos(phase))
