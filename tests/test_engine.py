@@ -90,6 +90,20 @@ def test_preemption_gives_the_same_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
     assert tight.engine.kv.num_available_pages() == tight.engine.kv.num_pages
 
 
+def test_attention_aware_chunking_gives_the_same_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
+    """Chunks sized by attention cost (long cached contexts get short chunks) change only how
+    prompts are split over steps, never the tokens."""
+    prompts = _prompts(8, seed=4, shared_prefix=140)
+    plain = _make(tiny_ckpt)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    chunked = _make(tiny_ckpt, prefill_attention_weight=64.0, prefill_context_weight=0.05)
+    got = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    # the same prompt tokens took more steps: chunks were cut by their attention cost
+    assert chunked.engine.scheduler.stats.steps > plain.engine.scheduler.stats.steps
+    assert chunked.engine.kv.num_available_pages() == chunked.engine.kv.num_pages
+
+
 def test_logprobs_match_transformers(llm: LLM, tiny_ckpt: BuiltCheckpoint) -> None:
     prompt = _prompts(1, seed=3)[0][:30]
     params = SamplingParams(temperature=0, max_tokens=5, logprobs=4, prompt_logprobs=3)

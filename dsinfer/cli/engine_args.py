@@ -48,6 +48,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="online rebalancing: time staging new experts per step, as a fraction of the median step",
     )
     group.add_argument(
+        "--prefill-attention-weight",
+        type=float,
+        default=None,
+        help="attention-aware prefill chunks: query-key pairs that cost one token of the step budget "
+        "(default: the budget counts tokens only)",
+    )
+    group.add_argument(
+        "--prefill-context-weight",
+        type=float,
+        default=0.0,
+        help="with --prefill-attention-weight: budget cost per cached token a chunk decompresses",
+    )
+    group.add_argument(
         "--enable-overlap",
         action="store_true",
         help="EP pools: two micro-batches per step, one's dispatch/combine under the other's compute",

@@ -57,6 +57,10 @@ class EngineArgs(BaseModel):
     eplb_interval: int = 0  # steps between online expert-rebalancing checks in an EP pool; 0 = off
     eplb_min_gain: float = 0.05  # rebalance when max/mean per-rank load improves by more than this
     eplb_stage_budget: float = 0.1  # staging time per step boundary, as a fraction of the median step
+    # attention-aware prefill chunking (engine/scheduler.py): the step budget also counts a chunk's
+    # query-key pairs / prefill_attention_weight and prefill_context_weight per cached token
+    prefill_attention_weight: float | None = None  # None = the budget counts tokens only
+    prefill_context_weight: float = 0.0
     enable_overlap: bool = False  # two micro-batches per step in an EP pool (comm under compute)
     overlap_min_tokens: int = 64  # steps with fewer tokens on every rank run one micro-batch
     trace_dir: Path | None = None  # Chrome trace per rank (trace-rank{R}.json); None = off
@@ -100,6 +104,10 @@ class EngineArgs(BaseModel):
             raise ValueError("overlap_min_tokens must be >= 0")
         if self.trace_flush_steps < 1:
             raise ValueError("trace_flush_steps must be at least 1")
+        if self.prefill_attention_weight is not None and self.prefill_attention_weight <= 0:
+            raise ValueError("prefill_attention_weight must be positive")
+        if self.prefill_context_weight < 0:
+            raise ValueError("prefill_context_weight must be >= 0")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError("cuda_graph_max_bs must be at least 1")
         if self.placement is not None and not self.placement.is_file():

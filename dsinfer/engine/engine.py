@@ -119,7 +119,11 @@ class LLMEngine:
             )
         self.kv = KVCacheManager(pool, root=root, enable_prefix_cache=args.enable_prefix_caching, disk=disk)
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            self.kv,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            attention_token_weight=args.prefill_attention_weight,
+            context_token_weight=args.prefill_context_weight,
         )
         self.runner = ModelRunner.from_args(self.model, pool, self.ops, args)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
