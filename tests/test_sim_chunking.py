@@ -1,6 +1,5 @@
-"""Attention-aware prefill chunking: the engine scheduler's optional policy, and the simulator's
-model of it (dsinfer/sim/pools.py may not import the engine, so it repeats the rule; these tests
-hold the two equal)."""
+"""Attention-aware prefill chunking (dsinfer/base/chunking.py): the rule itself, the engine
+scheduler's optional policy built on it, and the simulator's pools using the same rule."""
 
 from __future__ import annotations
 
@@ -11,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dsinfer.base import chunking
 from dsinfer.base.hashing import model_root
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.latent_pool import LatentKVPool
-from dsinfer.engine import scheduler as engine_scheduler
 from dsinfer.engine.scheduler import Scheduler, StepResult
 from dsinfer.engine.sequence import Sequence
 from dsinfer.sim import pools as sim_pools
@@ -75,24 +74,20 @@ def test_sim_repeats_the_engine_rule(first: bool) -> None:
     )
     for start, remaining, budget, w, c in grid:
         args = (start, remaining, budget, w, c, first)
-        n = engine_scheduler.fit_prefill_chunk(*args)
-        assert n == sim_pools.fit_prefill_chunk(*args), args
-        assert engine_scheduler.prefill_chunk_cost(start, n, w, c) == sim_pools.prefill_chunk_cost(
-            start, n, w, c
-        )
+        n = chunking.fit_prefill_chunk(*args)
         assert 0 <= n <= remaining
         if n and not (first and n == 1):
             # the largest that fits (the step's first chunk may overshoot by its fixed decompression)
             room = (
                 budget
-                if first and engine_scheduler.prefill_chunk_cost(start, n, w, c) > budget
+                if first and chunking.prefill_chunk_cost(start, n, w, c) > budget
                 else budget - start * c
             )
-            assert engine_scheduler.prefill_chunk_cost(start, n, w, 0.0) <= room + 1e-9
-            assert n == remaining or engine_scheduler.prefill_chunk_cost(start, n + 1, w, 0.0) > room
+            assert chunking.prefill_chunk_cost(start, n, w, 0.0) <= room + 1e-9
+            assert n == remaining or chunking.prefill_chunk_cost(start, n + 1, w, 0.0) > room
     # the step's first chunk always progresses, however long its context
-    assert engine_scheduler.fit_prefill_chunk(60000, 100, 16, 8192.0, 1.0, True) >= 1
-    assert engine_scheduler.fit_prefill_chunk(60000, 100, 16, 8192.0, 1.0, False) == 0
+    assert chunking.fit_prefill_chunk(60000, 100, 16, 8192.0, 1.0, True) >= 1
+    assert chunking.fit_prefill_chunk(60000, 100, 16, 8192.0, 1.0, False) == 0
 
 
 def test_engine_policy_shortens_long_context_chunks() -> None:
@@ -105,11 +100,11 @@ def test_engine_policy_shortens_long_context_chunks() -> None:
     assert sum(sizes) == 8000 and len(aware) > len(plain)
     assert all(x > y for x, y in itertools.pairwise(sizes[:-1]))
     for (_, start, n), *_ in aware[1:]:
-        assert engine_scheduler.prefill_chunk_cost(start, n, 2048.0, 0.0) <= 1024 + 1e-9
+        assert chunking.prefill_chunk_cost(start, n, 2048.0, 0.0) <= 1024 + 1e-9
     # a short prompt behind a long one shares the step only while budget is left
     mixed = _engine_chunks(_scheduler(1024, 2048.0), [_seq("long", 3000), _seq("short", 100)])
     for step in mixed:
-        costs = [engine_scheduler.prefill_chunk_cost(s, n, 2048.0, 0.0) for _, s, n in step]
+        costs = [chunking.prefill_chunk_cost(s, n, 2048.0, 0.0) for _, s, n in step]
         assert sum(costs) <= 1024 + 1e-9
 
 
