@@ -124,6 +124,7 @@ class Router:
             role: make_balancer(balancer, role, PAGE_SIZE) for role in ("prefill", "decode", "colocated")
         }
         self._choices: dict[str, _Choice] = {}  # worker request id -> choice
+        self._announced_ready = False  # last readiness logged (a line when it changes)
         self._random = random.Random()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -272,6 +273,17 @@ class Router:
             log.warning("pool %s/%d down: %s", message.role, message.pool, message.reason)
             for info in self.registry.pool_down(message.role, message.pool, message.incarnation):
                 self._fail_worker(info, f"{message.role} pool {message.pool} went down ({message.reason})")
+        if isinstance(message, Register | Deregister | PoolDown):
+            self._announce_readiness()
+
+    def _announce_readiness(self) -> None:
+        ready = self._ready()
+        if ready != self._announced_ready:
+            self._announced_ready = ready
+            if ready:
+                log.info("ready: the pools can serve requests")
+            else:
+                log.warning("not ready: no prefill and decode rank, nor a colocated one; requests get 503")
 
     def _on_delta(self, delta: TokenDelta) -> None:
         choice = self._choices.get(delta.request_id)
