@@ -41,14 +41,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +53,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rank_children import RankChildren, die_with_parent, exit_on_sigterm, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 2.0  # the issue: no step longer than twice the median while weights move
@@ -90,14 +89,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 # The rank child --------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent dies, so no rank outlives the benchmark."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(1)
-
-
 def _schedstat(tid: int) -> tuple[float, float]:
     """(seconds on a CPU, seconds runnable but waiting for a CPU) of one thread of this process."""
     try:
@@ -108,7 +99,7 @@ def _schedstat(tid: int) -> tuple[float, float]:
 
 
 def rank_main(spec: dict[str, Any]) -> int:
-    _die_with_parent()
+    die_with_parent()
     import logging
     import threading
 
@@ -249,30 +240,6 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 
 # The parent: pools, statistics, report ---------------------------------------------------------
-_children: list[subprocess.Popen] = []
-
-
-def _kill_children() -> None:
-    for p in _children:
-        if p.poll() is None:
-            p.kill()
-    for p in _children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
-    _children.clear()
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    _kill_children()
-    raise SystemExit(128 + signum)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_model(name: str, dest: Path) -> tuple[Path, dict[str, Any]]:
     from dsinfer.base.presets import resolve_model
 
@@ -336,7 +303,7 @@ def _run_pool_once(
     }
     outs = []
     deadline = time.monotonic() + args.run_timeout
-    try:
+    with RankChildren() as children:
         for rank in range(world):
             out = tmp / f"{label.replace(' ', '_')}-rank{rank}.json"
             out.unlink(missing_ok=True)
@@ -354,9 +321,9 @@ def _run_pool_once(
                 "dist_timeout": args.dist_timeout,
             }
             cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-child", json.dumps(spec)]
-            _children.append(subprocess.Popen(cmd, env=env, cwd=REPO))
+            children.start(cmd, env, REPO)
             outs.append(out)
-        pending = list(_children)
+        pending = list(children.procs)
         while pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{label}: pool did not finish within {args.run_timeout} s")
@@ -370,8 +337,6 @@ def _run_pool_once(
                 if rc != 0:
                     raise RuntimeError(f"{label}: a rank exited with status {rc}")
             time.sleep(0.2)
-    finally:
-        _kill_children()
     return [json.loads(o.read_text()) for o in outs]
 
 
@@ -757,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_child:
         return rank_main(json.loads(args.rank_child))
 
-    signal.signal(signal.SIGTERM, _on_signal)
+    exit_on_sigterm()
     pools: list[tuple[int, str, int]] = []
     for item in args.pools.split(","):
         parts = item.strip().split(":")
@@ -794,53 +759,49 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.variants:
         variants = [v for v in variants if v[0] in args.variants.split(",")]
-    try:
-        with tempfile.TemporaryDirectory(prefix="eplb-stall-") as tmp_name:
-            tmp = Path(tmp_name)
-            models: dict[str, tuple[Path, dict[str, Any]]] = {}
-            for world, config_name, repeats in pools:
-                if config_name not in models:
-                    models[config_name] = write_model(config_name, tmp / "models")
-                    doc["configs"][config_name] = {
-                        k: models[config_name][1][k] for k in (*CONFIGS[config_name], "first_k_dense_replace")
-                    }
-                model = models[config_name][0]
-                base = {
-                    "load_format": "dummy",
-                    "dtype": args.dtype,
-                    "device": "cpu",
-                    "seed": args.seed,
-                    "kv_cache_memory": "256MiB",
-                    "max_num_seqs": args.num_prompts,
-                    "num_redundant_experts": args.redundant,
+    with tempfile.TemporaryDirectory(prefix="eplb-stall-") as tmp_name:
+        tmp = Path(tmp_name)
+        models: dict[str, tuple[Path, dict[str, Any]]] = {}
+        for world, config_name, repeats in pools:
+            if config_name not in models:
+                models[config_name] = write_model(config_name, tmp / "models")
+                doc["configs"][config_name] = {
+                    k: models[config_name][1][k] for k in (*CONFIGS[config_name], "first_k_dense_replace")
                 }
-                for repeat in range(1, repeats + 1):
-                    entry: dict[str, Any] = {"world": world, "config": config_name, "repeat": repeat}
-                    for variant, extra in variants:
-                        label = f"EP{world} {config_name} {variant} #{repeat}"
-                        print(f"== {label}", flush=True)
-                        t = time.monotonic()
-                        ranks = run_pool(args, world, model, label, {**base, **extra}, tmp)
-                        r = entry[variant] = analyze(ranks, args.warmup)
-                        print(
-                            f"   {label}: {r['steps']} steps in {time.monotonic() - t:.0f} s, median "
-                            f"{_f(r['median_ms'])} ms, steady max/median "
-                            f"{_f(r['steady_max_over_median'], '.2f')}"
-                            + "".join(
-                                f"; rebalance at step {ev['decision_step']} swapped at {ev['swap_step']} "
-                                f"(stage {_f(ev['stage_seconds'], '.2f')} s), window max "
-                                f"{_f(ev['window_max_ms'])} ms, swap step {_f(ev['swap_step_ms'])} ms"
-                                for ev in r["events"]
-                            ),
-                            flush=True,
-                        )
-                    doc["configs"][config_name].setdefault("expert_mib_per_rank", {})[world] = (
-                        next(iter(v for k, v in entry.items() if k in VARIANTS))["expert_bytes_per_rank"]
-                        / 2**20
+            model = models[config_name][0]
+            base = {
+                "load_format": "dummy",
+                "dtype": args.dtype,
+                "device": "cpu",
+                "seed": args.seed,
+                "kv_cache_memory": "256MiB",
+                "max_num_seqs": args.num_prompts,
+                "num_redundant_experts": args.redundant,
+            }
+            for repeat in range(1, repeats + 1):
+                entry: dict[str, Any] = {"world": world, "config": config_name, "repeat": repeat}
+                for variant, extra in variants:
+                    label = f"EP{world} {config_name} {variant} #{repeat}"
+                    print(f"== {label}", flush=True)
+                    t = time.monotonic()
+                    ranks = run_pool(args, world, model, label, {**base, **extra}, tmp)
+                    r = entry[variant] = analyze(ranks, args.warmup)
+                    print(
+                        f"   {label}: {r['steps']} steps in {time.monotonic() - t:.0f} s, median "
+                        f"{_f(r['median_ms'])} ms, steady max/median "
+                        f"{_f(r['steady_max_over_median'], '.2f')}"
+                        + "".join(
+                            f"; rebalance at step {ev['decision_step']} swapped at {ev['swap_step']} "
+                            f"(stage {_f(ev['stage_seconds'], '.2f')} s), window max "
+                            f"{_f(ev['window_max_ms'])} ms, swap step {_f(ev['swap_step_ms'])} ms"
+                            for ev in r["events"]
+                        ),
+                        flush=True,
                     )
-                    doc["results"].append(entry)
-    finally:
-        _kill_children()
+                doc["configs"][config_name].setdefault("expert_mib_per_rank", {})[world] = (
+                    next(iter(v for k, v in entry.items() if k in VARIANTS))["expert_bytes_per_rank"] / 2**20
+                )
+                doc["results"].append(entry)
     doc["load_avg_end"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

@@ -33,14 +33,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +45,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from rank_children import RankChildren, die_with_parent, exit_on_sigterm, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -72,16 +71,8 @@ MODEL: dict[str, Any] = {
 
 
 # The rank child --------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent dies, so no rank outlives the benchmark."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(1)
-
-
 def rank_main(spec: dict[str, Any]) -> int:
-    _die_with_parent()
+    die_with_parent()
     import logging
 
     import torch
@@ -145,30 +136,6 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 
 # The parent: pools -----------------------------------------------------------------------------
-_children: list[subprocess.Popen] = []
-
-
-def _kill_children() -> None:
-    for p in _children:
-        if p.poll() is None:
-            p.kill()
-    for p in _children:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
-    _children.clear()
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    _kill_children()
-    raise SystemExit(128 + signum)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_model(dest: Path) -> tuple[Path, dict[str, Any]]:
     from dsinfer.base.presets import resolve_model
 
@@ -209,7 +176,7 @@ def run_pool(
     init = f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
     outs = []
-    try:
+    with RankChildren() as children:
         for rank in range(world):
             seed = 1000 * rank + args.seed
             work = {
@@ -235,15 +202,13 @@ def run_pool(
                 "out": str(out),
             }
             cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-child", json.dumps(spec)]
-            _children.append(subprocess.Popen(cmd, env=env, cwd=REPO))
+            children.start(cmd, env, REPO)
             outs.append(out)
         deadline = time.monotonic() + args.run_timeout
-        for p in _children:
+        for p in children.procs:
             rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             if rc != 0:
                 raise RuntimeError(f"{label}: a rank exited with status {rc}")
-    finally:
-        _kill_children()
     return [json.loads(o.read_text()) for o in outs], trace
 
 
@@ -489,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rank_child:
         return rank_main(json.loads(args.rank_child))
-    signal.signal(signal.SIGTERM, _on_signal)
+    exit_on_sigterm()
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
