@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsinfer.parallel.ep import DispatchHandle, EPGroup, TorchEPGroup
+from dsinfer.parallel.ep import DispatchHandle, EPGroup, TorchEPGroup, all_reduce_in_place
 
 __all__ = [
     "LOW_LATENCY_HIDDEN",
@@ -429,9 +429,7 @@ class DeepEPGroup(EPGroup):
         return recv_x, ids.to(torch.int64), weights, native
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        dist.all_reduce(tensor, op=ops[op], group=self.group)
-        return tensor
+        return all_reduce_in_place(tensor, op, self.group)
 
     def combine_tokens(self, y_weighted: torch.Tensor, handle: Any) -> torch.Tensor:
         """Normal mode: received tokens' already weighted results ``[M, H]`` -> UNWEIGHTED sum per

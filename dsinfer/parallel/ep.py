@@ -170,9 +170,7 @@ class TorchEPGroup(EPGroup):
         return Pending([transfer.work], finish, posted)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-        dist.all_reduce(tensor, op=ops[op], group=self.group)
-        return tensor
+        return all_reduce_in_place(tensor, op, self.group)
 
     def _post(self, data: torch.Tensor, out_counts: list[int], in_counts: list[int]) -> _Posted:
         """Post one uneven all-to-all of ``data``'s rows (bytes)."""
@@ -187,6 +185,23 @@ class _Posted:
     work: dist.Work
     send: torch.Tensor  # held until the transfer completes
     out: torch.Tensor  # the receive buffer
+
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def all_reduce_in_place(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce ``tensor`` over ``group`` in place and return it. NCCL reduces device memory
+    only, so on an NCCL group a host tensor (load counters, agreement flags) makes the round trip
+    through the rank's current GPU."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduce op {op!r}; choose from {list(REDUCE_OPS)}")
+    if tensor.is_cuda or dist.get_backend(group) != "nccl":
+        dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group)
+        return tensor
+    on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(on_device, op=REDUCE_OPS[op], group=group)
+    return tensor.copy_(on_device)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -50,18 +50,41 @@ REGISTER_EVERY = 5.0  # seconds; a restarted gateway learns the ranks again from
 DIST_TIMEOUT = timedelta(minutes=10)
 
 
-class StepFlags:
-    """The pool-wide OR of each rank's flags, through one all-reduce (none for a single rank)."""
+def rank_device(device: str, local_rank: int, gpus: int) -> str:
+    """The device a pool rank runs on: with ``device`` "auto" or "cuda" each rank of a node takes
+    its own GPU (``cuda:<local_rank>`` among the visible ones); an explicit ``cuda:N`` or "cpu" is
+    kept as given. ``gpus``: the visible CUDA devices."""
+    if device == "auto":
+        device = "cuda" if gpus > 0 else "cpu"
+    if device != "cuda":
+        return device
+    if local_rank >= gpus:
+        raise ValueError(
+            f"local rank {local_rank} needs GPU {local_rank}, but {gpus} are visible "
+            "(give each node as many GPUs as ranks, or set --device)"
+        )
+    return f"cuda:{local_rank}"
 
-    def __init__(self, world_size: int) -> None:
+
+def process_group_backend(device: str) -> str:
+    """NCCL for ranks on GPUs (DeepEP needs it), gloo for ranks on CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class StepFlags:
+    """The pool-wide OR of each rank's flags, through one all-reduce (none for a single rank) of a
+    host tensor over ``group`` (a gloo group: the flags never touch the GPU)."""
+
+    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None) -> None:
         self.world_size = world_size
+        self.group = group
 
     def agree(self, has_work: bool, stopping: bool, busy: bool) -> tuple[bool, bool, bool]:
         """(any has work, all stopping, any busy)."""
         if self.world_size == 1:
             return has_work, stopping, busy
         flags = torch.tensor([int(has_work), int(not stopping), int(busy)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flags[0]), not bool(flags[1]), bool(flags[2])
 
 
@@ -103,14 +126,21 @@ def run_rank(args: RankArgs) -> int:
     threads = pool.threads_per_rank or max(1, (os.cpu_count() or 1) // pool.ranks_per_node)
     torch.set_num_threads(threads)
     name = worker_name(pool.role, pool.pool_id, args.rank)
+    device = rank_device(pool.engine.device, args.local_rank, torch.cuda.device_count())
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    control: dist.ProcessGroup | None = None
     if pool.pool_size > 1:
+        backend = process_group_backend(device)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://{args.dist_init_addr}",
             rank=args.rank,
             world_size=pool.pool_size,
             timeout=DIST_TIMEOUT,
         )
+        if backend != "gloo":
+            control = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
     stopping = False
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -118,7 +148,7 @@ def run_rank(args: RankArgs) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    engine_args = pool.engine
+    engine_args = pool.engine.model_copy(update={"device": device})
     if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
         engine_args = engine_args.model_copy(update={"enforce_eager": True})
     engine = LLMEngine(engine_args, ep_group=_ep_group(pool) if pool.pool_size > 1 else None)
@@ -143,10 +173,11 @@ def run_rank(args: RankArgs) -> int:
         max_model_len=engine.max_model_len,
         model=engine.model_identity,
     )
-    flags = StepFlags(pool.pool_size)
+    flags = StepFlags(pool.pool_size, control)
     log.info(
-        "rank %s up (incarnation %s, %d threads, inbox %s)",
+        "rank %s up on %s (incarnation %s, %d threads, inbox %s)",
         name,
+        device,
         args.incarnation,
         threads,
         channel.inbox_addr,
