@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from dsinfer.model.loader import ExpertSource, ExpertStaging
+from dsinfer.model.expert_staging import ExpertSource, ExpertStaging
 from dsinfer.model.moe import ExpertParallel, MoE
 from dsinfer.parallel.eplb import placement_from_load
 from dsinfer.parallel.placement import ExpertPlacement
