@@ -3,7 +3,7 @@
 ``--config`` takes ``dsinfer serve`` deployment profiles (configs/profiles/*.yaml), one per role
 (the file's ``role`` says which), validated by the serve parser; ``--set ROLE.KEY=VALUE`` changes
 a key of one role's profile (a ``dsinfer serve`` flag name, e.g.
-``--set decode.num-redundant-experts=32 --set prefill.enable-overlap=true``). ``--traffic`` is a
+``--set decode.num-redundant-experts=32 --set decode.max-num-seqs=256``). ``--traffic`` is a
 traffic profile (configs/traffic/*.yaml: daily volume, day/night curve, lengths, cache hits, SLO).
 The planner (dsinfer/sim/planner.py) simulates each role, picks the prefill step token budget,
 then checks every block of the day in the simulator with the planned pools and with one pool
