@@ -414,17 +414,17 @@ def test_decode_step_beyond_deepep_low_latency_limit_warns(capsys: pytest.Captur
 def test_deepep_buffer_estimates_follow_deepep_formulas() -> None:
     import inspect
 
-    from dsinfer.cli import serve_plan
+    from dsinfer.cli import memory_plan
     from dsinfer.parallel.registry import make_ep_group
 
     default = inspect.signature(make_ep_group).parameters["max_tokens_per_rank"].default
-    assert default == serve_plan.LOW_LATENCY_TOKENS_PER_RANK
+    assert default == memory_plan.LOW_LATENCY_TOKENS_PER_RANK
     # low latency, V3 on EP144 with 288 slots, 1024 rows: 2 x (send + receive) of 288 x 1024
     # combine messages (56 x 4 + 7168 x 2 = 14560 bytes) plus signaling, 128-byte aligned
-    n = serve_plan.deepep_low_latency_bytes(1024, 7168, 144, 288)
+    n = memory_plan.deepep_low_latency_bytes(1024, 7168, 144, 288)
     assert n == ((2 * (2 * 288 * 1024 * 14560 + 2432) // 128) + 1) * 128
     # normal mode on 8 ranks: NVLink only (no RDMA below 9 ranks)
-    nvl, rdma = serve_plan.deepep_normal_bytes(8, 7168 * 2) or (0, 0)
+    nvl, rdma = memory_plan.deepep_normal_bytes(8, 7168 * 2) or (0, 0)
     raw = 10 * 8 * (2 * 1 + 3) * 4 + 10 * 8 * 256 * (7168 * 2 + 8 + 128 * 12 + 128 * 4)  # 10 channels
     assert rdma == 0 and nvl == -(-raw // 128) * 128
-    assert serve_plan.deepep_normal_bytes(12, 7168 * 2) is None
+    assert memory_plan.deepep_normal_bytes(12, 7168 * 2) is None

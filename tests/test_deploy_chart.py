@@ -31,6 +31,7 @@ import pytest
 import yaml
 
 from dsinfer.cli.main import build_parser
+from dsinfer.cli.memory_plan import check_pool_fits
 from dsinfer.cli.serve import (
     check_role_flags,
     config_tokens,
@@ -38,7 +39,6 @@ from dsinfer.cli.serve import (
     pool_args_for_role,
     serve_parser,
 )
-from dsinfer.cli.serve_plan import check_pool_fits
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "deploy/helm/dsinfer"

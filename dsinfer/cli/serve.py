@@ -205,7 +205,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print_pool_plan(pool, args.drain_timeout, gpu_memory)
         return 0
     if gpu_memory is not None:
-        from dsinfer.cli.serve_plan import check_pool_fits
+        from dsinfer.cli.memory_plan import check_pool_fits
 
         check_pool_fits(pool, gpu_memory)
     from dsinfer.workers.launcher import run_pool

@@ -1,0 +1,427 @@
+"""The memory plan of one rank of a configuration (what ``dsinfer serve --dry-run`` prints and
+``--gpu-memory`` checks). Nothing is loaded: weights are counted from config.json's shapes the way
+the loader lays them out. FP8 projections (attention, dense MLPs, shared and routed experts) stay
+FP8 with fp32 128x128 block scales where the device runs FP8 GEMMs (CUDA); everything else
+(embedding, lm_head, norms, router, MLA's dequantized kv_b_proj copy for the absorbed path) is in
+the model dtype. A rank of a pool of N holds ``(n_routed_experts + num_redundant_experts) / N``
+routed expert slots (the default placement of ``dsinfer.parallel.placement``, or ``--placement
+FILE``) and everything else whole.
+On a GPU the plan adds up one GPU's memory: weights by precision, the latent KV cache, the EP
+communication buffers, the KV transfer's registrations, an activation estimate for the largest
+step, and a fixed reserve for the CUDA runtime. ``--gpu-memory SIZE`` refuses a plan whose total
+does not fit, with a message naming what to change. The estimates and their formulas:
+
+- DeepEP buffers (used when ``deep_ep`` is importable on an NCCL group; UNVERIFIED): normal mode
+  (prefill, colocated) takes the larger of the NVLink and RDMA size hints of DeepEP's recommended
+  dispatch and combine configs for the pool size; low-latency mode (decode) takes
+  ``get_low_latency_rdma_size_hint(rows, hidden, ranks, slots)`` with ``rows = 128 x top_k`` as
+  ``make_ep_group`` sizes it. Both mirror DeepEP's ``csrc/config.hpp`` formulas.
+- KV transfer: NIXL and Mooncake register the KV cache in place (no staging copy): 0 extra bytes.
+- Activations, for T tokens per step per rank (prefill and colocated: ``--max-num-batched-tokens``;
+  decode: ``--max-num-seqs``, doubled with MTP): the larger of the MoE stage (``T x top_k`` rows
+  received, each with its input, FP8 copy, gate/up output, activation and output) and MLA's
+  decompressed attention (``T x heads x (2 qk_head_dim + 2 v_head_dim)``), plus the residual
+  stream (4 copies of ``T x hidden``) and fp32 logits (2 copies of ``max_num_seqs x vocab``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from dsinfer.base.config import FP8_BLOCK, PAGE_SIZE, ModelConfig
+from dsinfer.base.presets import resolve_model
+from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cli.errors import UsageError
+from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.engine import free_memory, resolve_device, resolve_dtype
+from dsinfer.parallel.registry import deepep_unavailable
+from dsinfer.workers.args import PoolArgs
+
+GiB = 2**30
+CUDA_RUNTIME_RESERVE = 2 * GiB  # CUDA context, NCCL communicators, cuBLAS/DeepGEMM workspaces
+LOW_LATENCY_TOKENS_PER_RANK = 128  # make_ep_group's max_tokens_per_rank (decode pools)
+
+# DeepEP (csrc/config.hpp, deep_ep/buffer.py): Buffer.num_sms, peers per NVLink domain, and the
+# recommended normal-mode configs per EP size, (dispatch, combine) x (NVLink send, NVLink
+# receive, RDMA send, RDMA receive) chunk sizes in tokens.
+DEEPEP_NUM_SMS = 20
+DEEPEP_NVL_PEERS = 8
+_DEEPEP_MAX_TOPK = _DEEPEP_MAX_SCALES = 128
+_DEEPEP_SOURCE_META = 8
+_DEEPEP_CONFIGS: dict[int, tuple[tuple[int, int, int, int], tuple[int, int, int, int]]] = {
+    2: ((24, 256, 6, 128), (10, 256, 6, 128)),
+    4: ((6, 256, 6, 128), (9, 256, 6, 128)),
+    8: ((6, 256, 6, 128), (4, 256, 6, 128)),
+    16: ((16, 288, 20, 128), (2, 288, 28, 128)),
+    24: ((8, 288, 32, 128), (1, 288, 20, 128)),
+    32: ((8, 288, 32, 128), (1, 288, 20, 128)),
+    64: ((20, 288, 28, 128), (1, 288, 20, 128)),
+    128: ((20, 560, 32, 128), (1, 560, 12, 128)),
+    144: ((32, 720, 12, 128), (2, 720, 8, 128)),
+    160: ((28, 720, 12, 128), (2, 720, 8, 128)),
+}
+
+
+# The model and one rank's share of it ---------------------------------------------------------
+@dataclass(frozen=True)
+class ModelPlan:
+    name: str
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    fp8: bool  # FP8 weights kept FP8
+    cache_layers: int
+
+
+def model_plan(engine: EngineArgs) -> ModelPlan:
+    path, _ = resolve_model(engine.model)
+    config = ModelConfig.from_file(path / "config.json")
+    device = resolve_device(engine.device)
+    dtype = resolve_dtype(engine.dtype, device)
+    cache_layers = config.num_hidden_layers + (1 if engine.speculative_mtp else 0)
+    fp8 = config.is_fp8 and device.type == "cuda"
+    return ModelPlan(engine.model or path.name, config, device, dtype, fp8, cache_layers)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Bytes per category, split by how they are stored: FP8 (with block scales) or the model dtype."""
+
+    fp8: dict[str, int] = field(default_factory=dict)
+    dense: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def fp8_total(self) -> int:
+        return sum(self.fp8.values())
+
+    @property
+    def dense_total(self) -> int:
+        return sum(self.dense.values())
+
+    @property
+    def total(self) -> int:
+        return self.fp8_total + self.dense_total
+
+
+def weights_of(plan: ModelPlan, routed_experts: int, mtp_layers: int) -> Weights:
+    """One rank's weights when it holds ``routed_experts`` routed expert slots per MoE layer."""
+    c, item = plan.config, plan.dtype.itemsize
+    fp8: Counter[str] = Counter()
+    dense: Counter[str] = Counter()
+
+    def plain(what: str, rows: int, cols: int, times: int = 1) -> None:
+        dense[what] += rows * cols * item * times
+
+    def proj(what: str, rows: int, cols: int, times: int = 1, fp8_ok: bool = True) -> None:
+        """A projection DeepSeek ships in FP8 (stays FP8 with fp32 block scales when kept)."""
+        if not (plan.fp8 and fp8_ok):
+            plain(what, rows, cols, times)
+            return
+        scales = math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK) * 4
+        fp8[what] += (rows * cols + scales) * times
+
+    h, heads = c.hidden_size, c.num_attention_heads
+    inter = c.moe_intermediate_size
+
+    def layer(i: int) -> None:
+        if c.q_lora_rank:
+            proj("attention", c.q_lora_rank, h)
+            plain("norms + router", 1, c.q_lora_rank)
+            proj("attention", heads * c.qk_head_dim, c.q_lora_rank)
+        else:
+            proj("attention", heads * c.qk_head_dim, h)
+        proj("attention", c.kv_cache_dim, h)
+        plain("norms + router", 1, c.kv_lora_rank)
+        proj("attention", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        proj("attention", h, heads * c.v_head_dim)
+        if plan.fp8:  # absorbed MLA keeps a dequantized kv_b_proj
+            plain("absorbed kv_b copy", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        plain("norms + router", 2, h)
+        if not c.is_moe_layer(i):
+            proj("dense MLP", c.intermediate_size, h, times=3)
+            return
+        plain("norms + router", c.n_routed_experts, h)
+        dense["norms + router"] += c.n_routed_experts * 4  # e_score_correction_bias (fp32)
+        proj("routed experts", inter, h, times=3 * routed_experts, fp8_ok=inter % FP8_BLOCK == 0)
+        if c.n_shared_experts:
+            proj("shared experts", inter * c.n_shared_experts, h, times=3)
+
+    plain("embedding + lm_head", c.vocab_size, h, times=2)
+    plain("norms + router", 1, h)  # final norm
+    for i in range(c.num_hidden_layers):
+        layer(i)
+    for j in range(mtp_layers):  # own embedding, enorm, hnorm, eh_proj, layer, norm, shared head
+        plain("embedding + lm_head", c.vocab_size, h, times=2)
+        plain("norms + router", 3, h)
+        plain("MTP eh_proj", h, 2 * h)
+        layer(c.num_hidden_layers + j)
+    return Weights(dict(fp8), dict(dense))
+
+
+def weight_bytes(plan: ModelPlan, routed_experts: int, mtp_layers: int) -> int:
+    return weights_of(plan, routed_experts, mtp_layers).total
+
+
+def expert_slots(config: ModelConfig, engine: EngineArgs, pool_size: int) -> int:
+    """Routed expert slots per rank; UsageError when the pool cannot spread the experts evenly."""
+    total = config.n_routed_experts + engine.num_redundant_experts
+    if total % pool_size:
+        raise UsageError(
+            f"{config.n_routed_experts} routed + {engine.num_redundant_experts} redundant experts = {total} "
+            f"slots cannot be spread evenly over {pool_size} ranks: choose --num-redundant-experts so that "
+            f"{config.n_routed_experts} + it is a multiple of the pool size"
+        )
+    slots = total // pool_size
+    if slots > config.n_routed_experts:
+        raise UsageError(
+            f"{slots} expert slots per rank exceed the model's {config.n_routed_experts} routed experts "
+            f"(a rank would hold one expert twice): fewer --num-redundant-experts"
+        )
+    return slots
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    weights: Weights
+    routed_experts: int  # routed expert slots this rank holds
+    page_bytes: int  # one page (PAGE_SIZE tokens) over every cache layer
+    kv_budget: int | None  # bytes for the latent cache; None = known only at start-up
+    kv_budget_note: str
+    kv_pages: int | None
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.total
+
+
+def rank_memory(plan: ModelPlan, engine: EngineArgs, pool_size: int, free: int | None = None) -> RankMemory:
+    """``free``: the device memory left for the KV cache at start-up, when the plan knows it better
+    than this machine (a planned GPU that is not here)."""
+    experts = expert_slots(plan.config, engine, pool_size)
+    weights = weights_of(plan, experts, mtp_layers=1 if engine.speculative_mtp else 0)
+    page_bytes = LatentKVPool.page_bytes_for(plan.config, plan.cache_layers, plan.dtype)
+    budget, note = _kv_budget(plan, engine, free)
+    pages = None
+    if budget is not None:
+        pages = LatentKVPool.num_pages_for_budget(plan.config, plan.cache_layers, budget, plan.dtype)
+    return RankMemory(weights, experts, page_bytes, budget, note, pages)
+
+
+def _kv_budget(plan: ModelPlan, engine: EngineArgs, planned_free: int | None) -> tuple[int | None, str]:
+    if engine.kv_cache_memory is not None:
+        return engine.kv_cache_memory, "--kv-cache-memory"
+    fraction = engine.kv_fraction_for(plan.device.type)
+    what = f"{fraction:g} of free memory at start-up"
+    if planned_free is not None:
+        return int(max(planned_free, 0) * fraction), f"{what}: {fmt_bytes(planned_free)} by --gpu-memory"
+    if plan.device.type == "cuda" and not torch.cuda.is_available():
+        return None, what + " (no GPU here to measure)"
+    free = free_memory(plan.device)
+    return int(free * fraction), f"{what} (free here now: {fmt_bytes(free)})"
+
+
+# Buffers and activations ----------------------------------------------------------------------
+def _align(n: int, to: int = 128) -> int:
+    return -(-n // to) * to
+
+
+def deepep_normal_bytes(num_ranks: int, hidden_bytes: int) -> tuple[int, int] | None:
+    """(NVLink, RDMA) bytes of a normal-mode buffer: the larger of the dispatch and combine size
+    hints; None when DeepEP has no recommended config for ``num_ranks``."""
+    configs = _DEEPEP_CONFIGS.get(num_ranks)
+    if configs is None:
+        return None
+    channels = DEEPEP_NUM_SMS // 2
+    nvl_ranks, rdma_ranks = min(num_ranks, DEEPEP_NVL_PEERS), max(num_ranks // DEEPEP_NVL_PEERS, 1)
+    per_token = hidden_bytes + _DEEPEP_SOURCE_META + _DEEPEP_MAX_TOPK * 12 + _DEEPEP_MAX_SCALES * 4
+    nvl = rdma = 0
+    for _nvl_send, nvl_recv, rdma_send, rdma_recv in configs:
+        n = channels * nvl_ranks * (2 * rdma_ranks + 3) * 4 + channels * nvl_ranks * nvl_recv * per_token
+        nvl = max(nvl, _align(n))
+        if num_ranks > DEEPEP_NVL_PEERS:
+            recv = _align(rdma_recv, rdma_send)
+            m = channels * rdma_ranks * (DEEPEP_NVL_PEERS * 2 + 2) * 2 * 4
+            m += channels * rdma_ranks * recv * 2 * (per_token + 16)
+            rdma = max(rdma, _align(m + 2**20))
+    return nvl, rdma
+
+
+def deepep_low_latency_bytes(rows: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """DeepEP's ``get_low_latency_rdma_size_hint``: odd/even send, receive and signaling buffers."""
+    scales = hidden // 128
+    dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+    combine_msg = scales * 4 + hidden * 2
+    send = max(rows * dispatch_msg, num_experts * rows * combine_msg)
+    receive = num_experts * rows * max(dispatch_msg, combine_msg)
+    signaling = _align(num_experts * 8 + (num_experts // num_ranks) * 4)
+    return (2 * (send + receive + signaling) // 128 + 1) * 128
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    bytes: int
+    note: str
+
+
+def ep_buffers(plan: ModelPlan, role: str, pool_size: int, slots: int) -> Part:
+    c = plan.config
+    low_latency = role == "decode"
+    mode = "low-latency" if low_latency else "normal"
+    if plan.device.type != "cuda":
+        return Part("EP buffers", 0, "torch all-to-all over gloo (no dedicated buffers)")
+    why = deepep_unavailable(
+        "nccl",
+        True,
+        pool_size,
+        low_latency=low_latency,
+        hidden=c.hidden_size,
+        num_local_experts=slots,
+    )
+    if why is not None:
+        return Part("EP buffers", 0, f"torch all-to-all over NCCL (no DeepEP: {why})")
+    if low_latency:
+        rows = LOW_LATENCY_TOKENS_PER_RANK * c.num_experts_per_tok
+        n = deepep_low_latency_bytes(rows, c.hidden_size, pool_size, slots * pool_size)
+        note = (
+            f"DeepEP {mode} RDMA buffer for {rows} rows ({LOW_LATENCY_TOKENS_PER_RANK} tokens x top-"
+            f"{c.num_experts_per_tok}) x {slots * pool_size} expert slots, if deep_ep is importable (UNVERIFIED)"
+        )
+        return Part("EP buffers", n, note)
+    sizes = deepep_normal_bytes(pool_size, c.hidden_size * 2)
+    if sizes is None:
+        return Part(
+            "EP buffers", 0, f"torch all-to-all (DeepEP has no normal-mode config for {pool_size} ranks)"
+        )
+    nvl, rdma = sizes
+    note = f"DeepEP {mode} mode: NVLink {fmt_bytes(nvl)} + RDMA {fmt_bytes(rdma)}, if deep_ep is importable (UNVERIFIED)"
+    return Part("EP buffers", nvl + rdma, note)
+
+
+def step_tokens(role: str, engine: EngineArgs) -> tuple[int, str]:
+    if role == "decode":
+        per_seq = 2 if engine.speculative_mtp else 1
+        what = f"--max-num-seqs {engine.max_num_seqs}" + (" x 2 (MTP)" if per_seq == 2 else "")
+        return engine.max_num_seqs * per_seq, what
+    return engine.max_num_batched_tokens, f"--max-num-batched-tokens {engine.max_num_batched_tokens}"
+
+
+def activations(plan: ModelPlan, role: str, engine: EngineArgs) -> Part:
+    c, item = plan.config, plan.dtype.itemsize
+    tokens, what = step_tokens(role, engine)
+    h, inter = c.hidden_size, c.moe_intermediate_size
+    moe_row = 2 * h * item + h + 3 * inter * item  # in, FP8 copy, out; gate/up and activation
+    moe = tokens * c.num_experts_per_tok * moe_row
+    attention = tokens * c.num_attention_heads * (2 * c.qk_head_dim + 2 * c.v_head_dim) * item
+    residual = 4 * tokens * h * item
+    logits = 2 * engine.max_num_seqs * c.vocab_size * 4
+    note = f"estimate for {tokens} tokens per step ({what}): max(MoE, attention) + residual + logits"
+    return Part("activations", max(moe, attention) + residual + logits, note)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    parts: list[Part]
+    kv_part: Part
+    mem: RankMemory
+
+    @property
+    def total(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    def part(self, name: str) -> Part:
+        return next(p for p in self.parts if p.name == name)
+
+
+def device_plan(
+    plan: ModelPlan, engine: EngineArgs, role: str, pool_size: int, gpu_memory: int | None
+) -> DevicePlan:
+    slots = expert_slots(plan.config, engine, pool_size)
+    mtp = 1 if engine.speculative_mtp else 0
+    weights = weights_of(plan, slots, mtp)
+    ep = ep_buffers(plan, role, pool_size, slots)
+    runtime = CUDA_RUNTIME_RESERVE if plan.device.type == "cuda" else 0
+    free = None
+    if gpu_memory is not None and engine.kv_cache_memory is None:
+        free = gpu_memory - runtime - weights.total - ep.bytes  # what the engine measures at KV sizing
+    mem = rank_memory(plan, engine, pool_size, free)
+    kv = Part("KV cache", mem.kv_budget or 0, _kv_note(mem))
+    parts = [
+        Part("weights", weights.total, _weights_note(plan, weights, slots)),
+        kv,
+        ep,
+        Part("KV transfer", 0, _transfer_note(role, engine)),
+        activations(plan, role, engine),
+        Part("runtime", runtime, "CUDA context, NCCL, cuBLAS/DeepGEMM workspaces (fixed reserve)"),
+    ]
+    return DevicePlan(parts, kv, mem)
+
+
+def _kv_note(mem: RankMemory) -> str:
+    if mem.kv_budget is None or mem.kv_pages is None:
+        return f"{mem.kv_budget_note}; not counted"
+    return f"{mem.kv_budget_note}: {mem.kv_pages} pages = {mem.kv_pages * PAGE_SIZE} tokens"
+
+
+def _transfer_note(role: str, engine: EngineArgs) -> str:
+    if role == "colocated":
+        return "no KV transfer (colocated)"
+    disk = (
+        f"; on-disk tier {engine.kv_disk_cache_dir} in host memory/disk" if engine.kv_disk_cache_dir else ""
+    )
+    return f"the KV cache is registered in place (no staging copy){disk}"
+
+
+def _weights_note(plan: ModelPlan, weights: Weights, slots: int) -> str:
+    def listing(parts: dict[str, int]) -> str:
+        return ", ".join(f"{name} {fmt_bytes(n)}" for name, n in sorted(parts.items(), key=lambda x: -x[1]))
+
+    dtype = str(plan.dtype).removeprefix("torch.")
+    dense = f"{dtype} {fmt_bytes(weights.dense_total)} ({listing(weights.dense)})"
+    if not weights.fp8:
+        return dense
+    return f"FP8 {fmt_bytes(weights.fp8_total)} ({listing(weights.fp8)}) + {dense}; {slots} routed slots per MoE layer"
+
+
+def check_fit(label: str, pool_size: int, device: DevicePlan, gpu_memory: int) -> None:
+    """UsageError naming the shortfall and what to change when the plan exceeds ``gpu_memory``."""
+    total = device.total
+    if total <= gpu_memory:
+        return
+    over = total - gpu_memory
+    parts = " + ".join(f"{p.name} {fmt_bytes(p.bytes)}" for p in device.parts if p.bytes)
+    if device.kv_part.bytes > over:
+        fix = f"lower --kv-cache-memory to at most {fmt_bytes_down(device.kv_part.bytes - over)}"
+    else:
+        fix = "the rest does not fit even without a KV cache: use more ranks per pool or fewer redundant experts"
+    raise UsageError(
+        f"{label} (EP{pool_size}) does not fit: it needs {fmt_bytes(total)} per GPU ({parts}), "
+        f"{fmt_bytes(over)} more than --gpu-memory {fmt_bytes(gpu_memory)}; {fix}"
+    )
+
+
+def check_pool_fits(pool: PoolArgs, gpu_memory: int) -> None:
+    """The --gpu-memory check of a pool before it starts (nothing is loaded)."""
+    plan = model_plan(pool.engine)
+    device = device_plan(plan, pool.engine, pool.role, pool.pool_size, gpu_memory)
+    check_fit(f"{pool.role} pool", pool.pool_size, device, gpu_memory)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_bytes_down(n: int) -> str:
+    """Like fmt_bytes, rounded down to what it prints (for limits: the printed size still fits)."""
+    unit = next((u for u in (GiB, 2**20, 2**10) if n >= u), 1)
+    if unit == 1:
+        return f"{n} B"
+    return fmt_bytes(math.floor(n / unit * 10) / 10 * unit)
