@@ -163,6 +163,55 @@ def test_shared_prefix_references_same_pages() -> None:
     assert mgr.num_available_pages() == mgr.num_pages
 
 
+def test_abandoned_match_counts_once() -> None:
+    mgr = _manager(8)
+    tokens = list(range(3 * PS + 2))
+    mgr.release(_run(mgr, tokens))
+    before = mgr.stats
+    match = mgr.match_prefix(tokens)
+    assert match.memory_pages == 3 and mgr.stats.memory_hit_tokens == before.memory_hit_tokens + 3 * PS
+    mgr.abandon(match)  # the caller could not admit it: pages back, hits and query not counted
+    assert mgr.stats == before and mgr.num_available_pages() == 8
+    assert all(mgr.is_cached(p) for p in match.pages)
+    again = mgr.match_prefix(tokens)
+    assert again.pages == match.pages
+    assert mgr.stats.queried_tokens == before.queried_tokens + len(tokens)
+    assert mgr.stats.memory_hit_tokens == before.memory_hit_tokens + 3 * PS
+    mgr.release(again.pages)
+
+
+def test_scheduler_counts_a_request_waiting_for_pages_once() -> None:
+    from dsinfer.base.sampling_params import SamplingParams
+    from dsinfer.engine.scheduler import Scheduler
+    from dsinfer.engine.sequence import Sequence
+
+    mgr = _manager(8)
+    tokens = list(range(3 * PS + 2))
+    mgr.release(_run(mgr, tokens))  # 3 cached pages
+    before = mgr.stats
+    sched = Scheduler(mgr, max_num_seqs=4, max_num_batched_tokens=64)
+    held = mgr.allocate(5)  # 3 evictable pages left: the prefix fits, its last page does not
+    seq = Sequence(
+        request_id="r",
+        choice=0,
+        prompt_len=len(tokens),
+        token_ids=list(tokens),
+        params=SamplingParams(max_tokens=1),
+        seed=0,
+        max_tokens=1,
+        eos_ids=frozenset(),
+    )
+    sched.add(seq)
+    for _ in range(3):  # waits, asking the cache every step
+        assert not sched.schedule().seqs
+    assert mgr.stats == before
+    mgr.release(held)
+    batch = sched.schedule()
+    assert [s.seq for s in batch.seqs] == [seq] and seq.num_cached_prompt_tokens == 3 * PS
+    assert mgr.stats.queried_tokens == before.queried_tokens + len(tokens)
+    assert mgr.stats.memory_hit_tokens == before.memory_hit_tokens + 3 * PS
+
+
 def test_never_matches_the_last_token() -> None:
     mgr = _manager(8)
     tokens = list(range(2 * PS))

@@ -55,6 +55,7 @@ class PrefixMatch:
     num_tokens: int  # len(pages) * page_size
     memory_pages: int
     disk_pages: int
+    queried_tokens: int = 0
 
 
 class _DiskWriter:
@@ -253,7 +254,7 @@ class KVCacheManager:
         pages: list[int] = []
         memory = disk_pages = 0
         if not self.enable_prefix_cache or len(token_ids) <= self.page_size:
-            return PrefixMatch(pages, 0, 0, 0)
+            return PrefixMatch(pages, 0, 0, 0, len(token_ids))
         for key in page_hashes(token_ids[:-1], self.page_size, self.root):
             page = self._cached.get(key)
             if page is not None:
@@ -268,7 +269,16 @@ class KVCacheManager:
         self._stats.memory_hit_tokens += memory * self.page_size
         self._stats.disk_hit_tokens += disk_pages * self.page_size
         self._stats.disk_pages_read += disk_pages
-        return PrefixMatch(pages, len(pages) * self.page_size, memory, disk_pages)
+        return PrefixMatch(pages, len(pages) * self.page_size, memory, disk_pages, len(token_ids))
+
+    def abandon(self, match: PrefixMatch) -> None:
+        """Give back a match the caller could not use (it will ask again): release its pages and
+        take its tokens out of the hit statistics, so that a request waiting for pages counts
+        once. Pages read from disk stay read (``disk_pages_read``) and cached in memory."""
+        self.release(match.pages)
+        self._stats.queried_tokens -= match.queried_tokens
+        self._stats.memory_hit_tokens -= match.memory_pages * self.page_size
+        self._stats.disk_hit_tokens -= match.disk_pages * self.page_size
 
     def _load_from_disk(self, key: bytes) -> int | None:
         if self.disk is None or not self.disk.contains(key):

@@ -153,7 +153,8 @@ class Scheduler:
         cached_pages = match.pages if match else []
         needed = self.pages_for(seq.prompt_len) - len(cached_pages)
         if needed > self.kv.num_available_pages():
-            self.kv.release(cached_pages)
+            if match:
+                self.kv.abandon(match)
             return False
         seq.pages = cached_pages + self.kv.allocate(needed)
         seq.num_cached_prompt_tokens = match.num_tokens if match else 0
@@ -260,7 +261,7 @@ class Scheduler:
         needed = self.pages_for(cached + num_new) - (len(match.pages) if match else 0)
         if num_new == 0 or needed > self.kv.num_available_pages():
             if match:
-                self.kv.release(match.pages)
+                self.kv.abandon(match)
             return None
         seq.pages = (match.pages if match else []) + self.kv.allocate(needed)
         seq.num_computed_tokens = cached
