@@ -10,7 +10,7 @@ import pytest
 
 from dsinfer.sim.cost import PoolModel, decode_step, prefill_step
 from dsinfer.sim.experts import expert_model
-from dsinfer.sim.hardware import H100, H200, H800, get_hardware
+from dsinfer.sim.hardware import H100, H200, H800, get_hardware, with_measured
 from dsinfer.sim.kernels import DEEPEP_LOW_LATENCY, DEEPGEMM_DENSE, DEEPGEMM_MASKED, Kernels
 from dsinfer.sim.schedule import DECODE_ORDER, PREFILL_ORDER, SERIAL_ORDER, step_time
 from dsinfer.sim.shape import ModelShape
@@ -172,3 +172,26 @@ def test_prefill_comm_sms_and_mtp_layer() -> None:
     assert t(mtp=False) < t(mtp=True) < t(mtp=False) * 1.03
     with pytest.raises(ValueError, match="comm_sms"):
         k.comm_sm_slowdown(132)
+    # a measured in-situ efficiency slows overlapped prefill compute only (here: the whole step)
+    slow = Kernels(replace(H800, overlap_compute_efficiency=0.8))
+    assert slow.comm_sm_slowdown(24) == pytest.approx(132 / 108 / 0.8)
+    slowed = prefill_step(PoolModel(SHAPE, slow, e, mtp=False, comm_sms=24), *args).time  # type: ignore[arg-type]
+    assert t(mtp=False, comm_sms=24) * 1.1 < slowed <= t(mtp=False, comm_sms=24) / 0.8 * 1.001
+    serial = prefill_step(PoolModel(SHAPE, slow, e, mtp=False, overlap=False), *args).time  # type: ignore[arg-type]
+    assert serial == pytest.approx(t(mtp=False, overlap=False))
+
+
+def test_measured_ceilings_override_the_datasheet(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert with_measured(H100, tmp_path) == (H100, None)
+    (tmp_path / "gpu_ceilings_h100.json").write_text(
+        '{"overlap_compute_efficiency": 0.9, "hbm_bandwidth": 3.0e12}'
+    )
+    hw, path = with_measured(H100, tmp_path)
+    assert path == tmp_path / "gpu_ceilings_h100.json"
+    assert (hw.overlap_compute_efficiency, hw.hbm_bandwidth, hw.sms) == (0.9, 3.0e12, 132)
+    (tmp_path / "gpu_ceilings_h100.json").write_text('{"overlap_compute_efficiency": 1.5}')
+    with pytest.raises(ValueError, match="overlap_compute_efficiency"):
+        with_measured(H100, tmp_path)
+    (tmp_path / "gpu_ceilings_h100.json").write_text('{"tflops": 1}')
+    with pytest.raises(ValueError, match="unknown fields"):
+        with_measured(H100, tmp_path)

@@ -14,6 +14,12 @@ GPU's HBM bandwidth over the H800's) rescales their memory-bound parts and ``nvl
 intranode all-to-all. Where ``benchmarks/results/gpu_ceilings_<name>.json`` exists (a measured
 override of any field here) :func:`with_measured` applies it; none exists yet (no GPU
 measurements have been taken for this project).
+
+``overlap_compute_efficiency`` is not a datasheet figure: the fraction of its unit-test rate a
+compute kernel keeps while DeepEP's normal kernels run beside it (prefill two-batch overlap),
+beyond the SMs they hold. SGLang and DeepSeek both measured kernels slower in situ than alone
+(lmsys.org large-scale-ep blog, "Detail Breakdown") without publishing the factor in numbers, so
+the default is 1.0 (no interference) until a measurement replaces it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ class Hardware:
     nic_bandwidth: float  # bytes/s per GPU (one NIC per GPU)
     gpus_per_node: int = 8
     sms: int = 132
+    overlap_compute_efficiency: float = 1.0  # measured override only (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.overlap_compute_efficiency <= 1.0:
+            raise ValueError(
+                f"overlap_compute_efficiency must be in (0, 1], got {self.overlap_compute_efficiency}"
+            )
 
     @property
     def mem_scale(self) -> float:

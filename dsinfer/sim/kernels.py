@@ -189,7 +189,8 @@ class Kernels:
         return d * 1e9 * nic, c * 1e9 * nic
 
     def comm_sm_slowdown(self, comm_sms: int = DEEPEP_NORMAL_SMS) -> float:
-        """Compute slows by this factor while DeepEP normal kernels hold ``comm_sms`` SMs."""
+        """Compute slows by this factor while DeepEP normal kernels hold ``comm_sms`` SMs (and by
+        the hardware's in-situ interference beyond that, 1.0 unless measured)."""
         if not 0 <= comm_sms < self.hw.sms:
             raise ValueError(f"comm_sms must be in [0, {self.hw.sms}), got {comm_sms}")
-        return self.hw.sms / (self.hw.sms - comm_sms)
+        return self.hw.sms / (self.hw.sms - comm_sms) / self.hw.overlap_compute_efficiency
