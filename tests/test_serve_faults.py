@@ -6,6 +6,7 @@ page is freed on both sides."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import signal
@@ -104,6 +105,25 @@ def _join(threads: list[threading.Thread], timeout: float = 90.0) -> None:
     for t in threads:
         t.join(max(0.1, deadline - time.monotonic()))
         assert not t.is_alive(), "a request never ended"
+
+
+def test_idle_keep_alive_connection_is_not_closed_under_the_client(server: Server) -> None:
+    """A pooled connection idle for longer than uvicorn's 5 s default still serves: a client that
+    sends on it must not race the server closing it ("disconnected without a response")."""
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request("GET", "/health")
+        first = conn.getresponse()
+        first.read()
+        sock = conn.sock
+        time.sleep(6)
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        second.read()
+        assert (first.status, second.status) == (200, 200) and conn.sock is sock
+    finally:
+        conn.close()
 
 
 def test_client_disconnect_frees_kv_on_both_sides(server: Server, client: openai.OpenAI) -> None:

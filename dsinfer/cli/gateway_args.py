@@ -52,6 +52,13 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--balancer", default="load", choices=BALANCERS, help="worker choice (default: %(default)s)"
     )
+    group.add_argument(
+        "--http-keep-alive",
+        type=float,
+        default=75.0,
+        help="seconds an idle HTTP connection stays open; keep it above the idle timeout of a load "
+        "balancer in front, so that the balancer closes idle connections (default: %(default)s)",
+    )
 
 
 def gateway_args_from(args: argparse.Namespace, **overrides: Any) -> GatewayArgs:

@@ -28,6 +28,10 @@ class GatewayArgs(BaseModel):
     balancer: str = "load"
     model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
     max_model_len: int | None = None  # None = the model's
+    # Idle HTTP connections close after this many seconds. A client (or a load balancer) that sends
+    # on a connection just as the server closes it gets "disconnected without a response", so the
+    # server should be the side that waits longer; uvicorn's own default is 5 s.
+    http_keep_alive: float = 75.0
 
     @model_validator(mode="after")
     def _check(self) -> GatewayArgs:
@@ -45,6 +49,8 @@ class GatewayArgs(BaseModel):
             raise ValueError(f"max_queued_requests must be at least 1, got {self.max_queued_requests}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
+        if not self.http_keep_alive > 0:
+            raise ValueError(f"http_keep_alive must be positive, got {self.http_keep_alive}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.max_model_len is not None and self.max_model_len < 2:

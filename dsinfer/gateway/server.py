@@ -45,5 +45,12 @@ def run_gateway(args: GatewayArgs) -> int:
         args.host,
         control_port_of(args),
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=args.http_keep_alive,
+    )
     return 0
