@@ -61,7 +61,8 @@ def rank_device(device: str, local_rank: int, gpus: int) -> str:
     if local_rank >= gpus:
         raise ValueError(
             f"local rank {local_rank} needs GPU {local_rank}, but {gpus} are visible "
-            "(give each node as many GPUs as ranks, or set --device)"
+            "(a node runs one rank per GPU: spread the pool over more nodes with --nnodes, or "
+            "make it smaller)"
         )
     return f"cuda:{local_rank}"
 
