@@ -394,6 +394,21 @@ def test_gpu_memory_applies_to_pools_only(capsys: pytest.CaptureFixture[str]) ->
     assert "--gpu-memory applies to one pool" in one_line_error(capsys, "--gpu-memory", "80GB", "--dry-run")
 
 
+def test_ep_backend_torch_plans_no_deepep_buffers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = serve(capsys, "--config", str(DECODE_PROFILE), "--dry-run", "--gpu-memory", "80GB")
+    assert code == 0, err
+    assert "DeepEP low-latency RDMA buffer" in out
+    code, out, err = serve(
+        capsys, "--config", str(DECODE_PROFILE), "--dry-run", "--gpu-memory", "80GB", "--ep-backend", "torch"
+    )
+    assert code == 0, err
+    assert "torch all-to-all over NCCL (--ep-backend torch)" in out and "DeepEP" not in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--dry-run", "--ep-backend", "nccl"])
+    assert exit_info.value.code == 2
+    assert "argument --ep-backend: invalid choice: 'nccl'" in capsys.readouterr().err
+
+
 def test_decode_step_beyond_deepep_low_latency_limit_warns(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = serve(
         capsys,

@@ -1,5 +1,6 @@
 """Where a pool rank runs and how its collectives reach the others: one GPU per local rank, NCCL
-for GPU ranks and gloo for CPU ranks, host tensors reduced in place on either."""
+for GPU ranks and gloo for CPU ranks, host tensors reduced in place on either, the EP backend
+named in the engine args."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dsinfer.engine.args import EngineArgs
 from dsinfer.workers.rank import process_group_backend, rank_device
 
 
@@ -31,6 +33,12 @@ def test_rank_device(device: str, local_rank: int, gpus: int, expected: str) -> 
 def test_rank_device_needs_a_gpu_per_local_rank() -> None:
     with pytest.raises(ValueError, match="local rank 2 needs GPU 2, but 2 are visible"):
         rank_device("cuda", 2, 2)
+
+
+def test_engine_args_name_the_ep_backend() -> None:
+    assert EngineArgs().ep_backend == "auto" and EngineArgs(ep_backend="torch").ep_backend == "torch"
+    with pytest.raises(ValueError, match="ep_backend must be one of auto, deepep, torch, got 'nccl'"):
+        EngineArgs(ep_backend="nccl")
 
 
 def test_process_group_backend() -> None:

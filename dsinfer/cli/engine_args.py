@@ -8,6 +8,7 @@ from typing import Any
 from dsinfer.base.presets import DEFAULT_MODEL
 from dsinfer.engine.args import EngineArgs
 from dsinfer.model.loader import LOAD_FORMATS
+from dsinfer.parallel.registry import EP_BACKENDS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +65,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-overlap",
         action="store_true",
         help="EP pools: two micro-batches per step, one's dispatch/combine under the other's compute",
+    )
+    group.add_argument(
+        "--ep-backend",
+        default="auto",
+        choices=EP_BACKENDS,
+        help="expert all-to-all of an EP pool: auto = DeepEP on an NCCL group when deep_ep is "
+        "installed, else torch all-to-all; torch forces the latter (default: %(default)s)",
     )
     group.add_argument(
         "--overlap-min-tokens",

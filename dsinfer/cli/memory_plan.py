@@ -268,12 +268,14 @@ class Part:
     note: str
 
 
-def ep_buffers(plan: ModelPlan, role: str, pool_size: int, slots: int) -> Part:
+def ep_buffers(plan: ModelPlan, role: str, pool_size: int, slots: int, backend: str = "auto") -> Part:
     c = plan.config
     low_latency = role == "decode"
     mode = "low-latency" if low_latency else "normal"
     if plan.device.type != "cuda":
         return Part("EP buffers", 0, "torch all-to-all over gloo (no dedicated buffers)")
+    if backend == "torch":
+        return Part("EP buffers", 0, "torch all-to-all over NCCL (--ep-backend torch)")
     why = deepep_unavailable(
         "nccl",
         True,
@@ -343,7 +345,7 @@ def device_plan(
     slots = expert_slots(plan.config, engine, pool_size)
     mtp = 1 if engine.speculative_mtp else 0
     weights = weights_of(plan, slots, mtp)
-    ep = ep_buffers(plan, role, pool_size, slots)
+    ep = ep_buffers(plan, role, pool_size, slots, engine.ep_backend)
     runtime = CUDA_RUNTIME_RESERVE if plan.device.type == "cuda" else 0
     free = None
     if gpu_memory is not None and engine.kv_cache_memory is None:

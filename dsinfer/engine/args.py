@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from dsinfer.model.loader import LOAD_FORMATS
+from dsinfer.parallel.registry import EP_BACKENDS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -62,6 +63,7 @@ class EngineArgs(BaseModel):
     prefill_attention_weight: float | None = None  # None = the budget counts tokens only
     prefill_context_weight: float = 0.0
     enable_overlap: bool = False  # two micro-batches per step in an EP pool (comm under compute)
+    ep_backend: str = "auto"  # expert all-to-all of an EP pool: auto (DeepEP where usable), deepep, torch
     overlap_min_tokens: int = 64  # steps with fewer tokens on every rank run one micro-batch
     trace_dir: Path | None = None  # Chrome trace per rank (trace-rank{R}.json); None = off
     trace_flush_steps: int = 50  # steps between appends to the trace file (and at close)
@@ -114,4 +116,6 @@ class EngineArgs(BaseModel):
             raise ValueError(f"placement {str(self.placement)!r} is not a file")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.ep_backend not in EP_BACKENDS:
+            raise ValueError(f"ep_backend must be one of {', '.join(EP_BACKENDS)}, got {self.ep_backend!r}")
         return self

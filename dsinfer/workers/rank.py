@@ -112,13 +112,15 @@ def build_role(
 
 
 def _ep_group(pool: PoolArgs) -> EPGroup:
-    """The pool's expert-parallel group: DeepEP on NCCL when importable, else torch all-to-all."""
+    """The pool's expert-parallel group: DeepEP on NCCL when importable (``--ep-backend auto`` or
+    ``deepep``), else torch all-to-all."""
     config = ModelConfig.from_file(resolve_model(pool.engine.model)[0] / "config.json")
     return make_ep_group(
         hidden=config.hidden_size,
         num_local_experts=(config.n_routed_experts + pool.engine.num_redundant_experts) // pool.pool_size,
         top_k=config.num_experts_per_tok,
         low_latency=pool.role == "decode",
+        prefer=pool.engine.ep_backend,
     )
 
 
