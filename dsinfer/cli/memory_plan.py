@@ -6,12 +6,14 @@ FP8 with fp32 128x128 block scales where the device runs FP8 GEMMs (CUDA); every
 the model dtype. A rank of a pool of N holds ``(n_routed_experts + num_redundant_experts) / N``
 routed expert slots (the default placement of ``dsinfer.parallel.placement``, or ``--placement
 FILE``) and everything else whole.
+
 On a GPU the plan adds up one GPU's memory: weights by precision, the latent KV cache, the EP
 communication buffers, the KV transfer's registrations, an activation estimate for the largest
 step, and a fixed reserve for the CUDA runtime. ``--gpu-memory SIZE`` refuses a plan whose total
 does not fit, with a message naming what to change. The estimates and their formulas:
 
-- DeepEP buffers (used when ``deep_ep`` is importable on an NCCL group; UNVERIFIED): normal mode
+- DeepEP buffers (used when ``deep_ep`` is importable on an NCCL group and ``--ep-backend`` is not
+  torch; UNVERIFIED): normal mode
   (prefill, colocated) takes the larger of the NVLink and RDMA size hints of DeepEP's recommended
   dispatch and combine configs for the pool size; low-latency mode (decode) takes
   ``get_low_latency_rdma_size_hint(rows, hidden, ranks, slots)`` with ``rows = 128 x top_k`` as
