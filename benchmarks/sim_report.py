@@ -817,6 +817,7 @@ def sglang_gap_lines(report: dict[str, Any]) -> list[str]:
             res,
             pub["sglang_prefill_per_node"],
         ),
+        ("4K prompts, their EPLB", t["prefill_4k"], None, SGLANG_4K_DEFAULT),
         (
             "4K prompts, perfect EPLB",
             t["prefill_4k_balanced"],
