@@ -4,8 +4,8 @@ The issue's target: no step longer than twice the median while expert weights mo
 
 The script starts an EP pool of 2 (optionally 4) rank processes on this machine (gloo over
 TCP, one torch thread and one numba thread per rank), each driving an ``LLMEngine`` with
-``TorchEPGroup`` in lockstep as the serving loop does (flags all-reduced every iteration, then
-``engine.step_updates()``). The model is the built-in tiny preset's config with larger MoE sizes
+``TorchEPGroup`` in lockstep as the serving loop does (each iteration ``engine.plan_step()``, the
+one agreement all-reduce ``engine.agree()``, then ``engine.run_step()``). The model is the built-in tiny preset's config with larger MoE sizes
 (written to a temp directory, ``load_format="dummy"``), so staging new experts takes many steps.
 Workload: N prompts of random token ids (dealt round-robin to the ranks), greedy, a fixed output
 length with ``ignore_eos``: after one prefill step every step is a steady decode step.
@@ -16,9 +16,9 @@ placement, whatever the gain: the load of random dummy weights is nearly even, s
 min_gain would usually skip it). The balancer stages the new experts on the serving thread, a
 few pieces per step boundary under ``eplb_stage_budget`` x the median step (``--stage-budget``;
 see dsinfer/engine/expert_balancer.py), swaps when every rank is done, then frees the replaced
-weights a few tensors per boundary. Every rank times every ``step_updates()`` call (which runs
+weights a few tensors per boundary. Every rank times every ``run_step()`` call (which runs
 the balancer's ``before_step`` too: the load all-reduce, placement and staging plan at a
-decision, pieces and the ready-flag all-reduce while staging, the swap, the freeing) and the
+decision, pieces while staging, the swap, the freeing) and the
 balancer's own share of it; the pool's step time is the max over ranks per step index. From
 ``OnlineExpertBalancer.history`` each rebalance marks the steps while weights move: its decision
 and staging window (the decision step up to the step before the swap), its swap step and the
@@ -111,7 +111,6 @@ def rank_main(spec: dict[str, Any]) -> int:
     from dsinfer.engine.engine import LLMEngine
     from dsinfer.model.moe import MoE
     from dsinfer.parallel.ep import TorchEPGroup
-    from dsinfer.workers.rank import StepFlags
 
     rank, world, label = spec["rank"], spec["world"], spec["label"]
     logging.basicConfig(level=logging.WARNING, format=f"    [{label} rank {rank}] %(name)s: %(message)s")
@@ -139,7 +138,6 @@ def rank_main(spec: dict[str, Any]) -> int:
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
     for rid, ids in spec["prompts"].items():
         engine.add_request(rid, ids, params)
-    flags = StepFlags(world)
     dist.barrier()
     step_s: list[float] = []
     iter_s: list[float] = []
@@ -153,16 +151,16 @@ def rank_main(spec: dict[str, Any]) -> int:
     if balancer is not None:
         before_step = balancer.before_step
 
-        def timed_before_step() -> None:
+        def timed_before_step(staging_anywhere: bool) -> None:
             t = time.perf_counter()
             budget_s.append(balancer.budget())
             work = sum(e.stage_work_seconds for e in balancer.history)
-            before_step()
+            before_step(staging_anywhere)
             balancer_s.append(time.perf_counter() - t)
             piece_s.append(sum(e.stage_work_seconds for e in balancer.history) - work)
 
         balancer.before_step = timed_before_step
-    # per iteration (flags + step), from the kernel's schedstat: the stepping thread's time on a
+    # per iteration (agreement + step), from the kernel's schedstat: the stepping thread's time on a
     # CPU and time runnable but waiting for one (the rest: blocked)
     sched: list[list[float]] = []
     main_tid = threading.get_native_id()
@@ -170,11 +168,12 @@ def rank_main(spec: dict[str, Any]) -> int:
     while True:
         t0 = time.perf_counter()
         m1 = _schedstat(main_tid)
-        has_work, _, _ = flags.agree(engine.has_unfinished_requests(), False, False)
-        if not has_work:
+        plan = engine.plan_step()
+        agreed = engine.agree(plan.votes)
+        if not agreed.has_work:
             break
         t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
-        updates = engine.step_updates()
+        updates = engine.run_step(plan, agreed)
         m2 = _schedstat(main_tid)
         t2, c2, p2 = time.perf_counter(), time.thread_time(), time.process_time()
         sched.append([m2[0] - m1[0], m2[1] - m1[1]])

@@ -3,8 +3,8 @@
 For each pool size (default 2 and 4 rank processes on this machine: gloo over TCP, one torch
 thread and one numba thread per rank) and each setting (overlap off; on, with
 ``overlap_min_tokens=0`` so that every step of two or more sequences splits), the script starts
-an engine-level pool stepping in lockstep as the serving loop does (flags all-reduced every
-iteration, then ``engine.step_updates()``), with dummy weights of the tiny preset's config grown
+an engine-level pool stepping in lockstep as the serving loop does (``engine.plan_step()``, the
+one agreement all-reduce ``engine.agree()``, then ``engine.run_step()``), with dummy weights of the tiny preset's config grown
 to the sizes below, float32. Three phases run one after the other on the same pool:
 
 - warm-up (not reported): a few prompts and decode steps, so numba and the allocator are warm;
@@ -84,7 +84,6 @@ def rank_main(spec: dict[str, Any]) -> int:
     from dsinfer.engine.engine import LLMEngine
     from dsinfer.engine.scheduler import ScheduledBatch
     from dsinfer.parallel.ep import TorchEPGroup
-    from dsinfer.workers.rank import StepFlags
 
     logging.basicConfig(level=logging.WARNING)
     bar = loader.tqdm  # the loader's progress bars, per rank, would bury the progress lines
@@ -102,13 +101,12 @@ def rank_main(spec: dict[str, Any]) -> int:
     batches: list[dict[str, Any]] = []  # what each runner step held on this rank
     run = engine.runner.run
 
-    def recorded_run(batch: ScheduledBatch, after_layer: Any = None) -> Any:
+    def recorded_run(batch: ScheduledBatch, *args: Any) -> Any:
         prefill = any(not s.is_decode for s in batch.seqs)
         batches.append({"seqs": len(batch.seqs), "tokens": batch.num_tokens, "prefill": prefill})
-        return run(batch, after_layer)
+        return run(batch, *args)
 
     engine.runner.run = recorded_run  # type: ignore[method-assign]
-    flags = StepFlags(world)
     phases: dict[str, Any] = {}
     for phase in PHASES:
         work = spec["phases"][phase]
@@ -117,9 +115,13 @@ def rank_main(spec: dict[str, Any]) -> int:
             engine.add_request(f"{phase}-{rank}-{i}", ids, params)
         dist.barrier()
         first, seconds = len(batches), []
-        while flags.agree(engine.has_unfinished_requests(), False, False)[0]:
+        while True:
+            plan = engine.plan_step()
+            agreed = engine.agree(plan.votes)
+            if not agreed.has_work:
+                break
             t = time.perf_counter()
-            engine.step_updates()
+            engine.run_step(plan, agreed)
             seconds.append(time.perf_counter() - t)
         phases[phase] = {"first_step": first, "seconds": seconds, "batches": batches[first:]}
         if rank == 0:

@@ -130,6 +130,11 @@ def _shifted(load: dict[int, list[float]], current: ExpertPlacement) -> ExpertPl
     return replace(current, layers=layers)
 
 
+def _boundary(balancer: OnlineExpertBalancer) -> None:
+    """One step boundary of rank 0 in a pool whose agreement sees only this rank's vote."""
+    balancer.before_step(balancer.vote_staging())
+
+
 def _pool_model() -> LoadedModel:
     return load_model("tiny", OPS, num_mtp_layers=0, ep_group=OneRankOfTwo(), num_redundant_experts=2)
 
@@ -141,18 +146,18 @@ def test_balancer_stages_one_piece_per_step_with_no_budget_then_swaps() -> None:
     balancer = OnlineExpertBalancer(
         loaded.model, loaded.experts, interval=2, min_gain=0.0, stage_budget=0.0, policy=_shifted
     )
-    balancer.before_step()
-    balancer.before_step()  # step 2: the decision
+    _boundary(balancer)
+    _boundary(balancer)  # step 2: the decision
     assert len(balancer.history) == 1
     event, pending = balancer.history[0], balancer._pending
     assert pending is not None and event.stage_pieces == 0
     total = pending.staging.total
     assert total == 3 * len(moes) * old.slots_per_rank  # every layer changes; dummy: one piece per projection
-    for piece in range(1, total):
-        balancer.before_step()
+    for piece in range(1, total + 1):
+        _boundary(balancer)
         assert event.stage_pieces == piece and event.swap_step is None  # one piece, then the step goes on
-    balancer.before_step()  # the last piece: every rank (this one) is ready, the swap follows at once
-    assert event.swap_step == 2 + total and event.stage_steps == total
+    _boundary(balancer)  # no rank (this one) votes staging any more: the pool swaps at this boundary
+    assert event.swap_step == 2 + total + 1 and event.stage_steps == total
     new = _shifted({}, old)
     assert loaded.model.ep.placement == new
     fresh = load_model("tiny", OPS, num_mtp_layers=0, ep_group=OneRankOfTwo(), placement=new)
@@ -165,7 +170,7 @@ def test_balancer_stages_one_piece_per_step_with_no_budget_then_swaps() -> None:
     # the replaced weights (w13 and w2 of every layer) are freed one per later boundary (budget 0)
     for _ in range(2 * len(moes)):
         assert event.freed_step is None
-        balancer.before_step()
+        _boundary(balancer)
     assert event.freed_step == event.swap_step + 2 * len(moes)
 
 
@@ -174,10 +179,10 @@ def test_balancer_stages_everything_at_once_with_a_huge_budget() -> None:
     balancer = OnlineExpertBalancer(
         loaded.model, loaded.experts, interval=2, min_gain=0.0, stage_budget=1e12, policy=_shifted
     )
-    for _ in range(3):
-        balancer.before_step()
+    for _ in range(4):
+        _boundary(balancer)
     event = balancer.history[0]
-    assert event.swap_step == 3 and event.stage_steps == 1 and event.stage_pieces > 1
+    assert event.swap_step == 4 and event.stage_steps == 1 and event.stage_pieces > 1
 
 
 class FakeClock:
@@ -214,9 +219,9 @@ def test_budget_is_a_fraction_of_the_median_step(monkeypatch: pytest.MonkeyPatch
     balancer = OnlineExpertBalancer(loaded.model, loaded.experts, interval=1000, stage_budget=0.25)
     assert balancer.budget() == 0.0  # no step measured yet
     for step_seconds in (2.0, 4.0, 100.0, 4.0):  # serving time between boundaries
-        balancer.before_step()
+        _boundary(balancer)
         clock.now += step_seconds
-    balancer.before_step()
+    _boundary(balancer)
     assert balancer.budget() == 0.25 * 4.0
 
 

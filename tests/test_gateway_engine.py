@@ -48,9 +48,7 @@ def backend(engine: LLMEngine) -> EngineBackend:
 
 def _app(backend: EngineBackend, **args: Any) -> Any:
     engine = backend.engine
-    return build_app(
-        backend, engine.tokenizer, GatewayArgs(**args), engine.max_model_len, engine.config.vocab_size
-    )
+    return build_app(backend, engine.tokenizer, GatewayArgs(**args), engine.config.vocab_size)
 
 
 @pytest.fixture(scope="module")

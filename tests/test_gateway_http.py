@@ -22,11 +22,12 @@ from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
-from dsinfer.gateway.backend import Job, Overloaded, Unavailable
+from dsinfer.gateway.backend import Capacity, Job, Overloaded, Unavailable
 from tests.fixtures.engine_backend import ScriptedBackend, Step, serve, text_deltas
 
 MAX_MODEL_LEN = 64
 VOCAB = 4096
+CAPACITY = Capacity(MAX_MODEL_LEN, 64, {"colocated": 1000})  # what the "registered pools" hold
 THINK_END = 5  # "</think>" in the tiny tokenizer (not a special token, so it is in the text)
 NI = [166, 127, 260]  # "你" as three byte-level tokens
 
@@ -42,14 +43,16 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 @contextmanager
 def _server(backend: ScriptedBackend, tokenizer: Tokenizer, **args: Any) -> Iterator[str]:
-    app = build_app(backend, tokenizer, GatewayArgs(**args), MAX_MODEL_LEN, VOCAB)
+    app = build_app(backend, tokenizer, GatewayArgs(**args), VOCAB)
     with serve(app) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def backend(tokenizer: Tokenizer) -> ScriptedBackend:
-    return ScriptedBackend(lambda job: text_deltas([_ids(tokenizer, "ok")], n=job.params.n))
+    return ScriptedBackend(
+        lambda job: text_deltas([_ids(tokenizer, "ok")], n=job.params.n), capacity=CAPACITY
+    )
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +323,7 @@ def test_stop_string_never_streamed(
     url: str, tokenizer: Tokenizer, scripted: Callable[..., None], include: bool
 ) -> None:
     groups = [_ids(tokenizer, "Hello"), _ids(tokenizer, " wor"), _ids(tokenizer, "ld and more")]
-    scripted(lambda job: text_deltas(groups, stop_text_len=len("Hello ")))
+    scripted(lambda job: text_deltas(groups))  # the gateway finds "world" itself
     stream = _client(url).completions.create(
         model="tiny",
         prompt="x",
@@ -339,7 +342,8 @@ def test_timeout(backend: ScriptedBackend, tokenizer: Tokenizer, scripted: Calla
         error = _check_error(httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}), 504)
         assert "timed out" in error["message"]
         assert len(backend.aborted) == 1
-        assert backend.submitted[-1].timeout == 0.3
+        job = backend.submitted[-1]
+        assert job.deadline == pytest.approx(job.arrival_time + 0.3)
         with pytest.raises(openai.APIError, match="timed out"):
             list(
                 _client(base).chat.completions.create(
@@ -435,11 +439,12 @@ def test_sampling_fields_reach_the_job(url: str, backend: ScriptedBackend) -> No
     _client(url).chat.completions.create(model="tiny", messages=messages)
     params = backend.submitted[-1].params
     assert (params.max_tokens, params.logprobs, params.temperature, params.n) == (None, None, 1.0, 1)
-    assert backend.submitted[-1].timeout == GatewayArgs().request_timeout
+    job = backend.submitted[-1]
+    assert job.deadline == pytest.approx(job.arrival_time + GatewayArgs().request_timeout)
 
 
 def test_metrics_registry_is_per_app(backend: ScriptedBackend, tokenizer: Tokenizer) -> None:
-    apps = [build_app(backend, tokenizer, GatewayArgs(), MAX_MODEL_LEN, VOCAB) for _ in range(2)]
+    apps = [build_app(backend, tokenizer, GatewayArgs(), VOCAB) for _ in range(2)]
     registries = [app.state.gateway.metrics.registry for app in apps]
     assert registries[0] is not registries[1]
     assert not any(m.name.startswith("dsinfer") for m in prometheus_client.REGISTRY.collect())

@@ -100,10 +100,13 @@ def test_stop_string_held_back_then_cut(tokenizer: Tokenizer, include: bool) -> 
     sent = [state.update(TokenDelta(request_id="r", token_ids=ids[0])).text]
     sent.append(state.update(TokenDelta(request_id="r", token_ids=ids[1])).text)
     assert sent == ["Hello", " "]  # "wor" could start "world": held back
-    last = state.update(TokenDelta(request_id="r", token_ids=ids[2], finish_reason="stop", stop_text_len=6))
+    last = state.update(TokenDelta(request_id="r", token_ids=ids[2]))  # the gateway finds "world"
     expected = "Hello world" if include else "Hello "
     assert "".join([*sent, last.text]) == state.text == expected
-    assert last.finish_reason == "stop"
+    assert last.finish_reason == "stop" and state.stopped_by_string
+    # the token that completed the stop string is the last one: " and more" is dropped
+    assert tokenizer.decode(state.token_ids).startswith("Hello world")
+    assert "more" not in tokenizer.decode(state.token_ids)
 
 
 def test_held_back_text_released_when_no_stop_matches(tokenizer: Tokenizer) -> None:
@@ -121,11 +124,9 @@ def test_held_back_text_released_when_no_stop_matches(tokenizer: Tokenizer) -> N
 def test_reasoning_after_stop_cut(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("plan</think>answer. END tail", add_special_tokens=False)
     state = _choice(tokenizer, ["END"], reasoning=True)
-    text = tokenizer.decode(ids)
-    state.update(
-        TokenDelta(request_id="r", token_ids=ids, finish_reason="stop", stop_text_len=text.index("END"))
-    )
+    update = state.update(TokenDelta(request_id="r", token_ids=ids))
     assert (state.reasoning, state.text) == ("plan", "answer. ")
+    assert update.finish_reason == "stop" and "tail" not in tokenizer.decode(state.token_ids)
 
 
 def test_error_delta_ends_the_choice(tokenizer: Tokenizer) -> None:
@@ -180,7 +181,6 @@ def test_gateway_flags(tmp_path: Path) -> None:
         request_timeout=2.5,
         max_n=4,
         balancer="round_robin",
-        max_model_len=512,
     )
     defaults = gateway_args_from(parser.parse_args([]))
     assert defaults.port == 8000 and defaults.max_n == 16 and defaults.reasoning_parser is None

@@ -69,9 +69,8 @@ class Harness:
         msg = DecodeAdmit(
             request_id=rid,
             prompt_token_ids=prompt,
-            params=dataclasses.replace(params, n=1),
+            params=dataclasses.replace(params, n=1, seed=params.seed if params.seed is not None else 1234),
             choice=choice,
-            seed=params.seed if params.seed is not None else 1234,
             prefill_worker="prefill/0/0",
             prefill_inbox=PREFILL_INBOX,
         )
@@ -96,8 +95,9 @@ class Harness:
             backend.progress()
         for role in (self.prefill, self.decode):
             role.tick(now)
-            if role.has_work():
-                role.step()
+            if role.has_work():  # each role a pool of one rank: its own votes are the agreement
+                plan = role.engine.plan_step()
+                role.step(plan, role.engine.agree(plan.votes))
         wire, self.wire = self.wire, []
         for inbox, frame in wire:
             message = decode(frame)
@@ -114,7 +114,6 @@ class Harness:
                 prompt_token_ids=admit.prompt_token_ids,
                 params=admit.params,
                 choice=admit.choice,
-                seed=admit.seed,
                 destination=dest,
                 decode_inbox=DECODE_INBOX,
                 decode_agent=self.backends[1].agent_name,

@@ -14,6 +14,7 @@ from dsinfer.base.protocol import (
     decode,
     encode,
 )
+from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
 
 
@@ -23,7 +24,6 @@ def test_round_trip_keeps_types() -> None:
         prompt_token_ids=[1, 2, 3],
         params=SamplingParams(temperature=0.5, stop="x", logit_bias={7: -1.0}, n=1, seed=9),
         choice=1,
-        seed=9,
         prefill_worker="prefill/0/0",
         prefill_inbox="tcp://127.0.0.1:1",
     )
@@ -39,7 +39,6 @@ def test_decode_validates_sampling_params() -> None:
             "request_id": "r",
             "prompt_token_ids": [1],
             "params": {"top_p": 2.0},
-            "seed": 1,
         }
     )
     with pytest.raises(msgspec.ValidationError, match="top_p"):
@@ -52,3 +51,25 @@ def test_no_tensor_sized_message_rides_the_control_plane() -> None:
         encode(huge)
     with pytest.raises(MessageTooLargeError):
         decode(b"\0" * (MAX_MESSAGE_BYTES + 1))
+
+
+@pytest.mark.parametrize(
+    ("key", "text"),
+    [
+        (RequestKey("cmpl-abc", 0), "cmpl-abc/0"),
+        (RequestKey("chatcmpl-x/y", 12, 1), "chatcmpl-x/y/12~1"),  # the last "/" separates the choice
+        (RequestKey("cmpl-7", 3, 20), "cmpl-7/3~20"),
+    ],
+)
+def test_request_ids_format_and_parse(key: RequestKey, text: str) -> None:
+    assert format_request_id(key) == text
+    assert parse_request_id(text) == key
+    assert parse_request_id(format_request_id(key.next_attempt())) == RequestKey(
+        key.request, key.choice, key.attempt + 1
+    )
+
+
+@pytest.mark.parametrize("bad", ["cmpl-abc", "/0", "r/01", "r/1~0", "r/-1", "r/1~", "r/x"])
+def test_request_id_parse_refuses_what_format_never_writes(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a worker request id"):
+        parse_request_id(bad)

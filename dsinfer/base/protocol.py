@@ -18,10 +18,13 @@ Who sends what (docs/serving.md has the whole flow):
 - decode rank -> prefill rank (PUSH -> the prefill rank's inbox): Abort of a transfer the decode
   side gave up on (timeout or client abort).
 
-Request ids: the gateway splits a request with ``n`` choices into ``n`` worker requests
-``"<id>/<choice>"``, each with ``params.n == 1``, the request's ``choice`` index and one shared
-``seed``; the counter-based sampler keyed by (seed, choice, position, draw) makes every choice
-identical to the offline engine's, wherever its tokens are sampled.
+Request ids: the gateway splits a request with ``n`` choices per prompt into one worker request
+per choice, each with ``params.n == 1``, ``params.seed`` set (one seed shared by the choices of a
+prompt) and the choice's index among the prompt's ``n`` in ``choice`` (the sampler's key); the
+id is ``dsinfer.base.request_id.format_request_id`` of (request, choice, attempt). The
+counter-based sampler keyed by (seed, choice, position, draw) makes every choice identical to the
+offline engine's, wherever its tokens are sampled. Workers are sent no stop strings: the gateway
+owns them (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -55,16 +58,15 @@ class Register(_Message, kw_only=True):
     worker: str  # "<role>/<pool>/<rank>", e.g. "decode/1/0"
     role: str
     pool: int
-    rank: int
-    pool_size: int
     incarnation: str
     inbox: str  # tcp://host:port of this rank's PULL socket for peer messages
     transfer_agent: str = ""  # this rank's transfer-library agent name ("" for colocated)
     transfer_metadata: bytes = b""  # what a peer needs to write into this rank's KV pool
     kv_pages_total: int
-    page_size: int
-    max_model_len: int
-    model: str  # the served model's identity (config hash), so mixed pools are refused
+    page_size: int  # tokens per KV page (the gateway's page hashes are taken per page)
+    max_model_len: int  # prompt + generated tokens a request may have on this rank
+    model: str  # the served model's identity (config hash); the gateway refuses a rank whose
+    # model, page_size or max_model_len differ from the ranks already registered
 
 
 class LoadReport(_Message, kw_only=True):
@@ -113,7 +115,6 @@ class TokenDelta(_Message, kw_only=True):
     num_prompt_tokens: int = 0  # with the first delta
     num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (first delta)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_text_len: int | None = None  # the text is cut here (a stop string matched)
     error: str | None = None  # the request failed; a one-line reason
     retryable: bool = False  # with error: refused before any work (e.g. draining); send it elsewhere
 
@@ -141,14 +142,12 @@ class PoolDown(_Message, kw_only=True):
 
 # gateway -> worker -----------------------------------------------------------------------------
 class WorkerRequest(_Message, kw_only=True):
-    """Fields every request to a worker has. ``params.n == 1``; ``seed`` is always set."""
+    """Fields every request to a worker has: ``params.n == 1``, ``params.seed`` set, no stop strings."""
 
-    request_id: str
+    request_id: str  # dsinfer.base.request_id.format_request_id
     prompt_token_ids: list[int]
     params: SamplingParams
-    choice: int = 0
-    seed: int
-    deadline: float = 0.0  # time.time() after which the worker gives up (0 = none)
+    choice: int = 0  # index among the prompt's n choices: the sampler's key
 
 
 class GenerateRequest(WorkerRequest, kw_only=True):

@@ -1,7 +1,7 @@
 """Command-line flags of the gateway (``--port``, ``--api-key`` ...) -> GatewayArgs.
 
-``--model`` and ``--max-model-len`` are the engine's flags (dsinfer/cli/engine_args.py); when
-the namespace has them, ``gateway_args_from`` picks them up too.
+``--model`` is the engine's flag (dsinfer/cli/engine_args.py); when the namespace has it,
+``gateway_args_from`` picks it up too. The context length is the pools' (their Register).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests",
         type=int,
         default=1024,
-        help="queued requests before 429 (default: %(default)s)",
+        help="while this many requests are queued (choices waiting for their first token; each of n "
+        "counts), new requests get 429 (default: %(default)s)",
     )
     group.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds before a request ends in an error"

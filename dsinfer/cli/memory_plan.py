@@ -39,7 +39,7 @@ from dsinfer.base.presets import resolve_model
 from dsinfer.cache.latent_pool import LatentKVPool
 from dsinfer.cli.errors import UsageError
 from dsinfer.engine.args import EngineArgs
-from dsinfer.engine.engine import free_memory, resolve_device, resolve_dtype
+from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
 from dsinfer.parallel.registry import deepep_unavailable
 from dsinfer.workers.args import PoolArgs
 

@@ -1,75 +1,67 @@
-"""LLMEngine: requests in, finished completions out, one scheduled forward per step."""
+"""LLMEngine: requests in, finished completions out, one scheduled forward per step.
+
+The engine is also the one surface the workers (dsinfer/workers) drive; import-linter keeps them
+off the scheduler, the sequences, the cache and the model. That surface:
+
+- requests: ``add_request``, ``abort_request``, ``has_request``, ``has_unfinished_requests``;
+- PD decode: ``new_remote_prefill``, ``reserve_remote_prefill``, ``join_remote_prefill``,
+  ``cancel_remote_prefill`` (a request whose prompt KV a prefill rank writes into reserved pages);
+- PD KV transfer: ``kv_regions`` and ``kv_page_bytes`` (what the transfer library registers),
+  ``page_size``, ``num_kv_pages``, ``pages_for``, ``retain_pages`` / ``release_pages``;
+- one step in lockstep with the pool: ``plan_step``, ``agree``, ``run_step``
+  (dsinfer/engine/agreement.py); ``step_updates`` does the three for a caller that has no votes
+  of its own;
+- ``load_report``: queue lengths, KV usage, prefix-cache statistics and expert load.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dsinfer.base.config import PAGE_SIZE
-from dsinfer.base.hashing import model_root
+from dsinfer.base.protocol import LoadReport
 from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.base.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsinfer.base.stop_strings import StopStringMatcher
+from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.engine.agreement import AllReduceMax, StepVotes, agree
 from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.device import free_memory, model_identity, resolve_device, resolve_dtype
 from dsinfer.engine.expert_balancer import OnlineExpertBalancer
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.step import KVReservation, LayerHookFor, RemotePrefill, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
 from dsinfer.ops import select_ops
-from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.ep import EPGroup, all_reduce_in_place
 from dsinfer.parallel.placement import ExpertPlacement
 
 log = logging.getLogger("dsinfer.engine")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def free_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read free memory (no /proc/meminfo); pass kv_cache_memory")
-
-
-@dataclass
-class SeqUpdate:
-    """What one step added to a sequence (``seq.is_finished`` says whether it ended)."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, ep_group: EPGroup | None = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        ep_group: EPGroup | None = None,
+        agreement_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """``ep_group``: this rank's expert-parallel group (a pool of several ranks); every rank
-        of it must step together (an idle rank runs an empty forward)."""
+        of it must step together (an idle rank runs an empty forward). ``agreement_group``: the
+        group the per-step agreement is all-reduced over (a gloo group beside an NCCL one keeps
+        it on the host); None: ``ep_group`` itself."""
         self.args = args
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
@@ -106,7 +98,7 @@ class LLMEngine:
                 f"{self.config.max_position_embeddings}"
             )
         pool = self._make_pool(device, dtype)
-        root = _model_identity(loaded.path, loaded.load_format, args.seed, dtype)
+        root = model_identity(loaded.path, loaded.load_format, args.seed, dtype)
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
         disk = None
         if args.kv_disk_cache_dir is not None:
@@ -129,6 +121,11 @@ class LLMEngine:
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self._seeds = random.Random(args.seed)
         self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
+        self._all_reduce_max: AllReduceMax | None = None
+        if agreement_group is not None:
+            self._all_reduce_max = lambda t: all_reduce_in_place(t, "max", agreement_group)
+        elif ep_group is not None:
+            self._all_reduce_max = lambda t: ep_group.all_reduce(t, "max")
 
     def _make_pool(self, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
         layers = self.model.num_cache_layers
@@ -203,7 +200,9 @@ class LLMEngine:
                 seed=seed,
                 max_tokens=1 if prefill_only else max_tokens,
                 eos_ids=self.eos_ids,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                stop_matcher=StopStringMatcher(
+                    self.tokenizer, list(params.stop or []), params.skip_special_tokens
+                )
                 if params.stop and not prefill_only
                 else None,
             )
@@ -213,24 +212,35 @@ class LLMEngine:
     # PD decode side ------------------------------------------------------------------------
     def new_remote_prefill(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_choice: int = 0
-    ) -> Sequence:
-        """A validated one-choice sequence whose prompt another rank prefills: hold its pages with
-        ``scheduler.reserve``, then ``join_remote_prefill`` when the KV has arrived."""
+    ) -> RemotePrefill:
+        """A validated one-choice request whose prompt another rank prefills: hold its pages with
+        ``reserve_remote_prefill``, then ``join_remote_prefill`` when the KV has arrived."""
         if params.n != 1:
             raise ValueError(f"n must be 1 for a remotely prefilled request, got {params.n}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         [seq] = self._new_sequences(request_id, prompt_token_ids, params, first_choice, False)
-        return seq
+        return RemotePrefill(seq)
+
+    def reserve_remote_prefill(self, request: RemotePrefill) -> KVReservation | None:
+        """Pages for the whole prompt (a prefix-cache hit first), or None while seats or pages
+        are short. The pages stay reserved until joined or cancelled."""
+        seq = request._seq
+        if not self.scheduler.reserve(seq):
+            return None
+        first_page = seq.num_cached_prompt_tokens // self.page_size
+        return KVReservation(seq.num_cached_prompt_tokens, seq.pages[first_page:])
 
     def join_remote_prefill(
         self,
-        seq: Sequence,
+        request: RemotePrefill,
         first_token: int,
         logprobs: dict[int, float] | None,
         prompt_logprobs: list[dict[int, float] | None] | None,
         draft: int | None,
     ) -> SeqUpdate:
+        """The prompt's KV has arrived: the request runs from the prefill rank's first token."""
+        seq = request._seq
         if seq.prompt_logprobs is not None and prompt_logprobs is not None:
             seq.prompt_logprobs = list(prompt_logprobs)
         self._requests[seq.request_id] = ([seq], None)
@@ -239,6 +249,40 @@ class LLMEngine:
         elif self.args.speculative_mtp:
             seq.draft = draft
         return SeqUpdate(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
+
+    def cancel_remote_prefill(self, request: RemotePrefill) -> list[int]:
+        """End a reserved request; its pages come back still referenced: ``release_pages`` them
+        once no write of the prefill rank can land in them."""
+        return self.scheduler.cancel_reserved(request._seq)
+
+    # PD KV transfer ------------------------------------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    @property
+    def num_kv_pages(self) -> int:
+        return self.kv.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return self.kv.pool.pages_for(num_tokens)
+
+    def kv_regions(self) -> list[torch.Tensor]:
+        """The KV cache's tensors, one per cache layer in layer order: what the transfer library
+        registers (a page of layer l is ``kv_regions()[l][page]``)."""
+        return list(self.kv.pool.caches)
+
+    @property
+    def kv_page_bytes(self) -> list[int]:
+        """Bytes of one page, per cache layer."""
+        return [cache[0].numel() * cache.element_size() for cache in self.kv.pool.caches]
+
+    def retain_pages(self, pages: list[int]) -> None:
+        """One more reference on each page (a transfer reads it): not evicted nor reused."""
+        self.kv.retain(pages)
+
+    def release_pages(self, pages: list[int]) -> None:
+        self.kv.release(pages)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -250,26 +294,48 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    # Steps ---------------------------------------------------------------------------------
+    def plan_step(self) -> StepPlan:
+        """This rank's batch and votes for the coming step (no collective)."""
+        has_work = self.scheduler.has_work()
+        batch = self.scheduler.schedule() if has_work else ScheduledBatch()
+        votes = self.runner.vote(batch, StepVotes(has_work=has_work))
+        if self.expert_balancer is not None:
+            votes = dataclasses.replace(votes, eplb_staging=self.expert_balancer.vote_staging())
+        return StepPlan(batch, votes)
+
+    def agree(self, votes: StepVotes) -> StepVotes:
+        """The pool's decision from every rank's votes: one all-reduce (none without a pool)."""
+        return agree(votes, self._all_reduce_max)
+
+    def run_step(
+        self, plan: StepPlan, agreed: StepVotes, layer_hook_for: LayerHookFor | None = None
+    ) -> list[SeqUpdate]:
+        """Run the planned forward as the pool agreed; returns every sequence that got tokens or
+        finished in it. ``layer_hook_for(work)``, when given, sees the step's work before the
+        forward and may return a callback the model calls with each cache layer's index once that
+        layer's KV is written (the PD prefill side starts its KV writes there)."""
+        return self._run(plan, agreed, layer_hook_for)[0]
+
+    def step_updates(self, layer_hook_for: LayerHookFor | None = None) -> list[SeqUpdate]:
+        """``plan_step``, ``agree`` and ``run_step`` for a caller without votes of its own."""
+        plan = self.plan_step()
+        return self.run_step(plan, self.agree(plan.votes), layer_hook_for)
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        finished = self.scheduler.postprocess(batch, self.runner.run(batch))
-        return self._collect(finished)
+        plan = self.plan_step()
+        return self._run(plan, self.agree(plan.votes), None)[1]
 
-    def step_updates(
-        self, layer_hook_for: Callable[[ScheduledBatch], Callable[[int], None] | None] | None = None
-    ) -> list[SeqUpdate]:
-        """Run one scheduled forward; returns every sequence that got tokens or finished in it.
-
-        ``layer_hook_for(batch)``, when given, sees the scheduled batch before the forward and may
-        return a callback the model calls with each cache layer's index once that layer's KV is
-        written (the PD prefill side starts its KV writes there)."""
+    def _run(
+        self, plan: StepPlan, agreed: StepVotes, layer_hook_for: LayerHookFor | None
+    ) -> tuple[list[SeqUpdate], list[RequestOutput]]:
         if self.expert_balancer is not None:
-            self.expert_balancer.before_step()
-        batch = self.scheduler.schedule()
+            self.expert_balancer.before_step(agreed.eplb_staging)
+        batch = plan.batch
         before = [item.seq.num_tokens for item in batch.seqs]
-        hook = layer_hook_for(batch) if layer_hook_for is not None else None
-        finished = self.scheduler.postprocess(batch, self.runner.run(batch, hook))
+        hook = layer_hook_for(plan.work()) if layer_hook_for is not None and batch.seqs else None
+        finished = self.scheduler.postprocess(batch, self.runner.run(batch, agreed, hook))
         updates = []
         for item, num_before in zip(batch.seqs, before, strict=True):
             seq = item.seq
@@ -277,8 +343,7 @@ class LLMEngine:
             if new or seq.is_finished:
                 logprobs = seq.logprobs[len(seq.logprobs) - new :] if seq.logprobs is not None else None
                 updates.append(SeqUpdate(seq, seq.token_ids[num_before:], logprobs))
-        self._collect(finished)
-        return updates
+        return updates, self._collect(finished)
 
     def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
         outputs = []
@@ -306,6 +371,31 @@ class LLMEngine:
                 module.experts.slot_load.zero_()
         log.info("warm-up done in %.1f s", time.monotonic() - start)
 
+    def load_report(
+        self, worker: str, incarnation: str, *, num_queued_elsewhere: int = 0, with_expert_load: bool = False
+    ) -> LoadReport:
+        """This engine's part of a rank's load report (the role adds transfers and draining);
+        ``num_queued_elsewhere``: requests the caller holds outside the engine's queues."""
+        sched, kv = self.scheduler, self.kv
+        prefills = [s for s in [*sched.waiting, *sched.running] if s.num_computed_tokens < s.prompt_len]
+        stats = kv.stats
+        return LoadReport(
+            worker=worker,
+            incarnation=incarnation,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting) + num_queued_elsewhere,
+            kv_pages_used=kv.num_pages - kv.num_available_pages(),
+            kv_pages_total=kv.num_pages,
+            pending_prefill_tokens=sum(s.prompt_len - s.num_computed_tokens for s in prefills),
+            pending_attention_load=sum(
+                (s.prompt_len - s.num_computed_tokens) * s.prompt_len for s in prefills
+            ),
+            prompt_tokens=sched.stats.prompt_tokens_submitted,
+            memory_hit_tokens=stats.memory_hit_tokens,
+            disk_hit_tokens=stats.disk_hit_tokens,
+            expert_load=self.model.expert_load() if with_expert_load else None,
+        )
+
     def stats_line(self) -> str:
         """Counters since start: prefix-cache hits per tier, prefill saved, preemptions, MTP."""
         sched, kv = self.scheduler.stats, self.kv.stats
@@ -326,17 +416,3 @@ class LLMEngine:
         self.kv.close()
         if self.expert_balancer is not None:
             self.expert_balancer.close()
-
-
-def _model_identity(path: Path, load_format: str, seed: int, dtype: torch.dtype) -> bytes:
-    """Root of the page-hash chains: KV computed by another model (or dtype) never matches."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        digest.update(index.read_bytes())
-    for shard in sorted(path.glob("*.safetensors")):
-        stat = shard.stat()
-        digest.update(f"{shard.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return model_root(
-        digest.hexdigest(), load_format, str(seed) if load_format == "dummy" else "", str(dtype)
-    )

@@ -4,10 +4,11 @@ Every ``interval`` steps all ranks of the pool sum the expert load of the last w
 routed to each logical expert per MoE layer since the previous check) with one all-reduce, so
 every rank computes the same new placement from the same numbers (a pure function). When it
 balances the window's load better by more than ``min_gain``, each rank stages the routed experts
-of its new slots into shadow modules while serving goes on; at every later step boundary the
-ranks agree (all-reduce of a ready flag) whether every rank has staged, and at the step at which
-they all have, every rank swaps its expert modules and routing tables before its forward. Expert
-weights are the same, only where they live changes, so no token changes.
+of its new slots into shadow modules while serving goes on; at every later step boundary each
+rank votes whether it is still staging (``eplb_staging`` of the pool's one agreement per step,
+dsinfer/engine/agreement.py), and at the first boundary at which no rank is, every rank swaps
+its expert modules and routing tables before its forward. Expert weights are the same, only
+where they live changes, so no token changes.
 
 Staging contract (what keeps a step from stalling, by construction):
 
@@ -22,8 +23,8 @@ Staging contract (what keeps a step from stalling, by construction):
   step therefore grows by at most the budget plus about one piece, never by the whole staging;
   no thread competes with serving for cores or the GIL. (An idle pool runs no boundaries, so
   staging waits for the next step.)
-- Every rank stages at its own pace; the ready flag (all-reduced "min" once per step while
-  staging) picks the common swap step. The swap itself only reassigns module references and
+- Every rank stages at its own pace; the step agreement's ``eplb_staging`` vote picks the
+  common swap step (the boundary after the last rank staged its last piece). The swap itself only reassigns module references and
   routing tables. The replaced modules' weights are freed afterwards, a tensor or a few per
   boundary under the same budget (freeing hundreds of MiB at once costs tens of ms).
 - Peak memory: the new modules of the layers that change, besides the old ones, from the
@@ -145,6 +146,7 @@ class OnlineExpertBalancer:
         self._layer_of = {name: m.layer_id for name, m in self._moes.items()}
         self._last = self._cumulative()
         self._pending: _Pending | None = None
+        self._swap_voted = False  # a placement was pending when this rank last voted
         self._retired: list[torch.Tensor] = []  # weights of replaced modules, not freed yet
         self._freeing: Rebalance | None = None  # the rebalance whose replaced weights those are
         self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
@@ -152,8 +154,14 @@ class OnlineExpertBalancer:
         self._stage_pacer, self._free_pacer = _Pacer(), _Pacer()
         self.history: list[Rebalance] = []
 
-    def before_step(self) -> None:
-        """Call at every step boundary, on every rank of the pool (it runs collectives)."""
+    def vote_staging(self) -> bool:
+        """This rank's ``eplb_staging`` vote at the coming step boundary: still staging."""
+        self._swap_voted = self._pending is not None
+        return self._pending is not None and self._pending.staging.pieces_left > 0
+
+    def before_step(self, staging_anywhere: bool) -> None:
+        """Call at every step boundary, on every rank of the pool (it runs collectives), with the
+        pool's agreed ``eplb_staging`` (after this rank's ``vote_staging``)."""
         now = time.perf_counter()
         if self._resumed is not None:
             self._step_seconds.append(now - self._resumed)
@@ -165,7 +173,10 @@ class OnlineExpertBalancer:
             if not self._retired:
                 self._freeing.freed_step, self._freeing = self.steps, None
         if self._pending is not None:
-            self._stage(self._pending, deadline)
+            if self._swap_voted and not staging_anywhere:
+                self._swap(self._pending)
+            else:
+                self._stage(self._pending, deadline)
         elif self.steps % self.interval == 0:
             self._check()
         self._resumed = time.perf_counter()
@@ -216,9 +227,6 @@ class OnlineExpertBalancer:
             event.stage_pieces += count
             event.stage_steps += 1
             event.stage_work_seconds += spent
-        ready = torch.tensor([int(staging.pieces_left == 0)], dtype=torch.int32)
-        if self.ep.group.all_reduce(ready, "min").item():
-            self._swap(pending)
 
     def _swap(self, pending: _Pending) -> None:
         event = self.history[-1]

@@ -8,14 +8,14 @@ samples both positions with its own counter-based keys; the draft is accepted wh
 target's sample at its position, so output is exactly that of decoding without MTP, greedy or
 seeded.
 
-With ``enable_overlap`` in an expert-parallel pool, every step starts with one all-reduce (max)
-of (wants two micro-batches, has prefill work) over the pool, idle ranks included: the pool runs
-two micro-batches when any rank asks for them, in the prefill schedule when any rank has a
-prefill chunk and in the decode schedule otherwise (dsinfer/model/overlap.py); a rank asks when
-it holds two sequences or more and at least ``overlap_min_tokens`` tokens. The step's sequences
-are split, whole and in order, into two parts of even attention load; a rank with fewer than two
-sequences runs empty micro-batches where it has none, so its transfers pair the others'. The MTP
-layer's forward stays one micro-batch.
+With ``enable_overlap`` in an expert-parallel pool, every rank votes in the step's agreement
+(dsinfer/engine/agreement.py; idle ranks included) whether it wants two micro-batches and whether
+it has a prefill chunk: the pool runs two micro-batches when any rank asks for them, in the
+prefill schedule when any rank has a prefill chunk and in the decode schedule otherwise
+(dsinfer/model/overlap.py); a rank asks when it holds two sequences or more and at least
+``overlap_min_tokens`` tokens. The step's sequences are split, whole and in order, into two parts
+of even attention load; a rank with fewer than two sequences runs empty micro-batches where it
+has none, so its transfers pair the others'. The MTP layer's forward stays one micro-batch.
 
 On CUDA, unless ``enforce_eager``, decode-only steps (every sequence one new token, no MTP draft,
 no per-layer callback) replay a CUDA graph of the forward and its logits, padded to a batch-size
@@ -25,6 +25,7 @@ steps and expert-parallel models run eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,6 +36,7 @@ import torch
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.trace import COMPUTE, Tracer
 from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_unsupported_reason
 from dsinfer.engine.forward import attention_load, balanced_split, build_forward_batch
@@ -117,19 +119,32 @@ class ModelRunner:
         if self.tracer is not None:
             self.tracer.close()
 
+    def vote(self, batch: ScheduledBatch, votes: StepVotes) -> StepVotes:
+        """This rank's votes on the step's micro-batches (unchanged without overlap)."""
+        if not self.overlap:
+            return votes
+        wants = len(batch.seqs) >= 2 and batch.num_tokens >= self.overlap_min_tokens
+        prefill = any(not s.is_decode for s in batch.seqs)
+        return dataclasses.replace(votes, two_micro_batches=wants, prefill_order=prefill)
+
     def run(
-        self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None
+        self, batch: ScheduledBatch, agreed: StepVotes, after_layer: Callable[[int], None] | None = None
     ) -> list[StepResult]:
-        """One forward over the batch (plus the MTP layer's when speculating). ``after_layer`` is
-        called with each cache layer's index as soon as that layer's latent KV is written."""
+        """One forward over the batch (plus the MTP layer's when speculating), as the pool
+        ``agreed`` (dsinfer/engine/agreement.py). ``after_layer`` is called with each cache layer's
+        index as soon as that layer's latent KV is written."""
+        order = None
+        if self.overlap and agreed.two_micro_batches:
+            order = PREFILL if agreed.prefill_order else DECODE
         try:
-            return self._run(batch, after_layer)
+            return self._run(batch, after_layer, order)
         finally:
             if self.tracer is not None:
                 self.tracer.end_step()
 
-    def _run(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> list[StepResult]:
-        order = self._agree_order(batch) if self.overlap else None
+    def _run(
+        self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None, order: str | None
+    ) -> list[StepResult]:
         if order is not None:
             self.two_micro_batch_steps[order] += 1
         if not batch.seqs:
@@ -168,18 +183,6 @@ class ModelRunner:
         if self.mtp is not None:
             self.mtp.propose(batch, hidden, ends, results, after_layer)
         return results
-
-    def _agree_order(self, batch: ScheduledBatch) -> str | None:
-        """The pool's schedule for this step (None = one micro-batch), by one all-reduce (max)."""
-        assert self.model.ep is not None
-        wants = len(batch.seqs) >= 2 and batch.num_tokens >= self.overlap_min_tokens
-        prefill = any(not s.is_decode for s in batch.seqs)
-        flags = torch.tensor([int(wants), int(prefill)], dtype=torch.int64, device=self.device)
-        self.model.ep.group.all_reduce(flags, "max")
-        wants_pool, prefill_pool = flags.tolist()
-        if not wants_pool:
-            return None
-        return PREFILL if prefill_pool else DECODE
 
     def _forward_one(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> torch.Tensor:
         forward = self._forward_batch(batch.seqs, batch.num_decodes)

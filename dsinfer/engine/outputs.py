@@ -54,8 +54,9 @@ def build_output(
 ) -> RequestOutput:
     completions = []
     for seq in seqs:
-        if seq.detokenizer is not None:
-            text = seq.detokenizer.text + ("" if seq.stop_text_len is not None else seq.detokenizer.flush())
+        if seq.stop_matcher is not None:
+            detokenizer = seq.stop_matcher.detokenizer
+            text = detokenizer.text + ("" if seq.stop_text_len is not None else detokenizer.flush())
             if seq.stop_text_len is not None:
                 text = text[: seq.stop_text_len]
         else:

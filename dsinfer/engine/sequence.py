@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.base.tokenizer import IncrementalDetokenizer
+from dsinfer.base.stop_strings import StopStringMatcher
 
 
 class SeqStatus(Enum):
@@ -32,7 +32,7 @@ class Sequence:
     seed: int  # the request's seed (drawn by the engine when the request gave none)
     max_tokens: int  # generated tokens allowed (max_tokens capped by max_model_len)
     eos_ids: frozenset[int]
-    detokenizer: IncrementalDetokenizer | None = None  # only when stop strings need the text
+    stop_matcher: StopStringMatcher | None = None  # only when the request has stop strings (offline)
     status: SeqStatus = SeqStatus.WAITING
     pages: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -85,17 +85,9 @@ class Sequence:
         params = self.params
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             return "stop"
-        if self.detokenizer is not None:
-            new_text = self.detokenizer.feed([token])
-            text = self.detokenizer.text
-            # a new match must end inside the new text
-            found = [
-                at
-                for stop in params.stop
-                if (at := text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))) >= 0
-            ]
-            if found:
-                self.stop_text_len = min(found)
+        if self.stop_matcher is not None:
+            self.stop_text_len = self.stop_matcher.feed(token)
+            if self.stop_text_len is not None:
                 return "stop"
         if self.num_output_tokens >= self.max_tokens:
             return "length"

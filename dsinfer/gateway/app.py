@@ -35,7 +35,7 @@ from dsinfer.gateway.completions import CompletionFormatter
 from dsinfer.gateway.errors import APIError, bad_request, error_body, server_error, timeout_error
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from dsinfer.gateway.prepare import Limits, parse_body, prepare_chat, prepare_completion
+from dsinfer.gateway.prepare import parse_body, prepare_chat, prepare_completion
 from dsinfer.gateway.serving import (
     ClientGone,
     GatewayContext,
@@ -68,18 +68,18 @@ def with_chat_template(tokenizer: Tokenizer, path: Path) -> Tokenizer:
         raise TokenizerError(f"--chat-template {path}: {e}") from None
 
 
-def build_app(
-    backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, max_model_len: int, vocab_size: int
-) -> FastAPI:
+def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_size: int) -> FastAPI:
+    """The OpenAI app over ``backend``; the context length and KV limits a request is checked
+    against are the registered pools' (``Backend.capacity``)."""
     if args.chat_template is not None:
         tokenizer = with_chat_template(tokenizer, args.chat_template)
-    limits = Limits(args.model_name(), max_model_len, vocab_size, args.max_n)
-    ctx = GatewayContext(backend, tokenizer, args, limits, GatewayMetrics(backend.metrics_snapshot))
+    metrics = GatewayMetrics(backend.metrics_snapshot)
+    ctx = GatewayContext(backend, tokenizer, args, args.model_name(), vocab_size, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await backend.start()
-        log.info("serving %r (context %d tokens) on the OpenAI API", limits.model_name, max_model_len)
+        log.info("serving %r on the OpenAI API", ctx.model_name)
         try:
             yield
         finally:
@@ -116,7 +116,12 @@ def build_app(
             _check_auth(ctx, request)
         except APIError as e:
             return e.response()
-        card = ModelCard(id=limits.model_name, root=limits.model_name, max_model_len=max_model_len)
+        capacity = backend.capacity()
+        card = ModelCard(
+            id=ctx.model_name,
+            root=ctx.model_name,
+            max_model_len=capacity.max_model_len if capacity is not None else None,
+        )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
     @app.post("/v1/completions")
@@ -193,17 +198,17 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Respon
     # Tokenizing a long prompt takes milliseconds: off the event loop that streams other requests.
     if endpoint == "completions":
         completion = parse_body(CompletionRequest, body)
-        prepared = await asyncio.to_thread(prepare_completion, completion, ctx.tokenizer, ctx.limits)
+        prepared = await asyncio.to_thread(prepare_completion, completion, ctx.tokenizer, ctx.limits())
         request_id = _request_id(request, "cmpl")
     else:
         chat = parse_body(ChatCompletionRequest, body)
-        prepared = await asyncio.to_thread(prepare_chat, chat, ctx.tokenizer, ctx.limits)
+        prepared = await asyncio.to_thread(prepare_chat, chat, ctx.tokenizer, ctx.limits())
         request_id = _request_id(request, "chatcmpl")
     if request_id in ctx.active_ids:
         raise bad_request(f"request id {request_id!r} is already in use", code="duplicate_request_id")
     ctx.active_ids.add(request_id)
     run = RequestRun(ctx, request_id, prepared, endpoint, reasoning=endpoint == "chat", arrival=arrival)
-    model = ctx.limits.model_name
+    model = ctx.model_name
     formatter = (
         CompletionFormatter(ctx, run, model) if endpoint == "completions" else ChatFormatter(ctx, run, model)
     )

@@ -22,12 +22,11 @@ class GatewayArgs(BaseModel):
     chat_template: Path | None = None  # a Jinja file replacing the checkpoint's chat template
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
     reasoning_parser: str | None = None  # "deepseek-r1": thinking -> reasoning_content
-    max_queued_requests: int = 1024  # jobs waiting for a worker before new ones get 429
+    max_queued_requests: int = 1024  # while this many choices wait for a first token, new requests get 429
     request_timeout: float = 600.0  # seconds from arrival until a request is ended with an error
     max_n: int = 16  # largest n (choices per prompt) accepted
     balancer: str = "load"
     model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
-    max_model_len: int | None = None  # None = the model's
     # Idle HTTP connections close after this many seconds. A client (or a load balancer) that sends
     # on a connection just as the server closes it gets "disconnected without a response", so the
     # server should be the side that waits longer; uvicorn's own default is 5 s.
@@ -53,8 +52,6 @@ class GatewayArgs(BaseModel):
             raise ValueError(f"http_keep_alive must be positive, got {self.http_keep_alive}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len must be at least 2")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise ValueError("served_model_name must not be empty")
         if self.api_key is not None and not self.api_key:

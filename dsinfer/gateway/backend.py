@@ -4,8 +4,11 @@
 Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). Iterating the stream
 yields ``(choice, TokenDelta)`` pairs, every choice ending with one delta that has
 ``finish_reason`` or ``error`` set; the stream ends after the last choice ended. ``abort``
-(idempotent) ends every unfinished choice with finish_reason "abort" and frees what the
-workers hold; the HTTP layer calls it when the client disconnects.
+(idempotent) ends every unfinished choice (or the one given) with finish_reason "abort" and frees
+what the workers hold; the HTTP layer calls it when the client disconnects, at the request's
+deadline, and for a choice it ended itself on a stop string. ``capacity`` says what the
+registered pools can hold, so that a request none of them could serve is refused with a 400
+before it is submitted.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dsinfer.base.protocol import TokenDelta
+from dsinfer.base.protocol import LoadReport, TokenDelta
 from dsinfer.base.sampling_params import SamplingParams
 
 
@@ -30,18 +33,47 @@ class Unavailable(Exception):
 
 @dataclass
 class Job:
-    request_id: str
+    """One prompt of a client request, with its ``params.n`` choices."""
+
+    request_id: str  # the client request's id; worker request ids add choice and attempt
     prompt_token_ids: list[int]
     params: SamplingParams  # n may be > 1; seed None = the router draws one for all choices
-    timeout: float | None = None  # seconds from submission; None = the server's default
+    deadline: float  # time.monotonic() when the request ends with a timeout (the HTTP layer's)
+    first_choice: int = 0  # the request's index of this job's first choice (prompt index x n)
     arrival_time: float = 0.0  # time.monotonic() at the HTTP layer
-    metadata: dict[str, str] = field(default_factory=dict)
 
 
 class JobStream(Protocol):
     def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]: ...
 
-    async def abort(self) -> None: ...
+    async def abort(self, choice: int | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the registered ranks can hold; every rank agrees on ``max_model_len`` and the page size."""
+
+    max_model_len: int
+    page_size: int
+    kv_pages: dict[str, int]  # role -> the KV pages of its largest registered rank
+
+    def refusal(self, prompt_len: int, max_tokens: int | None) -> str | None:
+        """Why no registered rank can hold the request (as the engines' own check would say), or
+        None. ``max_tokens`` None: up to the context length."""
+        generated = min(max_tokens or self.max_model_len, self.max_model_len - prompt_len)
+        needed = -(-(prompt_len + generated) // self.page_size)
+        prefill_needed = -(-(prompt_len + 1) // self.page_size)
+
+        def holds(role: str, pages: int) -> bool:
+            return self.kv_pages.get(role, 0) >= pages
+
+        if holds("colocated", needed) or (holds("decode", needed) and holds("prefill", prefill_needed)):
+            return None
+        largest = max(self.kv_pages.values(), default=0)
+        return (
+            f"the request needs {needed} KV pages of {self.page_size} tokens ({prompt_len} prompt + "
+            f"{generated} generated tokens), more than any registered pool holds (at most {largest} pages per rank)"
+        )
 
 
 class Backend(Protocol):
@@ -53,28 +85,21 @@ class Backend(Protocol):
 
     def metrics_snapshot(self) -> BackendMetrics: ...
 
+    def capacity(self) -> Capacity | None: ...
+
 
 @dataclass
-class WorkerMetrics:
+class WorkerStatus:
     worker: str
     role: str
     healthy: bool
-    num_running: int
-    num_waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    prompt_tokens: int
-    memory_hit_tokens: int
-    disk_hit_tokens: int
-    transfer_bytes: int
-    transfer_seconds: float
-    transfers: int
+    report: LoadReport  # its last load report (an empty one, with its KV size, before the first)
 
 
 @dataclass
 class BackendMetrics:
-    queue_length: int  # jobs accepted but not yet dispatched to a worker
+    queue_length: int  # worker requests (choices) dispatched that have no first token yet
     in_flight: int  # worker requests dispatched and not finished
-    workers: list[WorkerMetrics] = field(default_factory=list)
+    workers: list[WorkerStatus] = field(default_factory=list)
     ready: bool = False  # every role the topology needs has at least one healthy worker (/health)
     expert_load: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # role -> layer -> per expert

@@ -1,10 +1,11 @@
 """One choice's text: token deltas -> detokenized text, cut at the stop string, split by reasoning.
 
-The worker detects stop strings on the same incremental detokenization (``stop_text_len`` is
-an offset into the choice's full text) and finishes the choice; here the text is cut there. While
-streaming, text that could be the start of a stop string is held back, so the cut never has to
-take back text already sent: a stop string completes in the delta that finishes the choice, and
-the text before its start was all that could have been sent.
+The gateway owns stop strings (workers are sent none): each token is fed to the choice's
+``StopStringMatcher`` (dsinfer/base/stop_strings.py, the offline engine's too) in order, and the
+token that completes a stop string is the choice's last: the tokens after it in the same delta
+are dropped, the choice finishes with "stop" and the caller aborts the choice at the workers.
+While streaming, text that could be the start of a stop string is held back, so the cut never
+has to take back text already sent.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 from dsinfer.base.protocol import TokenDelta
-from dsinfer.base.tokenizer import IncrementalDetokenizer, Tokenizer
+from dsinfer.base.stop_strings import StopStringMatcher
+from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.reasoning import ReasoningParser
 
 log = logging.getLogger("dsinfer.gateway")
@@ -58,7 +60,8 @@ class ChoiceState:
         include_stop_str: bool,
         reasoning: ReasoningParser | None,
     ) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.matcher = StopStringMatcher(tokenizer, stops, skip_special_tokens)
+        self.detokenizer = self.matcher.detokenizer
         self.stops = stops
         self.include_stop_str = include_stop_str
         self.reasoning_parser = reasoning
@@ -74,6 +77,7 @@ class ChoiceState:
         self.error: str | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.stopped_by_string = False  # this state ended the choice on a stop string
 
     @property
     def finished(self) -> bool:
@@ -89,17 +93,26 @@ class ChoiceState:
             self.started = True
             self.num_cached_tokens = delta.num_cached_tokens
             self.prompt_logprobs = delta.prompt_logprobs
+        stop_at = None
         if delta.token_ids:
             now = time.monotonic()
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
-            self.token_ids.extend(delta.token_ids)
-            if delta.logprobs:
-                self.logprobs.extend(delta.logprobs)
-            for token in delta.token_ids:  # one at a time, as the worker's stop-string check does
-                self.detokenizer.feed([token])
+            for i, token in enumerate(delta.token_ids):
+                stop_at = self.matcher.feed(token)
+                if stop_at is not None:  # this token completes a stop string: it is the last
+                    update.token_ids = update.token_ids[: i + 1]
+                    if update.logprobs is not None:
+                        update.logprobs = update.logprobs[: i + 1]
+                    break
+            self.token_ids.extend(update.token_ids)
+            if update.logprobs:
+                self.logprobs.extend(update.logprobs)
+        if stop_at is not None:
+            self.stopped_by_string = True
+            delta = TokenDelta(request_id=delta.request_id, finish_reason="stop")
         ending = delta.finish_reason is not None or delta.error is not None
-        new = self._final_text(delta.stop_text_len) if ending else self._safe_text()
+        new = self._final_text(stop_at) if ending else self._safe_text()
         if self.reasoning_parser is None:
             update.text = new
         else:
@@ -122,21 +135,20 @@ class ChoiceState:
         self.emitted = end
         return new
 
-    def _final_text(self, stop_text_len: int | None) -> str:
-        if stop_text_len is None:
+    def _final_text(self, stop_at: int | None) -> str:
+        """The rest of the text; cut where the stop string starts (``stop_at``) when one matched."""
+        if stop_at is None:
             self.detokenizer.flush()
             final = self.detokenizer.text
         else:
             full = self.detokenizer.text
-            end = stop_text_len
+            end = stop_at
             if self.include_stop_str:
                 matched = next((s for s in self.stops if full.startswith(s, end)), "")
                 end += len(matched)
             final = full[:end]
         if len(final) < self.emitted:
-            log.warning(
-                "stop_text_len %s lies before text already sent (%d chars)", stop_text_len, self.emitted
-            )
+            log.warning("stop string at %s lies before text already sent (%d chars)", stop_at, self.emitted)
             return ""
         new = final[self.emitted :]
         self.emitted = len(final)

@@ -28,7 +28,9 @@ class BackendCollector(Collector):
             "dsinfer_backend_ready", "1 when every needed role has a healthy worker", int(snap.ready)
         )
         yield GaugeMetricFamily(
-            "dsinfer_queue_length", "jobs accepted but not yet dispatched", snap.queue_length
+            "dsinfer_queue_length",
+            "choices dispatched with no first token yet (bounded by --max-queued-requests)",
+            snap.queue_length,
         )
         yield GaugeMetricFamily(
             "dsinfer_in_flight_requests", "worker requests dispatched, not finished", snap.in_flight
@@ -63,19 +65,19 @@ class BackendCollector(Collector):
             "transfers": CounterMetricFamily("dsinfer_kv_transfers", "KV transfers completed", labels=labels),
         }
         for w in snap.workers:
-            key = [w.worker, w.role]
+            key, r = [w.worker, w.role], w.report
             families["healthy"].add_metric(key, int(w.healthy))
-            families["running"].add_metric(key, w.num_running)
-            families["waiting"].add_metric(key, w.num_waiting)
-            families["kv"].add_metric(key, w.kv_pages_used / w.kv_pages_total if w.kv_pages_total else 0.0)
-            families["prompt"].add_metric(key, w.prompt_tokens)
-            families["hits"].add_metric([*key, "memory"], w.memory_hit_tokens)
-            families["hits"].add_metric([*key, "disk"], w.disk_hit_tokens)
-            hits = w.memory_hit_tokens + w.disk_hit_tokens
-            families["hit_rate"].add_metric(key, hits / w.prompt_tokens if w.prompt_tokens else 0.0)
-            families["bytes"].add_metric(key, w.transfer_bytes)
-            families["seconds"].add_metric(key, w.transfer_seconds)
-            families["transfers"].add_metric(key, w.transfers)
+            families["running"].add_metric(key, r.num_running)
+            families["waiting"].add_metric(key, r.num_waiting)
+            families["kv"].add_metric(key, r.kv_pages_used / r.kv_pages_total if r.kv_pages_total else 0.0)
+            families["prompt"].add_metric(key, r.prompt_tokens)
+            families["hits"].add_metric([*key, "memory"], r.memory_hit_tokens)
+            families["hits"].add_metric([*key, "disk"], r.disk_hit_tokens)
+            hits = r.memory_hit_tokens + r.disk_hit_tokens
+            families["hit_rate"].add_metric(key, hits / r.prompt_tokens if r.prompt_tokens else 0.0)
+            families["bytes"].add_metric(key, r.transfer_bytes)
+            families["seconds"].add_metric(key, r.transfer_seconds)
+            families["transfers"].add_metric(key, r.transfers)
         yield from families.values()
 
 

@@ -3,7 +3,8 @@
 Everything a worker would refuse is refused here with a 400 in OpenAI's format, so bad input
 never reaches the backend: types (pydantic, strict), the model name, sampling values (through
 SamplingParams, whose ValueError names the field), token ids outside the vocabulary, empty
-prompts and prompts that do not fit the context length.
+prompts, prompts that do not fit the context length, and requests whose KV no registered pool
+could hold (the limits come from the pools' Register messages: ``Limits.capacity``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer, TokenizerError
+from dsinfer.gateway.backend import Capacity
 from dsinfer.gateway.errors import APIError, bad_request
 from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -34,9 +36,13 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 @dataclass(frozen=True)
 class Limits:
     model_name: str
-    max_model_len: int
     vocab_size: int
     max_n: int
+    capacity: Capacity  # what the registered pools hold: max_model_len, KV pages
+
+    @property
+    def max_model_len(self) -> int:
+        return self.capacity.max_model_len
 
 
 @dataclass
@@ -185,6 +191,13 @@ def _check_length(ids: list[int], params: SamplingParams, limits: Limits, max_to
             f"({n} in the prompt, {params.max_tokens} in {max_tokens_param}); lower {max_tokens_param}",
             param=max_tokens_param,
             code="context_length_exceeded",
+        )
+    refusal = limits.capacity.refusal(n, params.max_tokens)
+    if refusal is not None:
+        raise bad_request(
+            f"{refusal}; lower {max_tokens_param} or shorten the prompt",
+            param=max_tokens_param if params.max_tokens is not None else "prompt",
+            code="kv_capacity_exceeded",
         )
 
 

@@ -1,4 +1,10 @@
-"""The gateway's view of the worker ranks: who registered, who is healthy, their last load."""
+"""The gateway's view of the worker ranks: who registered, who is healthy, their last load.
+
+The first rank to register fixes what every later one must agree with: the model's identity,
+the KV page size and ``max_model_len``. A rank that disagrees is refused with one log line per
+incarnation (it keeps registering; nothing of it is routed to), so the gateway's validation
+(``capacity``) holds for every rank a request can reach.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from dsinfer.base.protocol import HEARTBEAT_TIMEOUT, LoadReport, Register
+from dsinfer.gateway.backend import Capacity
 
 log = logging.getLogger("dsinfer.gateway")
 
@@ -36,19 +43,23 @@ class WorkerRegistry:
     def __init__(self, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.workers: dict[str, WorkerInfo] = {}
-        self.model: str | None = None  # identity of the first registered model
+        self.reference: Register | None = None  # the first accepted Register: model and limits
+        self._refused: set[tuple[str, str]] = set()  # (worker, incarnation) refused and logged
+
+    @property
+    def model(self) -> str | None:
+        """Identity of the served model (None until a rank registered)."""
+        return self.reference.model if self.reference is not None else None
 
     def register(self, msg: Register, now: float) -> tuple[bool, WorkerInfo | None]:
         """Returns (accepted, the replaced entry when the rank came back as a new incarnation)."""
-        if self.model is None:
-            self.model = msg.model
-        elif msg.model != self.model:
-            log.error(
-                "refused %s: it serves another model (%s, not %s)",
-                msg.worker,
-                msg.model[:12],
-                self.model[:12],
-            )
+        if self.reference is None:
+            self.reference = msg
+        disagreement = _disagreement(msg, self.reference)
+        if disagreement is not None:
+            if (msg.worker, msg.incarnation) not in self._refused:
+                self._refused.add((msg.worker, msg.incarnation))
+                log.error("refused %s: %s", msg.worker, disagreement)
             return False, None
         old = self.workers.get(msg.worker)
         if old is not None and old.register.incarnation == msg.incarnation:
@@ -122,3 +133,24 @@ class WorkerRegistry:
 
     def get(self, name: str) -> WorkerInfo | None:
         return self.workers.get(name)
+
+    def capacity(self) -> Capacity | None:
+        """What the registered ranks can hold (None before the first registration)."""
+        if self.reference is None:
+            return None
+        kv_pages: dict[str, int] = {}
+        for info in self.workers.values():
+            if not info.pool_down:
+                kv_pages[info.role] = max(kv_pages.get(info.role, 0), info.register.kv_pages_total)
+        return Capacity(self.reference.max_model_len, self.reference.page_size, kv_pages)
+
+
+def _disagreement(msg: Register, reference: Register) -> str | None:
+    """Why ``msg`` cannot serve beside the ranks registered like ``reference``, or None."""
+    if msg.model != reference.model:
+        return f"it serves another model ({msg.model[:12]}, not {reference.model[:12]})"
+    for field in ("max_model_len", "page_size"):
+        mine, theirs = getattr(msg, field), getattr(reference, field)
+        if mine != theirs:
+            return f"its {field} is {mine}, the registered pools' is {theirs}"
+    return None

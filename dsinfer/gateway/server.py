@@ -24,15 +24,9 @@ def control_port_of(args: GatewayArgs) -> int:
 def build_gateway(args: GatewayArgs) -> tuple[Router, object]:
     path, _ = resolve_model(args.model)
     config = ModelConfig.from_file(path / "config.json")
-    max_model_len = args.max_model_len or config.max_position_embeddings
     tokenizer = Tokenizer.from_dir(path)
-    router = Router(
-        f"{args.host}:{control_port_of(args)}",
-        balancer=args.balancer,
-        max_queued_requests=args.max_queued_requests,
-        default_timeout=args.request_timeout,
-    )
-    app = build_app(router, tokenizer, args, max_model_len, config.vocab_size)
+    router = Router(f"{args.host}:{control_port_of(args)}", balancer=args.balancer)
+    app = build_app(router, tokenizer, args, config.vocab_size)
     return router, app
 
 

@@ -1,10 +1,14 @@
 """Running one HTTP request on the backend: jobs in, per-choice updates out, aborts and deadline.
 
 A request becomes one ``Job`` per prompt (each with ``params.n`` choices); its choices are
-numbered ``prompt_index * n + choice`` as OpenAI numbers them. ``RequestRun.updates`` merges the
+numbered ``prompt_index * n + choice`` as OpenAI numbers them (the jobs' ``first_choice``).
+Admission is one limit, ``--max-queued-requests``: while that many choices are queued (dispatched
+with no first token yet: the backend's ``queue_length``), a new request gets 429. The
+request has one deadline (arrival + ``--request-timeout``): ``RequestRun.updates`` merges the
 jobs' streams into ``(index, ChoiceUpdate)`` pairs until every choice ended, and raises
-``RequestTimeout`` at the request's deadline. ``close`` aborts what is still running (client
-gone, timeout, error) and records the request's metrics.
+``RequestTimeout`` at it. A choice that the gateway ends on a stop string is aborted at its
+workers at once. ``close`` aborts what is still running (client gone, timeout, error) and records
+the request's metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dsinfer.gateway.reasoning import make_reasoning_parser
 
 log = logging.getLogger("dsinfer.gateway")
 
+RETRY_AFTER = 1.0  # seconds suggested to a client refused for overload
+
 
 class RequestTimeout(Exception):
     pass
@@ -43,10 +49,18 @@ class GatewayContext:
     backend: Backend
     tokenizer: Tokenizer
     args: GatewayArgs
-    limits: Limits
+    model_name: str  # what clients pass as ``model``
+    vocab_size: int
     metrics: GatewayMetrics
     active_ids: set[str] = field(default_factory=set)
     _token_text: dict[int, str] = field(default_factory=dict)
+
+    def limits(self) -> Limits:
+        """The limits a request is validated against now; 503 before any pool registered."""
+        capacity = self.backend.capacity()
+        if capacity is None:
+            raise unavailable("no worker pool has registered yet")
+        return Limits(self.model_name, self.vocab_size, self.args.max_n, capacity)
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """How a logprob names a token: its own text, or ``token_id:<id>`` (vLLM's option)."""
@@ -89,6 +103,7 @@ class RequestRun:
         self.prepared = prepared
         self.endpoint = endpoint
         self.arrival = arrival  # time.monotonic() when the HTTP request came in
+        self.deadline = arrival + ctx.args.request_timeout
         self.n = prepared.params.n
         parser = ctx.args.reasoning_parser if reasoning else None
         self.choices = [
@@ -109,23 +124,26 @@ class RequestRun:
         self._closed = False
         ctx.metrics.http_in_flight.inc()
 
-    @property
-    def job_ids(self) -> list[str]:
-        if len(self.prepared.prompts) == 1:
-            return [self.request_id]
-        return [f"{self.request_id}-{i}" for i in range(len(self.prepared.prompts))]
-
     def start(self) -> None:
         """Submit every job, or raise a 429/503 APIError (``close`` aborts jobs already submitted)."""
         ctx, prepared = self.ctx, self.prepared
-        snapshot = ctx.backend.metrics_snapshot()
-        if snapshot.queue_length + len(prepared.prompts) > ctx.args.max_queued_requests:
+        queued, limit = ctx.backend.metrics_snapshot().queue_length, ctx.args.max_queued_requests
+        if queued >= limit:
             self.outcome = "overloaded"
-            raise overloaded(f"the server's queue is full ({snapshot.queue_length} requests waiting)", 1.0)
+            raise overloaded(
+                f"{queued} requests are queued (choices waiting for their first token); the limit is "
+                f"{limit} (--max-queued-requests)",
+                RETRY_AFTER,
+            )
         try:
-            for job_id, ids in zip(self.job_ids, prepared.prompts, strict=True):
+            for index, ids in enumerate(prepared.prompts):
                 job = Job(
-                    job_id, ids, prepared.params, timeout=ctx.args.request_timeout, arrival_time=self.arrival
+                    self.request_id,
+                    ids,
+                    prepared.params,
+                    deadline=self.deadline,
+                    first_choice=index * self.n,
+                    arrival_time=self.arrival,
                 )
                 self.streams.append(ctx.backend.submit(job))
         except Overloaded as e:
@@ -145,10 +163,9 @@ class RequestRun:
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
         queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._pump(i, s, queue)) for i, s in enumerate(self.streams)]
-        deadline = self.arrival + self.ctx.args.request_timeout
         open_jobs = len(self.streams)
         while open_jobs:
-            remaining = deadline - time.monotonic()
+            remaining = self.deadline - time.monotonic()
             try:
                 if remaining <= 0:
                     raise asyncio.TimeoutError
@@ -160,8 +177,11 @@ class RequestRun:
             if kind == "delta":
                 choice, delta = item
                 update = self._apply(job, choice, delta)
-                if update is not None:
-                    yield update
+                if update is None:
+                    continue
+                if self.choices[update[0]].stopped_by_string and update[1].finished:
+                    await self.streams[job].abort(choice)  # the workers may still be generating it
+                yield update
                 continue
             open_jobs -= 1
             reason = (
@@ -188,6 +208,8 @@ class RequestRun:
             )
             return None
         index = job * self.n + choice
+        if self.choices[index].finished:
+            return None  # e.g. the workers' tokens after the stop string, until the abort reached them
         update = self.choices[index].update(delta)
         if update.token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()

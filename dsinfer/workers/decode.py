@@ -25,8 +25,8 @@ from dsinfer.base.protocol import (
     TransferAborted,
 )
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.sequence import Sequence
-from dsinfer.workers.role import Outbox, RoleWorker, abort_running, delta_of, request_params
+from dsinfer.engine.step import RemotePrefill
+from dsinfer.workers.role import Outbox, RoleWorker, abort_running
 
 log = logging.getLogger("dsinfer.worker")
 
@@ -34,7 +34,7 @@ log = logging.getLogger("dsinfer.worker")
 @dataclass
 class _Incoming:
     msg: DecodeAdmit
-    seq: Sequence
+    request: RemotePrefill
     deadline: float = 0.0  # monotonic; set once the pages are reserved
 
 
@@ -74,29 +74,29 @@ class DecodeWorker(RoleWorker):
         if self.refuse_if_draining(msg):
             return
         try:
-            seq = self.engine.new_remote_prefill(
-                msg.request_id, msg.prompt_token_ids, request_params(msg), msg.choice
+            request = self.engine.new_remote_prefill(
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.choice
             )
         except ValueError as e:
             self.fail(msg.request_id, str(e))
             return
-        self._queued.append(_Incoming(msg, seq))
+        self._queued.append(_Incoming(msg, request))
         self._reserve_queued(now)
 
     def _reserve_queued(self, now: float) -> None:
-        page_size = self.engine.kv.page_size
-        while self._queued and self.engine.scheduler.reserve(self._queued[0].seq):
+        while self._queued:
+            reservation = self.engine.reserve_remote_prefill(self._queued[0].request)
+            if reservation is None:
+                return
             item = self._queued.popleft()
-            seq = item.seq
             item.deadline = now + self.transfer_timeout
-            self._reserved[seq.request_id] = item
-            first_page = seq.num_cached_prompt_tokens // page_size
+            self._reserved[item.msg.request_id] = item
             self.outbox.send_gateway(
                 KVDestination(
-                    request_id=seq.request_id,
+                    request_id=item.msg.request_id,
                     worker=self.worker,
-                    num_cached_tokens=seq.num_cached_prompt_tokens,
-                    pages=seq.pages[first_page:],
+                    num_cached_tokens=reservation.num_cached_tokens,
+                    pages=reservation.pages,
                 )
             )
 
@@ -110,24 +110,24 @@ class DecodeWorker(RoleWorker):
         self.transfer.bytes += done.bytes_written
         self.transfer.count += 1
         update = self.engine.join_remote_prefill(
-            item.seq, done.first_token, done.first_logprobs, done.prompt_logprobs, done.mtp_draft
+            item.request, done.first_token, done.first_logprobs, done.prompt_logprobs, done.mtp_draft
         )
-        self.outbox.send_gateway(delta_of(update, num_cached_tokens=done.num_cached_tokens))
+        self.outbox.send_gateway(update.delta(num_cached_tokens=done.num_cached_tokens))
 
     def _fenced(self, request_id: str) -> None:
         """No write of ``request_id``'s transfer can land any more."""
         held = self._quarantined.pop(request_id, None)
         if held is not None:
-            self.engine.kv.release(held[0])
+            self.engine.release_pages(held[0])
             return
         item = self._reserved.pop(request_id, None)
         if item is not None:  # the prefill side gave up on its own
-            self.engine.kv.release(self.engine.scheduler.cancel_reserved(item.seq))
+            self.engine.release_pages(self.engine.cancel_remote_prefill(item.request))
             self.fail(request_id, f"prefill rank {item.msg.prefill_worker} aborted the KV transfer")
 
     def _abort(self, request_id: str, now: float) -> None:
         for item in self._queued:
-            if item.seq.request_id == request_id:
+            if item.msg.request_id == request_id:
                 self._queued.remove(item)
                 self.outbox.send_gateway(TokenDelta(request_id=request_id, finish_reason="abort"))
                 return
@@ -139,7 +139,7 @@ class DecodeWorker(RoleWorker):
 
     def _give_up(self, request_id: str, now: float) -> None:
         item = self._reserved.pop(request_id)
-        pages = self.engine.scheduler.cancel_reserved(item.seq)
+        pages = self.engine.cancel_remote_prefill(item.request)
         self._quarantined[request_id] = (pages, now + self.quarantine)
         self.outbox.send_peer(item.msg.prefill_inbox, Abort(request_id=request_id))
 
@@ -156,7 +156,7 @@ class DecodeWorker(RoleWorker):
             if now >= release_at:
                 log.info("quarantine of %s expired; %d pages released", request_id, len(pages))
                 del self._quarantined[request_id]
-                self.engine.kv.release(pages)
+                self.engine.release_pages(pages)
         self._reserve_queued(now)
 
     def busy(self) -> bool:

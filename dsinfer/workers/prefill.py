@@ -24,11 +24,11 @@ from dsinfer.base.protocol import (
     PrefillRequest,
     TransferAborted,
 )
+from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.scheduler import ScheduledBatch
-from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.step import LayerHook, ScheduledWork, SeqUpdate, StepPlan
 from dsinfer.transfer.base import TransferBackend, TransferError, TransferHandle
-from dsinfer.workers.role import Outbox, RoleWorker, request_params
+from dsinfer.workers.role import Outbox, RoleWorker
 
 log = logging.getLogger("dsinfer.worker")
 
@@ -41,7 +41,7 @@ class _Outgoing:
     in_flight: list[tuple[TransferHandle, list[int]]] = field(default_factory=list)  # + pages retained
     bytes_written: int = 0
     started: float | None = None
-    done: Sequence | None = None  # the finished prefill (first token sampled)
+    done: SeqUpdate | None = None  # the finished prefill's last update (first token sampled)
     forward_done_at: float = 0.0  # time.time() when the step that sampled the first token ended
     aborted: bool = False
     error: str | None = None
@@ -55,8 +55,8 @@ class PrefillWorker(RoleWorker):
     ) -> None:
         super().__init__(engine, outbox, worker, incarnation)
         self.backend = transfer
-        self.page_size = engine.kv.page_size
-        self.page_bytes = [c[0].numel() * c.element_size() for c in engine.kv.pool.caches]
+        self.page_size = engine.page_size
+        self.page_bytes = engine.kv_page_bytes
         self._out: dict[str, _Outgoing] = {}
 
     # Messages --------------------------------------------------------------------------------
@@ -78,17 +78,13 @@ class PrefillWorker(RoleWorker):
         try:
             self.backend.connect(msg.decode_agent, msg.decode_transfer_metadata)
             self.engine.add_request(
-                msg.request_id,
-                msg.prompt_token_ids,
-                request_params(msg),
-                first_choice=msg.choice,
-                prefill_only=True,
+                msg.request_id, msg.prompt_token_ids, msg.params, first_choice=msg.choice, prefill_only=True
             )
         except (ValueError, TransferError) as e:
             self.fail(msg.request_id, str(e))
             return
         first_page = dest.num_cached_tokens // self.page_size
-        expected = self.engine.kv.pool.pages_for(len(msg.prompt_token_ids)) - first_page
+        expected = self.engine.pages_for(len(msg.prompt_token_ids)) - first_page
         if len(dest.pages) != expected:
             self.engine.abort_request(msg.request_id)
             self.fail(msg.request_id, f"decode gave {len(dest.pages)} pages for {expected} to send")
@@ -104,21 +100,19 @@ class PrefillWorker(RoleWorker):
             self.engine.abort_request(request_id)
 
     # Step --------------------------------------------------------------------------------------
-    def step(self) -> None:
-        for update in self.engine.step_updates(self._plan_writes):
-            seq = update.seq
-            out = self._out.get(seq.request_id)
-            if out is not None and seq.is_finished and seq.finish_reason != "abort":
-                out.done, out.forward_done_at = seq, time.time()
+    def step(self, plan: StepPlan, agreed: StepVotes) -> None:
+        for update in self.engine.run_step(plan, agreed, self._plan_writes):
+            out = self._out.get(update.request_id)
+            if out is not None and update.finished and update.finish_reason != "abort":
+                out.done, out.forward_done_at = update, time.time()
 
-    def _plan_writes(self, batch: ScheduledBatch) -> object:
+    def _plan_writes(self, work: list[ScheduledWork]) -> LayerHook | None:
         plan: list[tuple[_Outgoing, list[int], list[int]]] = []
-        for item in batch.seqs:
-            out = self._out.get(item.seq.request_id)
+        for seq in work:
+            out = self._out.get(seq.request_id)
             if out is None or out.aborted:
                 continue
-            seq = item.seq
-            last = seq.prompt_len if item.end >= seq.prompt_len else item.end
+            last = seq.prompt_len if seq.end >= seq.prompt_len else seq.end
             complete = -(-last // self.page_size) if last == seq.prompt_len else last // self.page_size
             new = [p for p in range(out.first_page, complete) if p not in out.sent]
             if not new:
@@ -140,7 +134,7 @@ class PrefillWorker(RoleWorker):
                 except TransferError as e:
                     out.error = f"KV write to {out.msg.destination.worker} failed: {e}"
                     continue
-                self.engine.kv.retain(src)
+                self.engine.retain_pages(src)
                 out.in_flight.append((handle, src))
                 out.bytes_written += len(src) * self.page_bytes[layer]
                 out.started = out.started or now
@@ -173,15 +167,14 @@ class PrefillWorker(RoleWorker):
                 pending.append((handle, pages))
                 continue
             self.backend.release(handle)
-            self.engine.kv.release(pages)
+            self.engine.release_pages(pages)
             if state == "failed" and out.error is None:
                 out.error = f"KV write to {out.msg.destination.worker} failed"
         out.in_flight = pending
 
     def _finish(self, out: _Outgoing, now: float) -> None:
-        seq = out.done
-        assert seq is not None
-        first_token = seq.output_token_ids[0]
+        assert out.done is not None
+        first = out.done.delta()
         if out.started is not None:
             self.transfer.seconds += now - out.started
         self.transfer.bytes += out.bytes_written
@@ -189,12 +182,12 @@ class PrefillWorker(RoleWorker):
         self.outbox.send_peer(
             out.msg.decode_inbox,
             PrefillDone(
-                request_id=seq.request_id,
-                first_token=first_token,
-                first_logprobs=seq.logprobs[0] if seq.logprobs else None,
-                prompt_logprobs=seq.prompt_logprobs,
-                num_cached_tokens=seq.num_cached_prompt_tokens,
-                mtp_draft=seq.draft,
+                request_id=first.request_id,
+                first_token=first.token_ids[0],
+                first_logprobs=first.logprobs[0] if first.logprobs else None,
+                prompt_logprobs=first.prompt_logprobs,
+                num_cached_tokens=first.num_cached_tokens,
+                mtp_draft=out.done.mtp_draft,
                 bytes_written=out.bytes_written,
                 first_write_at=_wall(out.started),
                 forward_done_at=out.forward_done_at,

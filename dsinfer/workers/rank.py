@@ -1,16 +1,19 @@
 """One rank of a pool: ``python -m dsinfer.workers.rank --args-json JSON`` (its launcher starts it).
 
-The step loop runs in lockstep across the pool (docs/serving.md): every iteration all ranks
-all-reduce (max) three flags - has work, stopping, busy - and every rank steps when any rank
-has work, an empty batch where it has none, so the collectives of a step always line up. When
-the whole pool is idle each rank blocks in its socket poll for up to ``IDLE_POLL_MS`` instead of
-spinning. SIGTERM drains: the rank refuses new requests, finishes what it holds, and the pool
-exits together once every rank is stopping and no rank is busy.
+The step loop runs in lockstep across the pool (docs/architecture.md, "The per-step agreement"):
+every iteration each rank plans its step, and all ranks agree in one all-reduce of their votes
+(dsinfer/engine/agreement.py: work, busy, stopping, and the engine's micro-batch and EPLB
+votes); every rank steps when any rank has work, an empty batch where it has none, so the
+collectives of a step always line up. When the whole pool is idle each rank blocks in its socket
+poll for up to ``IDLE_POLL_MS`` instead of spinning. SIGTERM drains: the rank refuses new
+requests, finishes what it holds, and the pool exits together once every rank is stopping and no
+rank is busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -72,23 +75,6 @@ def process_group_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-class StepFlags:
-    """The pool-wide OR of each rank's flags, through one all-reduce (none for a single rank) of a
-    host tensor over ``group`` (a gloo group: the flags never touch the GPU)."""
-
-    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None) -> None:
-        self.world_size = world_size
-        self.group = group
-
-    def agree(self, has_work: bool, stopping: bool, busy: bool) -> tuple[bool, bool, bool]:
-        """(any has work, all stopping, any busy)."""
-        if self.world_size == 1:
-            return has_work, stopping, busy
-        flags = torch.tensor([int(has_work), int(not stopping), int(busy)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flags[0]), not bool(flags[1]), bool(flags[2])
-
-
 def build_role(
     args: RankArgs, engine: LLMEngine, channel: WorkerChannel
 ) -> tuple[RoleWorker, TransferBackend | None]:
@@ -97,7 +83,7 @@ def build_role(
     if pool.role == "colocated":
         return ColocatedWorker(engine, channel, name, args.incarnation), None
     transfer = make_transfer_backend(pool.transfer_backend, f"{name}@{args.incarnation}")
-    transfer.register_pool(engine.kv.pool.caches)
+    transfer.register_pool(engine.kv_regions())
     if pool.role == "prefill":
         return PrefillWorker(engine, channel, name, args.incarnation, transfer), transfer
     worker = DecodeWorker(
@@ -154,7 +140,9 @@ def run_rank(args: RankArgs) -> int:
     engine_args = pool.engine.model_copy(update={"device": device})
     if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
         engine_args = engine_args.model_copy(update={"enforce_eager": True})
-    engine = LLMEngine(engine_args, ep_group=_ep_group(pool) if pool.pool_size > 1 else None)
+    engine = LLMEngine(
+        engine_args, ep_group=_ep_group(pool) if pool.pool_size > 1 else None, agreement_group=control
+    )
     engine.warmup()  # compiles kernels before the gateway can route anything here
     channel = WorkerChannel(name, pool.gateway_addr, pool.host)
     channel.start_heartbeat(
@@ -165,18 +153,15 @@ def run_rank(args: RankArgs) -> int:
         worker=name,
         role=pool.role,
         pool=pool.pool_id,
-        rank=args.rank,
-        pool_size=pool.pool_size,
         incarnation=args.incarnation,
         inbox=channel.inbox_addr,
         transfer_agent=transfer.agent_name if transfer else "",
         transfer_metadata=transfer.metadata() if transfer else b"",
-        kv_pages_total=engine.kv.num_pages,
-        page_size=engine.kv.page_size,
+        kv_pages_total=engine.num_kv_pages,
+        page_size=engine.page_size,
         max_model_len=engine.max_model_len,
         model=engine.model_identity,
     )
-    flags = StepFlags(pool.pool_size, control)
     log.info(
         "rank %s up on %s (incarnation %s, %d threads, inbox %s)",
         name,
@@ -204,12 +189,14 @@ def run_rank(args: RankArgs) -> int:
             if transfer is not None:
                 transfer.progress()
             role.tick(time.monotonic())
-            has_work, all_stopping, any_busy = flags.agree(role.has_work(), stopping, role.busy())
-            pool_working = has_work
-            if all_stopping and not any_busy:
+            plan = engine.plan_step()
+            votes = dataclasses.replace(plan.votes, busy=role.busy(), not_stopping=not stopping)
+            agreed = engine.agree(votes)  # the pool's one collective outside the forward
+            pool_working = agreed.has_work
+            if agreed.stopping:
                 break
-            if has_work:
-                role.step()
+            if agreed.has_work:
+                role.step(plan, agreed)
             if time.monotonic() - last_report >= HEARTBEAT_INTERVAL:
                 with_load = time.monotonic() - last_expert_load >= EXPERT_LOAD_INTERVAL
                 channel.send_gateway(role.load_report(with_expert_load=with_load))

@@ -2,7 +2,8 @@
 
 A role is driven by the rank loop (dsinfer/workers/rank.py): ``handle`` each control message,
 ``tick`` for time-driven work (transfer progress, timeouts), ``step`` for one engine forward when
-the pool agreed to step. A role never blocks.
+the pool agreed to step. A role never blocks, and it uses only the engine's façade (the surface
+listed in dsinfer/engine/engine.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Protocol
 import msgspec
 
 from dsinfer.base.protocol import Abort, GenerateRequest, LoadReport, Message, TokenDelta, WorkerRequest
-from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.engine.engine import LLMEngine, SeqUpdate
+from dsinfer.engine.agreement import StepVotes
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.step import StepPlan
 
 log = logging.getLogger("dsinfer.worker")
 
@@ -32,31 +34,6 @@ class TransferCounters:
     bytes: int = 0
     seconds: float = 0.0
     count: int = 0
-
-
-def request_params(msg: WorkerRequest) -> SamplingParams:
-    """The request's parameters with its seed fixed (choices of one request share it)."""
-    return dataclasses.replace(msg.params, seed=msg.seed)
-
-
-def delta_of(update: SeqUpdate, num_cached_tokens: int | None = None) -> TokenDelta:
-    """The TokenDelta of one step's update; the first one carries the prompt's facts."""
-    seq = update.seq
-    first = seq.num_output_tokens == len(update.new_token_ids)
-    delta = TokenDelta(
-        request_id=seq.request_id,
-        token_ids=update.new_token_ids,
-        logprobs=update.new_logprobs,
-        finish_reason=seq.finish_reason,
-        stop_text_len=seq.stop_text_len,
-    )
-    if first:
-        delta.num_prompt_tokens = seq.prompt_len
-        delta.num_cached_tokens = (
-            seq.num_cached_prompt_tokens if num_cached_tokens is None else num_cached_tokens
-        )
-        delta.prompt_logprobs = seq.prompt_logprobs
-    return delta
 
 
 class RoleWorker(ABC):
@@ -81,9 +58,10 @@ class RoleWorker(ABC):
         """Whether the loop must come back soon even without messages (work or timed work)."""
         return self.has_work()
 
-    def step(self) -> None:
-        for update in self.engine.step_updates():
-            self.outbox.send_gateway(delta_of(update))
+    def step(self, plan: StepPlan, agreed: StepVotes) -> None:
+        """The step the pool agreed on (every rank calls it, with or without work)."""
+        for update in self.engine.run_step(plan, agreed):
+            self.outbox.send_gateway(update.delta())
 
     def fail(self, request_id: str, error: str, retryable: bool = False) -> None:
         log.info("request %s failed: %s", request_id, error)
@@ -95,30 +73,15 @@ class RoleWorker(ABC):
         return self.draining
 
     def load_report(self, with_expert_load: bool = False) -> LoadReport:
-        engine = self.engine
-        sched, kv = engine.scheduler, engine.kv
-        prefills = [s for s in [*sched.waiting, *sched.running] if s.num_computed_tokens < s.prompt_len]
-        stats = kv.stats
-        return LoadReport(
-            worker=self.worker,
-            incarnation=self.incarnation,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + self.num_queued_elsewhere(),
-            kv_pages_used=kv.num_pages - kv.num_available_pages(),
-            kv_pages_total=kv.num_pages,
-            pending_prefill_tokens=sum(s.prompt_len - s.num_computed_tokens for s in prefills),
-            pending_attention_load=sum(
-                (s.prompt_len - s.num_computed_tokens) * s.prompt_len for s in prefills
-            ),
-            prompt_tokens=sched.stats.prompt_tokens_submitted,
-            memory_hit_tokens=stats.memory_hit_tokens,
-            disk_hit_tokens=stats.disk_hit_tokens,
-            transfer_bytes=self.transfer.bytes,
-            transfer_seconds=self.transfer.seconds,
-            transfers=self.transfer.count,
-            draining=self.draining,
-            expert_load=engine.model.expert_load() if with_expert_load else None,
+        report = self.engine.load_report(
+            self.worker,
+            self.incarnation,
+            num_queued_elsewhere=self.num_queued_elsewhere(),
+            with_expert_load=with_expert_load,
         )
+        report.transfer_bytes, report.transfer_seconds = self.transfer.bytes, self.transfer.seconds
+        report.transfers, report.draining = self.transfer.count, self.draining
+        return report
 
     def num_queued_elsewhere(self) -> int:
         """Requests the role holds outside the scheduler's queues."""
@@ -136,10 +99,7 @@ class ColocatedWorker(RoleWorker):
                 return
             try:
                 self.engine.add_request(
-                    message.request_id,
-                    message.prompt_token_ids,
-                    request_params(message),
-                    first_choice=message.choice,
+                    message.request_id, message.prompt_token_ids, message.params, first_choice=message.choice
                 )
             except ValueError as e:
                 self.fail(message.request_id, str(e))
