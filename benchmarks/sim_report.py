@@ -39,7 +39,7 @@ from dsinfer.sim.deployment import (
     PoolSpec,
     chunking_weights,
     kv_capacity_tokens,
-    weight_bytes_per_rank,
+    rank_shape,
 )
 from dsinfer.sim.hardware import H100, H800, with_measured
 from dsinfer.sim.shape import ModelShape
@@ -221,7 +221,7 @@ def deepseek(
     out["decode"] = {
         "spec": asdict(dspec),
         "kv_tokens_per_rank": kv_capacity_tokens(dspec, a.hardware),
-        "weights_gb_per_rank": weight_bytes_per_rank(ModelShape.preset(dspec.model), dspec) / 1e9,
+        "weights_gb_per_rank": rank_shape(ModelShape.preset(dspec.model), dspec).weights().total / 1e9,
         "requests_per_s_per_pool": dcap.rate,
         "output_tok_s_per_node": dcap.tokens_per_node(dspec),
         "analytic_output_tok_s_per_node": dcap.analytic_rate * dcap.tokens_per_request / dspec.nnodes,

@@ -71,9 +71,9 @@ def test_default_layout_exact() -> None:
 
 
 def test_default_errors() -> None:
-    with pytest.raises(ValueError, match=r"16 \+ 3 = 19 is not divisible by num_ranks = 4"):
+    with pytest.raises(ValueError, match="= 19 slots cannot be spread evenly over 4 ranks"):
         ExpertPlacement.default(LAYERS, E, 4, 3)
-    with pytest.raises(ValueError, match="exceed the 16 experts"):
+    with pytest.raises(ValueError, match="exceed the 16 routed experts"):
         ExpertPlacement.default(LAYERS, E, 1, 16)
     with pytest.raises(ValueError, match="no MoE layers"):
         ExpertPlacement.default([], E, 2)

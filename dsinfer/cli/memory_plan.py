@@ -1,11 +1,7 @@
 """The memory plan of one rank of a configuration (what ``dsinfer serve --dry-run`` prints and
-``--gpu-memory`` checks). Nothing is loaded: weights are counted from config.json's shapes the way
-the loader lays them out. FP8 projections (attention, dense MLPs, shared and routed experts) stay
-FP8 with fp32 128x128 block scales where the device runs FP8 GEMMs (CUDA); everything else
-(embedding, lm_head, norms, router, MLA's dequantized kv_b_proj copy for the absorbed path) is in
-the model dtype. A rank of a pool of N holds ``(n_routed_experts + num_redundant_experts) / N``
-routed expert slots (the default placement of ``dsinfer.parallel.placement``, or ``--placement
-FILE``) and everything else whole.
+``--gpu-memory`` checks). Nothing is loaded: weights, KV bytes per token and expert slots per rank
+are counted by ``dsinfer.base.shape.RankShape`` (the simulator's accounting too), with FP8
+weights kept FP8 where the device runs FP8 GEMMs (CUDA).
 
 On a GPU the plan adds up one GPU's memory: weights by precision, the latent KV cache, the EP
 communication buffers, the KV transfer's registrations, an activation estimate for the largest
@@ -29,14 +25,13 @@ does not fit, with a message naming what to change. The estimates and their form
 from __future__ import annotations
 
 import math
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from dsinfer.base.config import FP8_BLOCK, PAGE_SIZE, ModelConfig
+from dsinfer.base.config import PAGE_SIZE, ModelConfig
 from dsinfer.base.presets import resolve_model
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.base.shape import RankShape, WeightBytes
 from dsinfer.cli.errors import UsageError
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
@@ -76,7 +71,20 @@ class ModelPlan:
     device: torch.device
     dtype: torch.dtype
     fp8: bool  # FP8 weights kept FP8
-    cache_layers: int
+
+    def rank(self, engine: EngineArgs, pool_size: int) -> RankShape:
+        """One rank's shape in a pool of ``pool_size``; UsageError when the experts cannot be spread."""
+        try:
+            return RankShape(
+                self.config,
+                self.dtype.itemsize,
+                self.fp8,
+                pool_size,
+                engine.num_redundant_experts,
+                mtp_layers=1 if engine.speculative_mtp else 0,
+            )
+        except ValueError as e:  # the experts cannot be spread over the pool
+            raise UsageError(f"{e} (--num-redundant-experts, --pool-size)") from None
 
 
 def model_plan(engine: EngineArgs) -> ModelPlan:
@@ -84,112 +92,14 @@ def model_plan(engine: EngineArgs) -> ModelPlan:
     config = ModelConfig.from_file(path / "config.json")
     device = resolve_device(engine.device)
     dtype = resolve_dtype(engine.dtype, device)
-    cache_layers = config.num_hidden_layers + (1 if engine.speculative_mtp else 0)
     fp8 = config.is_fp8 and device.type == "cuda"
-    return ModelPlan(engine.model or path.name, config, device, dtype, fp8, cache_layers)
-
-
-@dataclass(frozen=True)
-class Weights:
-    """Bytes per category, split by how they are stored: FP8 (with block scales) or the model dtype."""
-
-    fp8: dict[str, int] = field(default_factory=dict)
-    dense: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def fp8_total(self) -> int:
-        return sum(self.fp8.values())
-
-    @property
-    def dense_total(self) -> int:
-        return sum(self.dense.values())
-
-    @property
-    def total(self) -> int:
-        return self.fp8_total + self.dense_total
-
-
-def weights_of(plan: ModelPlan, routed_experts: int, mtp_layers: int) -> Weights:
-    """One rank's weights when it holds ``routed_experts`` routed expert slots per MoE layer."""
-    c, item = plan.config, plan.dtype.itemsize
-    fp8: Counter[str] = Counter()
-    dense: Counter[str] = Counter()
-
-    def plain(what: str, rows: int, cols: int, times: int = 1) -> None:
-        dense[what] += rows * cols * item * times
-
-    def proj(what: str, rows: int, cols: int, times: int = 1, fp8_ok: bool = True) -> None:
-        """A projection DeepSeek ships in FP8 (stays FP8 with fp32 block scales when kept)."""
-        if not (plan.fp8 and fp8_ok):
-            plain(what, rows, cols, times)
-            return
-        scales = math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK) * 4
-        fp8[what] += (rows * cols + scales) * times
-
-    h, heads = c.hidden_size, c.num_attention_heads
-    inter = c.moe_intermediate_size
-
-    def layer(i: int) -> None:
-        if c.q_lora_rank:
-            proj("attention", c.q_lora_rank, h)
-            plain("norms + router", 1, c.q_lora_rank)
-            proj("attention", heads * c.qk_head_dim, c.q_lora_rank)
-        else:
-            proj("attention", heads * c.qk_head_dim, h)
-        proj("attention", c.kv_cache_dim, h)
-        plain("norms + router", 1, c.kv_lora_rank)
-        proj("attention", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        proj("attention", h, heads * c.v_head_dim)
-        if plan.fp8:  # absorbed MLA keeps a dequantized kv_b_proj
-            plain("absorbed kv_b copy", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        plain("norms + router", 2, h)
-        if not c.is_moe_layer(i):
-            proj("dense MLP", c.intermediate_size, h, times=3)
-            return
-        plain("norms + router", c.n_routed_experts, h)
-        dense["norms + router"] += c.n_routed_experts * 4  # e_score_correction_bias (fp32)
-        proj("routed experts", inter, h, times=3 * routed_experts, fp8_ok=inter % FP8_BLOCK == 0)
-        if c.n_shared_experts:
-            proj("shared experts", inter * c.n_shared_experts, h, times=3)
-
-    plain("embedding + lm_head", c.vocab_size, h, times=2)
-    plain("norms + router", 1, h)  # final norm
-    for i in range(c.num_hidden_layers):
-        layer(i)
-    for j in range(mtp_layers):  # own embedding, enorm, hnorm, eh_proj, layer, norm, shared head
-        plain("embedding + lm_head", c.vocab_size, h, times=2)
-        plain("norms + router", 3, h)
-        plain("MTP eh_proj", h, 2 * h)
-        layer(c.num_hidden_layers + j)
-    return Weights(dict(fp8), dict(dense))
-
-
-def weight_bytes(plan: ModelPlan, routed_experts: int, mtp_layers: int) -> int:
-    return weights_of(plan, routed_experts, mtp_layers).total
-
-
-def expert_slots(config: ModelConfig, engine: EngineArgs, pool_size: int) -> int:
-    """Routed expert slots per rank; UsageError when the pool cannot spread the experts evenly."""
-    total = config.n_routed_experts + engine.num_redundant_experts
-    if total % pool_size:
-        raise UsageError(
-            f"{config.n_routed_experts} routed + {engine.num_redundant_experts} redundant experts = {total} "
-            f"slots cannot be spread evenly over {pool_size} ranks: choose --num-redundant-experts so that "
-            f"{config.n_routed_experts} + it is a multiple of the pool size"
-        )
-    slots = total // pool_size
-    if slots > config.n_routed_experts:
-        raise UsageError(
-            f"{slots} expert slots per rank exceed the model's {config.n_routed_experts} routed experts "
-            f"(a rank would hold one expert twice): fewer --num-redundant-experts"
-        )
-    return slots
+    return ModelPlan(engine.model or path.name, config, device, dtype, fp8)
 
 
 @dataclass(frozen=True)
 class RankMemory:
-    weights: Weights
-    routed_experts: int  # routed expert slots this rank holds
+    shape: RankShape
+    weights: WeightBytes
     page_bytes: int  # one page (PAGE_SIZE tokens) over every cache layer
     kv_budget: int | None  # bytes for the latent cache; None = known only at start-up
     kv_budget_note: str
@@ -199,18 +109,19 @@ class RankMemory:
     def weight_bytes(self) -> int:
         return self.weights.total
 
+    @property
+    def routed_experts(self) -> int:
+        """Routed expert slots this rank holds."""
+        return self.shape.expert_slots
+
 
 def rank_memory(plan: ModelPlan, engine: EngineArgs, pool_size: int, free: int | None = None) -> RankMemory:
     """``free``: the device memory left for the KV cache at start-up, when the plan knows it better
     than this machine (a planned GPU that is not here)."""
-    experts = expert_slots(plan.config, engine, pool_size)
-    weights = weights_of(plan, experts, mtp_layers=1 if engine.speculative_mtp else 0)
-    page_bytes = LatentKVPool.page_bytes_for(plan.config, plan.cache_layers, plan.dtype)
+    shape = plan.rank(engine, pool_size)
     budget, note = _kv_budget(plan, engine, free)
-    pages = None
-    if budget is not None:
-        pages = LatentKVPool.num_pages_for_budget(plan.config, plan.cache_layers, budget, plan.dtype)
-    return RankMemory(weights, experts, page_bytes, budget, note, pages)
+    pages = shape.kv_pages(budget) if budget is not None else None
+    return RankMemory(shape, shape.weights(), shape.page_bytes(), budget, note, pages)
 
 
 def _kv_budget(plan: ModelPlan, engine: EngineArgs, planned_free: int | None) -> tuple[int | None, str]:
@@ -344,9 +255,8 @@ class DevicePlan:
 def device_plan(
     plan: ModelPlan, engine: EngineArgs, role: str, pool_size: int, gpu_memory: int | None
 ) -> DevicePlan:
-    slots = expert_slots(plan.config, engine, pool_size)
-    mtp = 1 if engine.speculative_mtp else 0
-    weights = weights_of(plan, slots, mtp)
+    shape = plan.rank(engine, pool_size)
+    slots, weights = shape.expert_slots, shape.weights()
     ep = ep_buffers(plan, role, pool_size, slots, engine.ep_backend)
     runtime = CUDA_RUNTIME_RESERVE if plan.device.type == "cuda" else 0
     free = None
@@ -380,7 +290,7 @@ def _transfer_note(role: str, engine: EngineArgs) -> str:
     return f"the KV cache is registered in place (no staging copy){disk}"
 
 
-def _weights_note(plan: ModelPlan, weights: Weights, slots: int) -> str:
+def _weights_note(plan: ModelPlan, weights: WeightBytes, slots: int) -> str:
     def listing(parts: dict[str, int]) -> str:
         return ", ".join(f"{name} {fmt_bytes(n)}" for name, n in sorted(parts.items(), key=lambda x: -x[1]))
 

@@ -16,7 +16,6 @@ from dsinfer.cli.memory_plan import (
     RankMemory,
     check_fit,
     device_plan,
-    expert_slots,
     fmt_bytes,
     model_plan,
     rank_memory,
@@ -40,7 +39,10 @@ def describe(plan: ModelPlan, mem: RankMemory, label: str, pool_size: int) -> li
     if slots > c.n_routed_experts:
         experts += f"; {slots} slots = {c.n_routed_experts} + {slots - c.n_routed_experts} redundant"
     lines = [f"  {label} (EP{pool_size}): weights {fmt_bytes(mem.weight_bytes)} per rank ({experts})"]
-    page = f"page {PAGE_SIZE} tokens x {plan.cache_layers} layers x {c.kv_cache_dim} values = {fmt_bytes(mem.page_bytes)}"
+    layers = mem.shape.cache_layers
+    page = (
+        f"page {PAGE_SIZE} tokens x {layers} layers x {c.kv_cache_dim} values = {fmt_bytes(mem.page_bytes)}"
+    )
     if mem.kv_budget is None or mem.kv_pages is None:
         lines.append(f"    KV cache: {mem.kv_budget_note}; {page}")
     else:
@@ -95,7 +97,7 @@ def describe_placement(plan: ModelPlan, engine: EngineArgs, pool_size: int, nnod
             raise UsageError(f"--placement: {e}") from None
         source = f"--placement {engine.placement}"
     else:
-        expert_slots(c, engine, pool_size)  # the clear refusal of a layout that cannot be spread
+        plan.rank(engine, pool_size)  # the clear refusal of a layout that cannot be spread
         try:
             placement = ExpertPlacement.for_model(c, pool_size, engine.num_redundant_experts, mtp)
         except ValueError as e:

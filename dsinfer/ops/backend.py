@@ -41,6 +41,15 @@ from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import sampling as torch_sampling
 from dsinfer.ops.experts import grouped_experts
+from dsinfer.ops.signatures import (
+    FusedExperts,
+    GroupedGemmContiguous,
+    GroupedGemmMasked,
+    Linear,
+    MlaDecode,
+    MoeGate,
+    Sample,
+)
 
 logger = logging.getLogger("dsinfer.ops")
 
@@ -75,13 +84,13 @@ Impl = dict[str, Callable[..., Any]]
 class Ops:
     """The kernel entry points chosen for one device; the model calls only these."""
 
-    linear: Callable[..., torch.Tensor]
-    grouped_gemm_contiguous: Callable[..., torch.Tensor]
-    grouped_gemm_masked: Callable[..., torch.Tensor]
-    fused_experts: Callable[..., torch.Tensor]
-    mla_decode: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    moe_gate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    sample: Callable[..., torch.Tensor]
+    linear: Linear  # signatures and contracts: dsinfer/ops/signatures.py
+    grouped_gemm_contiguous: GroupedGemmContiguous
+    grouped_gemm_masked: GroupedGemmMasked
+    fused_experts: FusedExperts
+    mla_decode: MlaDecode
+    moe_gate: MoeGate
+    sample: Sample
     # True: keep checkpoint FP8 weights as fp8 + block scales (the GEMMs take them as they are).
     # False (torch reference on CPU): the loader dequantizes FP8 checkpoints at load.
     supports_fp8_gemm: bool

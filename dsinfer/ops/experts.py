@@ -1,23 +1,20 @@
 """Routed experts as two grouped GEMMs around the SwiGLU (any GEMM backend, FP8 included).
 
-``fused_experts(rows, slots, w13, w13_scale_inv, w2, w2_scale_inv) -> [M, H]``: each row through
-the expert in its local slot (``w13`` ``[S, 2I, H]``: gate rows then up rows; ``w2``
-``[S, H, I]``), in the rows' order and dtype. This form sorts the rows by slot (DeepGEMM's
-contiguous layout), runs ``grouped_gemm_contiguous`` twice and puts the rows back.
+``FusedExperts`` (dsinfer/ops/signatures.py) bound to a ``GroupedGemmContiguous``: the rows are
+sorted by slot (DeepGEMM's contiguous layout), go through ``grouped_gemm_contiguous`` twice and
+are put back in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
-GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+from dsinfer.ops.signatures import GroupedGemmContiguous
 
 
 def grouped_experts(
-    grouped_gemm_contiguous: GroupedGemm,
+    grouped_gemm_contiguous: GroupedGemmContiguous,
     rows: torch.Tensor,
     slots: torch.Tensor,
     w13: torch.Tensor,

@@ -176,7 +176,7 @@ def mla_decode(
     softmax_scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, s_q, h_q, head_dim_v], lse fp32 [B, h_q, s_q])``; CPU tensors only."""
+    """``MlaDecode`` (dsinfer/ops/signatures.py) on CPU tensors."""
     bsz, s_q, h_q, dim = q.shape
     if k_cache.shape[2] != 1 or k_cache.shape[3] != dim:
         raise ValueError(f"mla_decode expects k_cache [blocks, page, 1, {dim}], got {tuple(k_cache.shape)}")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dsinfer.base.config import ModelConfig
+from dsinfer.base.shape import expert_slots_per_rank
 
 FORMAT = "dsinfer-expert-placement/1"
 
@@ -174,22 +175,7 @@ class ExpertPlacement:
     ) -> ExpertPlacement:
         """Contiguous blocks of experts per rank (layers without ``load``), or the greedy
         load-balanced placement (layers with ``load``: per logical expert, e.g. tokens routed)."""
-        if num_ranks < 1 or num_logical < 1 or num_redundant < 0:
-            raise ValueError(
-                f"need num_ranks >= 1, num_logical >= 1, num_redundant >= 0; got {num_ranks}, "
-                f"{num_logical}, {num_redundant}"
-            )
-        total = num_logical + num_redundant
-        if total % num_ranks:
-            raise ValueError(
-                f"num_logical + num_redundant = {num_logical} + {num_redundant} = {total} is not divisible "
-                f"by num_ranks = {num_ranks}"
-            )
-        if total // num_ranks > num_logical:
-            raise ValueError(
-                f"{total // num_ranks} slots per rank exceed the {num_logical} experts (a rank would host one "
-                f"expert twice): at most {num_logical * (num_ranks - 1)} redundant experts on {num_ranks} ranks"
-            )
+        expert_slots_per_rank(num_logical, num_redundant, num_ranks)  # ValueError when they cannot be spread
         load = load or {}
         unknown = sorted(set(load) - set(moe_layers))
         if unknown:

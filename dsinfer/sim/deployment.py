@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsinfer.base.shape import RankShape
 from dsinfer.sim.cost import PoolModel
 from dsinfer.sim.experts import ExpertModel, expert_model
 from dsinfer.sim.hardware import H800, Hardware
@@ -13,6 +14,7 @@ from dsinfer.sim.shape import ModelShape
 
 ROLES = ("prefill", "decode")
 KV_PAGE = 64
+BF16_BYTES = 2
 ACTIVATION_RESERVE = 0.10  # of HBM, for activations, communication buffers and CUDA graphs
 
 
@@ -132,31 +134,17 @@ def chunking_weights(shape: ModelShape) -> tuple[float, float]:
     return per_token / per_pair, kv_b / per_token
 
 
-def weight_bytes_per_rank(shape: ModelShape, spec: PoolSpec) -> float:
-    """FP8 weights (scales ignored) a rank holds: attention, dense and shared FFNs whole, its
-    routed slots, embedding and head in BF16, the MTP layer with --speculative-mtp."""
-    attn = (
-        shape.hidden * (shape.q_lora + shape.latent_dim)
-        + shape.q_lora * shape.heads * shape.qk_head
-        + 3 * shape.kv_lora * shape.heads * (shape.nope_dim + shape.v_dim)  # FP8 + a BF16 copy
-        + shape.heads * shape.v_dim * shape.hidden
-    )
-    expert = 3 * shape.hidden * shape.moe_inter
-    slots = -(-(shape.experts + spec.num_redundant_experts) // spec.pool_size)
-    layers = shape.layers + (shape.mtp_layers if spec.mtp else 0)
-    moe_layers = shape.moe_layers + (shape.mtp_layers if spec.mtp else 0)
-    return (
-        layers * attn
-        + shape.dense_layers * 3 * shape.hidden * shape.inter
-        + moe_layers * (shape.shared_experts + slots) * expert
-        + 2 * 2 * shape.vocab * shape.hidden
-    )
+def rank_shape(shape: ModelShape, spec: PoolSpec) -> RankShape:
+    """One rank of the pool as the memory plan counts it: FP8 weights with BF16 embedding, head and
+    absorbed kv_b copy, a BF16 latent cache, its routed slots, the MTP layer with --speculative-mtp."""
+    mtp = shape.mtp_layers if spec.mtp else 0
+    return RankShape(shape.config, BF16_BYTES, True, spec.pool_size, spec.num_redundant_experts, mtp)
 
 
 def kv_capacity_tokens(spec: PoolSpec, hw: Hardware) -> int:
-    shape = ModelShape.preset(spec.model)
+    rank = rank_shape(ModelShape.preset(spec.model), spec)
     budget = spec.kv_cache_bytes
     if budget is None:
-        budget = hw.hbm_bytes * (1 - ACTIVATION_RESERVE) - weight_bytes_per_rank(shape, spec)
-    per_token = shape.kv_bytes_per_token(spec.mtp)
+        budget = hw.hbm_bytes * (1 - ACTIVATION_RESERVE) - rank.weights().total
+    per_token = rank.kv_bytes_per_token
     return max(0, int(budget // per_token) // KV_PAGE * KV_PAGE)

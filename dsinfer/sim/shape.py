@@ -1,4 +1,6 @@
-"""The model dimensions the cost model needs, read from a validated ``ModelConfig``."""
+"""The model dimensions the cost model needs, under the cost model's short names, read from a
+validated ``ModelConfig`` (kept as ``config``: weight and KV bytes per rank are counted by
+``dsinfer.base.shape.RankShape``, as the memory plan counts them)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,37 @@ from dsinfer.base.presets import resolve_model
 SCALE_BLOCK = 128  # FP8 activation scales: one fp32 per 128 channels
 
 
+# ModelShape field <- ModelConfig field
+_CONFIG_NAMES = {
+    "hidden": "hidden_size",
+    "vocab": "vocab_size",
+    "layers": "num_hidden_layers",
+    "dense_layers": "first_k_dense_replace",
+    "heads": "num_attention_heads",
+    "kv_lora": "kv_lora_rank",
+    "rope_dim": "qk_rope_head_dim",
+    "nope_dim": "qk_nope_head_dim",
+    "v_dim": "v_head_dim",
+    "inter": "intermediate_size",
+    "moe_inter": "moe_intermediate_size",
+    "experts": "n_routed_experts",
+    "topk": "num_experts_per_tok",
+    "n_group": "n_group",
+    "topk_group": "topk_group",
+    "shared_experts": "n_shared_experts",
+    "mtp_layers": "num_nextn_predict_layers",
+}
+
+
 @dataclass(frozen=True)
 class ModelShape:
+    config: ModelConfig
     hidden: int
     vocab: int
     layers: int
     dense_layers: int  # the first layers run a dense FFN instead of MoE
     heads: int
-    q_lora: int
+    q_lora: int  # 0 without a q LoRA
     kv_lora: int
     rope_dim: int
     nope_dim: int
@@ -37,26 +62,8 @@ class ModelShape:
             raise ValueError(
                 "the cost model assumes moe_layer_freq == 1 (every layer after the dense ones is MoE)"
             )
-        return cls(
-            hidden=cfg.hidden_size,
-            vocab=cfg.vocab_size,
-            layers=cfg.num_hidden_layers,
-            dense_layers=cfg.first_k_dense_replace,
-            heads=cfg.num_attention_heads,
-            q_lora=cfg.q_lora_rank or 0,
-            kv_lora=cfg.kv_lora_rank,
-            rope_dim=cfg.qk_rope_head_dim,
-            nope_dim=cfg.qk_nope_head_dim,
-            v_dim=cfg.v_head_dim,
-            inter=cfg.intermediate_size,
-            moe_inter=cfg.moe_intermediate_size,
-            experts=cfg.n_routed_experts,
-            topk=cfg.num_experts_per_tok,
-            n_group=cfg.n_group,
-            topk_group=cfg.topk_group,
-            shared_experts=cfg.n_shared_experts,
-            mtp_layers=cfg.num_nextn_predict_layers,
-        )
+        sizes = {name: getattr(cfg, source) for name, source in _CONFIG_NAMES.items()}
+        return cls(config=cfg, q_lora=cfg.q_lora_rank or 0, **sizes)
 
     @classmethod
     def preset(cls, name: str = "deepseek-v3") -> ModelShape:
@@ -75,10 +82,6 @@ class ModelShape:
     def latent_dim(self) -> int:
         """Values per token per layer of the latent KV cache (512 + 64 for V3)."""
         return self.kv_lora + self.rope_dim
-
-    def kv_bytes_per_token(self, mtp: bool) -> int:
-        """BF16 latent cache bytes per token over every cache layer (+ the MTP layer's)."""
-        return 2 * self.latent_dim * (self.layers + (self.mtp_layers if mtp else 0))
 
     @property
     def dispatch_bytes(self) -> int:

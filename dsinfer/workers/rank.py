@@ -34,6 +34,7 @@ from dsinfer.base.protocol import (
     Register,
     worker_name,
 )
+from dsinfer.base.shape import expert_slots_per_rank
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup
 from dsinfer.parallel.registry import make_ep_group
@@ -103,7 +104,9 @@ def _ep_group(pool: PoolArgs) -> EPGroup:
     config = ModelConfig.from_file(resolve_model(pool.engine.model)[0] / "config.json")
     return make_ep_group(
         hidden=config.hidden_size,
-        num_local_experts=(config.n_routed_experts + pool.engine.num_redundant_experts) // pool.pool_size,
+        num_local_experts=expert_slots_per_rank(
+            config.n_routed_experts, pool.engine.num_redundant_experts, pool.pool_size
+        ),
         top_k=config.num_experts_per_tok,
         low_latency=pool.role == "decode",
         prefer=pool.engine.ep_backend,
