@@ -143,3 +143,26 @@ def test_online_rebalance_keeps_tokens_and_evens_the_load(tiny_ckpt: BuiltCheckp
     after = imbalance([r["received"] for r in moving])
     assert after < before
     assert all(r["free_pages_ok"] for r in moving)
+
+
+def test_one_agreement_all_reduce_per_step(tiny_ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
+    """Every per-step decision of a 2-rank pool (work or sleep, one or two micro-batches and their
+    schedule, EPLB swap) rides one all-reduce per loop iteration (dsinfer/engine/agreement.py);
+    the only other one is EPLB's window load, at the steps where the balancer checks (data at a
+    step number every rank shares, not a decision)."""
+    hot = _hot_checkpoint(tiny_ckpt, tmp_path / "hot")
+    interval = 4
+    results = run_pool(
+        hot, 2, tmp_path, enable_overlap=True, overlap_min_tokens=0,
+        num_redundant_experts=2, eplb_interval=interval, eplb_min_gain=0.0,
+    )  # fmt: skip
+    for r in results:
+        assert r["two_micro_batch_steps"]["prefill"] > 0 and r["two_micro_batch_steps"]["decode"] > 0
+        assert r["rebalances"] and r["rebalances"][0]["swap_step"] is not None  # a swap was agreed
+        staging = [(e["step"], e["swap_step"] or 10**9) for e in r["rebalances"]]  # no checks meanwhile
+        step = 0
+        for count, stepped in r["iterations"]:
+            step += stepped
+            window_check = stepped and step % interval == 0 and not any(d < step <= w for d, w in staging)
+            assert count == 1 + window_check, (step, count)
+        assert r["iterations"][-1] == [1, False]  # the pool agreed to stop stepping: one all-reduce too
