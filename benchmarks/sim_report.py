@@ -32,6 +32,7 @@ import numpy as np
 from dsinfer.cli.plan import load_pool_specs
 from dsinfer.sim import kernels as K
 from dsinfer.sim import planner
+from dsinfer.sim.analytic import analytic_decode_speed
 from dsinfer.sim.cache import SimCache
 from dsinfer.sim.cost import decode_step, prefill_step
 from dsinfer.sim.deployment import (
@@ -43,7 +44,7 @@ from dsinfer.sim.deployment import (
 )
 from dsinfer.sim.hardware import H100, H800, with_measured
 from dsinfer.sim.shape import ModelShape
-from dsinfer.sim.simulator import Simulation, analytic_decode_speed
+from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import DAY, TrafficProfile, mean_rate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,9 +11,10 @@ import pytest
 import dsinfer.balancers.decode
 import dsinfer.balancers.prefill
 import dsinfer.balancers.round_robin
+from dsinfer.sim.analytic import analytic_decode_speed
 from dsinfer.sim.cache import SimCache
 from dsinfer.sim.deployment import Assumptions, PoolSpec
-from dsinfer.sim.simulator import Simulation, analytic_decode_speed
+from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import TrafficProfile
 
 ROOT = Path(__file__).resolve().parent.parent

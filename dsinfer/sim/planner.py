@@ -25,10 +25,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from dsinfer.sim.analytic import analytic_decode_speed
 from dsinfer.sim.cache import SimCache
 from dsinfer.sim.cost import prefill_step
 from dsinfer.sim.deployment import Assumptions, PoolSpec, kv_capacity_tokens
-from dsinfer.sim.simulator import SimResult, Simulation, analytic_decode_speed
+from dsinfer.sim.result import SimResult
+from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import DAY, TrafficProfile, calibrate, mean_rate, rate_at
 
 Progress = Callable[[str], None]

@@ -24,147 +24,23 @@ Decode is started warm: ranks begin with the stationary population of a pool ser
 from __future__ import annotations
 
 import heapq
-import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from dsinfer.balancers import RouteRequest, make_balancer
 from dsinfer.base.protocol import HEARTBEAT_INTERVAL, LoadReport
+from dsinfer.sim.analytic import stationary_batch
 from dsinfer.sim.cache import SimCache
 from dsinfer.sim.cost import decode_step
 from dsinfer.sim.deployment import KV_PAGE, Assumptions, PoolSpec, kv_capacity_tokens
 from dsinfer.sim.pools import DecodePool, PrefillPool
-from dsinfer.sim.workload import Requests, Slo, TrafficProfile, arrivals, sample
+from dsinfer.sim.result import SimResult
+from dsinfer.sim.workload import Requests, TrafficProfile, arrivals, sample
 
 _ARRIVE, _PREFILL_END, _DECODE_END, _KV_READY, _REPORT = range(5)
 DRAIN = 30.0  # seconds after the window to let its requests reach their first token
 WARM_START = 5.0  # seconds over which the warm decode population is routed before t = 0
 WARM_TRIAL_RANKS = 24
-MAX_BACKLOG_GROWTH = 0.02
-
-
-@dataclass
-class SimResult:
-    duration: float
-    prefill_nodes: int
-    decode_nodes: int
-    requests: int = 0
-    ttft: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    input_tokens: float = 0.0  # prompt tokens (cache hits included) whose prefill ended in the window
-    computed_tokens: float = 0.0
-    output_tokens: float = 0.0  # decode tokens produced in the window
-    decode_presence: float = 0.0  # request-seconds in decode (running or waiting) in the window
-    mean_batch: float = 0.0  # running requests per decode rank, time-averaged
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    prefill_step_time: float = 0.0  # mean
-    decode_step_time: float = 0.0
-    prefill_attention_imbalance: float = 1.0
-    prefill_expert_imbalance: float = 1.0
-    decode_attention_imbalance: float = 1.0
-    decode_expert_imbalance: float = 1.0
-    preemptions: int = 0
-    decode_arrivals: int = 0  # requests whose KV reached decode in the window
-    decode_backlog_growth: int = 0  # waiting decode requests at the end of the window minus at its start
-
-    @property
-    def decode_overloaded(self) -> bool:
-        """The waiting queue grew by more than ``MAX_BACKLOG_GROWTH`` of the window's arrivals: the
-        pool falls behind (its per-user speed would keep falling past the window)."""
-        return self.decode_backlog_growth > MAX_BACKLOG_GROWTH * max(self.decode_arrivals, 1)
-
-    @property
-    def ttft_p50(self) -> float:
-        return float(np.percentile(self.ttft, 50, method="higher")) if self.ttft.size else 0.0
-
-    @property
-    def ttft_p90(self) -> float:
-        return float(np.percentile(self.ttft, 90, method="higher")) if self.ttft.size else 0.0
-
-    @property
-    def tokens_per_user(self) -> float:
-        return self.output_tokens / self.decode_presence if self.decode_presence > 0 else math.inf
-
-    @property
-    def input_per_node(self) -> float:
-        return self.input_tokens / self.duration / self.prefill_nodes if self.prefill_nodes else 0.0
-
-    @property
-    def output_per_node(self) -> float:
-        return self.output_tokens / self.duration / self.decode_nodes if self.decode_nodes else 0.0
-
-    def meets(self, slo: Slo) -> bool:
-        ok = True
-        if self.prefill_nodes:
-            ok &= self.ttft.size > 0 and self.ttft_p90 <= slo.ttft_p90_s
-        if self.decode_nodes:
-            ok &= self.tokens_per_user >= slo.min_tokens_per_s and not self.decode_overloaded
-        return bool(ok)
-
-    def summary(self) -> dict[str, float]:
-        out = {
-            "requests": self.requests,
-            "prefill_nodes": self.prefill_nodes,
-            "decode_nodes": self.decode_nodes,
-        }
-        if self.prefill_nodes:
-            out |= {
-                "ttft_p50_s": self.ttft_p50,
-                "ttft_p90_s": self.ttft_p90,
-                "input_tok_s_per_node": self.input_per_node,
-                "computed_tok_s_per_node": self.computed_tokens / self.duration / self.prefill_nodes,
-                "prefill_step_s": self.prefill_step_time,
-                "prefill_attention_imbalance": self.prefill_attention_imbalance,
-                "prefill_expert_imbalance": self.prefill_expert_imbalance,
-            }
-        if self.decode_nodes:
-            out |= {
-                "tokens_per_user_s": self.tokens_per_user,
-                "output_tok_s_per_node": self.output_per_node,
-                "decode_batch_per_rank": self.mean_batch,
-                "decode_step_s": self.decode_step_time,
-                "decode_attention_imbalance": self.decode_attention_imbalance,
-                "decode_expert_imbalance": self.decode_expert_imbalance,
-                "preemptions": self.preemptions,
-                "decode_backlog_growth": self.decode_backlog_growth,
-                "decode_arrivals": self.decode_arrivals,
-            }
-        return {k: float(v) for k, v in out.items()}
-
-
-def analytic_decode_speed(
-    spec: PoolSpec, a: Assumptions, batch: float, context: float, cache: SimCache | None = None
-) -> float:
-    """Tokens/s per user with ``batch`` requests of mean ``context`` on every rank (no imbalance
-    beyond the expert placement's, no routing noise)."""
-    pm = (cache or SimCache()).pool_model(spec, a)
-    ranks = spec.pool_size
-    cost = decode_step(pm, np.full(ranks, batch), np.full(ranks, batch * context), None)
-    per_step = 1.0 + (a.mtp_acceptance if pm.mtp else 0.0)
-    return per_step / cost.time if cost.time > 0 else math.inf
-
-
-def stationary_batch(
-    spec: PoolSpec,
-    a: Assumptions,
-    rate: float,
-    mean_output: float,
-    context: float,
-    slowdown: float = 1.0,
-    cache: SimCache | None = None,
-) -> float:
-    """Requests per rank of a decode pool serving ``rate`` requests/s at its own speed (fixed
-    point), with steps ``slowdown`` times the analytic step time; capped at 4 x max_num_seqs."""
-    ranks = spec.pool_size
-    cache = cache or SimCache()
-    lo, hi = 0.0, 4.0 * spec.max_num_seqs
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        speed = analytic_decode_speed(spec, a, max(mid, 1e-3), context, cache) / slowdown
-        served = mid * ranks * speed / mean_output  # requests/s the pool finishes at batch ``mid``
-        lo, hi = (mid, hi) if served < rate else (lo, mid)
-    return (lo + hi) / 2
 
 
 class Simulation:
