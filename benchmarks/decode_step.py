@@ -1,0 +1,249 @@
+r"""Per-step time of a 2-rank decode pool, served for real, on two commits (before and after a change).
+
+Each run starts an all-in-one ``dsinfer serve`` (gateway, a prefill pool of one rank, a decode pool
+of two ranks; the built-in tiny model with dummy weights, float32, CPU, one torch thread per rank)
+on a clean ``git archive`` of the commit (``pd_serving.export_commit``), warms it up, then sends
+``--concurrency`` streamed completions at once (prompts of ``--prompt-len`` random token ids,
+``--output-len`` tokens with ``ignore_eos``, greedy, ``logprobs=0`` so each chunk says how many
+tokens it carries). While every request is decoding (from the last first token to the first last
+token) each decode step gives each request one token, so the gaps between a request's token chunks
+are the pool's step period: everything a step costs, the forward and the rank loop around it (the
+per-step agreement, control messages). Reported per run: the median and p90 of those gaps (ms per
+step) and output tokens/s over that window; per (commit, setting) the median over repeats.
+
+Settings (``--settings``): ``default``; ``overlap`` (``--enable-overlap``: before issue 16 the
+model runner agreed on the micro-batches in an all-reduce of its own every step, besides the
+rank loop's flags). Commits and settings alternate order from one repeat to the next, so a drift
+in the machine's load does not always favour the same one. The load average is recorded at the
+start and end of every run: compare only numbers taken on a quiet machine.
+
+    /work/venv/bin/python benchmarks/decode_step.py --commits main,HEAD --repeats 3 \
+        --out benchmarks/results/decode_step.json --markdown benchmarks/results/decode_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pd_serving import export_commit, git, machine_info, progress, serve, wait_ready
+
+VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
+RANKS = 3  # prefill/0/0, decode/0/0, decode/0/1
+SETTINGS = {"default": [], "overlap": ["--enable-overlap"]}
+
+
+@dataclass
+class Stream:
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in the chunk)
+    error: str | None = None
+
+
+def server_flags(args: argparse.Namespace, setting: str) -> list[str]:
+    return [
+        *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--device", "cpu", "--seed", "0"),
+        *("--prefill-pool-size", "1", "--decode-pool-size", "2"),
+        *("--threads-per-rank", "1", "--kv-cache-memory", args.kv_cache_memory, "--drain-timeout", "5"),
+        *("--max-num-seqs", str(max(args.concurrency, 8))),
+        *SETTINGS[setting],
+    ]  # fmt: skip
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Stream:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
+    out = Stream(time.perf_counter())
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[len("data: ") :])
+                for choice in chunk.get("choices", []):
+                    tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
+                    if tokens:
+                        out.chunks.append((now, tokens))
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+def step_gaps(streams: list[Stream]) -> tuple[list[float], float, float]:
+    """Per-token gaps inside the window where every request decodes -> (gaps, window s, tokens)."""
+    start = max(s.chunks[0][0] for s in streams)
+    end = min(s.chunks[-1][0] for s in streams)
+    gaps, tokens = [], 0
+    for s in streams:
+        for (t0, _), (t1, n) in zip(s.chunks, s.chunks[1:], strict=False):
+            if start <= t0 and t1 <= end:
+                gaps += [(t1 - t0) / n] * n
+                tokens += n
+    return gaps, end - start, tokens
+
+
+async def measure(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(args.prompt_len)]
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await wait_ready(client, url, RANKS, 300.0)
+        for _ in range(2):  # warm-up: both decode ranks compile and run a batch
+            warm = await asyncio.gather(*(stream_one(client, url, prompt(), 8) for _ in range(4)))
+            if any(s.error for s in warm):
+                raise RuntimeError(f"warm-up failed: {next(s.error for s in warm if s.error)}")
+        load_start = os.getloadavg()[0]
+        streams = await asyncio.gather(
+            *(stream_one(client, url, prompt(), args.output_len) for _ in range(args.concurrency))
+        )
+        load_end = os.getloadavg()[0]
+    errors = [s.error for s in streams if s.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    gaps, window, tokens = step_gaps(streams)
+    if len(gaps) < 10:
+        raise RuntimeError(f"only {len(gaps)} steps inside the steady window ({window:.2f} s)")
+    ordered = sorted(gaps)
+    return {
+        "step_ms_median": 1e3 * statistics.median(gaps),
+        "step_ms_p90": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
+        "steady_window_s": window,
+        "output_tok_s": tokens / window if window > 0 else None,
+        "gaps": len(gaps),
+        "load_start": load_start,
+        "load_end": load_end,
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for key in sorted({(r["label"], r["setting"]) for r in runs}):
+        mine = [r for r in runs if (r["label"], r["setting"]) == key]
+        out[f"{key[0]} {key[1]}"] = {
+            "step_ms_median": statistics.median(r["step_ms_median"] for r in mine),
+            "step_ms_p90": statistics.median(r["step_ms_p90"] for r in mine),
+            "output_tok_s": statistics.median(r["output_tok_s"] for r in mine),
+            "repeats": len(mine),
+        }
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    a = report["args"]
+    lines = [
+        "# Per-step time of a 2-rank decode pool (benchmarks/decode_step.py)",
+        "",
+        f"- date: {report['date']}",
+        "- machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()),
+        f"- command: `{report['command']}`",
+        "- commits: " + ", ".join(f"{c['label']} = {c['sha']}" for c in report["commits"]),
+        f"- workload: {a['concurrency']} streamed requests at once, {a['prompt_len']} prompt tokens, "
+        f"{a['output_len']} output tokens, greedy; one torch thread per rank; {a['repeats']} repeat(s)",
+        f"- load average (1 min) over the runs: {min(r['load_start'] for r in report['runs']):.2f} to "
+        f"{max(r['load_end'] for r in report['runs']):.2f}",
+        "",
+        "| commit | setting | step ms (median) | step ms (p90) | output tok/s | repeats |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for key, row in report["summary"].items():
+        label, setting = key.split(" ", 1)
+        lines.append(
+            f"| {label} | {setting} | {row['step_ms_median']:.1f} | {row['step_ms_p90']:.1f} | "
+            f"{row['output_tok_s']:.0f} | {row['repeats']} |"
+        )
+    lines += ["", "Runs (in order):", "", "| repeat | commit | setting | step ms | p90 | load start/end |"]
+    lines.append("|---:|---|---|---:|---:|---|")
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['repeat']} | {r['label']} | {r['setting']} | {r['step_ms_median']:.1f} | "
+            f"{r['step_ms_p90']:.1f} | {r['load_start']:.2f} / {r['load_end']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--commits", default="main,HEAD", help="comma-separated revisions (first = before)")
+    parser.add_argument("--settings", default="default,overlap")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    settings = args.settings.split(",")
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting {unknown[0]!r}; choose from {', '.join(SETTINGS)}")
+    with tempfile.TemporaryDirectory(prefix="decode_step-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        commits = []
+        for i, rev in enumerate(args.commits.split(",")):
+            sha, source = export_commit(rev, Path(tmp) / f"src{i}")
+            commits.append({"label": f"{rev}", "sha": sha, "source": source})
+        runs = []
+        for repeat in range(args.repeats):
+            order = [(c, s) for s in settings for c in commits]
+            for commit, setting in order if repeat % 2 == 0 else order[::-1]:
+                name = f"{commit['label']}-{setting}-r{repeat}"
+                with serve(
+                    server_flags(args, setting), log_dir, name, 300.0, source=commit["source"]
+                ) as server:
+                    result = asyncio.run(measure(server.base_url, args, args.seed + repeat))
+                progress(
+                    f"[{name}] step {result['step_ms_median']:.1f} ms (p90 {result['step_ms_p90']:.1f}), "
+                    f"load {result['load_start']:.2f} -> {result['load_end']:.2f}"
+                )
+                runs.append({"repeat": repeat, "label": commit["label"], "setting": setting, **result})
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commits": [{"label": c["label"], "sha": c["sha"]} for c in commits],
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+    text = markdown(report)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.markdown is not None:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    git("rev-parse", "HEAD")  # a checkout is needed for the exports
+    sys.exit(main())
