@@ -7,10 +7,13 @@ are put back in order.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from dsinfer.ops.signatures import GroupedGemmContiguous
+if TYPE_CHECKING:
+    from dsinfer.ops.signatures import GroupedGemmContiguous
 
 
 def grouped_experts(

@@ -138,8 +138,11 @@ def fused_experts(
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``FusedExperts`` (dsinfer/ops/signatures.py) on CPU tensors. Float32 or bfloat16 weights run
-    fused; others (block-FP8) through the grouped-GEMM reference."""
+    """Each row through the SwiGLU expert of its local slot: ``[M, H] -> [M, H]`` in ``rows``' dtype
+    and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, CPU tensors;
+    a row's result does not depend on the other rows. Float32 or bfloat16 weights run fused;
+    others (block-FP8) through the grouped-GEMM reference. The ``FusedExperts`` contract
+    (dsinfer/ops/signatures.py)."""
     fused_dtypes = (torch.float32, torch.bfloat16)
     if w13.dtype not in fused_dtypes or w2.dtype != w13.dtype:
         return grouped_experts(
