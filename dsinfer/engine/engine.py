@@ -11,7 +11,8 @@ off the scheduler, the sequences, the cache and the model. That surface:
 - one step in lockstep with the pool: ``plan_step``, ``agree``, ``run_step``
   (dsinfer/engine/agreement.py); ``step_updates`` does the three for a caller that has no votes
   of its own;
-- ``load_report``: queue lengths, KV usage, prefix-cache statistics and expert load.
+- ``load_report``: queue lengths, KV usage, prefix-cache statistics and expert load;
+- ``warmup``, ``close``, and what a rank registers with: ``max_model_len``, ``model_identity``.
 """
 
 from __future__ import annotations
