@@ -38,7 +38,7 @@ class Job:
     request_id: str  # the client request's id; worker request ids add choice and attempt
     prompt_token_ids: list[int]
     params: SamplingParams  # n may be > 1; seed None = the router draws one for all choices
-    deadline: float  # time.monotonic() when the request ends with a timeout (the HTTP layer's)
+    deadline: float  # time.monotonic() when the HTTP layer ends the request (a timeout); never retried after
     first_choice: int = 0  # the request's index of this job's first choice (prompt index x n)
     arrival_time: float = 0.0  # time.monotonic() at the HTTP layer
 

@@ -193,7 +193,8 @@ class Router:
         """Dispatch a choice that has streamed nothing yet as its next attempt (the old ranks
         drop the old one), or end it with ``reason``."""
         old_id = choice.request.request_id
-        if choice.started or choice.key.attempt >= MAX_RETRIES or not self.pools.ready():
+        late = time.monotonic() >= choice.stream.job.deadline  # the HTTP layer times it out anyway
+        if choice.started or choice.key.attempt >= MAX_RETRIES or late or not self.pools.ready():
             self.end_choice(choice, TokenDelta(request_id=old_id, error=reason))
             return
         self._forget(choice)
