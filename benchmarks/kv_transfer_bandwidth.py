@@ -73,7 +73,7 @@ def receiver_main(backend: str, specs: list[str]) -> None:
         layers, pages = (int(v) for v in shape.split("x"))
         pools[agent] = make_pool(layers, pages)
         txs[agent] = make_transfer_backend(backend, agent)
-        txs[agent].register_pool(pools[agent])
+        txs[agent].register_pool([(layer,) for layer in pools[agent]])  # one cache per layer
     print(MARK + json.dumps({a: tx.metadata().hex() for a, tx in txs.items()}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -213,7 +213,7 @@ def bench_backend(backend: str, sizes: list[int], layers: int, iters: int) -> li
                     torch.randint(-(2**15), 2**15 - 1, cache.shape, dtype=torch.int16)
                 )
             tx = make_transfer_backend(backend, f"bench-writer-{agent}")
-            tx.register_pool(pool)
+            tx.register_pool([(layer,) for layer in pool])
             tx.connect(agent, receiver.metadata[agent])
             writers[agent] = (tx, pool)
         rng = np.random.default_rng(0)

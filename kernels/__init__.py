@@ -7,6 +7,10 @@ reference.
 
 - ``mla_decode``: MLA decode over the paged latent cache (FlashMLA semantics, split-KV), with
   the ``Ops`` signature.
+- ``indexer_logits``: DeepSeek-V3.2's lightning-indexer logits over the paged (plain or FP8) key
+  cache; ops adds the top-k.
+- ``sparse_mla_decode``: MLA decode over the cache slots each query picked (FlashMLA's sparse
+  semantics), with the ``Ops`` signature.
 - ``quantize_activation_1x128``, ``fp8_gemm_nt``, ``m_grouped_fp8_gemm_nt_contiguous``,
   ``m_grouped_fp8_gemm_nt_masked``: block-FP8 GEMMs with DeepGEMM's newer names and semantics
   (1x128 activation scales, 128x128 weight scales, fp32 accumulation).
@@ -18,5 +22,7 @@ from .fp8_gemm import fp8_gemm_nt as fp8_gemm_nt
 from .fp8_gemm import quantize_activation_1x128 as quantize_activation_1x128
 from .grouped_gemm import m_grouped_fp8_gemm_nt_contiguous as m_grouped_fp8_gemm_nt_contiguous
 from .grouped_gemm import m_grouped_fp8_gemm_nt_masked as m_grouped_fp8_gemm_nt_masked
+from .indexer import indexer_logits as indexer_logits
 from .mla_decode import mla_decode as mla_decode
 from .moe_gate import moe_gate as moe_gate
+from .sparse_mla import sparse_mla_decode as sparse_mla_decode

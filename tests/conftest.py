@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures.checkpoints import FP8_OVERRIDES, BuiltCheckpoint, build_checkpoint
+from tests.fixtures.checkpoints import (
+    FP8_OVERRIDES,
+    V32_OVERRIDES,
+    YARN_V3,
+    BuiltCheckpoint,
+    build_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -17,3 +23,15 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
 def tiny_ckpt_fp8(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
     """TINY_BASE + FP8_OVERRIDES with block-FP8 weights (full and partial 128x128 blocks), MTP, 2 shards."""
     return build_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_fp8"), FP8_OVERRIDES, fp8=True, bias_scale=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_v32(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
+    """A tiny DeepSeek-V3.2 (DeepseekV32ForCausalLM: 12 keys per query picked by a 16-head indexer),
+    float32, MTP layer, 1024 positions (YaRN x4 over 256), tokenizer files."""
+    overrides = {
+        **V32_OVERRIDES,
+        "max_position_embeddings": 1024,
+        "rope_scaling": {**YARN_V3, "original_max_position_embeddings": 256},
+    }
+    return build_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_v32"), overrides, bias_scale=0.5)

@@ -326,10 +326,13 @@ def test_all_in_one_stops_everything_when_the_gateway_dies(tmp_path: Path, serve
         ),
     ],
 )
+@pytest.mark.parametrize("model", ["deepseek-v3", "deepseek-v3.2"])
 def test_dry_run_h800_profiles_fit_80gb(
-    capsys: pytest.CaptureFixture[str], profile: Path, slots: int, ep: str
+    capsys: pytest.CaptureFixture[str], profile: Path, slots: int, ep: str, model: str
 ) -> None:
-    code, out, err = serve(capsys, "--config", str(profile), "--dry-run")
+    """The H800 profiles with V3 and with V3.2, whose pages also hold the FP8 indexer keys and whose
+    attention activations hold the indexer's logits."""
+    code, out, err = serve(capsys, "--config", str(profile), "--dry-run", "--model", model)
     assert code == 0, err
     assert "per-GPU memory of --gpu-memory 74.5 GiB:" in out  # 80GB = 80e9 bytes
     assert re.search(r"^    total +\d+\.\d GiB: fits, \d+\.\d GiB left$", out, re.MULTILINE), out
@@ -341,6 +344,9 @@ def test_dry_run_h800_profiles_fit_80gb(
     assert "KV transfer         0 B  the KV cache is registered in place" in out
     assert "288 slots" in out and "32 experts replicated" in out
     assert "warning" not in out
+    if model == "deepseek-v3.2":
+        assert "62 layers x (latent 576 x bfloat16 + indexer 132 x uint8: 1284 B per token)" in out
+        assert "the indexer's logits" in out
 
 
 def test_dry_run_placement_per_node(capsys: pytest.CaptureFixture[str]) -> None:

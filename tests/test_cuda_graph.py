@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.base.kv_spec import KVCacheSpec
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_batch_sizes, graph_unsupported_reason
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import load_model
@@ -40,7 +41,7 @@ def test_expert_parallel_and_cpu_capture_are_refused() -> None:
     ep_model: Any = SimpleNamespace(ep=object())
     reason = graph_unsupported_reason(ep_model)
     assert reason is not None and "expert parallelism" in reason
-    pool = LatentKVPool(1, 4, 8, page_size=PAGE)
+    pool = PagedKVPool(1, 4, KVCacheSpec.latent(8, "float32", PAGE))
     with pytest.raises(ValueError, match="expert parallelism"):
         CudaGraphRunner(ep_model, pool, max_batch_size=4, max_seq_len=64, capture=False)
     plain_model: Any = SimpleNamespace(ep=None)
@@ -52,13 +53,16 @@ def _moe_load(model: torch.nn.Module) -> int:
     return sum(int(m.expert_load.sum()) for m in model.modules() if isinstance(m, MoE))
 
 
-def test_padded_static_decode_matches_transformers(tiny_ckpt: BuiltCheckpoint) -> None:
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
+def test_padded_static_decode_matches_transformers(checkpoint: str, request: pytest.FixtureRequest) -> None:
     """Two decode steps through the graph callable (5 sequences in bucket 8, then 3 in bucket 4):
-    logits match transformers, only the new tokens' slots and the dummy page are written, and
-    padding rows count no expert load."""
+    logits match transformers, only the new tokens' slots and the dummy page are written (in
+    every cache: V3.2's indexer keys too), and padding rows count no expert load. V3.2's decode
+    runs the indexer and sparse MLA over the static block tables (12 keys of up to 31)."""
+    tiny_ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
     loaded = load_model(tiny_ckpt.path, select_ops("cpu"), dtype=torch.float32)
     model, config = loaded.model, loaded.config
-    pool = LatentKVPool(model.num_cache_layers, 24, config.kv_cache_dim, page_size=PAGE)
+    pool = PagedKVPool.for_model(config, model.num_cache_layers, 24, torch.float32, "cpu", page_size=PAGE)
     graphs = CudaGraphRunner(model, pool, max_batch_size=8, max_seq_len=128, capture=False)
     assert graphs.batch_sizes == (1, 2, 4, 8) and pool.num_usable_pages == 23
     prompts = [_prompt(n, seed=60 + n) for n in (9, 23, 17, 30, 12)]
@@ -74,7 +78,8 @@ def test_padded_static_decode_matches_transformers(tiny_ckpt: BuiltCheckpoint) -
         kv_lens=lens,
     )
     model(torch.tensor([t for p in prompts for t in p[:-1]]), prefill, pool.caches)
-    before = [cache.clone() for cache in pool.caches]
+    decoder_caches = [c for layer in pool.caches[: config.num_hidden_layers] for c in layer.tensors()]
+    before = [cache.clone() for cache in decoder_caches]  # (the MTP layer's cache is not run)
     load = _moe_load(model)
 
     _, logits = graphs.run(DecodeRows([p[-1] for p in prompts], lens, pages))
@@ -85,8 +90,7 @@ def test_padded_static_decode_matches_transformers(tiny_ckpt: BuiltCheckpoint) -
     moe_layers = sum(isinstance(layer.mlp, MoE) for layer in model.model.layers)
     assert _moe_load(model) - load == 5 * config.num_experts_per_tok * moe_layers
     written = {pg[n // PAGE] * PAGE + n % PAGE for pg, n in zip(pages, lens, strict=True)}
-    decoder_caches = pool.caches[: config.num_hidden_layers]  # the MTP layer's cache is not run
-    for old, new in zip(before, decoder_caches, strict=False):
+    for old, new in zip(before, decoder_caches, strict=True):
         changed = (old != new).any(dim=-1).flatten().nonzero().flatten().tolist()
         assert set(changed) - written <= set(range(graphs.dummy_page * PAGE, (graphs.dummy_page + 1) * PAGE))
         assert written <= set(changed)
@@ -120,7 +124,11 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_engine_decode_through_static_buffers_gives_eager_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
+def test_engine_decode_through_static_buffers_gives_eager_tokens(
+    checkpoint: str, request: pytest.FixtureRequest
+) -> None:
+    tiny_ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
     eager = _make(tiny_ckpt)
     assert eager.engine.runner.decode_graphs is None  # CPU: no graphs unless asked for
     expected = _generate(eager)

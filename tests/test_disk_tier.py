@@ -1,8 +1,12 @@
-"""On-disk KV tier: round trip, restart, capacity eviction, and rejection of every kind of bad file."""
+"""On-disk KV tier: round trip, restart, capacity eviction, and rejection of every kind of bad file
+(format version 1 files, from before the per-layer cache spec, included)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -10,24 +14,28 @@ import pytest
 import torch
 
 from dsinfer.base.hashing import model_root, page_hashes
+from dsinfer.base.kv_spec import CacheComponent, KVCacheSpec
 from dsinfer.cache.disk_tier import DiskKVTier
+from dsinfer.cache.kv_pool import PagedKVPool
 
-SHAPE = (3, 4, 8)  # layers, page_size, dim
+PS = 4
+SPEC = KVCacheSpec((CacheComponent("latent", 8, "float32"), CacheComponent("indexer", 4, "float32")), PS)
+POOL = PagedKVPool(3, 1, SPEC)  # what a page is: 3 layers of latent + indexer keys
 ROOT = model_root("test-model", "float32", "4")
 
 
 def _tier(directory: Path, capacity_pages: int = 100, **kwargs: object) -> DiskKVTier:
-    opts: dict = {"root": ROOT, "page_shape": SHAPE, "dtype": torch.float32, **kwargs}
+    opts: dict = {"root": ROOT, "page_layout": POOL.page_layout, "page_bytes": POOL.page_bytes, **kwargs}
     probe = DiskKVTier(directory, capacity_bytes=1 << 40, **opts)
     return DiskKVTier(directory, capacity_bytes=capacity_pages * probe.file_bytes, **opts)
 
 
 def _keys(n: int, root: bytes = ROOT) -> list[bytes]:
-    return page_hashes(list(range(n * SHAPE[1])), SHAPE[1], root)
+    return page_hashes(list(range(n * PS)), PS, root)
 
 
-def _page(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+def _page(seed: int, nbytes: int = POOL.page_bytes) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -38,20 +46,28 @@ def test_round_trip(tmp_path: Path) -> None:
     assert tier.write(key, data)
     assert tier.contains(key) and len(tier) == 1
     got = tier.read(key)
-    assert got is not None and got.dtype == torch.float32 and torch.equal(got, data)
+    assert got is not None and got.dtype == torch.uint8 and torch.equal(got, data)
     stats = tier.stats()
     assert (stats.pages_written, stats.pages_read, stats.files_rejected) == (1, 1, 0)
     assert stats.bytes == tier.file_bytes and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_round_trip_bfloat16(tmp_path: Path) -> None:
-    tier = _tier(tmp_path, dtype=torch.bfloat16)
-    key, data = _keys(1)[0], _page(1, torch.bfloat16)
-    tier.write(key, data)
+def test_page_through_a_pool(tmp_path: Path) -> None:
+    """A pool page with both caches of every layer written survives the tier byte for byte."""
+    pool = PagedKVPool(3, 4, SPEC)
+    for layer in pool.caches:
+        for cache in layer.tensors():
+            cache.normal_(generator=torch.Generator().manual_seed(cache.shape[-1]))
+    tier, key = _tier(tmp_path), _keys(1)[0]
+    assert tier.write(key, pool.read_page(2))
+    other = PagedKVPool(3, 4, SPEC)
     got = tier.read(key)
-    assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, data)
+    assert got is not None
+    other.write_page(1, got)
+    for a, b in zip(pool.caches, other.caches, strict=True):
+        assert torch.equal(a.latent[2], b.latent[1]) and torch.equal(a.indexer[2], b.indexer[1])
     with pytest.raises(ValueError, match="does not fit"):
-        tier.write(key, _page(1))  # float32 into a bfloat16 tier
+        tier.write(key, torch.zeros(POOL.page_bytes, dtype=torch.float32))
 
 
 def test_restart_rebuilds_index(tmp_path: Path) -> None:
@@ -88,7 +104,13 @@ def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
     assert len(tier) == 2 and tier.total_bytes <= tier.capacity_bytes
     assert tier.stats().files_evicted == 1
     # a capacity below one page stores nothing
-    tiny = DiskKVTier(tmp_path / "tiny", capacity_bytes=10, root=ROOT, page_shape=SHAPE, dtype=torch.float32)
+    tiny = DiskKVTier(
+        tmp_path / "tiny",
+        capacity_bytes=10,
+        root=ROOT,
+        page_layout=POOL.page_layout,
+        page_bytes=POOL.page_bytes,
+    )
     assert not tiny.write(a, _page(0)) and not tiny.contains(a)
 
 
@@ -116,15 +138,21 @@ def test_bad_files_are_rejected_never_served(tmp_path: Path) -> None:
         tmp_path / "other",
         capacity_bytes=1 << 30,
         root=model_root("other"),
-        page_shape=SHAPE,
-        dtype=torch.float32,
+        page_layout=POOL.page_layout,
+        page_bytes=POOL.page_bytes,
     )
     other.write(foreign, _page(9))  # another model's file under our key's name
     os.replace(tmp_path / "other" / foreign.hex(), path(foreign))
+    latent_only = PagedKVPool(3, 1, KVCacheSpec.latent(12, "float32", PS))  # same bytes, another layout
+    assert latent_only.page_bytes == POOL.page_bytes
     wide = DiskKVTier(
-        tmp_path / "wide", capacity_bytes=1 << 30, root=ROOT, page_shape=(3, 4, 16), dtype=torch.float32
+        tmp_path / "wide",
+        capacity_bytes=1 << 30,
+        root=ROOT,
+        page_layout=latent_only.page_layout,
+        page_bytes=latent_only.page_bytes,
     )
-    wide.write(shape, torch.zeros(3, 4, 16))
+    wide.write(shape, _page(8))
     os.replace(tmp_path / "wide" / shape.hex(), path(shape))
     path(junk).write_bytes(os.urandom(tier.file_bytes))  # valid-looking name, random bytes
     tier.contains(junk)  # adopted into the index
@@ -167,3 +195,39 @@ def test_file_written_by_another_process_is_found(tmp_path: Path) -> None:
     assert not tier.is_indexed(key) and tier.contains(key)
     got = tier.read(key)
     assert got is not None and torch.equal(got, _page(0))
+
+
+def _version1_file(key: bytes, payload: bytes) -> bytes:
+    """A page file as format version 1 wrote it: one latent cache, its shape and dtype in the header."""
+    header = struct.Struct("<8sHH16sB32s3I16sQ32s")
+    return (
+        header.pack(
+            b"DSKVPAGE",
+            1,
+            header.size,
+            hashlib.blake2b(ROOT, digest_size=16).digest(),
+            len(key),
+            key,
+            3,
+            PS,
+            len(payload) // (3 * PS * 4),
+            b"float32",
+            len(payload),
+            hashlib.blake2b(payload, digest_size=32).digest(),
+        )
+        + payload
+    )
+
+
+def test_version1_files_are_rejected_cleanly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Files of the format before the cache spec (same model, same page size) are counted, deleted
+    and reported as a miss; the tier keeps serving and rewrites the page in the new format."""
+    key = _keys(1)[0]
+    (tmp_path / key.hex()).write_bytes(_version1_file(key, bytes(_page(3))))
+    tier = _tier(tmp_path)
+    assert tier.contains(key)
+    with caplog.at_level(logging.WARNING, logger="dsinfer.cache.disk_tier"):
+        assert tier.read(key) is None
+    assert "format version 1 (expected 2)" in caplog.text
+    assert not (tmp_path / key.hex()).exists() and tier.stats().files_rejected == 1
+    assert tier.write(key, _page(3)) and torch.equal(tier.read(key), _page(3))

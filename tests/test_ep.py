@@ -32,9 +32,12 @@ def _prompts(count: int = 8) -> list[list[int]]:
     ]
 
 
-def run_pool(ckpt: BuiltCheckpoint, world: int, tmp: Path, **engine: object) -> list[dict]:
-    """Start ``world`` rank processes, prompts dealt round-robin; their results, rank by rank."""
-    prompts = _prompts()
+def run_pool(
+    ckpt: BuiltCheckpoint, world: int, tmp: Path, prompts: list[list[int]] | None = None, **engine: object
+) -> list[dict]:
+    """Start ``world`` rank processes, ``prompts`` (default ``_prompts()``) dealt round-robin as
+    p0, p1, ...; their results, rank by rank."""
+    prompts = _prompts() if prompts is None else prompts
     init = f"tcp://127.0.0.1:{free_port()}"
     procs, outs = [], []
     try:

@@ -1,5 +1,6 @@
 """KV cache manager: reference counts, LRU eviction, prefix matching, commit, disk write-through and
-restart, stats; plus the page hash it keys on."""
+restart, stats; plus the page hash it keys on. The pool has two caches per layer (a latent and
+V3.2-style indexer keys of another width), so every page move is checked on both."""
 
 from __future__ import annotations
 
@@ -14,17 +15,22 @@ import torch
 
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.hashing import model_root, page_hash, page_hashes
+from dsinfer.base.kv_spec import CacheComponent, KVCacheSpec
 from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import CacheStats, KVCacheManager
-from dsinfer.cache.latent_pool import LatentKVPool, OutOfPagesError
+from dsinfer.cache.kv_pool import OutOfPagesError, PagedKVPool
 
 PS = 4  # page size
-LAYERS, DIM = 2, 8
+LAYERS, DIM, INDEX_DIM = 2, 8, 6
+SPEC = KVCacheSpec(
+    (CacheComponent("latent", DIM, "float32"), CacheComponent("indexer", INDEX_DIM, "float32")), PS
+)
+PAGE_BYTES = LAYERS * PS * (DIM + INDEX_DIM) * 4
 ROOT = model_root("test-model", "float32", str(PS))
 
 
-def _pool(num_pages: int = 8) -> LatentKVPool:
-    return LatentKVPool(LAYERS, num_pages, DIM, page_size=PS)
+def _pool(num_pages: int = 8, spec: KVCacheSpec = SPEC) -> PagedKVPool:
+    return PagedKVPool(LAYERS, num_pages, spec)
 
 
 def _manager(num_pages: int = 8, **kwargs: object) -> KVCacheManager:
@@ -32,8 +38,13 @@ def _manager(num_pages: int = 8, **kwargs: object) -> KVCacheManager:
 
 
 def _disk(directory: Path, capacity: int = 1 << 30) -> DiskKVTier:
+    pool = _pool(1)
     return DiskKVTier(
-        directory, capacity_bytes=capacity, root=ROOT, page_shape=(LAYERS, PS, DIM), dtype=torch.float32
+        directory,
+        capacity_bytes=capacity,
+        root=ROOT,
+        page_layout=pool.page_layout,
+        page_bytes=pool.page_bytes,
     )
 
 
@@ -41,8 +52,9 @@ def _fill(mgr: KVCacheManager, pages: list[int], start: int, end: int, seed: int
     """Write deterministic 'KV' for token positions [start, end) of a sequence, as a forward would."""
     slots = mgr.pool.slots(pages, start, end)
     gen = torch.Generator().manual_seed(seed)
-    for cache in mgr.pool.caches:
-        cache.view(-1, DIM)[slots] = torch.randn(end - start, DIM, generator=gen)
+    for layer in mgr.pool.caches:
+        for cache in layer.tensors():
+            cache.view(-1, cache.shape[-1])[slots] = torch.randn(end - start, cache.shape[-1], generator=gen)
 
 
 def _run(mgr: KVCacheManager, tokens: list[int], seed: int = 0) -> list[int]:
@@ -79,15 +91,32 @@ def test_page_hashes_chain_and_roots() -> None:
 # Pool extensions ----------------------------------------------------------------------------------
 def test_pool_page_io_and_budget() -> None:
     pool = _pool(4)
-    data = torch.randn(LAYERS, PS, DIM)
+    assert pool.page_bytes == PAGE_BYTES
+    latent = torch.randn(LAYERS, PS, DIM)
+    keys = torch.randn(LAYERS, PS, INDEX_DIM)
+    # a page's bytes: layer after layer, each layer's latent then its indexer keys
+    data = torch.cat(
+        [
+            torch.cat([latent[i].view(torch.uint8).flatten(), keys[i].view(torch.uint8).flatten()])
+            for i in range(LAYERS)
+        ]
+    )
     pool.write_page(2, data)
-    assert torch.equal(pool.read_page(2), data) and torch.equal(pool.caches[1][2], data[1])
-    with pytest.raises(ValueError, match="shape"):
-        pool.write_page(2, torch.zeros(LAYERS, PS, DIM + 1))
-    config = ModelConfig.from_file(Path(__file__).parents[1] / "configs/models/deepseek-v3/config.json")
+    assert torch.equal(pool.read_page(2), data)
+    assert torch.equal(pool.caches[1].latent[2], latent[1]) and torch.equal(
+        pool.caches[1].indexer[2], keys[1]
+    )
+    assert not pool.caches[0].latent[1].any()  # other pages untouched
+    with pytest.raises(ValueError, match="uint8"):
+        pool.write_page(2, torch.zeros(PAGE_BYTES + 1, dtype=torch.uint8))
+    repo = Path(__file__).parents[1] / "configs/models"
+    v3 = KVCacheSpec.for_model(ModelConfig.from_file(repo / "deepseek-v3/config.json"), "bfloat16")
     per_page = 61 * 64 * 576 * 2
-    assert LatentKVPool.page_bytes_for(config, 61, torch.bfloat16) == per_page
-    assert LatentKVPool.num_pages_for_budget(config, 61, 10 * per_page + 5, torch.bfloat16, 64) == 10
+    assert PagedKVPool.page_bytes_for(v3, 61) == per_page
+    assert PagedKVPool.num_pages_for_budget(v3, 61, 10 * per_page + 5) == 10
+    v32 = ModelConfig.from_file(repo / "deepseek-v3.2/config.json")  # + the indexer keys: 128 values
+    assert KVCacheSpec.for_model(v32, "bfloat16").bytes_per_token == (576 + 128) * 2
+    assert KVCacheSpec.for_model(v32, "bfloat16", "fp8").bytes_per_token == 576 * 2 + 128 + 4
 
 
 # Reference counts and eviction ------------------------------------------------------------------
@@ -379,7 +408,7 @@ def test_corrupt_disk_file_is_a_miss(tmp_path: Path) -> None:
 
 def test_disk_tier_must_match_pool(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="do not match"):
-        KVCacheManager(LatentKVPool(LAYERS, 4, DIM + 1, page_size=PS), root=ROOT, disk=_disk(tmp_path))
+        KVCacheManager(_pool(4, KVCacheSpec.latent(DIM, "float32", PS)), root=ROOT, disk=_disk(tmp_path))
     with pytest.raises(ValueError, match="root"):
         KVCacheManager(_pool(4), root=model_root("other"), disk=_disk(tmp_path))
 
@@ -399,7 +428,7 @@ class _SlowDisk(DiskKVTier):
 
 def test_commit_never_waits_for_disk(tmp_path: Path) -> None:
     disk = _SlowDisk(
-        tmp_path, capacity_bytes=1 << 30, root=ROOT, page_shape=(LAYERS, PS, DIM), dtype=torch.float32
+        tmp_path, capacity_bytes=1 << 30, root=ROOT, page_layout=_pool(1).page_layout, page_bytes=PAGE_BYTES
     )
     mgr = _manager(8, disk=disk, max_pending_writes=1)
     tokens = list(range(3 * PS + 1))

@@ -1,7 +1,10 @@
 """dsinfer's model, loaded from a transformers-written checkpoint, against transformers' logits.
 
 Both MLA paths are checked: full-prompt prefill through the decompressed path, and token-by-token
-decode through the absorbed path over the paged latent cache (prompts span several pages).
+decode through the absorbed path over the paged latent cache (prompts span several pages). The
+"v32_sparse" configuration is DeepSeek-V3.2 (DeepseekV32ForCausalLM): its indexer keeps 12 keys per
+query, so from the 13th token on every path runs sparse attention; its comparisons stop at the
+indexer cut (tests/fixtures/hf_reference.py), which must leave the sparse positions compared.
 """
 
 from __future__ import annotations
@@ -12,12 +15,18 @@ from typing import Any
 import pytest
 import torch
 
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import LoadedModel, load_model
 from dsinfer.ops import select_ops
-from tests.fixtures.checkpoints import FP8_OVERRIDES, ROPE_VARIANTS, BuiltCheckpoint, build_checkpoint
-from tests.fixtures.hf_reference import compare, hf_last_hidden, hf_logits, mtp_reference
+from tests.fixtures.checkpoints import (
+    FP8_OVERRIDES,
+    ROPE_VARIANTS,
+    V32_OVERRIDES,
+    BuiltCheckpoint,
+    build_checkpoint,
+)
+from tests.fixtures.hf_reference import compare, hf_last_hidden, hf_logits, indexer_cut, mtp_reference
 
 DECOMPRESSED, ABSORBED = False, True  # which MLA path a step takes
 PAGE = 16  # small pages so that a 40-token prompt spans three of them, one partial
@@ -32,7 +41,18 @@ CONFIGS: dict[str, tuple[dict[str, Any], float]] = {
     ),
     "mscale_mixed_no_interleave": ({**ROPE_VARIANTS["mscale_mixed"], "rope_interleave": False}, 0.3),
     "mscale_0707_dense_first2": ({**ROPE_VARIANTS["mscale_0707"], "first_k_dense_replace": 2}, 0.3),
+    "v32_sparse": (V32_OVERRIDES, 0.3),
 }
+
+
+def compare_prompt(built: BuiltCheckpoint, prompt: list[int], logits: torch.Tensor) -> None:
+    """``logits [T, V]`` of ``prompt`` against transformers', up to the indexer cut (V3.2), which
+    must lie past the first sparse positions."""
+    cut = indexer_cut(built.hf_model, prompt)
+    if built.config.get("index_topk") is not None:
+        least = min(len(prompt), built.config["index_topk"] + 8)
+        assert cut >= least, f"indexer cut at {cut}: too few sparse positions compared"
+    compare(hf_logits(built.hf_model, prompt)[:cut], logits[:cut])
 
 
 def _prompt(n: int, seed: int, vocab: int = 4096) -> list[int]:
@@ -45,9 +65,7 @@ class Runner:
     def __init__(self, loaded: LoadedModel, max_tokens: int = 128) -> None:
         self.model = loaded.model
         num_pages = -(-max_tokens // PAGE)
-        self.pool = LatentKVPool(
-            loaded.model.num_cache_layers, num_pages + 2, loaded.config.kv_cache_dim, page_size=PAGE
-        )
+        self.pool = _pool(loaded, num_pages + 2)
         # a shuffled, non-contiguous page list, as an allocator in use would hand out
         self.pages = torch.randperm(num_pages + 2, generator=torch.Generator().manual_seed(1))[
             :num_pages
@@ -70,6 +88,12 @@ class Runner:
         return self.model(torch.tensor(ids), batch, self.pool.caches)
 
 
+def _pool(loaded: LoadedModel, num_pages: int) -> PagedKVPool:
+    return PagedKVPool.for_model(
+        loaded.config, loaded.model.num_cache_layers, num_pages, torch.float32, "cpu", page_size=PAGE
+    )
+
+
 def _load(ckpt: BuiltCheckpoint, **kwargs: Any) -> LoadedModel:
     return load_model(ckpt.path, select_ops(torch.device("cpu")), dtype=torch.float32, **kwargs)
 
@@ -85,7 +109,7 @@ def test_prefill_logits_match_transformers(built: BuiltCheckpoint) -> None:
     prompt = _prompt(40, seed=3)
     runner = Runner(loaded)
     logits = loaded.model.compute_logits(runner.step(prompt, 0, DECOMPRESSED))
-    compare(hf_logits(built.hf_model, prompt), logits)
+    compare_prompt(built, prompt, logits)
 
 
 def test_absorbed_decode_matches_transformers(built: BuiltCheckpoint) -> None:
@@ -96,7 +120,7 @@ def test_absorbed_decode_matches_transformers(built: BuiltCheckpoint) -> None:
     hidden = [runner.step(prompt[:5], 0, DECOMPRESSED)]
     hidden += [runner.step([t], i, ABSORBED) for i, t in enumerate(prompt[5:], start=5)]
     logits = loaded.model.compute_logits(torch.cat(hidden))
-    compare(hf_logits(built.hf_model, prompt), logits)
+    compare_prompt(built, prompt, logits)
 
 
 def test_chunked_prefill_over_cached_prefix(built: BuiltCheckpoint) -> None:
@@ -109,7 +133,7 @@ def test_chunked_prefill_over_cached_prefix(built: BuiltCheckpoint) -> None:
         runner.step(prompt[17:34], 17, DECOMPRESSED),
     ]
     hidden += [runner.step(prompt[i : i + 2], i, ABSORBED) for i in (34, 36)]
-    compare(hf_logits(built.hf_model, prompt), loaded.model.compute_logits(torch.cat(hidden)))
+    compare_prompt(built, prompt, loaded.model.compute_logits(torch.cat(hidden)))
 
 
 def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
@@ -204,7 +228,7 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(built: BuiltCheckpoint) -> No
     gives each sequence the logits it gets alone."""
     loaded = _load(built)
     prompts = [_prompt(n, seed=20 + n) for n in (9, 23, 17, 30, 12)]
-    pool = LatentKVPool(loaded.model.num_cache_layers, 40, loaded.config.kv_cache_dim, page_size=PAGE)
+    pool = _pool(loaded, 40)
     pages = [pool.allocator.allocate(pool.pages_for(len(p))) for p in prompts]
     # sequences 2..4 have all but their last token cached already
     for p, pg in zip(prompts[2:], pages[2:], strict=True):
@@ -225,6 +249,7 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(built: BuiltCheckpoint) -> No
     )
     logits = loaded.model.compute_logits(loaded.model(ids, batch, pool.caches)[batch.last_token_indices()])
     for i, p in enumerate(prompts):
+        assert indexer_cut(built.hf_model, p) == len(p)
         compare(hf_logits(built.hf_model, p)[-1], logits[i])
 
 
@@ -232,7 +257,7 @@ def test_batched_fresh_prefill_matches_transformers(built: BuiltCheckpoint) -> N
     """Several prompts with no cached prefix in one forward (the padded decompressed path)."""
     loaded = _load(built)
     prompts = [_prompt(n, seed=40 + n) for n in (30, 25, 33, 20)]
-    pool = LatentKVPool(loaded.model.num_cache_layers, 12, loaded.config.kv_cache_dim, page_size=PAGE)
+    pool = _pool(loaded, 12)
     pages = [pool.allocator.allocate(pool.pages_for(len(p))) for p in prompts]
     batch = ForwardBatch(
         positions=torch.cat([torch.arange(len(p)) for p in prompts]),
@@ -246,5 +271,86 @@ def test_batched_fresh_prefill_matches_transformers(built: BuiltCheckpoint) -> N
     )
     start = 0
     for p in prompts:
-        compare(hf_logits(built.hf_model, p), logits[start : start + len(p)])
+        compare_prompt(built, p, logits[start : start + len(p)])
         start += len(p)
+
+
+def test_v32_fp8_checkpoint_dequantized_matches(tmp_path: Path) -> None:
+    """V3.2 shipped as DeepSeek ships it: the indexer's wq_b and wk in FP8 with block scales, its
+    head weights and key norm in high precision. Dequantized on CPU, the logits are the reference's."""
+    from tests.fixtures.checkpoints import load_tensors
+
+    built = build_checkpoint(tmp_path / "v32fp8", {**FP8_OVERRIDES, **V32_OVERRIDES}, fp8=True, seed=13)
+    disk = load_tensors(built.path)
+    prefix = "model.layers.1.self_attn.indexer."
+    assert (
+        disk[prefix + "wq_b.weight"].dtype == torch.float8_e4m3fn and prefix + "wk.weight_scale_inv" in disk
+    )
+    assert disk[prefix + "weights_proj.weight"].dtype == torch.float32 and prefix + "k_norm.bias" in disk
+    loaded = _load(built)
+    prompt = _prompt(30, seed=14)
+    runner = Runner(loaded)
+    prefill = loaded.model.compute_logits(runner.step(prompt[:20], 0, DECOMPRESSED))
+    decode = [runner.step([t], i, ABSORBED) for i, t in enumerate(prompt[20:], start=20)]
+    compare_prompt(built, prompt, torch.cat([prefill, loaded.model.compute_logits(torch.cat(decode))]))
+
+
+def test_v32_fp8_indexer_cache_follows_statistically(tmp_path: Path) -> None:
+    """The release's FP8 indexer cache (Hadamard-rotated e4m3 keys and queries, per-key scales):
+    keys land in the uint8 page layout; the first layer, whose input is the same either way, picks
+    mostly the keys the unquantised indexer picks (FP8 moves near-ties), and the logits follow the
+    reference statistically (a random tiny model amplifies every changed pick through the layers)."""
+    from dataclasses import replace
+
+    built = build_checkpoint(tmp_path / "v32", V32_OVERRIDES, bias_scale=0.3, seed=7)
+    loaded = _load(built)
+    first = loaded.model.model.layers[0].self_attn.indexer
+    assert first is not None
+    picks: list[torch.Tensor] = []
+
+    def recording(*args: Any) -> torch.Tensor:
+        picks.append(first_ops.indexer_topk(*args))
+        return picks[-1]
+
+    first_ops = first.ops
+    first.ops = replace(first_ops, indexer_topk=recording)
+    prompt = _prompt(120, seed=15)
+    logits = {}
+    for fmt in ("model", "fp8"):
+        runner = Runner(loaded)
+        runner.pool = PagedKVPool.for_model(
+            loaded.config,
+            loaded.model.num_cache_layers,
+            runner.pool.num_pages,
+            torch.float32,
+            "cpu",
+            fmt,
+            PAGE,
+        )
+        logits[fmt] = loaded.model.compute_logits(runner.step(prompt, 0, DECOMPRESSED))
+    first.ops = first_ops
+    assert runner.pool.caches[0].indexer is not None and runner.pool.caches[0].indexer.dtype == torch.uint8
+    plain, fp8 = picks[0][0, 12:], picks[1][0, 12:]  # the sparse positions of the prompt
+    same = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(plain, fp8, strict=True))
+    assert same > 0.9 * plain.numel(), same / plain.numel()
+    reference = hf_logits(built.hf_model, prompt)
+    compare(reference[:12], logits["fp8"][:12])  # dense positions: every key is picked either way
+    cosine = torch.nn.functional.cosine_similarity(logits["fp8"], reference, dim=-1)
+    assert cosine.median() > 0.8, cosine
+
+
+def test_v32_prefill_scores_long_chunks_block_by_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk's indexer logits are computed in blocks of queries within a memory budget;
+    blocks of one and of three queries pick what the whole chunk at once picks."""
+    import dsinfer.model.indexer as indexer_module
+
+    built = build_checkpoint(tmp_path / "v32", V32_OVERRIDES, bias_scale=0.3, seed=7)
+    loaded = _load(built)
+    prompt = _prompt(50, seed=16)
+    whole = loaded.model.compute_logits(Runner(loaded).step(prompt, 0, DECOMPRESSED))
+    for rows in (1, 3):
+        monkeypatch.setattr(indexer_module, "LOGITS_BUDGET", rows * (128 // PAGE + 2) * PAGE)
+        blocked = loaded.model.compute_logits(Runner(loaded).step(prompt, 0, DECOMPRESSED))
+        torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)

@@ -211,13 +211,16 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
         ops = select_ops(torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records if r.name == "dsinfer.ops"]
     assert lines == [
-        "ops backends: gemm=torch experts=numba mla=numba gate=torch sampling=torch (device cpu)"
+        "ops backends: gemm=torch experts=numba mla=numba indexer=torch sparse_mla=torch gate=torch "
+        "sampling=torch (device cpu)"
     ]
     assert not ops.supports_fp8_gemm
     assert dict(ops.backends) == {
         "gemm": "torch",
         "experts": "numba",
         "mla": "numba",
+        "indexer": "torch",
+        "sparse_mla": "torch",
         "gate": "torch",
         "sampling": "torch",
     }

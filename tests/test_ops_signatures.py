@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from dsinfer.ops import experts, gate, gemm, mla, sampling, signatures
+from dsinfer.ops import experts, gate, gemm, indexer, mla, sampling, signatures, sparse_mla
 from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
+from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
 
 
 def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
@@ -36,11 +37,23 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
         ("deepgemm contiguous", signatures.GroupedGemmContiguous, DeepGemmAdapter.grouped_gemm_contiguous),
         ("deepgemm masked", signatures.GroupedGemmMasked, DeepGemmAdapter.grouped_gemm_masked),
         ("flashmla mla_decode", signatures.MlaDecode, FlashMlaAdapter.mla_decode),
+        ("torch indexer_topk", signatures.IndexerTopk, indexer.indexer_topk),
+        ("torch sparse_mla_decode", signatures.SparseMlaDecode, sparse_mla.sparse_mla_decode),
+        ("deepgemm indexer_topk", signatures.IndexerTopk, DeepGemmIndexerAdapter.indexer_topk),
+        ("flashmla sparse_mla_decode", signatures.SparseMlaDecode, FlashMlaSparseAdapter.sparse_mla_decode),
     ]
     import dsinfer.kernels as kernels
 
-    for name, protocol in (("mla_decode", signatures.MlaDecode), ("moe_gate", signatures.MoeGate)):
+    for name, protocol in (
+        ("mla_decode", signatures.MlaDecode),
+        ("moe_gate", signatures.MoeGate),
+        ("sparse_mla_decode", signatures.SparseMlaDecode),
+    ):
         impls.append((f"triton {name}", protocol, getattr(kernels, name)))
+    # the Triton indexer computes the logits; the entry point adds the shared top-k
+    impls.append(
+        ("triton indexer_topk", signatures.IndexerTopk, indexer.indexer_topk_with(kernels.indexer_logits))
+    )
     return impls
 
 
@@ -64,5 +77,6 @@ def test_every_ops_field_is_typed_by_a_protocol() -> None:
 
     kernels = {f for f, t in Ops.__annotations__.items() if t in signatures.__all__}
     assert kernels == {
-        "linear", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts", "mla_decode", "moe_gate", "sample"
+        "linear", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts", "mla_decode", "moe_gate", "sample",
+        "indexer_topk", "sparse_mla_decode",
     }  # fmt: skip

@@ -152,7 +152,7 @@ def make_harness(ckpt: BuiltCheckpoint, backend: str = "nixl", **engine: object)
     engines = [LLMEngine(EngineArgs(model=str(ckpt.path), **{**ENGINE, **engine})) for _ in range(2)]
     try:
         for e, b in zip(engines, backends, strict=True):
-            b.register_pool(e.kv.pool.caches)
+            b.register_pool(e.kv.pool.layer_tensors())
         yield Harness(engines, backends)
     finally:
         for e, b in zip(engines, backends, strict=True):
@@ -231,7 +231,7 @@ def test_transfer_bytes_and_layer_overlap(harness: Harness) -> None:
     harness.run(["bytes"])
     done = harness.done_messages[-1]
     pool = harness.engines[0].kv.pool
-    page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
+    page_bytes = pool.spec.page_bytes
     assert done.bytes_written == 3 * pool.num_layers * page_bytes
     assert 0 < done.first_write_at < done.forward_done_at
     harness.settle()
@@ -246,7 +246,7 @@ def test_decode_prefix_hit_sends_fewer_pages(harness: Harness) -> None:
     harness.admit("second", [*shared, 4, 5, 6], SamplingParams(temperature=0, max_tokens=2))
     harness.run(["second"])
     pool = harness.engines[0].kv.pool
-    page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
+    page_bytes = pool.spec.page_bytes
     assert harness.done_messages[-1].bytes_written == 1 * pool.num_layers * page_bytes  # only the 3rd page
     harness.settle()
     assert harness.all_pages_free()
@@ -295,7 +295,7 @@ def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckp
         _greedy_equals_offline(mtp, offline, "mtp")
         pool = mtp.engines[0].kv.pool
         assert pool.num_layers == mtp.engines[0].config.num_hidden_layers + 1
-        page_bytes = pool.page_size * pool.dim * pool.caches[0].element_size()
+        page_bytes = pool.spec.page_bytes
         assert mtp.done_messages[-1].mtp_draft is not None
         pages = sum(-(-len(prompt) // pool.page_size) for prompt in _prompts())
         assert sum(d.bytes_written for d in mtp.done_messages) == pages * pool.num_layers * page_bytes
@@ -309,3 +309,28 @@ def test_pd_over_mooncake(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
         pytest.skip(f"Mooncake Transfer Engine is not usable here: {e}")
     with make_harness(tiny_ckpt, "mooncake") as mc:
         _greedy_equals_offline(mc, offline, "mc")
+
+
+def test_pd_v32_sends_latent_and_indexer_pages(tiny_ckpt_v32: BuiltCheckpoint) -> None:
+    """V3.2 over PD: each page carries every layer's latent and indexer keys. The byte counter is
+    pages x layers x (latent + indexer bytes per token) x page size, with the sizes read from the
+    config (not from the pool), and the decode side's tokens are the offline engine's."""
+    config = tiny_ckpt_v32.config
+    latent = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4  # float32
+    indexer = config["index_head_dim"] * 4
+    prompts = [list(range(9, 9 + n)) for n in (20, 150)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    offline = LLM(str(tiny_ckpt_v32.path), **ENGINE)
+    expected = [o.outputs[0].token_ids for o in offline.generate(prompts, params, use_tqdm=False)]
+    offline.engine.close()
+    with make_harness(tiny_ckpt_v32) as h:
+        for i, prompt in enumerate(prompts):
+            h.done_messages.clear()
+            h.admit(f"v32-{i}", prompt, params)
+            got = h.run([f"v32-{i}"])[f"v32-{i}"]
+            assert _tokens(got) == expected[i]
+            pages = -(-len(prompt) // 64)
+            layers = config["num_hidden_layers"]
+            assert h.done_messages[-1].bytes_written == pages * layers * (latent + indexer) * 64
+        h.settle()
+        assert h.all_pages_free()

@@ -12,9 +12,10 @@ import pytest
 
 from dsinfer.base import chunking
 from dsinfer.base.hashing import model_root
+from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.cache.kv_manager import KVCacheManager
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.scheduler import Scheduler, StepResult
 from dsinfer.engine.sequence import Sequence
 from dsinfer.sim import pools as sim_pools
@@ -28,7 +29,9 @@ PS = 16  # page size of the test KV pool
 
 
 def _scheduler(budget: int, weight: float | None, context: float = 0.0, pages: int = 4096) -> Scheduler:
-    kv = KVCacheManager(LatentKVPool(1, pages, 4, page_size=PS), root=model_root("chunking", str(PS)))
+    kv = KVCacheManager(
+        PagedKVPool(1, pages, KVCacheSpec.latent(4, "float32", PS)), root=model_root("chunking", str(PS))
+    )
     return Scheduler(
         kv,
         max_num_seqs=64,

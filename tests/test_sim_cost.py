@@ -195,3 +195,35 @@ def test_measured_ceilings_override_the_datasheet(tmp_path) -> None:  # type: ig
     (tmp_path / "gpu_ceilings_h100.json").write_text('{"tflops": 1}')
     with pytest.raises(ValueError, match="unknown fields"):
         with_measured(H100, tmp_path)
+
+
+def test_v32_kv_accounting_and_sparse_decode() -> None:
+    """V3.2's cache holds the FP8 indexer key beside the BF16 latent (1152 + 132 bytes per token per
+    layer); its decode attention reads every key's indexer entry but runs MLA over at most 2048
+    keys per request, so past the top-k its cost grows far slower with context than V3's."""
+    from dsinfer.sim.cost import decode_attention
+
+    v32 = ModelShape.preset("deepseek-v3.2")
+    assert (v32.index_heads, v32.index_dim, v32.index_topk) == (64, 128, 2048)
+    assert SHAPE.cache_bytes_per_layer == 1152 and v32.cache_bytes_per_layer == 1152 + 132
+    from dsinfer.sim.deployment import PoolSpec, rank_shape
+
+    def per_token(shape: ModelShape, model: str) -> int:
+        spec = PoolSpec(
+            role="decode", pool_size=144, nnodes=18, num_redundant_experts=32, mtp=True, model=model
+        )
+        return rank_shape(shape, spec).kv_bytes_per_token
+
+    assert per_token(v32, "deepseek-v3.2") == 62 * 1284 and per_token(SHAPE, "deepseek-v3") == 62 * 1152
+    k = Kernels(H800)
+    requests = np.array([64.0])
+
+    def attention(shape: ModelShape, context: int) -> float:
+        a0, a1 = decode_attention(k, shape, requests, requests * context, 1)
+        return float(a0[0] + a1[0])
+
+    assert attention(v32, 1024) > attention(SHAPE, 1024)  # the indexer is pure overhead below the top-k
+    growth_v3 = attention(SHAPE, 16384) / attention(SHAPE, 4096)
+    growth_v32 = attention(v32, 16384) / attention(v32, 4096)
+    assert growth_v3 > 2.5 and growth_v32 < 0.6 * growth_v3, (growth_v3, growth_v32)
+    assert attention(v32, 16384) < 0.5 * attention(SHAPE, 16384)

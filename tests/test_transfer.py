@@ -1,7 +1,9 @@
 """KV transfer backends (NIXL, Mooncake) between two real processes.
 
 This process is the writer; a peer is this file run as a script (``peer`` mode) in a child
-process holding a registered LatentKVPool, answering page digests over stdin/stdout. The digest is
+process holding a registered PagedKVPool, answering page digests over stdin/stdout. Each pool layer
+holds two caches (a latent and V3.2-style indexer keys of another width): a write of a layer's
+pages moves both, and the byte counters count both. The digest is
 asked for right after the writer's ``poll`` said "done", over a channel of its own, exactly as
 decode reads pages after PrefillDone: the test holds the backends to "done = visible at the peer".
 Every wait is bounded and every child is killed on every exit path.
@@ -24,37 +26,47 @@ import msgspec
 import pytest
 import torch
 
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.base.kv_spec import CacheComponent, KVCacheSpec
+from dsinfer.cache.kv_pool import PagedKVPool
+from dsinfer.model.batch import LayerCache
 from dsinfer.transfer import TransferBackend, TransferError, TransferHandle, make_transfer_backend
 
 BACKENDS = ("nixl", "mooncake")
 DTYPES = ("float32", "bfloat16")
-LAYERS, DIM = 3, 40  # pages of 64 tokens x 40 values
+LAYERS, DIM, INDEX_DIM = 3, 40, 12  # pages of 64 tokens x (40 latent + 12 indexer values)
 WRITER_PAGES, PEER_PAGES = 16, 24
 WAIT_S = 20.0  # the most any single wait in this file takes
 MARK = "@@dsinfer-peer "  # NIXL prints its own log lines on stdout
 
 
 # The peer process --------------------------------------------------------------------------------
-def page_digests(caches: list[torch.Tensor]) -> list[list[str]]:
+def spec(dtype: str, dim: int = DIM) -> KVCacheSpec:
+    return KVCacheSpec((CacheComponent("latent", dim, dtype), CacheComponent("indexer", INDEX_DIM, dtype)))
+
+
+def page_digests(layers: list[LayerCache] | list[tuple[torch.Tensor, ...]]) -> list[list[str]]:
+    """Per layer, per page: a digest of the page's bytes in every cache of the layer."""
+    caches = [layer.tensors() if isinstance(layer, LayerCache) else layer for layer in layers]
     return [
         [
-            hashlib.blake2b(c[p].contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
-            for p in range(c.shape[0])
+            hashlib.blake2b(
+                b"".join(c[p].contiguous().view(torch.uint8).numpy().tobytes() for c in layer), digest_size=8
+            ).hexdigest()
+            for p in range(layer[0].shape[0])
         ]
-        for c in caches
+        for layer in caches
     ]
 
 
 def peer_main(backend: str, pages: int, agents: list[str]) -> None:
     """One registered pool per ``name=dtype`` in ``agents``, each behind its own agent."""
-    pools: dict[str, LatentKVPool] = {}
+    pools: dict[str, PagedKVPool] = {}
     txs: dict[str, TransferBackend] = {}
-    for spec in agents:
-        name, dtype = spec.split("=")
-        pools[name] = LatentKVPool(LAYERS, pages, DIM, dtype=getattr(torch, dtype))
+    for agent in agents:
+        name, dtype = agent.split("=")
+        pools[name] = PagedKVPool(LAYERS, pages, spec(dtype))
         txs[name] = make_transfer_backend(backend, name)
-        txs[name].register_pool(pools[name].caches)
+        txs[name].register_pool(pools[name].layer_tensors())
 
     def say(**msg: object) -> None:
         print(MARK + json.dumps(msg), flush=True)
@@ -146,28 +158,38 @@ class Pair:
     """The writer (in this process) connected to one peer agent, and what that agent's pool must hold."""
 
     tx: TransferBackend
-    pool: LatentKVPool
+    pool: PagedKVPool
     peer: Peer
     agent: str
-    expect: list[torch.Tensor]
+    expect: list[tuple[torch.Tensor, ...]]  # per layer, per cache
 
     def write(self, layer: int, src: list[int], dst: list[int]) -> TransferHandle:
         handle = self.tx.write_pages(self.agent, layer, src, dst)
-        self.expect[layer][dst] = self.pool.caches[layer][src]
+        for expected, cache in zip(self.expect[layer], self.pool.caches[layer].tensors(), strict=True):
+            expected[dst] = cache[src]
         return handle
 
     def check(self) -> None:
         assert self.peer.digests(self.agent) == page_digests(self.expect)
 
 
-def make_writer(backend: str, dtype: torch.dtype) -> tuple[TransferBackend, LatentKVPool]:
-    pool = LatentKVPool(LAYERS, WRITER_PAGES, DIM, dtype=dtype)
+def make_writer(backend: str, dtype: torch.dtype) -> tuple[TransferBackend, PagedKVPool]:
+    pool = PagedKVPool(LAYERS, WRITER_PAGES, spec(str(dtype).removeprefix("torch.")))
     g = torch.Generator().manual_seed(0)
-    for c in pool.caches:
-        c.copy_(torch.randn(c.shape, generator=g) + 1.0)
+    for layer in pool.caches:
+        for c in layer.tensors():
+            c.copy_(torch.randn(c.shape, generator=g) + 1.0)
     tx = make_transfer_backend(backend, unique(f"writer-{backend}"))
-    tx.register_pool(pool.caches)
+    tx.register_pool(pool.layer_tensors())
     return tx, pool
+
+
+def empty_like_peer(pool: PagedKVPool) -> list[tuple[torch.Tensor, ...]]:
+    """What a fresh peer pool holds: zeros, per layer and cache."""
+    return [
+        tuple(torch.zeros(PEER_PAGES, *c.shape[1:], dtype=c.dtype) for c in layer.tensors())
+        for layer in pool.caches
+    ]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -194,8 +216,7 @@ def pairs(backend: str, peer: Peer) -> Iterator[dict[str, Pair]]:
         for dtype in DTYPES:
             tx, pool = make_writer(backend, getattr(torch, dtype))
             agent = next(name for name, d in peer.agents.items() if d == dtype)
-            expect = [torch.zeros(PEER_PAGES, 64, DIM, dtype=pool.dtype) for _ in range(LAYERS)]
-            made[dtype] = Pair(tx, pool, peer, agent, expect)
+            made[dtype] = Pair(tx, pool, peer, agent, empty_like_peer(pool))
             tx.connect(agent, peer.metadata(agent))
         yield made
     finally:
@@ -218,7 +239,7 @@ def wait_all(tx: TransferBackend, handles: list[TransferHandle], timeout: float 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pages_land_byte_exact_at_their_destinations(pairs: dict[str, Pair], dtype: str) -> None:
     pair = pairs[dtype]
-    page_bytes = 64 * DIM * pair.pool.dtype.itemsize
+    page_bytes = 64 * (DIM + INDEX_DIM) * getattr(torch, dtype).itemsize  # a layer's page: both caches
     before = (pair.tx.stats.bytes_written, pair.tx.stats.writes_done)
     writes = [
         (0, [0, 1, 2, 3, 4], [8, 9, 10, 11, 12]),  # one run
@@ -281,7 +302,7 @@ def test_mooncake_feeds_runs_beyond_its_in_flight_cap(backend: str, pairs: dict[
     pair = pairs["float32"]
     tx = MooncakeBackend(unique("capped"), max_in_flight=2)
     try:
-        tx.register_pool(pair.pool.caches)
+        tx.register_pool(pair.pool.layer_tensors())
         tx.connect(pair.agent, pair.peer.metadata(pair.agent))
         capped = Pair(tx, pair.pool, pair.peer, pair.agent, pair.expect)
         handles = [
@@ -289,7 +310,7 @@ def test_mooncake_feeds_runs_beyond_its_in_flight_cap(backend: str, pairs: dict[
             capped.write(1, [1, 3, 5], [2, 6, 4]),
         ]
         assert wait_all(tx, handles) == ["done", "done"]
-        assert tx.stats.bytes_written == 9 * 64 * DIM * 4
+        assert tx.stats.bytes_written == 9 * 64 * (DIM + INDEX_DIM) * 4
         pair.check()
     finally:
         tx.close()
@@ -301,17 +322,27 @@ def test_mismatched_pools_are_refused_at_connect(backend: str) -> None:
     try:
         with pytest.raises(TransferError, match="no registered pool"):
             other.metadata()
-        other.register_pool(LatentKVPool(LAYERS, 4, DIM + 8).caches)
-        with pytest.raises(TransferError, match="pages are float32 x 64 tokens x 48 values"):
+        other.register_pool(PagedKVPool(LAYERS, 4, spec("float32", DIM + 8)).layer_tensors())
+        with pytest.raises(TransferError, match=r"pages are 64 tokens x \(float32 x 48 \+ float32 x 12\)"):
             tx.connect(other.agent_name, other.metadata())
+        latent_only = make_transfer_backend(backend, unique("latent-only"))
+        try:  # the same latent, no indexer cache: a dense model's pool
+            latent_only.register_pool(
+                [(t[0],) for t in PagedKVPool(LAYERS, 4, spec("float32")).layer_tensors()]
+            )
+            with pytest.raises(TransferError, match=r"pages are 64 tokens x \(float32 x 40\)"):
+                tx.connect(latent_only.agent_name, latent_only.metadata())
+        finally:
+            latent_only.close()
         with pytest.raises(TransferError, match="belongs to agent"):
             tx.connect("someone-else", other.metadata())
         with pytest.raises(TransferError, match="not dsinfer transfer metadata"):
             tx.connect("garbage", b"\x00not msgpack")
         # the same pool as this rank's but for one field, as a peer of another build would send it
         own = msgspec.msgpack.decode(tx.metadata())
+        bf16 = [["bfloat16", dim, page_bytes // 2] for _, dim, page_bytes in own["caches"]]
         for field, value, what in [
-            ("dtype", "bfloat16", "pages are bfloat16"),
+            ("caches", bf16, r"pages are 64 tokens x \(bfloat16 x 40"),
             ("layers", own["layers"] * 2, f"has {2 * LAYERS} cache layers"),
             ("backend", "other", "uses transfer backend 'other'"),
         ]:
@@ -346,10 +377,11 @@ def test_dead_peer_fails_and_a_restarted_peer_is_reconnected(backend: str) -> No
 
         assert second.metadata(name) != first.metadata(name)
         tx.connect(name, second.metadata(name))
-        expect = [torch.zeros(PEER_PAGES, 64, DIM) for _ in range(LAYERS)]
+        expect = empty_like_peer(pool)
         handles = [tx.write_pages(name, layer, [5, 6, 9], [1, 2, 20]) for layer in range(LAYERS)]
-        for c, e in zip(pool.caches, expect, strict=True):
-            e[[1, 2, 20]] = c[[5, 6, 9]]
+        for layer, expected in zip(pool.caches, expect, strict=True):
+            for c, e in zip(layer.tensors(), expected, strict=True):
+                e[[1, 2, 20]] = c[[5, 6, 9]]
         assert wait_all(tx, handles) == ["done"] * LAYERS
         assert second.digests(name) == page_digests(expect)
     finally:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from dsinfer.base.config import ModelConfig
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -163,7 +163,7 @@ def time_steps(step: Callable[[], Any], iters: int, warmup: int) -> dict[str, fl
 
 
 def eager_step(
-    model: DeepseekV3ForCausalLM, pool: LatentKVPool, rows: DecodeRows, device: torch.device
+    model: DeepseekV3ForCausalLM, pool: PagedKVPool, rows: DecodeRows, device: torch.device
 ) -> Callable[[], Any]:
     """The model runner's eager decode forward: per-step tensors from host lists, contiguous experts."""
     ps = pool.page_size
@@ -213,10 +213,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"model built in {time.monotonic() - start:.1f} s")
     max_bs, page = max(args.batch_sizes), 64
     pages_per_seq = math.ceil((args.context + 1) / page)
-    pool = LatentKVPool.for_model(config, config.num_hidden_layers, max_bs * pages_per_seq + 1, dtype, device)
+    pool = PagedKVPool.for_model(config, config.num_hidden_layers, max_bs * pages_per_seq + 1, dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
-    for cache in pool.caches:
-        cache.normal_(0.0, 1.0, generator=gen)
+    for layer in pool.caches:
+        for cache in layer.tensors():
+            cache.normal_(0.0, 1.0, generator=gen)
     sizes = tuple(args.batch_sizes)
     start = time.monotonic()
     graphs = CudaGraphRunner(

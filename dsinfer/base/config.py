@@ -1,6 +1,8 @@
 """Model configuration: a validated view of a Hugging Face DeepSeek-V3-architecture config.json.
 
-Accepts DeepSeek-V3, R1, Kimi-K2 (model_type ``kimi_k2``) and tiny test checkpoints. Both the old
+Accepts DeepSeek-V3, R1, V3.1, V3.2 (model_type ``deepseek_v32``: DeepSeek Sparse Attention, whose
+lightning indexer is described by ``index_n_heads``, ``index_head_dim`` and ``index_topk``),
+Kimi-K2 (model_type ``kimi_k2``) and tiny test checkpoints. Both the old
 ``rope_scaling`` and the newer ``rope_parameters`` spellings are read. Anything the model code
 cannot run is refused here, with the offending field named, instead of failing later in a kernel.
 """
@@ -14,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 PAGE_SIZE = 64  # tokens per page of the latent KV cache (FlashMLA's block size)
 FP8_BLOCK = 128  # block edge of DeepSeek's FP8 weight scales
 
@@ -113,6 +115,10 @@ class ModelConfig(BaseModel):
     bos_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
     num_nextn_predict_layers: int = 0
+    # DeepSeek Sparse Attention (V3.2): set together, or all None for dense MLA
+    index_topk: int | None = None  # keys each query attends to, chosen by the indexer
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
     initializer_range: float = 0.02  # std of dummy weights
     quantization_config: QuantConfig | None = None
 
@@ -143,7 +149,10 @@ class ModelConfig(BaseModel):
             )
         unknown = [a for a in self.architectures if a not in SUPPORTED_ARCHITECTURES]
         if unknown:
-            raise ValueError(f"architectures {unknown} not supported (expected DeepseekV3ForCausalLM)")
+            raise ValueError(
+                f"architectures {unknown} not supported (expected one of {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        self._check_sparse_attention()
         checks = [
             (self.n_routed_experts % self.n_group == 0, "n_routed_experts must be divisible by n_group"),
             (1 <= self.topk_group <= self.n_group, "topk_group must be in [1, n_group]"),
@@ -178,6 +187,35 @@ class ModelConfig(BaseModel):
                 raise ValueError(f"{name} must be positive")
         return self
 
+    def _check_sparse_attention(self) -> None:
+        fields = {
+            "index_topk": self.index_topk,
+            "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim,
+        }
+        given = [k for k, v in fields.items() if v is not None]
+        if self.model_type == "deepseek_v32" and len(given) < len(fields):
+            missing = [k for k in fields if k not in given]
+            raise ValueError(
+                f"model_type deepseek_v32 needs {', '.join(missing)} (DeepSeek Sparse Attention)"
+            )
+        if not given:
+            return
+        if len(given) < len(fields):
+            raise ValueError(
+                f"{', '.join(given)} given without {', '.join(k for k in fields if k not in given)}"
+            )
+        for name, value in fields.items():
+            if value is None or value <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.q_lora_rank is None:
+            raise ValueError("sparse attention needs q_lora_rank (the indexer's query comes from the q LoRA)")
+        assert self.index_head_dim is not None
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"index_head_dim {self.index_head_dim} is smaller than qk_rope_head_dim {self.qk_rope_head_dim}"
+            )
+
     # Derived sizes --------------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
@@ -187,6 +225,11 @@ class ModelConfig(BaseModel):
     def kv_cache_dim(self) -> int:
         """Values per token per layer in the latent cache: kv_lora_rank + qk_rope_head_dim."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_sparse(self) -> bool:
+        """DeepSeek Sparse Attention: a lightning indexer picks each query's ``index_topk`` keys."""
+        return self.index_topk is not None
 
     @property
     def softmax_scale(self) -> float:

@@ -142,6 +142,12 @@ class RankShape:
             proj("attention", h, heads * c.v_head_dim)
             if self.fp8:  # absorbed MLA keeps a dequantized kv_b_proj
                 plain("absorbed kv_b copy", heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+            if c.is_sparse:  # V3.2's indexer: FP8 wq_b and wk, the key norm, high-precision head weights
+                assert c.index_n_heads and c.index_head_dim and c.q_lora_rank
+                proj("attention", c.index_n_heads * c.index_head_dim, c.q_lora_rank)
+                proj("attention", c.index_head_dim, h)
+                plain("norms + router", 2, c.index_head_dim)
+                plain("attention", c.index_n_heads, h)
             plain("norms + router", 2, h)
             if not c.is_moe_layer(i):
                 proj("dense MLP", c.intermediate_size, h, times=3)

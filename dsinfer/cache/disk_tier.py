@@ -1,10 +1,14 @@
-"""On-disk tier of the prefix cache: one content-addressed file per KV page (all layers).
+"""On-disk tier of the prefix cache: one content-addressed file per KV page (all layers and caches).
 
 A file is named by the page key's hex (see ``dsinfer.base.hashing``) and holds a fixed header
-then the raw page bytes::
+then the raw page bytes (``PagedKVPool.read_page``)::
 
-    magic | format version | header size | blake2b(root) | key | shape (layers, page_size, dim)
-    | dtype name | payload length | blake2b-256 of the payload | payload
+    magic | format version | header size | blake2b(root) | key | blake2b(page layout)
+    | payload length | blake2b-256 of the payload | payload
+
+The page layout (``PagedKVPool.page_layout``: layers, tokens per page, and each cache's width and
+dtype, V3.2's indexer keys included) must match the reader's exactly. Version 1 files (one latent
+cache, its shape and dtype in the header) are rejected as any foreign file is.
 
 Writes are atomic (temporary file in the same directory, then ``os.replace``), so a reader sees
 either the whole old file, the whole new one, or none. A read validates everything before it
@@ -23,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import math
 import os
 import re
 import struct
@@ -38,10 +41,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAGIC = b"DSKVPAGE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_KEY_BYTES = 32
-# magic, version, header size, root digest, key length, key, shape, dtype name, payload length, checksum
-_HEADER = struct.Struct("<8sHH16sB32s3I16sQ32s")
+_PREFIX = struct.Struct("<8sHH")  # magic, version, header size: the same in every version
+# magic, version, header size, root digest, key length, key, layout digest, payload length, checksum
+_HEADER = struct.Struct("<8sHH16sB32s16sQ32s")
 _NAME = re.compile(r"^(?:[0-9a-f]{2}){1,32}$")
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_SECONDS = 300.0
@@ -68,27 +72,23 @@ class DiskKVTier:
         *,
         capacity_bytes: int,
         root: bytes,
-        page_shape: tuple[int, int, int],
-        dtype: torch.dtype,
+        page_layout: str,
+        page_bytes: int,
     ) -> None:
+        """``page_layout`` and ``page_bytes``: the pool's (``PagedKVPool.page_layout`` and
+        ``page_bytes``); a file written for another layout is rejected."""
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        if len(page_shape) != 3 or any(int(d) <= 0 for d in page_shape):
-            raise ValueError(
-                f"page_shape must be 3 positive sizes (layers, page_size, dim), got {page_shape}"
-            )
-        dtype_name = str(dtype).removeprefix("torch.").encode("ascii")
-        if len(dtype_name) > 16:
-            raise ValueError(f"dtype {dtype} has a name too long for the file header")
+        if page_bytes <= 0:
+            raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.root = bytes(root)
-        self.page_shape = (int(page_shape[0]), int(page_shape[1]), int(page_shape[2]))
-        self.dtype = dtype
-        self.payload_bytes = math.prod(self.page_shape) * dtype.itemsize
+        self.page_layout = page_layout
+        self.payload_bytes = page_bytes
         self.file_bytes = _HEADER.size + self.payload_bytes
         self._root_digest = hashlib.blake2b(self.root, digest_size=16).digest()
-        self._dtype_name = dtype_name
+        self._layout_digest = hashlib.blake2b(page_layout.encode(), digest_size=16).digest()
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key hex -> file size, LRU first
         self._total = 0
@@ -144,18 +144,17 @@ class DiskKVTier:
         return True
 
     def write(self, key: bytes, data: torch.Tensor) -> bool:
-        """Store one page (``[layers, page_size, dim]`` of the tier's dtype). False when it was not
-        stored (larger than the whole capacity, or an I/O error: counted, logged, not raised)."""
+        """Store one page (uint8 ``[page_bytes]``). False when it was not stored (larger than the
+        whole capacity, or an I/O error: counted, logged, not raised)."""
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"page key must be 1..{MAX_KEY_BYTES} bytes, got {len(key)}")
-        if tuple(data.shape) != self.page_shape or data.dtype != self.dtype:
+        if data.dtype != torch.uint8 or tuple(data.shape) != (self.payload_bytes,):
             raise ValueError(
-                f"page of shape {tuple(data.shape)} {data.dtype} does not fit this tier "
-                f"({self.page_shape} {self.dtype})"
+                f"page of {data.dtype} {tuple(data.shape)} does not fit this tier (uint8 ({self.payload_bytes},))"
             )
         if self.file_bytes > self.capacity_bytes:
             return False
-        payload = data.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        payload = data.detach().to("cpu").contiguous().numpy()
         header = self._header(key, hashlib.blake2b(payload, digest_size=32).digest())
         name = key.hex()
         path = self.directory / name
@@ -181,7 +180,7 @@ class DiskKVTier:
         return True
 
     def read(self, key: bytes) -> torch.Tensor | None:
-        """The page stored under ``key`` (a CPU tensor), or None when absent or bad."""
+        """The page stored under ``key`` (a CPU uint8 tensor), or None when absent or bad."""
         name = key.hex()
         path = self.directory / name
         try:
@@ -217,39 +216,34 @@ class DiskKVTier:
             self._root_digest,
             len(key),
             key,
-            *self.page_shape,
-            self._dtype_name,
+            self._layout_digest,
             self.payload_bytes,
             checksum,
         )
 
     def _decode(self, key: bytes, blob: bytearray, got: int) -> tuple[torch.Tensor | None, str]:
-        if got != len(blob) or len(blob) < _HEADER.size:
+        if got != len(blob) or len(blob) < _PREFIX.size:
             return None, f"truncated ({len(blob)} bytes)"
-        magic, version, header_size, root, key_len, stored_key, d0, d1, d2, dtype_name, length, checksum = (
-            _HEADER.unpack_from(blob)
-        )
+        magic, version, header_size = _PREFIX.unpack_from(blob)
         if magic != MAGIC:
             return None, "not a dsinfer KV page (bad magic)"
         if version != FORMAT_VERSION or header_size != _HEADER.size:
             return None, f"format version {version} (expected {FORMAT_VERSION})"
+        if len(blob) < _HEADER.size:
+            return None, f"truncated ({len(blob)} bytes)"
+        _, _, _, root, key_len, stored_key, layout, length, checksum = _HEADER.unpack_from(blob)
         if root != self._root_digest:
             return None, "written for another model root"
         if stored_key[:key_len] != key or key_len != len(key):
             return None, "holds another page key"
-        dtype_name = dtype_name.rstrip(b"\0")
-        if (d0, d1, d2) != self.page_shape or dtype_name != self._dtype_name:
-            return (
-                None,
-                f"page {(d0, d1, d2)} {dtype_name.decode(errors='replace')} (expected {self.page_shape})",
-            )
+        if layout != self._layout_digest:
+            return None, f"written for another page layout (expected {self.page_layout})"
         if length != self.payload_bytes or len(blob) - _HEADER.size != length:
             return None, f"truncated payload ({len(blob) - _HEADER.size} of {self.payload_bytes} bytes)"
         payload = memoryview(blob)[_HEADER.size :]
         if hashlib.blake2b(payload, digest_size=32).digest() != checksum:
             return None, "payload checksum mismatch"
-        flat = torch.frombuffer(blob, dtype=torch.uint8, offset=_HEADER.size, count=length)
-        return flat.view(self.dtype).reshape(self.page_shape), ""
+        return torch.frombuffer(blob, dtype=torch.uint8, offset=_HEADER.size, count=length), ""
 
     def _reject(self, name: str, problem: str) -> None:
         logger.warning("disk KV tier: rejected %s: %s", self.directory / name, problem)

@@ -1,4 +1,4 @@
-"""Page lifecycle over the latent KV pool: reference counts, the hash-chained prefix cache with
+"""Page lifecycle over the paged KV pool: reference counts, the hash-chained prefix cache with
 LRU eviction, and write-through to an optional on-disk tier.
 
 Every page is in exactly one state:
@@ -30,7 +30,7 @@ import torch
 
 from dsinfer.base.hashing import page_hashes
 from dsinfer.cache.disk_tier import DiskKVTier
-from dsinfer.cache.latent_pool import LatentKVPool, OutOfPagesError
+from dsinfer.cache.kv_pool import OutOfPagesError, PagedKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class _DiskWriter:
 class KVCacheManager:
     def __init__(
         self,
-        pool: LatentKVPool,
+        pool: PagedKVPool,
         *,
         root: bytes,
         enable_prefix_cache: bool = True,
@@ -128,10 +128,9 @@ class KVCacheManager:
         max_pending_writes: int = 64,
     ) -> None:
         if disk is not None:
-            if disk.page_shape != pool.page_shape or disk.dtype != pool.dtype:
+            if disk.page_layout != pool.page_layout or disk.payload_bytes != pool.page_bytes:
                 raise ValueError(
-                    f"disk tier pages {disk.page_shape} {disk.dtype} do not match the pool's "
-                    f"{pool.page_shape} {pool.dtype}"
+                    f"disk tier pages ({disk.page_layout}) do not match the pool's ({pool.page_layout})"
                 )
             if disk.root != root:
                 raise ValueError("the disk tier was opened for another model root")
@@ -149,7 +148,7 @@ class KVCacheManager:
 
     # Sizes -----------------------------------------------------------------------------------
     @property
-    def pool(self) -> LatentKVPool:
+    def pool(self) -> PagedKVPool:
         return self._pool
 
     @property

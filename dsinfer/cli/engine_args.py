@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from dsinfer.base.presets import DEFAULT_MODEL
-from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.args import INDEXER_CACHE_DTYPES, EngineArgs
 from dsinfer.model.loader import LOAD_FORMATS
 from dsinfer.parallel.registry import EP_BACKENDS
 
@@ -23,7 +23,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
     group.add_argument("--max-num-seqs", type=int, default=256)
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    group.add_argument("--kv-cache-memory", default=None, help="latent KV cache size, e.g. 4GiB")
+    group.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB")
+    group.add_argument(
+        "--indexer-cache-dtype",
+        default="auto",
+        choices=INDEXER_CACHE_DTYPES,
+        help="V3.2's indexer key cache: fp8 (as released), model (the model dtype); auto = fp8 on GPUs",
+    )
     group.add_argument(
         "--kv-cache-memory-fraction", type=float, default=None, help="of free memory, if no size"
     )

@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from dsinfer.base.config import PAGE_SIZE, ModelConfig
+from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.shape import RankShape, WeightBytes
 from dsinfer.cli.errors import UsageError
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
+from dsinfer.model.indexer import LOGITS_BUDGET
 from dsinfer.parallel.registry import deepep_unavailable
 from dsinfer.workers.args import PoolArgs
 
@@ -71,6 +73,7 @@ class ModelPlan:
     device: torch.device
     dtype: torch.dtype
     fp8: bool  # FP8 weights kept FP8
+    kv_spec: KVCacheSpec  # one cache layer's per-token caches (V3.2: latent + indexer keys)
 
     def rank(self, engine: EngineArgs, pool_size: int) -> RankShape:
         """One rank's shape in a pool of ``pool_size``; UsageError when the experts cannot be spread."""
@@ -82,6 +85,7 @@ class ModelPlan:
                 pool_size,
                 engine.num_redundant_experts,
                 mtp_layers=1 if engine.speculative_mtp else 0,
+                cache_bytes_per_token=self.kv_spec.bytes_per_token,
             )
         except ValueError as e:  # the experts cannot be spread over the pool
             raise UsageError(f"{e} (--num-redundant-experts, --pool-size)") from None
@@ -93,7 +97,9 @@ def model_plan(engine: EngineArgs) -> ModelPlan:
     device = resolve_device(engine.device)
     dtype = resolve_dtype(engine.dtype, device)
     fp8 = config.is_fp8 and device.type == "cuda"
-    return ModelPlan(engine.model or path.name, config, device, dtype, fp8)
+    indexer = engine.indexer_format_for(device.type)
+    spec = KVCacheSpec.for_model(config, str(dtype).removeprefix("torch."), indexer)
+    return ModelPlan(engine.model or path.name, config, device, dtype, fp8, spec)
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,10 @@ def activations(plan: ModelPlan, role: str, engine: EngineArgs) -> Part:
     residual = 4 * tokens * h * item
     logits = 2 * engine.max_num_seqs * c.vocab_size * 4
     note = f"estimate for {tokens} tokens per step ({what}): max(MoE, attention) + residual + logits"
+    if c.is_sparse:  # V3.2: fp32 indexer logits of a block of queries over the longest context
+        context = engine.max_model_len or c.max_position_embeddings
+        attention += 4 * min(tokens * context, LOGITS_BUDGET)
+        note += " (attention with the indexer's logits over the context)"
     return Part("activations", max(moe, attention) + residual + logits, note)
 
 

@@ -39,9 +39,10 @@ def describe(plan: ModelPlan, mem: RankMemory, label: str, pool_size: int) -> li
     if slots > c.n_routed_experts:
         experts += f"; {slots} slots = {c.n_routed_experts} + {slots - c.n_routed_experts} redundant"
     lines = [f"  {label} (EP{pool_size}): weights {fmt_bytes(mem.weight_bytes)} per rank ({experts})"]
-    layers = mem.shape.cache_layers
+    spec = plan.kv_spec
     page = (
-        f"page {PAGE_SIZE} tokens x {layers} layers x {c.kv_cache_dim} values = {fmt_bytes(mem.page_bytes)}"
+        f"page {spec.page_size} tokens x {mem.shape.cache_layers} layers x ({spec.describe()}: "
+        f"{spec.bytes_per_token} B per token) = {fmt_bytes(mem.page_bytes)}"
     )
     if mem.kv_budget is None or mem.kv_pages is None:
         lines.append(f"    KV cache: {mem.kv_budget_note}; {page}")

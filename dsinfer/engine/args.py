@@ -7,9 +7,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from dsinfer.base.kv_spec import IndexerFormat
 from dsinfer.model.loader import LOAD_FORMATS
 from dsinfer.parallel.registry import EP_BACKENDS
 
+INDEXER_CACHE_DTYPES = ("auto", "fp8", "model")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -47,7 +49,10 @@ class EngineArgs(BaseModel):
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    kv_cache_memory: int | None = None  # bytes for the latent cache; None = a fraction of free memory
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = a fraction of free memory
+    # V3.2's indexer key cache: fp8 (DeepSeek's release format), model (the model dtype, as
+    # transformers scores), auto = fp8 on a GPU, model on a CPU
+    indexer_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float | None = None  # default: kv_fraction_for(device)
     enable_prefix_caching: bool = True
     kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
@@ -70,6 +75,12 @@ class EngineArgs(BaseModel):
     enforce_eager: bool = False  # never capture CUDA graphs (vLLM's name); graphs are CUDA-only anyway
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; None = max_num_seqs
 
+    def indexer_format_for(self, device_type: str) -> IndexerFormat:
+        """How the pool keeps V3.2's indexer keys on ``device_type`` (dsinfer/base/kv_spec.py)."""
+        if self.indexer_cache_dtype == "auto":
+            return "fp8" if device_type == "cuda" else "model"
+        return "fp8" if self.indexer_cache_dtype == "fp8" else "model"
+
     def kv_fraction_for(self, device_type: str) -> float:
         """Fraction of free memory for the latent KV cache when no size is given: 0.8 on a GPU
         (headroom for activations and the decode step's CUDA graphs, captured after the pool), 0.1
@@ -88,6 +99,10 @@ class EngineArgs(BaseModel):
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}"
+            )
+        if self.indexer_cache_dtype not in INDEXER_CACHE_DTYPES:
+            raise ValueError(
+                f"indexer_cache_dtype must be one of {', '.join(INDEXER_CACHE_DTYPES)}, got {self.indexer_cache_dtype!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

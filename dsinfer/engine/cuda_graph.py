@@ -2,15 +2,16 @@
 
 What is captured: the whole decode-only forward (embedding, every decoder layer, final norm) and
 the logits of every row, for ``B`` sequences of one new token each, through the graph-safe paths:
-MLA's absorbed path with ``cache_seqlens`` read from a device buffer, and the routed experts in
-the masked layout (``ForwardBatch.masked_moe``: device-side per-expert counts and ranks,
+MLA's absorbed path with ``cache_seqlens`` read from a device buffer (V3.2: the indexer's logits
+over the static block table, a top-k as wide as the table, sparse MLA over the picked slots; no
+host read either), and the routed experts in the masked layout (``ForwardBatch.masked_moe``: device-side per-expert counts and ranks,
 ``grouped_gemm_masked``). Sampling, logprobs and the MTP layer stay outside, eager.
 
 Static buffers (allocated once, for the largest bucket): per row the input id, position, cache
 slot, cached length and a valid flag (one int64 ``[5, max_bs]`` tensor, one host-to-device copy per
 step) and the block table ``[max_bs, pages of max_seq_len]``. A step of ``n`` sequences is padded to
-the smallest bucket ``>= n``: padding rows read token 0 at position 0, write their latent to the
-pool's dummy page (``LatentKVPool.reserve_dummy_page``: reserved for good, owned by no sequence)
+the smallest bucket ``>= n``: padding rows read token 0 at position 0, write their latent (and
+indexer key) to the pool's dummy page (``PagedKVPool.reserve_dummy_page``: reserved for good, owned by no sequence)
 and attend to it alone; they are masked out of the experts and of the expert-load counters. The
 graph replays and the first ``n`` rows of its output are returned (views of the static outputs,
 valid until the next replay).
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -101,7 +102,7 @@ class CudaGraphRunner:
     def __init__(
         self,
         model: DeepseekV3ForCausalLM,
-        pool: LatentKVPool,
+        pool: PagedKVPool,
         *,
         max_batch_size: int,
         max_seq_len: int,
@@ -111,7 +112,7 @@ class CudaGraphRunner:
         reason = graph_unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"cannot run the decode step as a graph: {reason}")
-        self.device = pool.caches[0].device
+        self.device = pool.device
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the KV pool is on {self.device}")
         self.model, self.pool, self.capture = model, pool, capture

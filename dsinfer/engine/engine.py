@@ -26,14 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsinfer.base.config import PAGE_SIZE
+from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.protocol import LoadReport
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.stop_strings import StopStringMatcher
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.agreement import AllReduceMax, StepVotes, agree
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.device import free_memory, model_identity, resolve_device, resolve_dtype
@@ -107,8 +107,8 @@ class LLMEngine:
                 Path(args.kv_disk_cache_dir),
                 capacity_bytes=args.kv_disk_cache_size,
                 root=root,
-                page_shape=(len(pool.caches), pool.page_size, pool.dim),
-                dtype=dtype,
+                page_layout=pool.page_layout,
+                page_bytes=pool.page_bytes,
             )
         self.kv = KVCacheManager(pool, root=root, enable_prefix_cache=args.enable_prefix_caching, disk=disk)
         self.scheduler = Scheduler(
@@ -128,25 +128,27 @@ class LLMEngine:
         elif ep_group is not None:
             self._all_reduce_max = lambda t: ep_group.all_reduce(t, "max")
 
-    def _make_pool(self, device: torch.device, dtype: torch.dtype) -> LatentKVPool:
+    def _make_pool(self, device: torch.device, dtype: torch.dtype) -> PagedKVPool:
         layers = self.model.num_cache_layers
         budget = self.args.kv_cache_memory
         if budget is None:
             budget = int(free_memory(device) * self.args.kv_fraction_for(device.type))
-        num_pages = LatentKVPool.num_pages_for_budget(self.config, layers, budget, dtype)
-        page_bytes = LatentKVPool.page_bytes_for(self.config, layers, dtype)
+        indexer = self.args.indexer_format_for(device.type)
+        spec = KVCacheSpec.for_model(self.config, str(dtype).removeprefix("torch."), indexer)
+        num_pages = PagedKVPool.num_pages_for_budget(spec, layers, budget)
+        page_bytes = PagedKVPool.page_bytes_for(spec, layers)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
         log.info(
-            "latent KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %d values, %s)",
+            "KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %s per token: %d bytes)",
             num_pages,
-            PAGE_SIZE,
+            spec.page_size,
             num_pages * page_bytes / 2**20,
             layers,
-            self.config.kv_cache_dim,
-            str(dtype).removeprefix("torch."),
+            spec.describe(),
+            spec.bytes_per_token,
         )
-        return LatentKVPool.for_model(self.config, layers, num_pages, dtype, device)
+        return PagedKVPool(layers, num_pages, spec, device=device)
 
     # Requests ------------------------------------------------------------------------------
     def add_request(
@@ -268,15 +270,16 @@ class LLMEngine:
     def pages_for(self, num_tokens: int) -> int:
         return self.kv.pool.pages_for(num_tokens)
 
-    def kv_regions(self) -> list[torch.Tensor]:
-        """The KV cache's tensors, one per cache layer in layer order: what the transfer library
-        registers (a page of layer l is ``kv_regions()[l][page]``)."""
-        return list(self.kv.pool.caches)
+    def kv_regions(self) -> list[tuple[torch.Tensor, ...]]:
+        """The KV cache's tensors, per cache layer in layer order its caches in the pool's spec order
+        (the latent; V3.2's indexer keys): what the transfer library registers (a page of layer l
+        is page ``p`` of every tensor of ``kv_regions()[l]``)."""
+        return self.kv.pool.layer_tensors()
 
     @property
     def kv_page_bytes(self) -> list[int]:
-        """Bytes of one page, per cache layer."""
-        return [cache[0].numel() * cache.element_size() for cache in self.kv.pool.caches]
+        """Bytes of one page, per cache layer (every cache of the layer)."""
+        return [self.kv.pool.spec.page_bytes] * self.kv.pool.num_layers
 
     def retain_pages(self, pages: list[int]) -> None:
         """One more reference on each page (a transfer reads it): not evicted nor reused."""

@@ -35,7 +35,7 @@ import torch
 
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.trace import COMPUTE, Tracer
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_unsupported_reason
@@ -57,7 +57,7 @@ class ModelRunner:
     def __init__(
         self,
         model: DeepseekV3ForCausalLM,
-        pool: LatentKVPool,
+        pool: PagedKVPool,
         ops: Ops,
         *,
         mtp: bool = False,
@@ -66,7 +66,7 @@ class ModelRunner:
         tracer: Tracer | None = None,
     ) -> None:
         self.model, self.pool, self.ops = model, pool, ops
-        self.device = pool.caches[0].device
+        self.device = pool.device
         self.page_size = pool.page_size
         self.mtp = MTPProposer(model, pool, ops) if mtp else None
         self.overlap = enable_overlap and model.ep is not None
@@ -77,7 +77,7 @@ class ModelRunner:
 
     @classmethod
     def from_args(
-        cls, model: DeepseekV3ForCausalLM, pool: LatentKVPool, ops: Ops, args: EngineArgs
+        cls, model: DeepseekV3ForCausalLM, pool: PagedKVPool, ops: Ops, args: EngineArgs
     ) -> ModelRunner:
         tracer = None
         if args.trace_dir is not None:

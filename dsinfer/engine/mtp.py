@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsinfer.cache.latent_pool import LatentKVPool
+from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.forward import build_forward_batch
 from dsinfer.engine.scheduler import ScheduledBatch, StepResult
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -22,9 +22,9 @@ from dsinfer.ops import Ops, SamplingTensors
 
 
 class MTPProposer:
-    def __init__(self, model: DeepseekV3ForCausalLM, pool: LatentKVPool, ops: Ops) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, pool: PagedKVPool, ops: Ops) -> None:
         self.model, self.pool, self.ops = model, pool, ops
-        self.device = pool.caches[0].device
+        self.device = pool.device
 
     def propose(
         self,

@@ -7,8 +7,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from dsinfer.base.presets import resolve_model
+from dsinfer.gateway.reasoning import PARSERS as REASONING_PARSERS
 
-REASONING_PARSERS = ("deepseek-r1",)
 BALANCERS = ("load", "round_robin")
 
 
@@ -21,7 +21,7 @@ class GatewayArgs(BaseModel):
     served_model_name: str | None = None  # None = the model directory's name
     chat_template: Path | None = None  # a Jinja file replacing the checkpoint's chat template
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
-    reasoning_parser: str | None = None  # "deepseek-r1": thinking -> reasoning_content
+    reasoning_parser: str | None = None  # deepseek-r1, deepseek-v3.1/v3.2: thinking -> reasoning_content
     max_queued_requests: int = 1024  # while this many choices wait for a first token, new requests get 429
     request_timeout: float = 600.0  # seconds from arrival until a request is ended with an error
     max_n: int = 16  # largest n (choices per prompt) accepted

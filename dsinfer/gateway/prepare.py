@@ -58,6 +58,7 @@ class Prepared:
     return_token_ids: bool  # logprob tokens as "token_id:<id>"
     echo: bool = False
     top_logprobs: int = 0  # chat: how many alternatives per token
+    thinking: bool = False  # chat: chat_template_kwargs {"thinking": true} (DeepSeek-V3.1/V3.2 templates)
 
 
 def parse_body(cls: type[RequestT], body: bytes) -> RequestT:
@@ -328,4 +329,5 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limit
         include_stop_str=req.include_stop_str_in_output,
         return_token_ids=req.return_tokens_as_token_ids,
         top_logprobs=top,
+        thinking=bool((req.chat_template_kwargs or {}).get("thinking", False)),
     )

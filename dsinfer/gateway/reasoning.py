@@ -67,8 +67,31 @@ class DeepSeekR1ReasoningParser:
         return (held, "") if self._thinking else ("", held)
 
 
-PARSERS = {"deepseek-r1": DeepSeekR1ReasoningParser}
+class DeepSeekV3ReasoningParser:
+    """DeepSeek-V3.1 and V3.2: thinking is a per-request mode of the chat template
+    (``chat_template_kwargs: {"thinking": true}``, as vLLM and SGLang take it). A thinking prompt
+    ends with ``<think>`` and the output parses as R1's; otherwise the prompt ends with ``</think>``
+    and the whole output is the answer."""
+
+    def __init__(self, thinking: bool) -> None:
+        self._thinking = DeepSeekR1ReasoningParser() if thinking else None
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return ("", text) if self._thinking is None else self._thinking.feed(text)
+
+    def flush(self) -> tuple[str, str]:
+        return ("", "") if self._thinking is None else self._thinking.flush()
 
 
-def make_reasoning_parser(name: str | None) -> ReasoningParser | None:
-    return None if name is None else PARSERS[name]()
+PARSERS = ("deepseek-r1", "deepseek-v3.1", "deepseek-v3.2")
+
+
+def make_reasoning_parser(name: str | None, thinking: bool = False) -> ReasoningParser | None:
+    """The parser ``name`` for one choice; ``thinking``: the request asked for thinking mode."""
+    if name is None:
+        return None
+    if name == "deepseek-r1":
+        return DeepSeekR1ReasoningParser()
+    if name in ("deepseek-v3.1", "deepseek-v3.2"):
+        return DeepSeekV3ReasoningParser(thinking)
+    raise ValueError(f"unknown reasoning parser {name!r} (choose from {', '.join(PARSERS)})")

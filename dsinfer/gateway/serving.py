@@ -112,7 +112,7 @@ class RequestRun:
                 stops=list(prepared.params.stop or []),
                 skip_special_tokens=prepared.params.skip_special_tokens,
                 include_stop_str=prepared.include_stop_str,
-                reasoning=make_reasoning_parser(parser),
+                reasoning=make_reasoning_parser(parser, prepared.thinking),
             )
             for _ in range(len(prepared.prompts) * self.n)
         ]

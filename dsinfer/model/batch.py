@@ -1,4 +1,4 @@
-"""What one forward step is told about its tokens and where their latent KV lives.
+"""What one forward step is told about its tokens and where their KV lives.
 
 Tokens of all sequences are flattened into one dimension T (sequence after sequence). Sequence i
 contributes ``q_lens[i]`` new tokens, whose latent KV is written at ``slot_mapping`` (a flat slot
@@ -19,6 +19,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's per-token caches (dsinfer/base/kv_spec.py), each ``[num_pages, page_size,
+    width]`` over the same pages: MLA's latent and, in sparse-attention models, the indexer keys."""
+
+    latent: torch.Tensor
+    indexer: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The caches present, in the spec's order."""
+        return (self.latent,) if self.indexer is None else (self.latent, self.indexer)
 
 
 @dataclass

@@ -182,7 +182,7 @@ def dummy_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: i
     layer and logical expert id), so every rank and replica builds the same model."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.endswith("e_score_correction_bias"):
+    if name.endswith(("e_score_correction_bias", "norm.bias")):
         return torch.zeros(shape)
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 assembly: embedding, decoder layers (dense first-k, then MoE), final norm, lm_head, MTP.
+"""DeepSeek-V3 assembly (V3.2's sparse attention included, behind the config): embedding, decoder layers (dense first-k, then MoE), final norm, lm_head, MTP.
 
 Module names follow the Hugging Face checkpoint (``model.layers.N.self_attn.q_a_proj`` ...), so the
 loader maps tensors one to one, except two things: routed experts are stacked per layer
@@ -7,7 +7,7 @@ in ``mtp_layers[j]``.
 
 Each decoder layer is exposed in stages so that micro-batch schedules (dsinfer/model/overlap.py)
 interleave two batches without another copy of the model: ``attention_in`` (input norm, MLA
-projections, latent cache written), ``attention_out`` (core attention, o_proj, residual),
+projections, latent cache and indexer keys written), ``attention_out`` (core attention, o_proj, residual),
 ``ffn_begin`` (post-attention norm, MoE gate, dispatch posted), ``ffn_experts`` (routed experts
 on the received rows, combine posted; a dense layer's MLP), ``ffn_shared`` (shared experts) and
 ``ffn_end`` (combined results weighted and summed, residual). ``forward`` runs them in order.
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from dsinfer.base.config import ModelConfig
-from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.batch import ForwardBatch, LayerCache
 from dsinfer.model.layers import MLP, Embedding, Linear, RMSNorm
-from dsinfer.model.mla import MLA
+from dsinfer.model.mla import MLA, Projected
 from dsinfer.model.moe import ExpertParallel, MoE, Received, RoutedWork
 from dsinfer.ops import Ops
 from dsinfer.parallel.ep import Pending
@@ -71,25 +71,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
         x = self.attention_out(x, self.attention_in(x, batch, kv_cache), batch, kv_cache)
         ffn = self.ffn_begin(x, batch)
         self.ffn_experts(ffn, ffn.dispatch.wait() if ffn.dispatch is not None else None)
         self.ffn_shared(ffn)
         return self.ffn_end(x, ffn, ffn.combine.wait() if ffn.combine is not None else None)
 
-    def attention_in(
-        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input norm and MLA projections; the new tokens' latents are written to ``kv_cache``."""
+    def attention_in(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> Projected:
+        """Input norm and MLA projections; the new tokens' latents (and indexer keys) are written
+        to ``kv_cache``."""
         return self.self_attn.project(self.input_layernorm(x), batch, kv_cache)
 
     def attention_out(
         self,
         x: torch.Tensor,
-        q: tuple[torch.Tensor, torch.Tensor],
+        q: Projected,
         batch: ForwardBatch,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         """Core attention and output projection, added to the residual ``x``."""
         return x + self.self_attn.attend(*q, batch, kv_cache)
@@ -155,7 +154,7 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(config, ops)
 
     def forward_mtp(
-        self, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache
     ) -> torch.Tensor:
         x = torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(hidden)], dim=-1)
         return super().forward(self.eh_proj(x), batch, kv_cache)
@@ -214,7 +213,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[torch.Tensor]
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[LayerCache]
     ) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]; writes each layer's latent cache."""
         x = self.model.embed_tokens(input_ids)
@@ -256,7 +255,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         hidden: torch.Tensor,
         next_tokens: torch.Tensor,
         batch: ForwardBatch,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerCache],
         depth: int = 0,
     ) -> torch.Tensor:
         """MTP module ``depth`` over (hidden of position t, token t+1) -> its hidden states [T, H]."""

@@ -1,4 +1,4 @@
-"""Building blocks: RMSNorm, the linear layer that routes every GEMM through ops, YaRN RoPE, the MLP."""
+"""Building blocks: RMSNorm, LayerNorm, the linear layer that routes every GEMM through ops, YaRN RoPE, the MLP."""
 
 from __future__ import annotations
 
@@ -22,6 +22,20 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, computed in fp32 (V3.2's indexer key norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
 
 
 class Embedding(nn.Module):

@@ -186,11 +186,14 @@ def _placements(model: nn.Module, config: ModelConfig, fp8_names: set[str]) -> d
 
 
 def _fp8_by_convention(model: DeepseekV3ForCausalLM) -> set[str]:
-    """Weights DeepSeek ships in FP8: attention projections, MLPs, shared and routed experts."""
+    """Weights DeepSeek ships in FP8: attention projections, MLPs, shared and routed experts, and
+    V3.2's indexer projections (its head weights stay high precision)."""
+    fp8_suffixes = ("_proj.weight", "_proj_with_mqa.weight", "indexer.wq_b.weight", "indexer.wk.weight")
+    kept_suffixes = ("eh_proj.weight", "indexer.weights_proj.weight")
     return {
         name
         for name in _placements(model, model.config, set())
-        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")) and not name.endswith("eh_proj.weight")
+        if name.endswith(fp8_suffixes) and not name.endswith(kept_suffixes)
     }
 
 

@@ -11,6 +11,11 @@ a paged cache ``[num_pages, page_size, 576]`` (FlashMLA's layout, ``V = c``).
   key and 512-wide value head shared by all query heads.
 
 kv_b_proj's rows are grouped per head: qk_nope_head_dim key rows, then v_head_dim value rows.
+
+Sparse attention (DeepSeek-V3.2, ``config.is_sparse``): the layer's lightning indexer
+(dsinfer/model/indexer.py) picks each query's ``index_topk`` keys among those it sees; the
+decompressed path masks every other key, the absorbed path runs sparse MLA decode over the picked
+cache slots (FlashMLA's sparse form).
 """
 
 from __future__ import annotations
@@ -20,9 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.base.config import ModelConfig
-from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.batch import ForwardBatch, LayerCache
+from dsinfer.model.indexer import Indexer, IndexerQuery
 from dsinfer.model.layers import Linear, RMSNorm, RotaryEmbedding
 from dsinfer.ops import Ops
+from dsinfer.ops.indexer import positions_to_slots
+
+# What the projections hand to core attention: q_nope, q_pe and the indexer's query (sparse only).
+Projected = tuple[torch.Tensor, torch.Tensor, IndexerQuery | None]
 
 
 class MLA(nn.Module):
@@ -46,6 +56,7 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), ops)
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, ops, bias=config.attention_bias)
         self.rotary = RotaryEmbedding(config.rope, self.rope_dim, config.rope_interleave)
+        self.indexer = Indexer(config, ops) if config.is_sparse else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, C], set by prepare_absorbed()
         self.w_uv: torch.Tensor | None = None  # [H, v, C]
 
@@ -54,57 +65,85 @@ class MLA(nn.Module):
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, -1)
         self.w_uk, self.w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe = self.project(x, batch, kv_cache)
-        return self.attend(q_nope, q_pe, batch, kv_cache)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
+        return self.attend(*self.project(x, batch, kv_cache), batch, kv_cache)
 
-    # Stage 1: projections; the new tokens' latents go into the cache.
-    def project(
-        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Stage 1: projections; the new tokens' latents (and indexer keys) go into the cache.
+    def project(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> Projected:
+        q_lora = None
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_lora = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lora)
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         cos_sin = batch.rope_cos_sin(self.rotary.cos_sin, q.dtype)
         q_pe = self.rotary(q_pe, cos_sin)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(k_pe, cos_sin)], dim=-1)
-        kv_cache.view(-1, latent.shape[-1])[batch.slot_mapping] = latent.to(kv_cache.dtype)
-        return q_nope, q_pe
+        kv_cache.latent.view(-1, latent.shape[-1])[batch.slot_mapping] = latent.to(kv_cache.latent.dtype)
+        if self.indexer is None:
+            return q_nope, q_pe, None
+        assert q_lora is not None and kv_cache.indexer is not None
+        return q_nope, q_pe, self.indexer.project(x, q_lora, batch, kv_cache.indexer)
 
     # Stage 2: core attention and the output projection.
     def attend(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        index: IndexerQuery | None,
+        batch: ForwardBatch,
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         split = batch.num_decompressed_tokens
+        head, tail = (None, None) if index is None else (index.rows(0, split), index.rows(split))
         out = torch.cat(
             [
-                self._decompressed(q_nope[:split], q_pe[:split], batch, kv_cache),
-                self._absorbed(q_nope[split:], q_pe[split:], batch, kv_cache),
+                self._decompressed(q_nope[:split], q_pe[:split], head, batch, kv_cache),
+                self._absorbed(q_nope[split:], q_pe[split:], tail, batch, kv_cache),
             ]
         )
         return self.o_proj(out.flatten(1))
 
+    def _selected(
+        self,
+        index: IndexerQuery,
+        rows: tuple[int, int],
+        seq: int,
+        kv_len: int,
+        batch: ForwardBatch,
+        cache: LayerCache,
+    ) -> torch.Tensor:
+        """bool [q_len, kv_len]: the keys sequence ``seq``'s new tokens (``rows`` of the step) attend to."""
+        assert self.indexer is not None and cache.indexer is not None
+        table = batch.block_tables[seq : seq + 1]
+        return self.indexer.selected_mask(index.rows(*rows), cache.indexer, table, kv_len)
+
     def _decompressed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        index: IndexerQuery | None,
+        batch: ForwardBatch,
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
         n = batch.num_decompressed
         q_lens, kv_lens = batch.q_lens[:n], batch.kv_lens[:n]
         # Fresh prompts of similar lengths run as one padded batch; otherwise one sequence at a time.
         if n > 1 and q_lens == kv_lens and n * max(q_lens) <= 2 * sum(q_lens):
-            return self._decompressed_padded(q, batch, kv_cache)
+            return self._decompressed_padded(q, index, batch, kv_cache)
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        page_size = kv_cache.shape[1]
+        cache = kv_cache.latent
+        page_size = cache.shape[1]
         start = 0
         seqs = range(batch.num_decompressed)
         for i, q_len, kv_len in zip(seqs, batch.q_lens, batch.kv_lens, strict=False):
             num_pages = -(-kv_len // page_size)
             pages = batch.block_tables[i, :num_pages].long()
-            latent = kv_cache[pages].flatten(0, 1)[:kv_len].to(q.dtype)  # [S, C + rope]
+            latent = cache[pages].flatten(0, 1)[:kv_len].to(q.dtype)  # [S, C + rope]
             c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
             kv = self.kv_b_proj(c).view(kv_len, self.num_heads, self.nope_dim + self.v_dim)
             k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -113,6 +152,8 @@ class MLA(nn.Module):
             visible = torch.arange(kv_len, device=q.device)[None, :] <= (
                 torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)
             )
+            if index is not None:  # the picked keys (all visible)
+                visible = self._selected(index, (start, start + q_len), i, kv_len, batch, kv_cache)
             o = F.scaled_dot_product_attention(
                 q[start : start + q_len].transpose(0, 1),  # [H, q, d]
                 k.transpose(0, 1),
@@ -125,16 +166,17 @@ class MLA(nn.Module):
         return out
 
     def _decompressed_padded(
-        self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self, q: torch.Tensor, index: IndexerQuery | None, batch: ForwardBatch, kv_cache: LayerCache
     ) -> torch.Tensor:
         """Sequences with no cached prefix: pad to [n, L], decompress once, one causal attention."""
         n = batch.num_decompressed
         lens = torch.tensor(batch.q_lens[:n], device=q.device)
-        length, page_size = int(lens.max()), kv_cache.shape[1]
+        cache = kv_cache.latent
+        length, page_size = int(lens.max()), cache.shape[1]
         pos = torch.arange(length, device=q.device)
         valid = pos[None, :] < lens[:, None]  # [n, L]
         pages = batch.block_tables[:n, (pos // page_size).clamp(max=batch.block_tables.shape[1] - 1)].long()
-        latent = kv_cache.view(-1, kv_cache.shape[-1])[pages * page_size + pos % page_size].to(q.dtype)
+        latent = cache.view(-1, cache.shape[-1])[pages * page_size + pos % page_size].to(q.dtype)
         c, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)  # [n, L, C], [n, L, rope]
         kv = self.kv_b_proj(c).view(n, length, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
@@ -143,6 +185,13 @@ class MLA(nn.Module):
         q_pad = q.new_zeros(n * length, self.num_heads, q.shape[-1]).index_copy_(0, flat, q)
         # causal within each sequence; a padding query sees key 0 only (its output is dropped)
         mask = (pos[None, :, None] >= pos[None, None, :]) & (valid[:, None, :] | (pos == 0)[None, None, :])
+        if index is not None:  # valid queries see the keys picked for them only
+            start = 0
+            for i, q_len in enumerate(batch.q_lens[:n]):
+                mask[i, :q_len, :q_len] = self._selected(
+                    index, (start, start + q_len), i, q_len, batch, kv_cache
+                )
+                start += q_len
         o = F.scaled_dot_product_attention(
             q_pad.view(n, length, self.num_heads, -1).transpose(1, 2),  # [n, H, L, d]
             k.transpose(1, 2),
@@ -153,7 +202,12 @@ class MLA(nn.Module):
         return o.transpose(1, 2).reshape(n * length, self.num_heads, self.v_dim)[flat]
 
     def _absorbed(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        index: IndexerQuery | None,
+        batch: ForwardBatch,
+        kv_cache: LayerCache,
     ) -> torch.Tensor:
         assert self.w_uk is not None and self.w_uv is not None, "prepare_absorbed() was not called"
         num_tokens, first = q_nope.shape[0], batch.num_decompressed
@@ -164,14 +218,26 @@ class MLA(nn.Module):
             batch.num_absorbed, -1, self.num_heads, q_pe.shape[-1] + q_latent.shape[-1]
         )
         assert batch.cache_seqlens is not None  # built once per step by ForwardBatch
-        o_latent, _ = self.ops.mla_decode(
-            q.to(kv_cache.dtype),
-            kv_cache.unsqueeze(2),
-            batch.block_tables[first:],
-            batch.cache_seqlens,
-            head_dim_v=self.kv_lora_rank,
-            softmax_scale=self.softmax_scale,
-            causal=True,
-        )
+        cache, tables = kv_cache.latent, batch.block_tables[first:]
+        if index is None:
+            o_latent, _ = self.ops.mla_decode(
+                q.to(cache.dtype),
+                cache.unsqueeze(2),
+                tables,
+                batch.cache_seqlens,
+                head_dim_v=self.kv_lora_rank,
+                softmax_scale=self.softmax_scale,
+                causal=True,
+            )
+        else:
+            assert self.indexer is not None and kv_cache.indexer is not None
+            positions = self.indexer.select(index, kv_cache.indexer, tables, batch.cache_seqlens)
+            o_latent, _ = self.ops.sparse_mla_decode(
+                q.to(cache.dtype),
+                cache.unsqueeze(2),
+                positions_to_slots(positions, tables, cache.shape[1]),
+                head_dim_v=self.kv_lora_rank,
+                softmax_scale=self.softmax_scale,
+            )
         o_latent = o_latent.reshape(num_tokens, self.num_heads, self.kv_lora_rank).to(q_nope.dtype)
         return torch.einsum("thc,hvc->thv", o_latent, self.w_uv)

@@ -32,7 +32,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from dsinfer.base.trace import COMM, COMPUTE, Tracer, now_ns
-from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.batch import ForwardBatch, LayerCache
 from dsinfer.model.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, FeedForward
 from dsinfer.parallel.ep import Pending
 
@@ -99,7 +99,7 @@ class _Stages:
     """The per-micro-batch generators over one model's decoder layers."""
 
     def __init__(
-        self, model: DeepseekV3ForCausalLM, kv_caches: list[torch.Tensor], tracer: Tracer | None
+        self, model: DeepseekV3ForCausalLM, kv_caches: list[LayerCache], tracer: Tracer | None
     ) -> None:
         self.model, self.tracer = model, tracer
         self.layers: list[DecoderLayer] = list(model.model.layers)
@@ -174,7 +174,7 @@ class _Stages:
 def forward_two(
     model: DeepseekV3ForCausalLM,
     micro_batches: tuple[MicroBatch, MicroBatch],
-    kv_caches: list[torch.Tensor],
+    kv_caches: list[LayerCache],
     order: str,
     *,
     tracer: Tracer | None = None,

@@ -8,6 +8,8 @@ kernel      candidates                                   Ops functions
 gemm        deepgemm, triton, torch                      linear, grouped_gemm_*
 experts     numba, grouped                               fused_experts
 mla         flashmla, triton, numba, torch               mla_decode
+indexer     deepgemm, triton, torch                      indexer_topk
+sparse_mla  flashmla, triton, torch                      sparse_mla_decode
 gate        triton, torch                                moe_gate
 sampling    triton, torch                                sample
 ==========  ===========================================  ==========================
@@ -38,29 +40,35 @@ import torch
 
 from dsinfer.ops import gate as torch_gate
 from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops import indexer as torch_indexer
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import sampling as torch_sampling
+from dsinfer.ops import sparse_mla as torch_sparse_mla
 from dsinfer.ops.experts import grouped_experts
 from dsinfer.ops.signatures import (
     FusedExperts,
     GroupedGemmContiguous,
     GroupedGemmMasked,
+    IndexerTopk,
     Linear,
     MlaDecode,
     MoeGate,
     Sample,
+    SparseMlaDecode,
 )
 
 logger = logging.getLogger("dsinfer.ops")
 
 __all__ = ["BACKENDS", "KERNELS", "TRITON_FEATURES", "Ops", "select_ops"]
 
-KERNELS: tuple[str, ...] = ("gemm", "experts", "mla", "gate", "sampling")
+KERNELS: tuple[str, ...] = ("gemm", "experts", "mla", "indexer", "sparse_mla", "gate", "sampling")
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "gemm": ("deepgemm", "triton", "torch"),
         "experts": ("numba", "grouped"),
         "mla": ("flashmla", "triton", "numba", "torch"),
+        "indexer": ("deepgemm", "triton", "torch"),
+        "sparse_mla": ("flashmla", "triton", "torch"),
         "gate": ("triton", "torch"),
         "sampling": ("triton", "torch"),
     }
@@ -72,6 +80,8 @@ TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "gemm": ("fp8_gemm_nt", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"),
         "experts": (),
         "mla": ("mla_decode",),
+        "indexer": ("indexer_logits",),
+        "sparse_mla": ("sparse_mla_decode",),
         "gate": ("moe_gate",),
         "sampling": ("sample",),
     }
@@ -89,6 +99,8 @@ class Ops:
     grouped_gemm_masked: GroupedGemmMasked
     fused_experts: FusedExperts
     mla_decode: MlaDecode
+    indexer_topk: IndexerTopk  # V3.2's lightning indexer: logits, then top-k positions
+    sparse_mla_decode: SparseMlaDecode
     moe_gate: MoeGate
     sample: Sample
     # True: keep checkpoint FP8 weights as fp8 + block scales (the GEMMs take them as they are).
@@ -111,6 +123,10 @@ def _torch_impl(kernel: str) -> Impl:
         }
     if kernel == "mla":
         return {"mla_decode": torch_mla.mla_decode}
+    if kernel == "indexer":
+        return {"indexer_topk": torch_indexer.indexer_topk}
+    if kernel == "sparse_mla":
+        return {"sparse_mla_decode": torch_sparse_mla.sparse_mla_decode}
     if kernel == "gate":
         return {"moe_gate": torch_gate.moe_gate}
     return {"sample": torch_sampling.sample}
@@ -161,13 +177,20 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
 
             # the Triton grouped GEMM takes unpadded expert segments (no DeepGEMM alignment)
             return _gemm_impl(DeepGemmAdapter(module, m_alignment=1))
+        if kernel == "indexer":  # the kernel computes the logits; the top-k is torch's
+            return {"indexer_topk": torch_indexer.indexer_topk_with(module.indexer_logits)}
         return {name: getattr(module, name) for name in _torch_impl(kernel)}
     module = _import({"deepgemm": "deep_gemm", "flashmla": "flash_mla"}[backend])
     if isinstance(module, str):
         return module
     from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
+    from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
 
     try:
+        if kernel == "indexer":
+            return {"indexer_topk": DeepGemmIndexerAdapter(module).indexer_topk}
+        if kernel == "sparse_mla":
+            return {"sparse_mla_decode": FlashMlaSparseAdapter(module).sparse_mla_decode}
         if backend == "deepgemm":
             return _gemm_impl(DeepGemmAdapter(module))
         return {"mla_decode": FlashMlaAdapter(module).mla_decode}

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dsinfer.ops import experts_cpu, gate, gemm, mla, sampling
+from dsinfer.ops import experts_cpu, gate, gemm, indexer, mla, sampling, sparse_mla
 
 __all__ = [
     "FusedExperts",
     "GroupedGemmContiguous",
     "GroupedGemmMasked",
+    "IndexerTopk",
     "Linear",
     "MlaDecode",
     "MoeGate",
     "Sample",
+    "SparseMlaDecode",
 ]
 
 
@@ -53,6 +55,19 @@ class MlaDecode(Protocol):
     """FlashMLA's paged MLA decode: :func:`dsinfer.ops.mla.mla_decode`."""
 
     __call__ = staticmethod(mla.mla_decode)
+
+
+class IndexerTopk(Protocol):
+    """DeepSeek-V3.2's lightning indexer over the paged key cache, then top-k:
+    :func:`dsinfer.ops.indexer.indexer_topk`."""
+
+    __call__ = staticmethod(indexer.indexer_topk)
+
+
+class SparseMlaDecode(Protocol):
+    """FlashMLA's token-level sparse MLA decode: :func:`dsinfer.ops.sparse_mla.sparse_mla_decode`."""
+
+    __call__ = staticmethod(sparse_mla.sparse_mla_decode)
 
 
 class MoeGate(Protocol):

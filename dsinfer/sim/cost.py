@@ -1,7 +1,10 @@
 """Roofline cost of one lockstep step of an expert-parallel pool, per layer stage.
 
 Precision as DeepSeek serves (seeds/): FP8 GEMMs and FP8 dispatch, BF16 core MLA, BF16 latent
-cache and BF16 combine. Per layer and micro-batch, for each rank (numpy arrays over ranks):
+cache and BF16 combine. V3.2 (sparse attention) adds the lightning indexer: its projections, and
+its logits over every cached key (FP8 keys, at the FlashMLA roofline) in decode and over every causal
+pair in prefill; MLA then attends to at most ``index_topk`` keys per query (decode: per request,
+estimated as min(context, requests x top-k) over a rank's requests). Per layer and micro-batch, for each rank (numpy arrays over ranks):
 
 - ``A0`` decode: q_a+kv_a projection (2112 x 7168), q_b (24576 x 1536), the absorbed W_UK (BF16),
   norms, RoPE, cache write.
@@ -106,15 +109,30 @@ def decode_attention(
         + k.gemm(tokens, s.heads * s.kv_lora, s.nope_dim, bf16=True)
         + k.elementwise(tokens * _elementwise_a0(s), kernels=5)
     )
-    flops = kv_tokens * q_per_req * s.mla_decode_flops_per_key
+    keys = kv_tokens
+    if s.sparse:  # V3.2: the indexer over every cached key, MLA over at most index_topk per request
+        a0 = a0 + _indexer_projections(k, s, tokens)
+        keys = np.minimum(kv_tokens, tokens / q_per_req * s.index_topk)
+        indexer = kv_tokens * q_per_req * s.indexer_flops_per_pair
+        a0 = a0 + k.flash_mla(kv_tokens * s.indexer_bytes_per_key, indexer)
+    flops = keys * q_per_req * s.mla_decode_flops_per_key
     a1 = (
-        k.flash_mla(kv_tokens * 2 * s.latent_dim, flops)
+        k.flash_mla(keys * 2 * s.latent_dim, flops)
         + k.gemm(tokens, s.heads * s.v_dim, s.kv_lora, bf16=True)
         + k.gemm(tokens, s.hidden, s.heads * s.v_dim)
         + k.gemm(tokens, s.experts, s.hidden, bf16=True)
         + k.elementwise(tokens * _elementwise_a1(s), kernels=4)
     )
     return a0, a1
+
+
+def _indexer_projections(k: Kernels, s: ModelShape, tokens: np.ndarray) -> np.ndarray:
+    """V3.2's indexer query (wq_b over the q LoRA), key (wk) and head weights (BF16)."""
+    return (
+        k.gemm(tokens, s.index_heads * s.index_dim, s.q_lora)
+        + k.gemm(tokens, s.index_dim, s.hidden)
+        + k.gemm(tokens, s.index_heads, s.hidden, bf16=True)
+    )
 
 
 def prefill_attention(
@@ -126,9 +144,18 @@ def prefill_attention(
     key_len: np.ndarray,
 ) -> np.ndarray:
     """A1 per rank: ``tokens`` new tokens, ``ctx_tokens`` tokens whose K/V are decompressed,
-    ``pairs`` causal (query, key) pairs, ``key_len`` their pair-weighted mean key length."""
+    ``pairs`` causal (query, key) pairs, ``key_len`` their pair-weighted mean key length. V3.2 adds
+    the indexer over every pair and attends to at most ``index_topk`` keys per query."""
+    sparse = np.zeros_like(np.asarray(tokens, dtype=np.float64))
+    if s.sparse:
+        sparse = _indexer_projections(k, s, tokens) + k.prefill_attention(
+            pairs * s.indexer_flops_per_pair, key_len
+        )
+        pairs = np.minimum(pairs, tokens * s.index_topk)
+        key_len = np.minimum(key_len, s.index_topk)
     return (
-        k.gemm(tokens, s.q_lora + s.latent_dim, s.hidden)
+        sparse
+        + k.gemm(tokens, s.q_lora + s.latent_dim, s.hidden)
         + k.gemm(tokens, s.heads * s.qk_head, s.q_lora)
         + k.gemm(ctx_tokens, s.heads * (s.nope_dim + s.v_dim), s.kv_lora)
         + k.prefill_attention(pairs * s.attention_flops_per_pair, key_len)

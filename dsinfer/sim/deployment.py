@@ -136,9 +136,18 @@ def chunking_weights(shape: ModelShape) -> tuple[float, float]:
 
 def rank_shape(shape: ModelShape, spec: PoolSpec) -> RankShape:
     """One rank of the pool as the memory plan counts it: FP8 weights with BF16 embedding, head and
-    absorbed kv_b copy, a BF16 latent cache, its routed slots, the MTP layer with --speculative-mtp."""
+    absorbed kv_b copy, a BF16 latent cache (V3.2: and FP8 indexer keys), its routed slots, the MTP
+    layer with --speculative-mtp."""
     mtp = shape.mtp_layers if spec.mtp else 0
-    return RankShape(shape.config, BF16_BYTES, True, spec.pool_size, spec.num_redundant_experts, mtp)
+    return RankShape(
+        shape.config,
+        BF16_BYTES,
+        True,
+        spec.pool_size,
+        spec.num_redundant_experts,
+        mtp,
+        cache_bytes_per_token=shape.cache_bytes_per_layer,
+    )
 
 
 def kv_capacity_tokens(spec: PoolSpec, hw: Hardware) -> int:

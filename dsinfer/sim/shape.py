@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsinfer.base.config import ModelConfig
+from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.presets import resolve_model
 
 SCALE_BLOCK = 128  # FP8 activation scales: one fp32 per 128 channels
@@ -55,6 +56,11 @@ class ModelShape:
     topk_group: int
     shared_experts: int
     mtp_layers: int
+    # one token's cache in one layer as DeepSeek serves it: BF16 latent + (V3.2) FP8 indexer key
+    cache_bytes_per_layer: int = 0
+    index_heads: int = 0  # V3.2's lightning indexer (0: dense attention)
+    index_dim: int = 0
+    index_topk: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
@@ -63,7 +69,15 @@ class ModelShape:
                 "the cost model assumes moe_layer_freq == 1 (every layer after the dense ones is MoE)"
             )
         sizes = {name: getattr(cfg, source) for name, source in _CONFIG_NAMES.items()}
-        return cls(config=cfg, q_lora=cfg.q_lora_rank or 0, **sizes)
+        return cls(
+            config=cfg,
+            q_lora=cfg.q_lora_rank or 0,
+            cache_bytes_per_layer=KVCacheSpec.for_model(cfg, "bfloat16", "fp8").bytes_per_token,
+            index_heads=cfg.index_n_heads or 0,
+            index_dim=cfg.index_head_dim or 0,
+            index_topk=cfg.index_topk or 0,
+            **sizes,
+        )
 
     @classmethod
     def preset(cls, name: str = "deepseek-v3") -> ModelShape:
@@ -82,6 +96,20 @@ class ModelShape:
     def latent_dim(self) -> int:
         """Values per token per layer of the latent KV cache (512 + 64 for V3)."""
         return self.kv_lora + self.rope_dim
+
+    @property
+    def sparse(self) -> bool:
+        return self.index_topk > 0
+
+    @property
+    def indexer_bytes_per_key(self) -> int:
+        """FP8 indexer key + its fp32 scale, per token per layer (0 for dense attention)."""
+        return self.cache_bytes_per_layer - 2 * self.latent_dim
+
+    @property
+    def indexer_flops_per_pair(self) -> int:
+        """V3.2's indexer logits, per (query, key) pair, one layer."""
+        return 2 * self.index_heads * self.index_dim
 
     @property
     def dispatch_bytes(self) -> int:

@@ -82,7 +82,7 @@ class Simulation:
         self.decode_names = [n for p in self.decode for n in p.names]
         any_spec = prefill if prefill is not None else decode
         assert any_spec is not None
-        self.latent_bytes = 2 * self.cache.pool_model(any_spec, self.a).shape.latent_dim
+        self.layer_cache_bytes = self.cache.pool_model(any_spec, self.a).shape.cache_bytes_per_layer
         self._ran = False
 
     # -----------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class Simulation:
         for rank, done in enumerate(batch.finishing):
             for i in done:
                 prompt = int(r.prompt[i])
-                tail = prompt * self.latent_bytes / self.hw.nic_bandwidth
+                tail = prompt * self.layer_cache_bytes / self.hw.nic_bandwidth
                 self._first[i] = t + tail
                 if self._window[0] <= r.arrival[i] < self._window[1]:
                     self._awaiting_first -= 1

@@ -1,11 +1,12 @@
 """KV transfer between ranks: the interface both backends (NIXL, Mooncake) implement.
 
-A rank registers its latent KV pool (one contiguous tensor per cache layer, shape
-[pages, page_size, dim]) once; ``metadata()`` is everything a peer needs to write into that pool
-(agent info plus each layer's base address and page stride) and travels in Register /
-PrefillRequest. The writer addresses pages, not bytes: ``write_pages(peer, layer, src, dst)``
-copies page ``src[i]`` of its own ``layer`` cache into page ``dst[i]`` of the peer's, as one
-asynchronous transfer (contiguous runs may be coalesced by the backend).
+A rank registers its KV pool once: per cache layer, the layer's cache tensors (each
+[pages, page_size, dim], every page contiguous: MLA's latent and, for V3.2, the indexer keys);
+``metadata()`` is everything a peer needs to write into that pool (agent info plus each cache's
+base address and page stride) and travels in Register / PrefillRequest. The writer addresses
+pages, not bytes: ``write_pages(peer, layer, src, dst)`` copies page ``src[i]`` of every cache of
+its own ``layer`` into page ``dst[i]`` of the peer's, as one asynchronous transfer (contiguous
+runs may be coalesced by the backend).
 
 Contract:
 - ``poll`` returns "done" only when the data is visible in the peer's memory, so a control
@@ -13,12 +14,14 @@ Contract:
 - "failed" is final; the handle must still be released.
 - A handle that is neither done nor failed can be waited on but never cancelled: fencing is
   the caller's job (the prefill side confirms an abort only after its handles finished).
-- ``stats`` counts bytes of completed writes and their wall time (start to done).
+- ``stats`` counts bytes of completed writes (pages x the layer's page bytes over its caches)
+  and their wall time (start to done).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,7 +54,7 @@ class TransferBackend(ABC):
         self.stats = TransferStats()
 
     @abstractmethod
-    def register_pool(self, caches: list[torch.Tensor]) -> None: ...
+    def register_pool(self, layers: Sequence[Sequence[torch.Tensor]]) -> None: ...
 
     @abstractmethod
     def metadata(self) -> bytes: ...

@@ -2,10 +2,14 @@
 byte runs, the bookkeeping of one write handle, and ``PoolBackend``, the library-independent half
 of a backend (pool, peers, handles).
 
+A pool is registered as its cache layers, each one or more tensors ``[pages, page_size, dim]``
+(the layer's caches in the pool's spec order: MLA's latent, V3.2's indexer keys; see
+dsinfer/base/kv_spec.py). A write of a layer's pages writes every cache of that layer.
+
 The metadata is one msgpack-encoded ``PoolMetadata``: the backend's own connection info
-(``endpoint``: NIXL agent metadata or Mooncake's ``host:port``) plus, for every cache layer, its
-base address, page stride and page count, and the page geometry (dtype, tokens per page, values
-per token) that a writer must share with the pool it writes into.
+(``endpoint``: NIXL agent metadata or Mooncake's ``host:port``) plus, for every cache of every
+layer, its base address, page stride and page count, and the page geometry (tokens per page, each
+cache's dtype and values per token) that a writer must share with the pool it writes into.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -31,6 +36,8 @@ log = logging.getLogger("dsinfer.transfer")
 
 
 class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
+    """One cache tensor of one layer."""
+
     addr: int
     page_stride: int  # bytes between the starts of two consecutive pages
     num_pages: int
@@ -40,53 +47,83 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
         return (self.num_pages - 1) * self.page_stride + page_bytes
 
 
+class CacheGeometry(msgspec.Struct, frozen=True, array_like=True):
+    """One cache of a layer: its dtype, values per token and bytes per page."""
+
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    dim: int
+    page_bytes: int
+
+
 class PoolMetadata(msgspec.Struct, frozen=True, kw_only=True):
     backend: str
     agent: str
-    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     page_size: int  # tokens per page
-    dim: int  # values per token
-    page_bytes: int
+    caches: list[CacheGeometry]  # a layer's caches, in order
     device: str  # "cpu" or "cuda:<index>"
-    layers: list[LayerRegion]
+    layers: list[list[LayerRegion]]  # per layer, one region per cache
     endpoint: bytes  # backend-specific connection info
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer, over its caches."""
+        return sum(c.page_bytes for c in self.caches)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(address, extent) of every registered region."""
+        return [
+            (r.addr, r.extent(c.page_bytes))
+            for regions in self.layers
+            for r, c in zip(regions, self.caches, strict=True)
+        ]
+
     def geometry(self) -> str:
-        return f"{self.dtype} x {self.page_size} tokens x {self.dim} values ({self.page_bytes} B per page)"
+        caches = " + ".join(f"{c.dtype} x {c.dim}" for c in self.caches)
+        return f"{self.page_size} tokens x ({caches}) ({self.page_bytes} B per page per layer)"
 
 
-def describe_pool(backend: str, agent: str, caches: list[torch.Tensor]) -> PoolMetadata:
-    """A pool's metadata (its endpoint still empty), or TransferError if the caches are not one
-    page geometry on one device with each page contiguous in memory."""
-    if not caches:
-        raise TransferError("register_pool needs at least one cache layer")
-    first = caches[0]
-    for i, t in enumerate(caches):
-        if t.dim() != 3:
-            raise TransferError(
-                f"cache layer {i} has shape {tuple(t.shape)}, expected [pages, page_size, dim]"
-            )
-        if t.shape[1:] != first.shape[1:] or t.dtype != first.dtype or t.device != first.device:
-            raise TransferError(
-                f"cache layer {i} is {t.dtype} {tuple(t.shape)} on {t.device}, layer 0 is "
-                f"{first.dtype} {tuple(first.shape)} on {first.device}: one geometry per pool"
-            )
-        pages, page_size, dim = t.shape
-        if pages == 0:
-            raise TransferError(f"cache layer {i} has no pages")
-        if t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < page_size * dim:
-            raise TransferError(f"cache layer {i} has strides {t.stride()}: each page must be contiguous")
-    _, page_size, dim = first.shape
-    itemsize = first.element_size()
-    regions = [LayerRegion(t.data_ptr(), t.stride(0) * itemsize, t.shape[0]) for t in caches]
+def describe_pool(backend: str, agent: str, layers: Sequence[Sequence[torch.Tensor]]) -> PoolMetadata:
+    """A pool's metadata (its endpoint still empty), or TransferError if its layers are not one
+    page geometry on one device with each page of each cache contiguous in memory."""
+    if not layers or not layers[0]:
+        raise TransferError("register_pool needs at least one cache layer with at least one cache")
+    first = list(layers[0])
+    pages = first[0].shape[0] if first[0].dim() == 3 else 0
+    for i, caches in enumerate(layers):
+        if len(caches) != len(first):
+            raise TransferError(f"cache layer {i} has {len(caches)} caches, layer 0 has {len(first)}")
+        for t, ref in zip(caches, first, strict=True):
+            if t.dim() != 3:
+                raise TransferError(
+                    f"cache layer {i} has a cache of shape {tuple(t.shape)}, expected [pages, page_size, dim]"
+                )
+            if t.shape[1:] != ref.shape[1:] or t.dtype != ref.dtype or t.device != ref.device:
+                raise TransferError(
+                    f"cache layer {i} has a {t.dtype} {tuple(t.shape)} cache on {t.device}, layer 0 has "
+                    f"{ref.dtype} {tuple(ref.shape)} on {ref.device}: one geometry per pool"
+                )
+            num, page_size, dim = t.shape
+            if num == 0 or num != pages or page_size != first[0].shape[1]:
+                raise TransferError(f"cache layer {i}: every cache needs the same pages (> 0) and page size")
+            if t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < page_size * dim:
+                raise TransferError(f"cache layer {i} has strides {t.stride()}: each page must be contiguous")
+    page_size = first[0].shape[1]
+    geometry = [
+        CacheGeometry(
+            str(t.dtype).removeprefix("torch."), t.shape[2], page_size * t.shape[2] * t.element_size()
+        )
+        for t in first
+    ]
+    regions = [
+        [LayerRegion(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]) for t in caches]
+        for caches in layers
+    ]
     return PoolMetadata(
         backend=backend,
         agent=agent,
-        dtype=str(first.dtype).removeprefix("torch."),
         page_size=page_size,
-        dim=dim,
-        page_bytes=page_size * dim * itemsize,
-        device=device_name(first.device),
+        caches=geometry,
+        device=device_name(first[0].device),
         layers=regions,
         endpoint=b"",
     )
@@ -115,12 +152,7 @@ def check_compatible(local: PoolMetadata, remote: PoolMetadata, peer_agent: str)
         raise TransferError(
             f"peer {peer_agent!r} uses transfer backend {remote.backend!r}, this rank {local.backend!r}"
         )
-    if (remote.dtype, remote.page_size, remote.dim, remote.page_bytes) != (
-        local.dtype,
-        local.page_size,
-        local.dim,
-        local.page_bytes,
-    ):
+    if (remote.page_size, remote.caches) != (local.page_size, local.caches):
         raise TransferError(
             f"peer {peer_agent!r} pool pages are {remote.geometry()}, this rank's are {local.geometry()}"
         )
@@ -208,7 +240,7 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
 
     def __init__(self, agent_name: str) -> None:
         super().__init__(agent_name)
-        self._caches: list[torch.Tensor] = []
+        self._caches: list[tuple[torch.Tensor, ...]] = []  # kept alive while registered
         self._meta: PoolMetadata | None = None
         self._peers: dict[str, PeerT] = {}
         self._open: set[WriteT] = set()
@@ -234,12 +266,12 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
         """Where a pool is reached, as log lines add it after the agent's name."""
         return ""
 
-    def register_pool(self, caches: list[torch.Tensor]) -> None:
+    def register_pool(self, layers: Sequence[Sequence[torch.Tensor]]) -> None:
         if self._meta is not None:
             raise TransferError(f"agent {self.agent_name!r} already registered a pool")
-        pool = describe_pool(self.name, self.agent_name, caches)
+        pool = describe_pool(self.name, self.agent_name, layers)
         endpoint = self._register(pool)
-        self._caches = list(caches)
+        self._caches = [tuple(caches) for caches in layers]
         self._meta = meta = msgspec.structs.replace(pool, endpoint=endpoint)
         log.info(
             "%s agent %s%s registered %d cache layers x %d pages (%s, %s)",
@@ -247,7 +279,7 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
             self.agent_name,
             self._address(meta),
             len(meta.layers),
-            meta.layers[0].num_pages,
+            meta.layers[0][0].num_pages,
             meta.geometry(),
             meta.device,
         )
@@ -270,7 +302,7 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
             peer_agent,
             self._address(meta),
             len(meta.layers),
-            meta.layers[0].num_pages,
+            meta.layers[0][0].num_pages,
         )
 
     def _resolve(
@@ -284,10 +316,12 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
             raise TransferError(f"peer {peer_agent!r} is not connected (call connect first)")
         if not 0 <= layer < len(local.layers):
             raise TransferError(f"layer {layer} out of range [0, {len(local.layers)})")
-        src, dst = local.layers[layer], peer.meta.layers[layer]
         where = f"layer {layer} to peer {peer_agent!r}"
-        runs = page_runs(src_pages, dst_pages, src.num_pages, dst.num_pages, where)
-        return peer, byte_runs(runs, src, dst, local.page_bytes), len(src_pages) * local.page_bytes
+        spans: list[tuple[int, int, int]] = []
+        for src, dst, cache in zip(local.layers[layer], peer.meta.layers[layer], local.caches, strict=True):
+            runs = page_runs(src_pages, dst_pages, src.num_pages, dst.num_pages, where)
+            spans += byte_runs(runs, src, dst, cache.page_bytes)
+        return peer, spans, len(src_pages) * local.page_bytes
 
     def poll(self, handle: TransferHandle) -> TransferState:
         rec = self._own(handle)

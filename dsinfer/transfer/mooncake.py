@@ -116,10 +116,10 @@ class MooncakeBackend(PoolBackend[_Peer, _MooncakeWrite]):
 
     # Registration and peers --------------------------------------------------------------------
     def _register(self, pool: PoolMetadata) -> bytes:
-        for i, r in enumerate(pool.layers):
-            rc = self._engine.register_memory(r.addr, r.extent(pool.page_bytes))
+        for addr, extent in pool.spans():
+            rc = self._engine.register_memory(addr, extent)
             if rc != 0:
-                raise TransferError(f"Mooncake could not register cache layer {i} -> {rc}")
+                raise TransferError(f"Mooncake could not register the KV cache at {addr:#x} -> {rc}")
         return f"{self._host}:{self._engine.get_rpc_port()}".encode()
 
     def _open_peer(self, peer_agent: str, meta: PoolMetadata, raw: bytes, replacing: bool) -> _Peer:
@@ -152,8 +152,8 @@ class MooncakeBackend(PoolBackend[_Peer, _MooncakeWrite]):
         self._peers.clear()
         self._lanes.clear()
         if self._meta is not None:
-            for r in self._meta.layers:
-                self._engine.unregister_memory(r.addr)
+            for addr, _ in self._meta.spans():
+                self._engine.unregister_memory(addr)
         del self._engine
 
     # Helpers -----------------------------------------------------------------------------------

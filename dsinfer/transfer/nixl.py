@@ -68,7 +68,7 @@ class NixlBackend(PoolBackend[_Peer, _NixlWrite]):
     # Registration and peers --------------------------------------------------------------------
     def _register(self, pool: PoolMetadata) -> bytes:
         mem_type, dev_id = _mem(pool.device)
-        spans = [(r.addr, r.extent(pool.page_bytes), dev_id, "") for r in pool.layers]
+        spans = [(addr, extent, dev_id, "") for addr, extent in pool.spans()]
         try:
             self._reg = self._agent.register_memory(spans, mem_type)
         except Exception as e:

@@ -1,11 +1,14 @@
-"""The paged latent KV cache: one tensor per layer, ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]``.
+"""The paged KV cache: per layer, one tensor per cache of the layer's spec (dsinfer/base/kv_spec.py),
+each ``[num_pages, page_size, width]``: MLA's latent (``kv_lora_rank + qk_rope_head_dim`` values,
+FlashMLA's layout once a view adds its single KV-head axis) and, for V3.2, the indexer keys.
 
-Page p of every layer belongs to the same sequence; a sequence's pages are listed in its block
-table. This is FlashMLA's layout (a view adds its single KV-head axis).
+Page p of every layer and every cache belongs to the same sequence; a sequence's pages are listed
+in its block table. A page as a whole (what the prefix cache's disk tier stores) is the bytes of
+page p of every layer's caches, layer after layer, each layer's caches in spec order.
 
-A page may be reserved for good (``LatentKVPool.reserve_dummy_page``): the allocator never hands
-it out again and it belongs to no sequence. Padding rows of a CUDA-graph decode step write their
-latent there and attend to it (dsinfer/engine/cuda_graph.py).
+A page may be reserved for good (``PagedKVPool.reserve_dummy_page``): the allocator never hands it
+out again and it belongs to no sequence. Padding rows of a CUDA-graph decode step write their
+latent and indexer key there and attend to it (dsinfer/engine/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from dsinfer.base.config import PAGE_SIZE, ModelConfig
+from dsinfer.base.kv_spec import IndexerFormat, KVCacheSpec
+from dsinfer.model.batch import LayerCache
 
 
 class OutOfPagesError(RuntimeError):
@@ -64,25 +69,23 @@ class PageAllocator:
             self._free.append(p)
 
 
-class LatentKVPool:
+class PagedKVPool:
     def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        dim: int,
-        *,
-        page_size: int = PAGE_SIZE,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
+        self, num_layers: int, num_pages: int, spec: KVCacheSpec, *, device: str | torch.device = "cpu"
     ) -> None:
-        if num_layers <= 0 or num_pages <= 0 or dim <= 0 or page_size <= 0:
-            raise ValueError(
-                f"num_layers, num_pages, dim and page_size must be positive, got "
-                f"{num_layers}, {num_pages}, {dim}, {page_size}"
-            )
-        self.page_size, self.dim = page_size, dim
+        if num_layers <= 0 or num_pages <= 0:
+            raise ValueError(f"num_layers and num_pages must be positive, got {num_layers}, {num_pages}")
+        self.spec, self.page_size = spec, spec.page_size
         self.caches = [
-            torch.zeros(num_pages, page_size, dim, dtype=dtype, device=device) for _ in range(num_layers)
+            LayerCache(
+                **{
+                    c.name: torch.zeros(
+                        num_pages, spec.page_size, c.width, dtype=getattr(torch, c.dtype), device=device
+                    )
+                    for c in spec.components
+                }
+            )
+            for _ in range(num_layers)
         ]
         self.allocator = PageAllocator(num_pages)
         self._dummy_page: int | None = None
@@ -106,32 +109,23 @@ class LatentKVPool:
         num_pages: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        indexer: IndexerFormat = "model",
         page_size: int = PAGE_SIZE,
-    ) -> LatentKVPool:
-        return cls(
-            num_layers, num_pages, config.kv_cache_dim, page_size=page_size, dtype=dtype, device=device
-        )
+    ) -> PagedKVPool:
+        spec = KVCacheSpec.for_model(config, str(dtype).removeprefix("torch."), indexer, page_size)
+        return cls(num_layers, num_pages, spec, device=device)
 
     @staticmethod
-    def page_bytes_for(
-        config: ModelConfig, num_layers: int, dtype: torch.dtype, page_size: int = PAGE_SIZE
-    ) -> int:
-        """Bytes one page takes over all ``num_layers`` caches."""
-        return num_layers * page_size * config.kv_cache_dim * dtype.itemsize
+    def page_bytes_for(spec: KVCacheSpec, num_layers: int) -> int:
+        """Bytes one page takes over all ``num_layers`` layers and every cache of the spec."""
+        return num_layers * spec.page_bytes
 
     @classmethod
-    def num_pages_for_budget(
-        cls,
-        config: ModelConfig,
-        num_layers: int,
-        budget_bytes: int,
-        dtype: torch.dtype,
-        page_size: int = PAGE_SIZE,
-    ) -> int:
+    def num_pages_for_budget(cls, spec: KVCacheSpec, num_layers: int, budget_bytes: int) -> int:
         """How many pages fit in ``budget_bytes`` (rounded down; 0 when not even one fits)."""
         if budget_bytes < 0:
             raise ValueError(f"memory budget must be >= 0 bytes, got {budget_bytes}")
-        return budget_bytes // cls.page_bytes_for(config, num_layers, dtype, page_size)
+        return budget_bytes // cls.page_bytes_for(spec, num_layers)
 
     # Shape and whole-page access -------------------------------------------------------------
     @property
@@ -148,32 +142,49 @@ class LatentKVPool:
         return self.allocator.num_usable
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.caches[0].dtype
+    def device(self) -> torch.device:
+        return self.caches[0].latent.device
 
     @property
-    def page_shape(self) -> tuple[int, int, int]:
-        """Shape of one page over all layers: ``(num_layers, page_size, dim)``."""
-        return (self.num_layers, self.page_size, self.dim)
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer and cache."""
+        return self.page_bytes_for(self.spec, self.num_layers)
+
+    @property
+    def page_layout(self) -> str:
+        """What a page's bytes are: two pools exchange pages only when their layouts are equal."""
+        return f"{self.num_layers} layers x {self.spec.signature()}"
+
+    def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
+        """Every layer's cache tensors, in spec order (what a KV transfer registers)."""
+        return [layer.tensors() for layer in self.caches]
 
     def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        """A copy of ``page`` over all layers, ``[num_layers, page_size, dim]``, on ``device``.
-
-        One copy per layer straight into the result (no intermediate stack on the cache device).
-        """
+        """A copy of ``page`` over every layer and cache: uint8 ``[page_bytes]`` on ``device``,
+        one copy per layer and cache straight into the result."""
         self._check_page(page)
-        out = torch.empty(self.page_shape, dtype=self.dtype, device=device)
-        for layer, cache in enumerate(self.caches):
-            out[layer].copy_(cache[page])
+        out = torch.empty(self.page_bytes, dtype=torch.uint8, device=device)
+        offset = 0
+        for layer in self.caches:
+            for cache in layer.tensors():
+                part = cache[page].view(torch.uint8).reshape(-1)
+                out[offset : offset + part.numel()].copy_(part)
+                offset += part.numel()
         return out
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
-        """Overwrite ``page`` in every layer with ``data`` (``[num_layers, page_size, dim]``)."""
+        """Overwrite ``page`` in every layer and cache with ``data`` (what ``read_page`` returns)."""
         self._check_page(page)
-        if tuple(data.shape) != self.page_shape:
-            raise ValueError(f"page data has shape {tuple(data.shape)}, the pool expects {self.page_shape}")
-        for layer, cache in enumerate(self.caches):
-            cache[page].copy_(data[layer])
+        if data.dtype != torch.uint8 or tuple(data.shape) != (self.page_bytes,):
+            raise ValueError(
+                f"page data is {data.dtype} {tuple(data.shape)}, the pool expects uint8 ({self.page_bytes},)"
+            )
+        offset = 0
+        for layer in self.caches:
+            for cache in layer.tensors():
+                target = cache[page].view(torch.uint8)
+                target.copy_(data[offset : offset + target.numel()].view(target.shape))
+                offset += target.numel()
 
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:

@@ -1,0 +1,233 @@
+"""Decode step time of DeepSeek-V3.2 (sparse attention) against V3 (dense MLA) at long contexts,
+and the KV bytes per token of both.
+
+Two models with DeepSeek-V3's attention shapes (128 heads, 512 latent + 64 rope, q LoRA) and V3.2's
+indexer (64 heads x 128, top-2048), each cut to 2 decoder layers with small dense MLPs and a small
+vocabulary (their cost is the same for both models and does not grow with context), dummy weights,
+float32 on this machine's CPU through the ops ``select_ops("cpu")`` picks. For each context C
+(1K, 4K, 16K tokens) and batch B, B sequences of C cached tokens (random latents and indexer keys
+written straight into the pool: the decode step's time does not depend on their values) take
+decode steps of one token each through the absorbed path: V3's dense paged MLA decode over all C
+keys, V3.2's indexer over all C keys then sparse MLA over 2048. Reported: the median and min of
+``--repeats`` timed steps after ``--warmup``, per model, context and batch, and the ratio.
+
+KV bytes per token are those of the real 61-layer models' cache specs (dsinfer/base/kv_spec.py):
+bf16 latent, V3.2's indexer keys in FP8 (the GPU default: 128 e4m3 + one fp32 scale) or bf16.
+
+    /work/venv/bin/python benchmarks/v32_decode.py \\
+        --out benchmarks/results/v32_decode.json --markdown benchmarks/results/v32_decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsinfer.base.config import ModelConfig
+from dsinfer.base.kv_spec import KVCacheSpec
+from dsinfer.base.presets import resolve_model
+from dsinfer.cache.kv_pool import PagedKVPool
+from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.loader import load_model
+from dsinfer.ops import select_ops
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ATTENTION = {  # DeepSeek-V3 / V3.2 attention, 2 dense layers, small MLP and vocabulary
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 4096,
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "num_attention_heads": 128,
+    "q_lora_rank": 512,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "rope_scaling": {"type": "yarn", "factor": 8, "original_max_position_embeddings": 4096,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+}  # fmt: skip
+SPARSE = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+}
+
+
+def _model(config: dict[str, Any], scratch: Path) -> tuple[Any, ModelConfig]:
+    path = scratch / config["model_type"]
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(path, select_ops("cpu"), dtype=torch.float32, load_format="dummy")
+    return loaded.model, loaded.config
+
+
+def _step_times(
+    model: Any, config: ModelConfig, context: int, batch: int, warmup: int, repeats: int
+) -> list[float]:
+    page = 64
+    pages_per_seq = -(-(context + 1) // page)
+    pool = PagedKVPool.for_model(
+        config, config.num_hidden_layers, batch * pages_per_seq, torch.float32, "cpu"
+    )
+    gen = torch.Generator().manual_seed(0)
+    for layer in pool.caches:
+        for cache in layer.tensors():
+            cache.copy_(torch.randn(cache.shape, generator=gen))
+    tables = torch.arange(batch * pages_per_seq, dtype=torch.int32).view(batch, pages_per_seq)
+    slots = tables[:, context // page].long() * page + context % page
+    times = []
+    for i in range(warmup + repeats):
+        step = ForwardBatch(
+            positions=torch.full((batch,), context, dtype=torch.int64),
+            slot_mapping=slots,
+            block_tables=tables,
+            q_lens=[1] * batch,
+            kv_lens=[context + 1] * batch,
+            num_absorbed=batch,
+        )
+        ids = torch.randint(2, config.vocab_size, (batch,), generator=gen)
+        start = time.perf_counter()
+        model.compute_logits(model(ids, step, pool.caches))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def kv_bytes_per_token() -> list[dict[str, Any]]:
+    rows = []
+    for name, indexer in (("deepseek-v3", "model"), ("deepseek-v3.2", "fp8"), ("deepseek-v3.2", "model")):
+        config = ModelConfig.from_file(resolve_model(name)[0] / "config.json")
+        spec = KVCacheSpec.for_model(config, "bfloat16", indexer)  # type: ignore[arg-type]
+        layers = config.num_hidden_layers
+        rows.append(
+            {
+                "model": name,
+                "cache": spec.describe(),
+                "bytes_per_token_per_layer": spec.bytes_per_token,
+                "layers": layers,
+                "bytes_per_token": spec.bytes_per_token * layers,
+            }
+        )
+    return rows
+
+
+def _machine() -> dict[str, Any]:
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "dsinfer"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": os.getloadavg(),
+        "commit": rev.stdout.strip() + (" (dsinfer/ modified)" if dirty.stdout.strip() else ""),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        "# V3.2 (sparse attention) vs V3 (dense MLA): decode step time and KV bytes per token",
+        "",
+        f"{m['date']}, commit {m['commit']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
+        f"load average before {m['load_average_before'][0]:.2f} / after {m['load_average_after'][0]:.2f}.",
+        f"Command: `{m['command']}`",
+        "",
+        "Decode step (2 layers with V3's attention shapes, float32, CPU), median of the timed steps "
+        "(min in brackets), ms:",
+        "",
+        "| batch | context | V3 dense | V3.2 sparse | V3.2 / V3 |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["steps"]:
+        lines.append(
+            f"| {row['batch']} | {row['context']} | {row['v3_ms']:.1f} ({row['v3_min_ms']:.1f}) | "
+            f"{row['v32_ms']:.1f} ({row['v32_min_ms']:.1f}) | {row['v32_ms'] / row['v3_ms']:.2f} |"
+        )
+    lines += [
+        "",
+        "KV cache per token (61 layers, bf16 latent):",
+        "",
+        "| model | per layer | bytes per token |",
+        "|---|---|---:|",
+    ]
+    for row in result["kv_bytes"]:
+        lines.append(
+            f"| {row['model']} | {row['cache']}: {row['bytes_per_token_per_layer']} B | {row['bytes_per_token']:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    machine = _machine()
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        v3, v3_config = _model(ATTENTION, Path(scratch))
+        v32, v32_config = _model({**ATTENTION, **SPARSE}, Path(scratch))
+        for batch in map(int, args.batches.split(",")):
+            for context in map(int, args.contexts.split(",")):
+                dense = _step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+                sparse = _step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
+                row = {
+                    "batch": batch,
+                    "context": context,
+                    "v3_ms": 1e3 * statistics.median(dense),
+                    "v3_min_ms": 1e3 * min(dense),
+                    "v32_ms": 1e3 * statistics.median(sparse),
+                    "v32_min_ms": 1e3 * min(sparse),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    machine["load_average_after"] = os.getloadavg()
+    result = {
+        "machine": machine,
+        "steps": rows,
+        "kv_bytes": kv_bytes_per_token(),
+        "ops": select_ops("cpu").describe(),
+    }
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    text = _markdown(result)
+    if args.markdown:
+        args.markdown.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
