@@ -7,6 +7,12 @@ product per 128-wide K block, scaled by the 1x128 activation and 128x128 weight 
   skipped (not written), as in DeepGEMM. DeepGEMM needs every expert segment padded to 128 rows;
   here a row tile may hold several experts (unpadded, even unsorted rows), each computed only for
   its own rows, so sorted unpadded segments cost at most one extra tile product per boundary.
+  Its tile is smaller than the dense kernel's (:func:`contiguous_tile_config`): the per-expert loop
+  is not software-pipelined, and at 64x128 with 4 warps an offline compile for sm_90a spills
+  (255 registers and an 832-byte stack frame; 928 B on sm_100, 1000 B on sm_89). Fewer pipeline
+  stages change nothing there (the loop has none); 32x64 tiles with 8 warps bring the frame to
+  16 B (0 B on sm_89), 16x64 to none. The kit's ``triton-compile`` stage (scripts/gpu-check)
+  reports these figures for every kernel configuration the ops launch.
 - Masked (decode, DeepEP low-latency layout): ``A [G, max_m, k]`` and only the first
   ``masked_m[g]`` rows of group ``g`` are computed and written; tiles past them exit at once.
 """
@@ -19,7 +25,15 @@ import triton.language as tl
 
 from .fp8_gemm import _scaled_dot, _store_tile, _swizzle, check_operands, tile_config
 
-__all__ = ["m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
+__all__ = ["contiguous_tile_config", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
+
+
+def contiguous_tile_config(m: int, n: int) -> dict[str, int]:
+    """Launch parameters of the contiguous kernel: the dense tile capped at 32x64, 8 warps (see
+    the module docstring for the register figures behind it; untuned for speed)."""
+    cfg = tile_config(m, n)
+    cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 32), BLOCK_N=min(cfg["BLOCK_N"], 64), num_warps=8)
+    return cfg
 
 
 @triton.jit
@@ -142,7 +156,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
         )
     if m == 0 or n == 0 or num_groups == 0:
         return
-    cfg = tile_config(m, n)
+    cfg = contiguous_tile_config(m, n)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _contiguous_kernel[grid](
         qa, sa, qb, sb, d, m_indices, m, n, k, num_groups,

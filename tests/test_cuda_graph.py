@@ -156,6 +156,7 @@ def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint)
     llm = _make(tiny_ckpt, device="cuda", max_num_seqs=8)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.capture and graphs.batch_sizes == (1, 2, 4, 8)
+    assert graphs._rows_host.is_pinned() and graphs._tables_host.is_pinned()  # async H2D copies
     got = _generate(llm)
     assert got == expected
     assert sum(graphs.steps.values()) >= 8 and graphs.padding_rows > 0, graphs.steps

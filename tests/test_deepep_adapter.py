@@ -7,15 +7,19 @@ The DeepEP calls themselves are UNVERIFIED (DeepEP cannot be installed here) and
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dsinfer.engine.args import EngineArgs
 from dsinfer.parallel.deepep import (
+    DeepEPGroup,
     compute_received_tokens,
     dequantize_fp8_rows,
     expand_received,
@@ -29,6 +33,7 @@ from dsinfer.parallel.deepep import (
     token_send_plan,
     unpack_masked,
 )
+from dsinfer.parallel.deepep_layout import low_latency_qp_depth, qp_depth_to_set, round_slices
 from dsinfer.parallel.ep import TorchEPGroup
 from dsinfer.parallel.registry import deepep_unavailable, make_ep_group
 
@@ -211,3 +216,76 @@ def test_dequantize_fp8_rows_any_scale_layout() -> None:
     torch.testing.assert_close(out, x, rtol=0.07, atol=1e-3)
     column_major = scales.t().contiguous().t()  # same values, DeepEP's TMA layout
     torch.testing.assert_close(dequantize_fp8_rows(q, column_major), out)
+
+
+# --- sizes: per-token low-latency buffers, queue-pair depth, rounds, teardown -------------------
+
+
+def test_qp_depth_for_tokens_per_rank() -> None:
+    assert low_latency_qp_depth(128) == 258
+    assert qp_depth_to_set(128, {}) is None  # DeepEP's default 1024 suffices
+    assert qp_depth_to_set(511, {}) is None
+    assert qp_depth_to_set(512, {}) == 1026  # max_num_seqs 256 with MTP
+    assert qp_depth_to_set(512, {"NVSHMEM_QP_DEPTH": "4096"}) is None
+    with pytest.raises(ValueError, match="NVSHMEM_QP_DEPTH=1024 is below the 1026"):
+        qp_depth_to_set(512, {"NVSHMEM_QP_DEPTH": "1024"})
+
+
+def test_round_slices_same_count_on_every_rank() -> None:
+    assert round_slices(10, 4, 3) == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert round_slices(0, 4, 2) == [slice(0, 0), slice(0, 0)]
+    with pytest.raises(ValueError, match="do not fit"):
+        round_slices(13, 4, 3)
+
+
+class _RecordingBuffer:
+    """DeepEP's legacy Buffer as far as construction goes: records the sizes it is asked for."""
+
+    made: ClassVar[list[dict]] = []
+    hints: ClassVar[list[tuple]] = []
+    destroyed = 0
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, explicitly_destroy=False):  # fmt: skip
+        type(self).made.append(
+            {
+                "rdma": num_rdma_bytes,
+                "ll": low_latency_mode,
+                "qps": num_qps_per_rank,
+                "explicit": explicitly_destroy,
+            }
+        )
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(tokens, hidden, ranks, experts):
+        _RecordingBuffer.hints.append((tokens, hidden, ranks, experts))
+        return tokens * hidden * 3 + 5
+
+    def destroy(self):
+        type(self).destroyed += 1
+
+    get_dispatch_layout = dispatch = combine = low_latency_dispatch = low_latency_combine = destroy
+
+
+def test_low_latency_buffer_sized_per_token(gloo_world1: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
+    module = ModuleType("deep_ep")
+    module.Buffer = _RecordingBuffer
+    group = DeepEPGroup(
+        None, module, hidden=7168, num_local_experts=8, low_latency=True, top_k=8, max_tokens_per_rank=512
+    )
+    # tokens, not tokens x top_k pairs: 512 rows of 7168, one rank, 8 experts
+    assert _RecordingBuffer.hints[-1] == (512, 7168, 1, 8)
+    made = _RecordingBuffer.made[-1]
+    assert made["ll"] and made["qps"] == 8 and made["explicit"] and made["rdma"] % 128 == 0
+    assert os.environ["NVSHMEM_QP_DEPTH"] == "1026"
+    assert group._capacity == 512  # masked rows per local expert: R x T
+    group.close()
+    group.close()  # once only
+    assert _RecordingBuffer.destroyed == 1
+
+
+def test_engine_args_decode_tokens_per_step() -> None:
+    assert EngineArgs().decode_tokens_per_step() == 256
+    assert EngineArgs(speculative_mtp=True).decode_tokens_per_step() == 512
+    assert EngineArgs(max_num_seqs=4096).decode_tokens_per_step() == 2048  # the step's token budget

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dsinfer.ops import Ops, select_ops
 from dsinfer.ops import gemm as torch_gemm
-from dsinfer.ops.external import DeepGemmAdapter
+from dsinfer.ops.external import DeepGemmAdapter, padded_rows
 from dsinfer.ops.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -287,3 +287,53 @@ def test_deepgemm_adapter_plumbing(ops: Ops, generation: str) -> None:
     )
     with pytest.raises(ImportError):
         DeepGemmAdapter(types.ModuleType("empty"))
+
+
+def _tile_storing_masked(block_m: int) -> types.ModuleType:
+    """DeepGEMM's SM90 masked GEMM as it stores: whole ``block_m``-row tiles per group, rows past
+    ``masked_m`` holding whatever the tile computed (here 8192), written through the flat
+    ``[G * m, n]`` output with no ``m % block_m`` check. Groups run last to first, so a group's
+    spilled tile lands on the next group's rows after those were written (one order the GPU may
+    take)."""
+    mod = _fake_deep_gemm("new")
+
+    def masked(a, b, out, masked_m, expected_m):
+        groups, m, n = out.shape
+        flat = out.view(groups * m, n)
+        for g in reversed(range(groups)):
+            tile_rows = -(-int(masked_m[g]) // block_m) * block_m
+            tile = torch.full((tile_rows, n), 8192.0)
+            valid = int(masked_m[g])
+            exact = torch.empty(valid, n)
+            fp8_gemm_nt(a[0][g, :valid], a[1][g, :valid], b[0][g], b[1][g], exact)
+            tile[:valid] = exact
+            end = min(g * m + tile_rows, groups * m)
+            flat[g * m : end] = tile[: end - g * m].to(out.dtype)
+
+    mod.m_grouped_fp8_gemm_nt_masked = masked
+    return mod
+
+
+def test_padded_rows() -> None:
+    assert [padded_rows(m, 128) for m in (1, 24, 128, 129)] == [128, 128, 128, 256]
+    assert padded_rows(5, 1) == 5
+    with pytest.raises(ValueError):
+        padded_rows(5, 0)
+
+
+def test_deepgemm_masked_pads_rows_to_whole_tiles(ops: Ops) -> None:
+    """A decode bucket's capacity (here 5 rows per group) is not a multiple of DeepGEMM's tile: the
+    adapter pads each group's rows so one group's last tile cannot overwrite the next group."""
+    gen = torch.Generator().manual_seed(3)
+    b, b_s, _ = _grouped_weights(gen, 3, 64, 256, fp8=True)
+    a = torch.randn(3, 5, 256, generator=gen)
+    masked_m = torch.tensor([5, 3, 4], dtype=torch.int32)
+    expected = ops.grouped_gemm_masked(a, b, b_s, masked_m, 4)
+    fake = _tile_storing_masked(block_m=64)
+    got = DeepGemmAdapter(fake, m_alignment=128).grouped_gemm_masked(a, b, b_s, masked_m, 4)
+    assert got.shape == (3, 5, 64)
+    for g, rows in enumerate(masked_m.tolist()):
+        torch.testing.assert_close(got[g, :rows], expected[g, :rows], rtol=1e-2, atol=1e-2)
+    # without the padding the emulated kernel's spilled tiles overwrite the next group's rows
+    unpadded = DeepGemmAdapter(fake, m_alignment=1).grouped_gemm_masked(a, b, b_s, masked_m, 4)
+    assert (unpadded[1, :3] == 8192.0).all()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dsinfer.ops import Ops, select_ops
-from dsinfer.ops.external import FlashMlaAdapter
+from dsinfer.ops.backend import capability_unsupported
+from dsinfer.ops.external import FlashMlaAdapter, flash_mla_api
 
 D, DV, H = 24, 16, 3  # latent+rope dim, V dim (first DV channels), query heads
 
@@ -153,3 +154,70 @@ def test_flashmla_adapter_plumbing(ops: Ops) -> None:
     assert calls[1] == ("fwd", "old", "tile", "splits", 0.25, True)
     assert calls[2] == ("meta", "new", ())
     assert calls[3] == ("fwd", "new", "tile", None, 0.25, True)
+
+
+def _counting_flash_mla(generation: str, calls: list[str], ops: Ops) -> types.ModuleType:
+    """A stand-in FlashMLA whose metadata builds are counted; the newest generation keeps
+    FlashMLASchedMeta in its interface submodule, as the package does."""
+    mod = types.ModuleType(f"fake_flash_mla_{generation}")
+
+    def get_mla_metadata(*args):
+        calls.append("meta")
+        return (object(), None) if generation == "new" else ("tile", "splits")
+
+    def flash_mla_with_kvcache(q, k, bt, lens, dv, md, ns, softmax_scale=None, causal=False):
+        calls.append("fwd")
+        return ops.mla_decode(q, k, bt, lens, dv, softmax_scale, causal)
+
+    mod.get_mla_metadata = get_mla_metadata
+    mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    if generation == "new":
+        mod.flash_mla_interface = types.SimpleNamespace(FlashMLASchedMeta=object)
+    return mod
+
+
+@pytest.mark.parametrize("generation", ["old", "new"])
+def test_flashmla_metadata_once_per_step(ops: Ops, generation: str) -> None:
+    calls: list[str] = []
+    adapter = FlashMlaAdapter(_counting_flash_mla(generation, calls, ops))
+    assert adapter.api == generation and flash_mla_api(adapter._fm) == generation
+    gen = torch.Generator().manual_seed(5)
+    k_cache, block_table, _ = _paged_cache([70, 5], 64, gen)
+    k_cache = k_cache.bfloat16()
+    q = torch.randn(2, 1, 4, D, generator=gen).bfloat16()
+    step = torch.tensor([70, 5], dtype=torch.int32)
+    for _ in range(3):  # three layers of one step share its cache_seqlens tensor
+        adapter.mla_decode(q, k_cache, block_table, step, DV, 0.25, True)
+    assert adapter.metadata_builds == 1 and calls.count("fwd") == 3
+    adapter.mla_decode(q[:, :, :2], k_cache, block_table, step, DV, 0.25, True)  # other heads
+    next_step = torch.tensor([71, 6], dtype=torch.int32)
+    adapter.mla_decode(q, k_cache, block_table, next_step, DV, 0.25, True)
+    assert adapter.metadata_builds == 3
+
+
+def test_flashmla_float32_goes_to_the_fallback(ops: Ops) -> None:
+    """FlashMLA takes bf16/fp16 only; float32 goes to the fallback it was given (the Triton kernel
+    on a GPU, whose decode has no host synchronisation), never to FlashMLA."""
+    calls: list[str] = []
+    used: list[torch.dtype] = []
+
+    def fallback(q, *args):
+        used.append(q.dtype)
+        return ops.mla_decode(q, *args)
+
+    adapter = FlashMlaAdapter(_counting_flash_mla("new", calls, ops), fallback=fallback)
+    gen = torch.Generator().manual_seed(6)
+    k_cache, block_table, _ = _paged_cache([9], 64, gen)
+    q = torch.randn(1, 1, 4, D, generator=gen)
+    lens = torch.tensor([9], dtype=torch.int32)
+    out, _ = adapter.mla_decode(q, k_cache, block_table, lens, DV, 0.25, True)
+    assert used == [torch.float32] and calls == [] and out.dtype == torch.float32
+
+
+def test_external_backends_need_sm90() -> None:
+    assert capability_unsupported("deepgemm", (9, 0)) is None
+    assert capability_unsupported("flashmla", (9, 0)) is None
+    assert "needs compute capability 9.0 (SM90), this GPU is 10.0" in str(
+        capability_unsupported("deepgemm", (10, 0))
+    )
+    assert "this GPU is 8.9" in str(capability_unsupported("flashmla", (8, 9)))

@@ -84,3 +84,17 @@ def test_all_reduce_in_place_on_gloo(tmp_path: Path) -> None:
             p.kill()
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0 and out.strip().endswith("ok"), out
+
+
+def test_explicit_cuda_device_becomes_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cuda:N`` outside a pool rank: the engine makes it the current CUDA device, so
+    graphs, Triton launches and DeepGEMM's stream do not run on device 0."""
+    import torch
+
+    from dsinfer.engine.device import bind_device
+
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for name in ("cpu", "cuda", "cuda:3"):
+        bind_device(torch.device(name))
+    assert chosen == [torch.device("cuda:3")]

@@ -81,6 +81,12 @@ class EngineArgs(BaseModel):
             return "fp8" if device_type == "cuda" else "model"
         return "fp8" if self.indexer_cache_dtype == "fp8" else "model"
 
+    def decode_tokens_per_step(self) -> int:
+        """The most tokens one rank's decode step carries: a token per sequence, two with an MTP
+        draft, within the step's token budget (sizes DeepEP's low-latency buffer; steps with more
+        tokens, such as a decode pool's recompute prefill, take the torch all-to-all)."""
+        return min(self.max_num_seqs * (2 if self.speculative_mtp else 1), self.max_num_batched_tokens)
+
     def kv_fraction_for(self, device_type: str) -> float:
         """Fraction of free memory for the latent KV cache when no size is given: 0.8 on a GPU
         (headroom for activations and the decode step's CUDA graphs, captured after the pool), 0.1

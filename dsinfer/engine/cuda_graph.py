@@ -9,9 +9,12 @@ host read either), and the routed experts in the masked layout (``ForwardBatch.m
 
 Static buffers (allocated once, for the largest bucket): per row the input id, position, cache
 slot, cached length and a valid flag (one int64 ``[5, max_bs]`` tensor, one host-to-device copy per
-step) and the block table ``[max_bs, pages of max_seq_len]``. A step of ``n`` sequences is padded to
-the smallest bucket ``>= n``: padding rows read token 0 at position 0, write their latent (and
-indexer key) to the pool's dummy page (``PagedKVPool.reserve_dummy_page``: reserved for good, owned by no sequence)
+step) and the block table ``[max_bs, pages of max_seq_len]``. Each step's values are staged in host
+buffers of the same shapes, pinned on CUDA so that both copies are asynchronous; the next step
+waits on an event of the last copies before it overwrites the staging buffers. A step of ``n``
+sequences is padded to the smallest bucket ``>= n``: padding rows read token 0 at position 0, write
+their latent (and indexer key) to the pool's dummy page (``PagedKVPool.reserve_dummy_page``:
+reserved for good, owned by no sequence)
 and attend to it alone; they are masked out of the experts and of the expert-load counters. The
 graph replays and the first ``n`` rows of its output are returned (views of the static outputs,
 valid until the next replay).
@@ -126,6 +129,12 @@ class CudaGraphRunner:
             self._tables = torch.full(
                 (self.max_batch_size, self.max_pages), self.dummy_page, dtype=torch.int32, device=self.device
             )
+        pinned = self.device.type == "cuda"
+        self._rows_host = torch.zeros(5, self.max_batch_size, dtype=torch.int64, pin_memory=pinned)
+        self._tables_host = torch.zeros(
+            self.max_batch_size, self.max_pages, dtype=torch.int32, pin_memory=pinned
+        )
+        self._copied = torch.cuda.Event() if pinned else None  # the last step's copies have run
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.steps: Counter[int] = Counter()  # bucket -> steps run
         self.padding_rows = 0  # rows added to fill buckets, over all steps
@@ -170,21 +179,30 @@ class CudaGraphRunner:
         slots = [
             pages[p // ps] * ps + p % ps for pages, p in zip(rows.page_lists, rows.positions, strict=True)
         ]
-        host = torch.tensor(
-            [
-                rows.input_ids + [0] * pad,
-                rows.positions + [0] * pad,
-                slots + [dummy * ps] * pad,
-                [p + 1 for p in rows.positions] + [1] * pad,  # cached tokens after this step
-                [1] * n + [0] * pad,
-            ],
-            dtype=torch.int64,
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the staging buffers
+        host = self._rows_host[:, :bucket]
+        host.copy_(
+            torch.tensor(
+                [
+                    rows.input_ids + [0] * pad,
+                    rows.positions + [0] * pad,
+                    slots + [dummy * ps] * pad,
+                    [p + 1 for p in rows.positions] + [1] * pad,  # cached tokens after this step
+                    [1] * n + [0] * pad,
+                ],
+                dtype=torch.int64,
+            )
         )
-        self._rows[:, :bucket].copy_(host)
+        self._rows[:, :bucket].copy_(host, non_blocking=True)
         width = max((len(pages) for pages in rows.page_lists), default=1)
         table = [pages + [dummy] * (width - len(pages)) for pages in rows.page_lists]
         table += [[dummy] * width] * pad
-        self._tables[:bucket, :width].copy_(torch.tensor(table, dtype=torch.int32))
+        tables = self._tables_host[:bucket, :width]
+        tables.copy_(torch.tensor(table, dtype=torch.int32))
+        self._tables[:bucket, :width].copy_(tables, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured callable: the model over the first ``bucket`` rows of the static buffers."""

@@ -19,6 +19,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def bind_device(device: torch.device) -> None:
+    """Make an explicit ``cuda:N`` this process's current CUDA device: CUDA graphs, Triton
+    launches and libraries that use the current device (DeepGEMM's stream) then run on it."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -34,8 +41,11 @@ def free_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read free memory (no /proc/meminfo); pass kv_cache_memory")
 
 
-def model_identity(path: Path, load_format: str, seed: int, dtype: torch.dtype) -> bytes:
-    """Root of the page-hash chains: KV computed by another model (or dtype) never matches."""
+def model_identity(
+    path: Path, load_format: str, seed: int, dtype: torch.dtype, device: torch.device
+) -> bytes:
+    """Root of the page-hash chains: KV computed by another model (or dtype) never matches; dummy
+    weights differ per kind of device they were drawn on."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -44,5 +54,8 @@ def model_identity(path: Path, load_format: str, seed: int, dtype: torch.dtype) 
         stat = shard.stat()
         digest.update(f"{shard.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return model_root(
-        digest.hexdigest(), load_format, str(seed) if load_format == "dummy" else "", str(dtype)
+        digest.hexdigest(),
+        load_format,
+        f"{seed}:{device.type}" if load_format == "dummy" else "",
+        str(dtype),
     )

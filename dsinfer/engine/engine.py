@@ -36,7 +36,7 @@ from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.agreement import AllReduceMax, StepVotes, agree
 from dsinfer.engine.args import EngineArgs
-from dsinfer.engine.device import free_memory, model_identity, resolve_device, resolve_dtype
+from dsinfer.engine.device import bind_device, free_memory, model_identity, resolve_device, resolve_dtype
 from dsinfer.engine.expert_balancer import OnlineExpertBalancer
 from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
@@ -65,6 +65,7 @@ class LLMEngine:
         it on the host); None: ``ep_group`` itself."""
         self.args = args
         device = resolve_device(args.device)
+        bind_device(device)
         dtype = resolve_dtype(args.dtype, device)
         self.ops = select_ops(device)
         loaded = load_model(
@@ -99,7 +100,7 @@ class LLMEngine:
                 f"{self.config.max_position_embeddings}"
             )
         pool = self._make_pool(device, dtype)
-        root = model_identity(loaded.path, loaded.load_format, args.seed, dtype)
+        root = model_identity(loaded.path, loaded.load_format, args.seed, dtype, device)
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
         disk = None
         if args.kv_disk_cache_dir is not None:

@@ -177,13 +177,21 @@ def view(params: dict[str, torch.Tensor], where: Placement, rows: tuple[int, int
     return target if rows is None else target[rows[0] : rows[1]]
 
 
-def dummy_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int) -> torch.Tensor:
+def dummy_tensor(
+    name: str,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """Random weights from a generator seeded by the tensor's checkpoint name (which holds the
-    layer and logical expert id), so every rank and replica builds the same model."""
+    layer and logical expert id), so every rank and replica builds the same model. Drawn on
+    ``device`` (a full-size model's weights take seconds on a GPU, minutes on a CPU): a CUDA draw
+    differs from the CPU draw of the same name, so processes agree per kind of device."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape, device=device)
     if name.endswith(("e_score_correction_bias", "norm.bias")):
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=device)
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.randn(shape, generator=generator) * config.initializer_range
+    generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randn(shape, generator=generator, device=device) * config.initializer_range

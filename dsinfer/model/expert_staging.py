@@ -157,7 +157,7 @@ class ExpertStaging:
                 view(params, p.to_scale, scale_rows).copy_(scale)
         else:
             s = self.source
-            weight = dummy_tensor(p.name, p.to.shape, s.config, s.seed)
+            weight = dummy_tensor(p.name, p.to.shape, s.config, s.seed, s.device)
             if p.to_scale is not None:
                 weight, scale = quantize_weight_128x128(weight)
                 view(params, p.to_scale, None).copy_(scale)

@@ -130,7 +130,7 @@ def load_model(
         device,
     )
     if load_format == "dummy":
-        _fill_dummy(params, placements, config, seed, keep_fp8)
+        _fill_dummy(params, placements, config, seed, keep_fp8, device)
     else:
         _fill_from_checkpoint(params, placements, index, keep_fp8)
     model.post_load(dtype)
@@ -255,6 +255,7 @@ def _fill_dummy(
     config: ModelConfig,
     seed: int,
     keep_fp8: set[str],
+    device: torch.device,
     progress: bool = True,
 ) -> None:
     bar = tqdm(
@@ -263,7 +264,7 @@ def _fill_dummy(
     for name, places in bar:
         if name.endswith(SCALE_SUFFIX):
             continue
-        tensor = dummy_tensor(name, places[0].shape, config, seed)
+        tensor = dummy_tensor(name, places[0].shape, config, seed, device)
         if name in keep_fp8:
             tensor, scale = quantize_weight_128x128(tensor)
             _place(params, placements[name + SCALE_SUFFIX], scale, name + SCALE_SUFFIX)

@@ -15,7 +15,10 @@ sampling    triton, torch                                sample
 ==========  ===========================================  ==========================
 
 A candidate is probed lazily and only at selection: ``deepgemm``/``flashmla`` need a CUDA device
-and a successful ``import deep_gemm`` / ``import flash_mla``; ``triton`` needs a CUDA device and
+of compute capability 9.0 (the adapters pass DeepGEMM's SM90 fp32 scales, SM100 wants UE8M0;
+FlashMLA's dense decode kernel is SM90-only) and a successful ``import deep_gemm`` /
+``import flash_mla``; the FlashMLA adapter sends what FlashMLA does not take (float32 queries) to
+the Triton kernel when it is available, else to the torch reference; ``triton`` needs a CUDA device and
 ``dsinfer.kernels`` exporting the kernel's functions (feature check by name, see
 ``TRITON_FEATURES``: the GEMM family uses DeepGEMM's newer names and signatures, the others the
 ``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
@@ -59,7 +62,7 @@ from dsinfer.ops.signatures import (
 
 logger = logging.getLogger("dsinfer.ops")
 
-__all__ = ["BACKENDS", "KERNELS", "TRITON_FEATURES", "Ops", "select_ops"]
+__all__ = ["BACKENDS", "KERNELS", "TRITON_FEATURES", "Ops", "capability_unsupported", "select_ops"]
 
 KERNELS: tuple[str, ...] = ("gemm", "experts", "mla", "indexer", "sparse_mla", "gate", "sampling")
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -74,6 +77,8 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     }
 )
 FP8_CAPABILITY = (8, 9)  # Ada/Hopper: the first GPUs with fp8 e4m3 tensor-core instructions
+# DeepGEMM with fp32 block scales (SM100 takes packed UE8M0 instead) and FlashMLA's dense decode
+EXTERNAL_CAPABILITY = {"deepgemm": (9, 0), "flashmla": (9, 0)}
 # Names dsinfer.kernels must export for its Triton backend of each kernel to be chosen.
 TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -147,6 +152,15 @@ def _gemm_impl(adapter: Any) -> Impl:
     }
 
 
+def capability_unsupported(backend: str, capability: tuple[int, int]) -> str | None:
+    """Why ``backend`` (deepgemm or flashmla) cannot run on a GPU of ``capability``, or None."""
+    needed = EXTERNAL_CAPABILITY[backend]
+    if capability != needed:
+        have, want = ".".join(map(str, capability)), ".".join(map(str, needed))
+        return f"{backend} adapter needs compute capability {want} (SM90), this GPU is {have}"
+    return None
+
+
 def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
     """The implementation of ``kernel`` by ``backend`` on ``device``, or why it is unavailable."""
     if backend == "torch":
@@ -180,6 +194,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if kernel == "indexer":  # the kernel computes the logits; the top-k is torch's
             return {"indexer_topk": torch_indexer.indexer_topk_with(module.indexer_logits)}
         return {name: getattr(module, name) for name in _torch_impl(kernel)}
+    why = capability_unsupported(backend, torch.cuda.get_device_capability(device))
+    if why is not None:
+        return why
     module = _import({"deepgemm": "deep_gemm", "flashmla": "flash_mla"}[backend])
     if isinstance(module, str):
         return module
@@ -193,7 +210,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
             return {"sparse_mla_decode": FlashMlaSparseAdapter(module).sparse_mla_decode}
         if backend == "deepgemm":
             return _gemm_impl(DeepGemmAdapter(module))
-        return {"mla_decode": FlashMlaAdapter(module).mla_decode}
+        triton_mla = _probe("mla", "triton", device)
+        fallback = triton_mla["mla_decode"] if isinstance(triton_mla, dict) else torch_mla.mla_decode
+        return {"mla_decode": FlashMlaAdapter(module, fallback=fallback).mla_decode}
     except ImportError as exc:
         return str(exc)
 

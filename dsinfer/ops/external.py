@@ -11,6 +11,7 @@ whose semantics they share. The tests hold the torch paths, not these.
 from __future__ import annotations
 
 import importlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -23,13 +24,28 @@ from dsinfer.ops import mla as torch_mla
 from dsinfer.ops.fp8 import FP8_BLOCK, FP8_DTYPE
 from dsinfer.ops.fp8 import quantize_activation_1x128 as torch_quantize_1x128
 
-__all__ = ["DEEPGEMM_CONTIGUOUS_ALIGNMENT", "ContiguousPadding", "DeepGemmAdapter", "FlashMlaAdapter"]
+__all__ = [
+    "DEEPGEMM_CONTIGUOUS_ALIGNMENT",
+    "ContiguousPadding",
+    "DeepGemmAdapter",
+    "FlashMlaAdapter",
+    "flash_mla_api",
+    "padded_rows",
+]
 
 # DeepGEMM's contiguous layout: every expert segment is a multiple of this many rows (documented;
 # the module's own get_mk_alignment_for_contiguous_layout / get_m_alignment_... wins when exported).
 DEEPGEMM_CONTIGUOUS_ALIGNMENT = 128
 _ALIGNMENT_FUNCTIONS = ("get_mk_alignment_for_contiguous_layout", "get_m_alignment_for_contiguous_layout")
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+MlaDecode = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def padded_rows(m: int, alignment: int) -> int:
+    """``m`` rounded up to a multiple of ``alignment`` (>= 1)."""
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    return -(-m // alignment) * alignment
 
 
 @dataclass(frozen=True)
@@ -113,9 +129,16 @@ class DeepGemmAdapter:
     weights must already be fp8 with 128x128 scales. Output is computed in bf16 (DeepGEMM's output
     type) and cast to the activation's dtype.
 
-    ``m_alignment``: the row multiple of each expert segment in the contiguous layout. None asks
-    the module (``get_mk_alignment_for_contiguous_layout`` / ``get_m_alignment_...``), else
-    DeepGEMM's documented 128; dsinfer.kernels' Triton GEMM takes unpadded segments (1).
+    ``m_alignment``: the row multiple of each expert segment in the contiguous layout, and of the
+    rows per group of the masked layout. None asks the module
+    (``get_mk_alignment_for_contiguous_layout`` / ``get_m_alignment_...``), else DeepGEMM's
+    documented 128; dsinfer.kernels' Triton GEMMs mask partial tiles and take any row count (1).
+
+    The masked padding matters: DeepGEMM's SM90 masked kernel stores whole BLOCK_M-row tiles per
+    group without checking ``m % BLOCK_M``, so with ``[G, m, k]`` operands whose ``m`` is not a
+    multiple of the tile (a decode bucket of 1, 2, 24 ... rows) one group's last tile overwrites
+    the next group's first rows. The adapter pads ``m`` to the alignment and returns the first
+    ``m`` rows.
     """
 
     def __init__(self, module: ModuleType, *, m_alignment: int | None = None) -> None:
@@ -178,10 +201,16 @@ class DeepGemmAdapter:
     ) -> torch.Tensor:
         if not self._native(b, b_scale) or a.numel() == 0:
             return torch_gemm.grouped_gemm_masked(a, b, b_scale, masked_m, expected_m)
+        groups, m, k = a.shape
+        m_pad = padded_rows(m, self.m_alignment)
+        if m_pad != m:  # whole tiles per group stay inside the group's own rows
+            padded = a.new_zeros((groups, m_pad, k))
+            padded[:, :m] = a
+            a = padded
         q, s = self._quantize(a)
-        out = torch.empty(a.shape[0], a.shape[1], b.shape[1], dtype=torch.bfloat16, device=a.device)
+        out = torch.empty(groups, m_pad, b.shape[1], dtype=torch.bfloat16, device=a.device)
         self._masked((q, s), (b, b_scale), out, masked_m.to(torch.int32), max(int(expected_m), 1))
-        return out.to(a.dtype)
+        return out[:, :m].to(a.dtype)
 
 
 def _module_alignment(module: ModuleType) -> int:
@@ -191,28 +220,68 @@ def _module_alignment(module: ModuleType) -> int:
     return DEEPGEMM_CONTIGUOUS_ALIGNMENT
 
 
+def flash_mla_api(module: ModuleType) -> str:
+    """ "new" when ``module`` is FlashMLA's scheduler-object generation, else "old".
+
+    The newest package does not export ``FlashMLASchedMeta`` at its top level; it lives in the
+    ``flash_mla.flash_mla_interface`` submodule that ``import flash_mla`` loads."""
+    interface = getattr(module, "flash_mla_interface", None)
+    if hasattr(module, "FlashMLASchedMeta") or hasattr(interface, "FlashMLASchedMeta"):
+        return "new"
+    return "old"
+
+
 class FlashMlaAdapter:
     """UNVERIFIED. MLA decode through FlashMLA's ``flash_mla_with_kvcache``.
 
     Original API: ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)`` returns
-    ``(tile_metadata, num_splits)``. Newest API (exports ``FlashMLASchedMeta``):
-    ``get_mla_metadata()`` returns ``(sched_meta, None)``, filled lazily by the first call.
-    Metadata is rebuilt on every call here (once per layer); holding it per step is left for when
-    the adapter can be measured on a GPU (named in the session notes).
+    ``(tile_metadata, num_splits)``, computed on the device. Newest API (``FlashMLASchedMeta``):
+    ``get_mla_metadata()`` returns ``(sched_meta, None)``, filled by the first call that uses it
+    and reusable while the shapes and the ``cache_seqlens`` values stay the same.
+
+    Metadata is built once per step and reused by every layer: the step's ``cache_seqlens`` is one
+    tensor object shared by all layers (``ForwardBatch``), so the adapter keeps the metadata of the
+    last ``cache_seqlens`` it saw (held by a weak reference: a later step's new tensor never
+    matches a dead one) together with the shapes it was made for. Under CUDA-graph capture the
+    first layer's metadata computation is captured and recomputed on every replay.
+
+    What FlashMLA does not take (float32 queries, other page sizes, an empty batch) goes to
+    ``fallback``: the Triton kernel on a GPU (no host synchronisation, so a decode step stays
+    capturable), else the torch reference.
     """
 
     PAGE_SIZE = 64
 
-    def __init__(self, module: ModuleType) -> None:
+    def __init__(self, module: ModuleType, fallback: MlaDecode = torch_mla.mla_decode) -> None:
         if not (hasattr(module, "get_mla_metadata") and hasattr(module, "flash_mla_with_kvcache")):
             raise ImportError(f"{module.__name__} lacks get_mla_metadata / flash_mla_with_kvcache")
         self._fm = module
-        self.api = "new" if hasattr(module, "FlashMLASchedMeta") else "old"
+        self.api = flash_mla_api(module)
+        self.fallback = fallback
+        self._meta_seqlens: weakref.ref[torch.Tensor] | None = None
+        self._meta_key: tuple[int, ...] = ()
+        self._meta: tuple[Any, Any] = (None, None)
+        self.metadata_builds = 0  # how many times metadata was made (once per step when reused)
 
-    def _metadata(self, cache_seqlens: torch.Tensor, s_q: int, h_q: int, h_kv: int) -> tuple[Any, Any]:
+    def _metadata(
+        self,
+        cache_seqlens: torch.Tensor,
+        lens: torch.Tensor,
+        key: tuple[int, ...],
+        heads_per_kv: int,
+        h_kv: int,
+    ) -> tuple[Any, Any]:
+        """``cache_seqlens``: the caller's tensor (the step's identity); ``lens``: it as int32."""
+        same_step = self._meta_seqlens is not None and self._meta_seqlens() is cache_seqlens
+        if same_step and key == self._meta_key:
+            return self._meta
         if self.api == "new":
-            return self._fm.get_mla_metadata()
-        return self._fm.get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+            meta = self._fm.get_mla_metadata()
+        else:
+            meta = self._fm.get_mla_metadata(lens, heads_per_kv, h_kv)
+        self._meta_seqlens, self._meta_key, self._meta = weakref.ref(cache_seqlens), key, meta
+        self.metadata_builds += 1
+        return meta
 
     def mla_decode(
         self,
@@ -231,17 +300,19 @@ class FlashMlaAdapter:
             and q.shape[0] > 0
         )
         if not native:
-            return torch_mla.mla_decode(
-                q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal
-            )
-        cache_seqlens = cache_seqlens.to(torch.int32)
+            return self.fallback(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+        lens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
         block_table = block_table.to(torch.int32)
-        metadata, num_splits = self._metadata(cache_seqlens, q.shape[1], q.shape[2], k_cache.shape[2])
+        bsz, s_q, h_q, _ = q.shape
+        h_kv = k_cache.shape[2]
+        key = (bsz, s_q, h_q, k_cache.shape[1], h_kv, int(causal))
+        # keyed on the caller's tensor: a converted copy would be new at every layer
+        metadata, num_splits = self._metadata(cache_seqlens, lens, key, s_q * h_q // h_kv, h_kv)
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
             k_cache,
             block_table,
-            cache_seqlens,
+            lens,
             head_dim_v,
             metadata,
             num_splits,

@@ -1,13 +1,11 @@
-"""DeepEP backend of :class:`~dsinfer.parallel.ep.EPGroup`, plus the index bookkeeping it needs.
+"""DeepEP backend of :class:`~dsinfer.parallel.ep.EPGroup`.
 
-UNVERIFIED: DeepEP cannot be installed on any machine this project is developed on (not from the
-registry, not on the GPU machine). :class:`DeepEPGroup` is written against the documented API of
-DeepEP's ``Buffer`` (shared/reference/kernel-apis.md; in DeepEP v2 the same class is still
-exported as the "legacy" buffer) and is only ever built by
-:func:`dsinfer.parallel.registry.make_ep_group` when ``import deep_ep`` works and the group is
-NCCL on CUDA. It has never run. The pure functions below (layout conversions between dsinfer's
-pair-level rows and DeepEP's token-level and masked tensors) run anywhere and are what the tests
-hold (tests/test_deepep_adapter.py).
+UNVERIFIED: DeepEP cannot be installed on any machine this project is developed on, and one GPU
+cannot run it (it needs two ranks or more). :class:`DeepEPGroup` is written against the documented
+API of DeepEP's ``Buffer`` (in DeepEP v2 the same class is still exported as the "legacy" buffer)
+and is only ever built by :func:`dsinfer.parallel.registry.make_ep_group` when ``import deep_ep``
+works and the group is NCCL on CUDA. It has never run. The index bookkeeping and the sizes it
+computes are pure functions in :mod:`dsinfer.parallel.deepep_layout`, held by the CPU tests.
 
 Design: two levels, one model.
 
@@ -15,41 +13,71 @@ Design: two levels, one model.
   pair is one row. It maps onto DeepEP by making each pair row a DeepEP "token" routed top-1 to
   its physical expert ``dest_rank * num_local_experts + local_slot``. Normal mode: the row
   reaches exactly one rank, arrives with its local slot in ``recv_topk_idx``, and the unweighted
-  combine returns it, alone, to its place in ``x``. Low-latency mode: the same top-1 routing, the
-  ``[E_local, R*T, H]`` receive layout compacted to rows by ``recv_count`` (a host sync) and
-  scattered back before a combine with weight 1. Correct and MoE-transparent, but a token with
-  several experts on one rank travels once per pair, not once per rank, and the low-latency
-  buffers are sized for ``top_k`` times as many rows.
+  combine returns it, alone, to its place in ``x``. Low-latency mode: the same top-1 routing in
+  ``top_k`` rounds of at most ``max_tokens_per_rank`` rows each (every rank runs all rounds, empty
+  ones included), the ``[E_local, R*T, H]`` receive layout compacted to rows by ``recv_count``
+  (a host sync) and scattered back before a combine with weight 1. Correct and MoE-transparent,
+  but a token with several experts on one rank travels once per pair, not once per rank.
 - Token level (the efficient path, for the MoE to adopt later): :meth:`DeepEPGroup.dispatch_tokens`
   / :meth:`DeepEPGroup.combine_tokens` (normal) and :meth:`DeepEPGroup.low_latency_dispatch_tokens`
   / :meth:`DeepEPGroup.low_latency_combine_tokens` expose DeepEP's own semantics (a token once per
   destination rank with LOCAL expert ids and weights; unweighted combine in normal mode, weighted in
   low-latency mode). :meth:`DeepEPGroup.routed_experts` and :func:`routed_pairs` give both levels
   one signature, ``(x, topk_physical, topk_weights, compute) -> [T, H]`` weighted sums, so that
-  the MoE can call one method on any group without forking (the lead's call: an
-  ``EPGroup.routed_experts`` defaulting to :func:`routed_pairs`).
+  the MoE can call one method on any group without forking.
+
+Low-latency sizing is per token, as DeepEP intends: ``max_tokens_per_rank`` (the most tokens a
+decode step of one rank carries: the engine's ``max_num_seqs``, doubled with MTP) sizes the RDMA
+buffer (``get_low_latency_rdma_size_hint``) and the NVSHMEM queue-pair depth DeepEP asserts at
+every call (``2 x (tokens + 1)``; ``NVSHMEM_QP_DEPTH`` is raised before the buffer is built when
+DeepEP's default 1,024 is too small, and an operator's smaller value is refused).
 
 Rank-invariance: every choice that changes which collectives run (DeepEP or the torch fallback,
-pair or token level) depends only on things all ranks share (dtype, hidden size, configuration),
-never on a rank's row count, or the pool would hang. Non-bf16 activations (the float32 parity
-runs) go through the torch all-to-all on the same NCCL group, with the same semantics. A
-low-latency dispatch with more rows than the buffer holds raises: the decode scheduler must cap
-tokens per rank at ``max_tokens_per_rank``.
+pair or token level) is the same on every rank, or the pool would hang. Dtype, hidden size and
+configuration are shared; whether a low-latency call fits the buffer is not (one rank may run a
+recompute prefill while the others decode), so before each low-latency call the ranks all-reduce
+their row counts (max, one int, a host sync) and all take the torch all-to-all on the same NCCL
+group when any rank's rows exceed the buffer. Non-bf16 activations (the float32 parity runs) go
+through the torch all-to-all too, with the same semantics. ``close`` destroys the buffer, which
+DeepEP asks for before the process group is torn down.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dsinfer.parallel.deepep_layout import (
+    FP8_GROUP,
+    Compute,
+    compute_received_tokens,
+    dequantize_fp8_rows,
+    expand_received,
+    is_token_in_rank,
+    pack_masked,
+    pair_expert_ids,
+    qp_depth_to_set,
+    reduce_to_tokens,
+    round_slices,
+    routed_pairs,
+    split_expert_ids,
+    token_send_plan,
+    unpack_masked,
+)
 from dsinfer.parallel.ep import DispatchHandle, EPGroup, TorchEPGroup, all_reduce_in_place
 
+log = logging.getLogger("dsinfer.parallel")
+
 __all__ = [
+    "FP8_GROUP",
     "LOW_LATENCY_HIDDEN",
     "LOW_LATENCY_MAX_TOPK",
     "DeepEPGroup",
@@ -72,7 +100,6 @@ __all__ = [
 # lack 3072 and 6144, in which case the kernel's own assertion reports it).
 LOW_LATENCY_HIDDEN: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 LOW_LATENCY_MAX_TOPK = 11
-FP8_GROUP = 128  # DeepEP's FP8 scales: one fp32 per 128 channels of a row
 BYTE_ALIGN = 128  # Buffer sizes are multiples of 128 bytes
 _BUFFER_METHODS = (
     "get_dispatch_layout",
@@ -81,133 +108,6 @@ _BUFFER_METHODS = (
     "low_latency_dispatch",
     "low_latency_combine",
 )
-
-Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [Q, H], local slots [Q]) -> [Q, H]
-
-
-# --- pure bookkeeping (no DeepEP, runs on any device) -------------------------------------------
-
-
-def pair_expert_ids(
-    dest_rank: torch.Tensor, local_slot: torch.Tensor, num_local_experts: int
-) -> torch.Tensor:
-    """Pair rows as DeepEP tokens routed top-1: the physical expert id of each row, int64 ``[P, 1]``."""
-    return (dest_rank.to(torch.int64) * num_local_experts + local_slot.to(torch.int64)).reshape(-1, 1)
-
-
-def split_expert_ids(expert_ids: torch.Tensor, num_local_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Physical expert ids -> (hosting rank, local slot); -1 (no expert) stays -1 in both."""
-    valid = expert_ids >= 0
-    rank = torch.where(valid, expert_ids // num_local_experts, -1)
-    local = torch.where(valid, expert_ids % num_local_experts, -1)
-    return rank, local
-
-
-def is_token_in_rank(topk_idx: torch.Tensor, num_local_experts: int, num_ranks: int) -> torch.Tensor:
-    """``get_dispatch_layout``'s ``is_token_in_rank``: bool ``[N, R]``, token n has an expert on rank r."""
-    dest, _ = split_expert_ids(topk_idx, num_local_experts)
-    ranks = torch.arange(num_ranks, device=topk_idx.device)
-    return (dest[:, :, None] == ranks).any(dim=1)
-
-
-def token_send_plan(
-    topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_local_experts: int, num_ranks: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a normal-mode dispatch sends from this rank: one row per (token, destination rank).
-
-    ``topk_idx`` int64 ``[N, k]`` physical expert ids (-1 = none), ``topk_weights`` ``[N, k]``.
-    Returns ``(token [Q], rank [Q], local_ids [Q, k], weights [Q, k])`` ordered by destination
-    rank, then token: row q carries token ``token[q]`` to ``rank[q]``, where it arrives with the
-    LOCAL ids of the experts it has there (-1 for experts elsewhere, with weight 0).
-    """
-    dest, _ = split_expert_ids(topk_idx, num_local_experts)
-    pairs = is_token_in_rank(topk_idx, num_local_experts, num_ranks).t().nonzero()  # rank-major
-    rank, token = pairs[:, 0], pairs[:, 1]
-    here = dest[token] == rank[:, None]
-    local_ids = torch.where(here, topk_idx[token] - rank[:, None] * num_local_experts, -1)
-    weights = torch.where(here, topk_weights[token], 0.0)
-    return token, rank, local_ids, weights
-
-
-def expand_received(
-    recv_local_ids: torch.Tensor, recv_weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Received tokens -> the pair rows computed here: ``(row_token [Q], row_slot [Q], row_weight [Q])``.
-
-    One row per valid (received token, local expert), token-major, so ``recv_x[row_token]`` with
-    ``row_slot`` is exactly what ``Experts.compute`` takes.
-    """
-    token, j = (recv_local_ids >= 0).nonzero(as_tuple=True)
-    return token, recv_local_ids[token, j], recv_weights[token, j]
-
-
-def reduce_to_tokens(
-    y: torch.Tensor, row_token: torch.Tensor, row_weight: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
-    """Weighted sum of the rows' results per received token (float32 accumulation): ``[M, H]``."""
-    out = torch.zeros((num_tokens, y.shape[-1]), dtype=torch.float32, device=y.device)
-    out.index_add_(0, row_token, y.float() * row_weight.float()[:, None])
-    return out.to(y.dtype)
-
-
-def compute_received_tokens(
-    recv_x: torch.Tensor, recv_local_ids: torch.Tensor, recv_weights: torch.Tensor, compute: Compute
-) -> torch.Tensor:
-    """Normal-mode receive side: each received token's weighted sum over its local experts ``[M, H]``,
-    ready for DeepEP's unweighted combine."""
-    token, slot, weight = expand_received(recv_local_ids, recv_weights)
-    return reduce_to_tokens(compute(recv_x[token], slot), token, weight, recv_x.shape[0])
-
-
-def unpack_masked(recv_count: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The valid rows of a masked ``[E_local, capacity, H]`` layout: ``(flat_index [Q], slot [Q])``.
-
-    Row ``i < recv_count[e]`` of expert ``e`` is flat row ``e * capacity + i``; expert-major, then
-    arrival order. Reads ``recv_count`` on the host once (not CUDA-graph friendly).
-    """
-    counts = recv_count.to(torch.int64).clamp(0, capacity)
-    total = int(counts.sum())
-    experts = torch.arange(counts.numel(), device=counts.device)
-    slot = torch.repeat_interleave(experts, counts, output_size=total)
-    starts = torch.cumsum(counts, 0) - counts
-    offset = torch.arange(total, device=counts.device) - starts[slot]
-    return slot * capacity + offset, slot
-
-
-def pack_masked(
-    y: torch.Tensor, flat_index: torch.Tensor, num_local_experts: int, capacity: int
-) -> torch.Tensor:
-    """Inverse of :func:`unpack_masked`: rows ``[Q, H]`` into a zero ``[E_local, capacity, H]`` layout."""
-    out = y.new_zeros((num_local_experts * capacity, y.shape[-1]))
-    out.index_copy_(0, flat_index, y)
-    return out.view(num_local_experts, capacity, y.shape[-1])
-
-
-def dequantize_fp8_rows(q: torch.Tensor, scales: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
-    """fp8 ``[..., H]`` with fp32 scales ``[..., ceil(H/group)]`` -> float32 (scale layout may be any)."""
-    hidden = q.shape[-1]
-    return q.float() * scales.float().repeat_interleave(group, dim=-1)[..., :hidden]
-
-
-def routed_pairs(
-    group: EPGroup,
-    x: torch.Tensor,
-    topk_physical: torch.Tensor,
-    topk_weights: torch.Tensor,
-    compute: Compute,
-    num_local_experts: int,
-) -> torch.Tensor:
-    """Pair-level routing over any ``EPGroup`` (what ``MoE._routed_ep`` does once replicas are chosen).
-
-    ``topk_physical`` int64 ``[T, k]`` physical slots (every entry valid), ``num_local_experts``
-    the slots per rank; returns the weighted sums ``[T, H]`` in x's dtype.
-    """
-    tokens, k = topk_physical.shape
-    pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
-    dest, local = split_expert_ids(topk_physical.flatten(), num_local_experts)
-    rows, slots, handle = group.dispatch(x[pair_token], dest, local)
-    y = group.combine(compute(rows, slots), handle)
-    return reduce_to_tokens(y, pair_token, topk_weights.flatten(), tokens)
 
 
 def missing_buffer_api(module: ModuleType) -> str | None:
@@ -234,12 +134,18 @@ class _NormalPairHandle(DispatchHandle):
 
 
 @dataclass
-class _LowLatencyPairHandle(DispatchHandle):
-    """Pair-level low-latency handle; the torch fields are unused (empty)."""
+class _LowLatencyRound:
+    native: Any
+    topk_idx: torch.Tensor
+    flat_index: torch.Tensor
+    rows: int
 
-    native: Any = None
-    topk_idx: torch.Tensor | None = None
-    flat_index: torch.Tensor | None = None
+
+@dataclass
+class _LowLatencyPairHandle(DispatchHandle):
+    """Pair-level low-latency handle (one entry per round); the torch fields are unused (empty)."""
+
+    rounds: list[_LowLatencyRound] = field(default_factory=list)
 
 
 @dataclass
@@ -267,9 +173,9 @@ class DeepEPGroup(EPGroup):
     ``low_latency=False``: normal mode (prefill; NVLink/RDMA, SMs used for communication),
     buffers sized by the dispatch and combine configs' size hints for bf16 rows of ``hidden``.
     ``low_latency=True``: low-latency mode (decode; pure RDMA), RDMA buffer sized by
-    ``Buffer.get_low_latency_rdma_size_hint`` for ``max_tokens_per_rank * top_k`` dispatched rows
-    (the pair-level path sends one row per pair), one QP per local expert, optional FP8 dispatch.
-    Activations that are not bf16 go through :class:`TorchEPGroup` on the same group.
+    ``Buffer.get_low_latency_rdma_size_hint`` for ``max_tokens_per_rank`` tokens, one QP per
+    local expert, optional FP8 dispatch. Activations that are not bf16, and low-latency calls that
+    do not fit on some rank, go through :class:`TorchEPGroup` on the same group.
     """
 
     def __init__(
@@ -295,16 +201,22 @@ class DeepEPGroup(EPGroup):
         self.num_experts = num_local_experts * self.size
         self.low_latency, self.use_fp8 = low_latency, use_fp8
         self.top_k = top_k
+        self.max_tokens_per_rank = max_tokens_per_rank
         self._torch = TorchEPGroup(group)
         self._topk_dtype = getattr(module, "topk_idx_t", torch.int64)
         buffer_cls = module.Buffer
         if num_sms is not None:
             buffer_cls.set_num_sms(num_sms)  # class-level in DeepEP: set once, at pool start-up
+        # DeepEP warns that a buffer released by its destructor can hang: destroy it in close()
+        extra = {"explicitly_destroy": True} if _accepts(buffer_cls, "explicitly_destroy") else {}
+        self._explicit_destroy = bool(extra)
         if low_latency:
-            self.max_tokens_per_rank = max_tokens_per_rank
-            self.ll_rows = max_tokens_per_rank * top_k  # pair-level rows; token-level calls use the same
+            depth = qp_depth_to_set(max_tokens_per_rank, os.environ)
+            if depth is not None:  # read by DeepEP when the buffer initialises NVSHMEM
+                os.environ["NVSHMEM_QP_DEPTH"] = str(depth)
+                log.info("NVSHMEM_QP_DEPTH=%d for %d tokens per rank", depth, max_tokens_per_rank)
             rdma = buffer_cls.get_low_latency_rdma_size_hint(
-                self.ll_rows, hidden, self.size, self.num_experts
+                max_tokens_per_rank, hidden, self.size, self.num_experts
             )
             self.buffer = buffer_cls(
                 self.group,
@@ -312,10 +224,17 @@ class DeepEPGroup(EPGroup):
                 num_rdma_bytes=_align(rdma),
                 low_latency_mode=True,
                 num_qps_per_rank=self.num_experts // self.size,
+                **extra,
             )
         else:
             nvl, rdma = self.normal_buffer_bytes(buffer_cls, self.size, hidden * 2)
-            self.buffer = buffer_cls(self.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma)
+            self.buffer = buffer_cls(self.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, **extra)
+
+    def close(self) -> None:
+        """Release the buffer while the process group is still alive (call before destroying it)."""
+        buffer, self.buffer = getattr(self, "buffer", None), None
+        if buffer is not None and self._explicit_destroy:
+            buffer.destroy()
 
     @staticmethod
     def normal_buffer_bytes(buffer_cls: Any, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
@@ -339,6 +258,8 @@ class DeepEPGroup(EPGroup):
             return self._torch.dispatch(x, dest_rank, local_slot)
         topk_idx = pair_expert_ids(dest_rank, local_slot, self.num_local_experts).to(self._topk_dtype)
         if self.low_latency:
+            if not self.fits_everywhere(x.shape[0], self.max_tokens_per_rank * self.top_k):
+                return self._torch.dispatch(x, dest_rank, local_slot)
             return self._ll_pair_dispatch(x, topk_idx)
         recv_x, recv_idx, _, native = self._normal_dispatch(
             x, topk_idx, torch.ones(topk_idx.shape, device=x.device)
@@ -348,12 +269,19 @@ class DeepEPGroup(EPGroup):
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         if isinstance(handle, _LowLatencyPairHandle):
-            packed = pack_masked(
-                y.to(torch.bfloat16), handle.flat_index, self.num_local_experts, self._capacity
-            )
-            ones = torch.ones(handle.topk_idx.shape, dtype=torch.float32, device=y.device)
-            out, _, _ = self.buffer.low_latency_combine(packed, handle.topk_idx, ones, handle.native)
-            return out.to(y.dtype)
+            outs, start = [], 0
+            for part in handle.rounds:
+                packed = pack_masked(
+                    y[start : start + part.flat_index.shape[0]].to(torch.bfloat16),
+                    part.flat_index,
+                    self.num_local_experts,
+                    self._capacity,
+                )
+                start += part.flat_index.shape[0]
+                ones = torch.ones(part.topk_idx.shape, dtype=torch.float32, device=y.device)
+                out, _, _ = self.buffer.low_latency_combine(packed, part.topk_idx, ones, part.native)
+                outs.append(out[: part.rows])
+            return torch.cat(outs).to(y.dtype)
         if isinstance(handle, _NormalPairHandle):
             out, _, _ = self.buffer.combine(y.to(torch.bfloat16).contiguous(), handle.native)
             return out.to(y.dtype)
@@ -361,35 +289,44 @@ class DeepEPGroup(EPGroup):
 
     @property
     def _capacity(self) -> int:
-        return self.ll_rows * self.size  # rows per local expert in the masked layout (R * T)
+        return self.max_tokens_per_rank * self.size  # rows per local expert in the masked layout (R * T)
+
+    def fits_everywhere(self, rows: int, capacity: int) -> bool:
+        """Whether every rank's ``rows`` fit ``capacity``: one all-reduce (max), the same answer on
+        every rank, so that all take the low-latency path or all take the torch fallback."""
+        count = torch.tensor(
+            [rows], dtype=torch.int64, device=torch.device("cuda", torch.cuda.current_device())
+        )
+        all_reduce_in_place(count, "max", self.group)
+        return int(count.item()) <= capacity
 
     def _ll_pair_dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        self._check_ll(x, topk_idx, self.ll_rows)
-        recv, recv_count, native, _, _ = self.buffer.low_latency_dispatch(
-            x.contiguous(), topk_idx, self.ll_rows, self.num_experts, use_fp8=self.use_fp8
-        )
-        flat_index, slots = unpack_masked(recv_count, self._capacity)
-        if self.use_fp8:
-            q, scales = recv
-            rows = dequantize_fp8_rows(
-                q.reshape(-1, self.hidden)[flat_index], scales.reshape(-1, scales.shape[-1])[flat_index]
-            ).to(x.dtype)
-        else:
-            rows = recv.reshape(-1, self.hidden)[flat_index]
-        handle = _LowLatencyPairHandle(_empty(x), [], [], native, topk_idx, flat_index)
-        return rows, slots, handle
+        self._check_ll(x, topk_idx)
+        tokens = self.max_tokens_per_rank
+        rows, slots, rounds = [], [], []
+        for part in round_slices(x.shape[0], tokens, self.top_k):
+            recv, recv_count, native, _, _ = self.buffer.low_latency_dispatch(
+                x[part].contiguous(), topk_idx[part], tokens, self.num_experts, use_fp8=self.use_fp8
+            )
+            flat_index, part_slots = unpack_masked(recv_count, self._capacity)
+            if self.use_fp8:
+                q, scales = recv
+                got = dequantize_fp8_rows(
+                    q.reshape(-1, self.hidden)[flat_index], scales.reshape(-1, scales.shape[-1])[flat_index]
+                ).to(x.dtype)
+            else:
+                got = recv.reshape(-1, self.hidden)[flat_index]
+            rows.append(got)
+            slots.append(part_slots)
+            rounds.append(_LowLatencyRound(native, topk_idx[part], flat_index, part.stop - part.start))
+        handle = _LowLatencyPairHandle(_empty(x), [], [], rounds)
+        return torch.cat(rows), torch.cat(slots), handle
 
-    def _check_ll(self, x: torch.Tensor, topk_idx: torch.Tensor, capacity: int) -> None:
+    def _check_ll(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
         if x.shape[-1] != self.hidden:
             raise ValueError(f"DeepEP low-latency buffer is for hidden {self.hidden}, got {x.shape[-1]}")
-        if x.shape[0] > capacity:
-            raise ValueError(
-                f"{x.shape[0]} rows exceed the low-latency capacity of {capacity} per rank "
-                f"(max_tokens_per_rank={self.max_tokens_per_rank}, top_k={self.top_k}); "
-                "the decode scheduler must cap tokens per rank"
-            )
         if topk_idx.shape[1] > LOW_LATENCY_MAX_TOPK:
             raise ValueError(
                 f"DeepEP low-latency takes top-k <= {LOW_LATENCY_MAX_TOPK}, got {topk_idx.shape[1]}"
@@ -447,15 +384,20 @@ class DeepEPGroup(EPGroup):
         use_fp8: bool | None = None,
         return_recv_hook: bool = False,
     ) -> LowLatencyRecv:
-        """Low-latency mode: tokens ``[T <= max_tokens_per_rank * top_k, H]`` into the masked layout."""
+        """Low-latency mode: tokens ``[T <= max_tokens_per_rank, H]`` into the masked layout (the
+        caller has checked, with :meth:`fits_everywhere`, that every rank's tokens fit)."""
         self._need(x, low_latency=True)
         fp8 = self.use_fp8 if use_fp8 is None else use_fp8
         topk_idx = topk_idx_physical.to(self._topk_dtype)
-        self._check_ll(x, topk_idx, self.ll_rows)
+        self._check_ll(x, topk_idx)
+        if x.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(
+                f"{x.shape[0]} tokens exceed the low-latency buffer's {self.max_tokens_per_rank} per rank"
+            )
         recv, recv_count, native, _, hook = self.buffer.low_latency_dispatch(
             x.contiguous(),
             topk_idx,
-            self.ll_rows,
+            self.max_tokens_per_rank,
             self.num_experts,
             use_fp8=fp8,
             return_recv_hook=return_recv_hook,
@@ -490,8 +432,10 @@ class DeepEPGroup(EPGroup):
     ) -> torch.Tensor:
         """``sum_j w[t, j] * expert_{topk_physical[t, j]}(x[t])`` for every token, ``[T, H]``, through the
         token-level path (same signature and result as :func:`routed_pairs`)."""
-        if x.dtype != torch.bfloat16:
-            return routed_pairs(self, x, topk_physical, topk_weights, compute, self.num_local_experts)
+        if x.dtype != torch.bfloat16 or (
+            self.low_latency and not self.fits_everywhere(x.shape[0], self.max_tokens_per_rank)
+        ):
+            return routed_pairs(self._torch, x, topk_physical, topk_weights, compute, self.num_local_experts)
         if not self.low_latency:
             recv_x, ids, weights, handle = self.dispatch_tokens(x, topk_physical, topk_weights)
             return self.combine_tokens(compute_received_tokens(recv_x, ids, weights, compute), handle)
@@ -518,3 +462,11 @@ class DeepEPGroup(EPGroup):
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64, device=x.device)
+
+
+def _accepts(cls: Any, parameter: str) -> bool:
+    """Whether ``cls(...)`` takes ``parameter`` (older DeepEP buffers lack some)."""
+    try:
+        return parameter in inspect.signature(cls).parameters
+    except (TypeError, ValueError):  # a C extension without a signature
+        return False

@@ -117,6 +117,9 @@ class EPGroup(ABC):
         """``combine`` posted; this fallback runs it synchronously."""
         return Pending.completed(self.combine(y, handle))
 
+    def close(self) -> None:  # noqa: B027 - optional hook, most groups hold nothing to release
+        """Release communication buffers; called before the process group is destroyed."""
+
 
 class TorchEPGroup(EPGroup):
     """All-to-all over a torch.distributed process group (the default group when None)."""

@@ -109,6 +109,7 @@ def _ep_group(pool: PoolArgs) -> EPGroup:
         ),
         top_k=config.num_experts_per_tok,
         low_latency=pool.role == "decode",
+        max_tokens_per_rank=pool.engine.decode_tokens_per_step(),
         prefer=pool.engine.ep_backend,
     )
 
@@ -143,9 +144,8 @@ def run_rank(args: RankArgs) -> int:
     engine_args = pool.engine.model_copy(update={"device": device})
     if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
         engine_args = engine_args.model_copy(update={"enforce_eager": True})
-    engine = LLMEngine(
-        engine_args, ep_group=_ep_group(pool) if pool.pool_size > 1 else None, agreement_group=control
-    )
+    ep_group = _ep_group(pool) if pool.pool_size > 1 else None
+    engine = LLMEngine(engine_args, ep_group=ep_group, agreement_group=control)
     engine.warmup()  # compiles kernels before the gateway can route anything here
     channel = WorkerChannel(name, pool.gateway_addr, pool.host)
     channel.start_heartbeat(
@@ -212,6 +212,8 @@ def run_rank(args: RankArgs) -> int:
         if transfer is not None:
             transfer.close()
         channel.close()
+        if ep_group is not None:
+            ep_group.close()  # DeepEP's buffer goes before the process group (else it can hang)
         if dist.is_initialized():
             dist.destroy_process_group()
     log.info("rank %s stopped", name)
