@@ -3,9 +3,9 @@ and tokens/s per GPU, eager and replayed from a CUDA graph (dsinfer/engine/cuda_
 
 The model has DeepSeek-V3's widths (configs/models/deepseek-v3/config.json: hidden 7168, 128 heads,
 MLA 512 + 64, 256 routed experts top-8 + 1 shared, vocab 129,280) and ``--layers`` decoder layers
-(``--dense-layers`` of them dense, the rest MoE), FP8 block-scaled weights drawn at random on the
-GPU (the GEMM time does not depend on the values), a bf16 latent KV cache of ``--context`` random
-tokens per sequence, no MTP. For each batch size ``B`` three ways of running one decode step
+(``--dense-layers`` of them dense, the rest MoE), FP8 block-scaled dummy weights drawn on the GPU
+by the loader (``load_format="dummy"``; the GEMM time does not depend on the values), a bf16 latent
+KV cache of ``--context`` random tokens per sequence, no MTP. For each batch size ``B`` three ways of running one decode step
 (``B`` sequences, one new token each, logits of every row) are timed:
 
 - ``eager``: the ordinary forward the model runner runs without graphs (per-step tensors from
@@ -17,10 +17,11 @@ tokens per sequence, no MTP. For each batch size ``B`` three ways of running one
 A step is timed on the host from its start to ``torch.cuda.synchronize()`` after it (so launch
 overhead counts), median of ``--iters`` steps after ``--warmup``; tokens/s per GPU = B / step time.
 The step of the full 61-layer model takes about 61/L times the per-layer part; the JSON keeps
-the raw numbers. Without a CUDA GPU the script says so and exits with status 1.
+the raw numbers. Without a CUDA GPU the script says so and exits with status 1; ``--device cpu``
+(with ``--config`` of a small model) runs the eager and static steps on the CPU, the plumbing that
+scripts/gpu-check --cpu-smoke holds.
 
-UNMEASURED: written without a GPU (nothing here has run on one); only ``--help`` and the no-GPU
-exit have run.
+UNMEASURED: written without a GPU (nothing here has run on one).
 """
 
 from __future__ import annotations
@@ -46,16 +47,13 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
-from dsinfer.model.layers import Linear
-from dsinfer.model.moe import Experts
-from dsinfer.ops import Ops, select_ops
+from dsinfer.model.loader import load_model
+from dsinfer.ops import select_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "models" / "deepseek-v3" / "config.json"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "decode_graph_gpu.json"
 FULL_DEPTH = 61  # DeepSeek-V3's decoder layers
-WEIGHT_STD = 0.02
-FP8_STD = 2.0  # random fp8 values ~ N(0, 2^2), scale_inv = WEIGHT_STD / FP8_STD
 
 
 def log(msg: str) -> None:
@@ -84,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--no-static", action="store_true", help="skip the eagerly run static-buffer variant")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT.name})")
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: eager and static steps only"
+    )
+    p.add_argument("--config", type=Path, default=CONFIG, help="model config.json (default DeepSeek-V3's)")
     args = p.parse_args(argv)
     try:
         args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
@@ -100,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def reduced_config(args: argparse.Namespace, directory: Path) -> ModelConfig:
-    data = json.loads(CONFIG.read_text())
+    data = json.loads(args.config.read_text())
     data.update(
         num_hidden_layers=args.layers, first_k_dense_replace=args.dense_layers, num_nextn_predict_layers=0
     )
@@ -111,53 +113,30 @@ def reduced_config(args: argparse.Namespace, directory: Path) -> ModelConfig:
     return ModelConfig.from_file(path)
 
 
-def _is_fp8_linear(name: str) -> bool:
-    """The projections DeepSeek ships in FP8 (attention, dense MLPs, shared experts); not lm_head."""
-    return name.endswith(("_proj", "_proj_with_mqa"))
-
-
-@torch.no_grad()
 def build_model(
-    config: ModelConfig, ops: Ops, device: torch.device, dtype: torch.dtype
-) -> DeepseekV3ForCausalLM:
-    """The model with random weights made on the GPU (FP8 where DeepSeek ships FP8)."""
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, ops)
-    for name, module in model.named_modules():
-        if (isinstance(module, Linear) and _is_fp8_linear(name)) or isinstance(module, Experts):
-            module.make_fp8()
-    gen = torch.Generator(device=device).manual_seed(0)
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            keep = param.dtype in (torch.float8_e4m3fn,) or name.endswith("scale_inv") or "bias" in name
-            real = torch.empty(param.shape, dtype=param.dtype if keep else dtype, device=device)
-            if name.endswith("scale_inv"):
-                real.fill_(WEIGHT_STD / FP8_STD)
-            elif real.dtype == torch.float8_e4m3fn:
-                for piece in real.view(-1, *real.shape[-2:]):  # one expert at a time: bounded memory
-                    piece.copy_(torch.randn(piece.shape, generator=gen, device=device).mul_(FP8_STD))
-            elif "norm" in name or "norm" in type(module).__name__.lower():
-                real.fill_(1.0)
-            elif "bias" in name:
-                real.zero_()
-            else:
-                real.normal_(0.0, WEIGHT_STD, generator=gen)
-            setattr(module, name, torch.nn.Parameter(real, requires_grad=False))
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            module.register_buffer(name, buffer.to(device), persistent=False)
-    model.post_load(dtype)
-    return model.eval()
+    directory: Path, device: torch.device, dtype: torch.dtype
+) -> tuple[DeepseekV3ForCausalLM, str]:
+    """The loader's dummy weights on ``device`` (FP8 where DeepSeek ships FP8 and the GEMMs take
+    it), no MTP layer. -> (model, the kernel backends chosen)."""
+    ops = select_ops(device)
+    loaded = load_model(directory, ops, device=device, dtype=dtype, load_format="dummy", num_mtp_layers=0)
+    return loaded.model, ops.describe()
 
 
-def time_steps(step: Callable[[], Any], iters: int, warmup: int) -> dict[str, float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> dict[str, float]:
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    _sync(device)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
 
@@ -200,17 +179,16 @@ def git_commit() -> str | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    ops = select_ops(device)
-    log(ops.describe())
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         config = reduced_config(args, Path(tmp))
-    log(
-        f"building {args.layers} layers ({args.dense_layers} dense), {config.n_routed_experts} experts, FP8 ..."
-    )
-    start = time.monotonic()
-    model = build_model(config, ops, device, dtype)
-    log(f"model built in {time.monotonic() - start:.1f} s")
+        log(
+            f"building {args.layers} layers ({args.dense_layers} dense), {config.n_routed_experts} experts ..."
+        )
+        start = time.monotonic()
+        model, backends = build_model(Path(tmp), device, dtype)
+    log(f"model built in {time.monotonic() - start:.1f} s; {backends}")
     max_bs, page = max(args.batch_sizes), 64
     pages_per_seq = math.ceil((args.context + 1) / page)
     pool = PagedKVPool.for_model(config, config.num_hidden_layers, max_bs * pages_per_seq + 1, dtype, device)
@@ -220,10 +198,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cache.normal_(0.0, 1.0, generator=gen)
     sizes = tuple(args.batch_sizes)
     start = time.monotonic()
-    graphs = CudaGraphRunner(
-        model, pool, max_batch_size=max_bs, max_seq_len=args.context + 1, batch_sizes=sizes
-    )
-    log(f"captured {len(sizes)} graphs in {time.monotonic() - start:.1f} s")
+    graphs = None
+    if device.type == "cuda":
+        graphs = CudaGraphRunner(
+            model, pool, max_batch_size=max_bs, max_seq_len=args.context + 1, batch_sizes=sizes
+        )
+        log(f"captured {len(sizes)} graphs in {time.monotonic() - start:.1f} s")
     static = CudaGraphRunner(
         model, pool, max_batch_size=max_bs, max_seq_len=args.context + 1, capture=False, batch_sizes=sizes
     )
@@ -234,31 +214,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = DecodeRows(ids, [args.context] * bs, page_lists)
         entry: dict[str, Any] = {"batch_size": bs, "context": args.context}
         with torch.inference_mode():
-            entry["eager"] = time_steps(eager_step(model, pool, rows, device), args.iters, args.warmup)
+            entry["eager"] = time_steps(
+                eager_step(model, pool, rows, device), args.iters, args.warmup, device
+            )
             if not args.no_static:
-                entry["static"] = time_steps(lambda rows=rows: static.run(rows), args.iters, args.warmup)
-            entry["graph"] = time_steps(lambda rows=rows: graphs.run(rows), args.iters, args.warmup)
+                entry["static"] = time_steps(
+                    lambda rows=rows: static.run(rows), args.iters, args.warmup, device
+                )
+            if graphs is not None:
+                entry["graph"] = time_steps(
+                    lambda rows=rows: graphs.run(rows), args.iters, args.warmup, device
+                )
         for mode in ("eager", "static", "graph"):
             if mode in entry:
                 entry[mode]["tokens_per_s"] = bs / entry[mode]["median_ms"] * 1e3
-        entry["graph_speedup"] = entry["eager"]["median_ms"] / entry["graph"]["median_ms"]
+        if "graph" in entry:
+            entry["graph_speedup"] = entry["eager"]["median_ms"] / entry["graph"]["median_ms"]
+        best = entry.get("graph", entry.get("static", entry["eager"]))
         log(
-            f"B={bs}: eager {entry['eager']['median_ms']:.2f} ms, graph {entry['graph']['median_ms']:.2f} ms "
-            f"({entry['graph_speedup']:.2f}x), {entry['graph']['tokens_per_s']:.0f} tok/s per GPU"
+            f"B={bs}: eager {entry['eager']['median_ms']:.2f} ms, best {best['median_ms']:.2f} ms, "
+            f"{best['tokens_per_s']:.0f} tok/s per device"
         )
         results.append(entry)
         for pages in page_lists:
             pool.allocator.free(pages)
-    props = torch.cuda.get_device_properties(device)
+    name, capability = "cpu", None
+    if device.type == "cuda":
+        name, capability = torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device))
     return {
-        "device": {"name": props.name, "capability": list(torch.cuda.get_device_capability(device))},
+        "device": {"name": name, "capability": capability},
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "command": " ".join(sys.argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "backends": dict(ops.backends),
+        "backends": backends,
         "model": {
             "layers": args.layers,
             "dense_layers": args.dense_layers,
@@ -278,16 +269,19 @@ def report(out: dict[str, Any]) -> str:
     ]
     for r in out["results"]:
         static = f"{r['static']['median_ms']:.2f}" if "static" in r else "-"
+        graph = f"{r['graph']['median_ms']:.2f}" if "graph" in r else "-"
+        speedup = f"{r['graph_speedup']:.2f}x" if "graph_speedup" in r else "-"
+        graph_rate = f"{r['graph']['tokens_per_s']:.0f}" if "graph" in r else "-"
         lines.append(
-            f"| {r['batch_size']} | {r['eager']['median_ms']:.2f} | {static} | {r['graph']['median_ms']:.2f} | "
-            f"{r['graph_speedup']:.2f}x | {r['eager']['tokens_per_s']:.0f} | {r['graph']['tokens_per_s']:.0f} |"
+            f"| {r['batch_size']} | {r['eager']['median_ms']:.2f} | {static} | {graph} | "
+            f"{speedup} | {r['eager']['tokens_per_s']:.0f} | {graph_rate} |"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print(
             "bench_decode_graph.py needs a CUDA GPU (torch.cuda.is_available() is False): nothing measured",
             file=sys.stderr,

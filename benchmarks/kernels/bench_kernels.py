@@ -26,6 +26,8 @@ Times are GPU times between two ``torch.cuda.Event`` records around one call: a 
 buffer is zeroed so that no operand stays in L2 from the call before. Prints tables and writes JSON
 (``--out``, default benchmarks/results/kernels_gpu.json). Without a CUDA device it prints one line
 and exits 0; ``--list`` prints the planned cases (shapes, FLOPs, bytes) without a GPU.
+``--device cpu --tiny`` (with ``TRITON_INTERPRET=1``) runs every section at tiny shapes on the CPU,
+timed on the host: the plumbing only, no figure means anything (scripts/gpu-check --cpu-smoke).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import importlib
 import importlib.metadata
 import json
 import math
+import os
 import platform
 import shlex
 import statistics
@@ -55,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "models" / "deepseek-v3" / "config.json"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels_gpu.json"
 
-DEVICE = "cuda"  # one GPU: the current CUDA device (CUDA_VISIBLE_DEVICES picks it)
+DEVICE = "cuda"  # one GPU: the current CUDA device (CUDA_VISIBLE_DEVICES picks it); --device cpu: smoke
 PAGE_SIZE = 64  # FlashMLA's page size, dsinfer's default KV page
 FP8_BLOCK = 128
 FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MB)
@@ -280,14 +283,29 @@ def make_plan(args: argparse.Namespace, v3: V3) -> Plan:
     ]
     gate_tokens = (1, 128, 4096, 16384) if quick else (1, 16, 128, 1024, 4096, 16384)
     gate = [GateCase(t, v3.experts, v3.n_group, v3.topk_group, v3.top_k) for t in gate_tokens]
+    copy_bytes, matmul_sizes = (
+        ((512 << 20) if quick else (1 << 30)),
+        ((8192,) if quick else (4096, 8192, 16384)),
+    )
+    if args.tiny:  # the plumbing at interpreter-sized shapes
+        mla = [MlaCase(2, 16, s_q, 128, v3.kv_dim, v3.kv_lora_rank) for s_q in (1, 2)]
+        gemm = [GemmCase("tiny", 16, 256, 256)]
+        grouped = [
+            GroupedCase(
+                layout, "tiny", 2, 16, 256, 256, args.contiguous_align if layout == "contiguous" else 32
+            )
+            for layout in ("contiguous", "masked")
+        ]
+        gate = [GateCase(16, v3.experts, v3.n_group, v3.topk_group, v3.top_k)]
+        copy_bytes, matmul_sizes = 8 << 20, (256,)
     only = set(args.only)
     return Plan(
         mla=mla if "mla" in only else [],
         gemm=gemm if "gemm" in only else [],
         grouped=grouped if "grouped" in only else [],
         gate=gate if "gate" in only else [],
-        copy_bytes=(512 << 20) if quick else (1 << 30),
-        matmul_sizes=(8192,) if quick else (4096, 8192, 16384),
+        copy_bytes=copy_bytes,
+        matmul_sizes=matmul_sizes,
     )
 
 
@@ -396,23 +414,43 @@ def print_plan(plan: Plan, v3: V3) -> None:
 
 class Timer:
     """GPU time of one call: first call, warm-up, then the median of ``iters`` Event-timed calls,
-    each after zeroing a buffer larger than L2. Slow functions get fewer calls (``max_s`` each)."""
+    each after zeroing a buffer larger than L2. Slow functions get fewer calls (``max_s`` each).
+    On a CPU device (the smoke run) calls are timed on the host and nothing is flushed."""
 
-    def __init__(self, warmup: int, iters: int, max_s: float) -> None:
+    def __init__(self, warmup: int, iters: int, max_s: float, device: str = DEVICE) -> None:
         self.warmup, self.iters, self.max_s = warmup, iters, max_s
-        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.flush = torch.empty(FLUSH_BYTES // 4 if self.cuda else 1, dtype=torch.int32, device=self.device)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
 
     def __call__(self, fn: Callable[[], Any], flush: bool = True) -> dict[str, float]:
         fn()  # compilation, autotuning, allocator growth
-        torch.cuda.synchronize()
+        self.sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        self.sync()
         once = max(time.perf_counter() - t0, 1e-6)
         affordable = int(self.max_s / once)
         iters = max(MIN_ITERS, min(self.iters, affordable))
         for _ in range(min(self.warmup, max(0, affordable - iters))):
             fn()
+        if not self.cuda:
+            ms = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            ms.sort()
+            return {
+                "median_us": 1e3 * statistics.median(ms),
+                "min_us": 1e3 * ms[0],
+                "max_us": 1e3 * ms[-1],
+                "iters": iters,
+            }
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         for start, end in zip(starts, ends, strict=True):
@@ -450,8 +488,9 @@ def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def free_memory() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def guarded(
@@ -484,14 +523,18 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, one: torch.Tensor, fast: bool) -
     return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
 
 
-def has_fp8() -> bool:
-    return torch.cuda.get_device_capability() >= (8, 9) and hasattr(torch, "float8_e4m3fn")
+def has_fp8(device: torch.device) -> bool:
+    """fp8 e4m3 tensor cores (compute capability 8.9+); the Triton interpreter emulates them on a CPU."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "float8_e4m3fn")
 
 
 def measure_ceilings(plan: Plan, timer: Timer) -> dict[str, Any]:
     res: dict[str, Any] = {}
     n = plan.copy_bytes // 4
-    src = torch.randn(n, device=DEVICE)
+    device = timer.device
+    src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
     t = timer(lambda src=src, dst=dst: dst.copy_(src), flush=False)
     res["copy"] = {
@@ -506,8 +549,8 @@ def measure_ceilings(plan: Plan, timer: Timer) -> dict[str, Any]:
 
     res["bf16_matmul"] = []
     for size in plan.matmul_sizes:
-        a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
-        b = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16)
+        a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+        b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
         c = torch.empty_like(a)
         t = timer(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), flush=False)
         rate = 2 * size**3 / (t["median_us"] * 1e-6) / 1e12
@@ -517,11 +560,11 @@ def measure_ceilings(plan: Plan, timer: Timer) -> dict[str, Any]:
         free_memory()
 
     res["fp8_matmul"] = []
-    if has_fp8() and hasattr(torch, "_scaled_mm"):
-        one = torch.ones((), device=DEVICE, dtype=torch.float32)
+    if timer.cuda and has_fp8(device) and hasattr(torch, "_scaled_mm"):
+        one = torch.ones((), device=device, dtype=torch.float32)
         for size in plan.matmul_sizes:
-            a = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-            bt = torch.randn(size, size, device=DEVICE, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            a = torch.randn(size, size, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+            bt = torch.randn(size, size, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
             for fast in (True, False):
                 try:
                     t = timer(lambda a=a, bt=bt, fast=fast: scaled_mm(a, bt.t(), one, fast), flush=False)
@@ -559,8 +602,8 @@ def roofline(flops: int, nbytes: int, time_us: float, tflops: float, tb_per_s: f
 # -------------------------------------------------------------------------------------- sections
 
 
-def gen() -> torch.Generator:
-    return torch.Generator(device=DEVICE).manual_seed(0)
+def gen(device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(0)
 
 
 def bench_mla(
@@ -570,20 +613,21 @@ def bench_mla(
 
     # The submodule, for its launch heuristics (the package attribute of that name is the function).
     mla_mod = importlib.import_module(kernels.__name__ + ".mla_decode")
-    g = gen()
+    device = timer.device
+    g = gen(device)
     pages = -(-case.ctx // PAGE_SIZE)
     num_blocks = case.batch * pages
     k_cache = torch.randn(
-        num_blocks, PAGE_SIZE, 1, case.dim, device=DEVICE, dtype=torch.bfloat16, generator=g
+        num_blocks, PAGE_SIZE, 1, case.dim, device=device, dtype=torch.bfloat16, generator=g
     )
     q = torch.randn(
-        case.batch, case.s_q, case.heads, case.dim, device=DEVICE, dtype=torch.bfloat16, generator=g
+        case.batch, case.s_q, case.heads, case.dim, device=device, dtype=torch.bfloat16, generator=g
     )
     # A real pool hands out pages in no order: scatter each sequence's pages over the whole cache.
     block_table = (
-        torch.randperm(num_blocks, device=DEVICE, generator=g).to(torch.int32).view(case.batch, pages)
+        torch.randperm(num_blocks, device=device, generator=g).to(torch.int32).view(case.batch, pages)
     )
-    lens = torch.full((case.batch,), case.ctx, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((case.batch,), case.ctx, dtype=torch.int32, device=device)
     call = (q, k_cache, block_table, lens, case.dim_v, v3.softmax_scale, True)
 
     rows = case.s_q * case.heads
@@ -593,7 +637,7 @@ def bench_mla(
         case.batch,
         row_blocks,
         pages * PAGE_SIZE,
-        torch.cuda.get_device_properties(0).multi_processor_count,
+        torch.cuda.get_device_properties(device).multi_processor_count if timer.cuda else 4,
         block_n,
     )
     res: dict[str, Any] = {
@@ -682,9 +726,9 @@ def fp8_weights(
     g: torch.Generator, lead: tuple[int, ...], n: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random fp8 e4m3 weights ``[*lead, n, k]`` with positive 128x128 block scales."""
-    w = torch.randn(*lead, n, k, device=DEVICE, dtype=torch.bfloat16, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(*lead, n, k, device=g.device, dtype=torch.bfloat16, generator=g).to(torch.float8_e4m3fn)
     nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    s = torch.rand(*lead, nb, kb, device=DEVICE, generator=g) * 1e-2 + 1e-3
+    s = torch.rand(*lead, nb, kb, device=g.device, generator=g) * 1e-2 + 1e-3
     return w, s
 
 
@@ -698,11 +742,12 @@ def bench_gemm(
 ) -> dict[str, Any]:
     from dsinfer.ops import gemm as torch_gemm
 
-    g = gen()
-    x = torch.randn(case.m, case.k, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    device = timer.device
+    g = gen(device)
+    x = torch.randn(case.m, case.k, device=device, dtype=torch.bfloat16, generator=g)
     w, ws = fp8_weights(g, (), case.n, case.k)
     qa, sa = kernels.quantize_activation_1x128(x)
-    d = torch.empty(case.m, case.n, device=DEVICE, dtype=torch.bfloat16)
+    d = torch.empty(case.m, case.n, device=device, dtype=torch.bfloat16)
     res: dict[str, Any] = {
         "case": f"{case.name} m{case.m}",
         **asdict(case),
@@ -716,8 +761,8 @@ def bench_gemm(
     res["fraction_of_fp8"] = res["tflops"] / ceil["fp8_tflops"]
     res["quantize"] = timer(lambda: kernels.quantize_activation_1x128(x))
     res["ops_triton"] = timer(lambda: adapter.linear(x, w, ws))  # what the model calls: bf16 in, bf16 out
-    if has_fp8() and hasattr(torch, "_scaled_mm") and case.m % 16 == 0 and case.n % 16 == 0:
-        one = torch.ones((), device=DEVICE, dtype=torch.float32)
+    if timer.cuda and hasattr(torch, "_scaled_mm") and case.m % 16 == 0 and case.n % 16 == 0:
+        one = torch.ones((), device=device, dtype=torch.float32)
         try:  # cuBLAS at the same shape with one scale per tensor: not the same numerics, a yardstick
             res["cublas_fp8_per_tensor"] = timer(lambda: scaled_mm(qa, w.t(), one, True))
         except Exception as exc:
@@ -748,20 +793,21 @@ def bench_grouped(
 ) -> dict[str, Any]:
     from dsinfer.ops import gemm as torch_gemm
 
-    g = gen()
+    device = timer.device
+    g = gen(device)
     e, rows = case.experts, case.rows_per_expert
     w, ws = fp8_weights(g, (e,), case.n, case.k)
     res: dict[str, Any] = {"case": case.name, **asdict(case), "flops": case.flops, "bytes": case.bytes}
     if case.layout == "contiguous":
         # Expert segments in order; each padded with -1 rows to a multiple of `align` (1 = no padding:
         # what dsinfer's MoE layer feeds; 128 = DeepGEMM's contiguous layout).
-        idx = torch.full((e, rows), -1, dtype=torch.int32, device=DEVICE)
-        idx[:, : case.tokens] = torch.arange(e, dtype=torch.int32, device=DEVICE)[:, None]
+        idx = torch.full((e, rows), -1, dtype=torch.int32, device=device)
+        idx[:, : case.tokens] = torch.arange(e, dtype=torch.int32, device=device)[:, None]
         m_indices = idx.flatten()
         valid = m_indices >= 0
-        x = torch.randn(e * rows, case.k, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        x = torch.randn(e * rows, case.k, device=device, dtype=torch.bfloat16, generator=g)
         qa, sa = kernels.quantize_activation_1x128(x)
-        d = torch.zeros(e * rows, case.n, device=DEVICE, dtype=torch.bfloat16)
+        d = torch.zeros(e * rows, case.n, device=device, dtype=torch.bfloat16)
 
         def kernel() -> None:
             kernels.m_grouped_fp8_gemm_nt_contiguous((qa, sa), (w, ws), d, m_indices)
@@ -776,10 +822,10 @@ def bench_grouped(
             return t[valid]
     else:
         # DeepEP low-latency layout: [E, m_max, k], the first masked_m[e] rows valid.
-        x = torch.randn(e, rows, case.k, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        masked_m = torch.full((e,), case.tokens, dtype=torch.int32, device=DEVICE)
+        x = torch.randn(e, rows, case.k, device=device, dtype=torch.bfloat16, generator=g)
+        masked_m = torch.full((e,), case.tokens, dtype=torch.int32, device=device)
         qa, sa = kernels.quantize_activation_1x128(x)
-        d = torch.zeros(e, rows, case.n, device=DEVICE, dtype=torch.bfloat16)
+        d = torch.zeros(e, rows, case.n, device=device, dtype=torch.bfloat16)
 
         def kernel() -> None:
             kernels.m_grouped_fp8_gemm_nt_masked((qa, sa), (w, ws), d, masked_m, case.tokens)
@@ -818,9 +864,10 @@ def bench_gate(
 ) -> dict[str, Any]:
     from dsinfer.ops import gate as torch_gate
 
-    g = gen()
-    logits = torch.randn(case.tokens, case.experts, device=DEVICE, generator=g)  # fp32, as the model's router
-    bias = torch.randn(case.experts, device=DEVICE, generator=g) * 0.05
+    device = timer.device
+    g = gen(device)
+    logits = torch.randn(case.tokens, case.experts, device=device, generator=g)  # fp32, as the model's router
+    bias = torch.randn(case.experts, device=device, generator=g) * 0.05
     call = (
         logits,
         bias,
@@ -1031,6 +1078,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sweep-mla", action="store_true", help="also time MLA launch parameters around the defaults"
     )
     p.add_argument("--list", action="store_true", help="print the planned cases and exit (no GPU needed)")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: the smoke run (needs TRITON_INTERPRET=1)",
+    )
+    p.add_argument("--tiny", action="store_true", help="interpreter-sized shapes (with --device cpu)")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in args.only if s not in SECTIONS]
@@ -1084,6 +1138,14 @@ def git_state() -> dict[str, Any]:
 
 
 def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    if args.device == "cpu":
+        return {
+            "device": "cpu (TRITON_INTERPRET=1: plumbing only, no figure means anything)",
+            "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join([sys.executable, *argv]),
+            "triton": importlib.metadata.version("triton"),
+        }
     props = torch.cuda.get_device_properties(0)
     try:
         triton_version = importlib.metadata.version("triton")
@@ -1126,9 +1188,12 @@ def write(results: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if not args.list and not torch.cuda.is_available():
+    if not args.list and args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kernels.py: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured")
         return 0
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("bench_kernels.py: --device cpu needs TRITON_INTERPRET=1 (set before triton is imported)")
+        return 2
     kernels = import_project()
     v3 = load_v3()
     plan = make_plan(args, v3)
@@ -1147,13 +1212,13 @@ def main(argv: list[str] | None = None) -> int:
         "errors": [],
     }
     log(f"{results['meta']['device']}: torch {torch.__version__}, triton {results['meta']['triton']}")
-    timer = Timer(args.warmup, args.iters, args.max_seconds)
+    timer = Timer(args.warmup, args.iters, args.max_seconds, args.device)
     errors = results["errors"]
 
     log("ceilings")
     results["ceilings"] = ceil = measure_ceilings(plan, timer)
     write(results, args.out)
-    fp8_ok = has_fp8()
+    fp8_ok = has_fp8(timer.device)
     if not fp8_ok and (plan.gemm or plan.grouped):
         msg = f"compute capability {results['meta']['capability']} < 8.9: no fp8 e4m3, GEMM sections skipped"
         log(msg)

@@ -1,0 +1,149 @@
+"""Stage ``parity``: tokens of a tiny random DeepSeek-V3 (built with transformers, as the tests do)
+through the offline engine, against transformers' float32 greedy loop on the CPU.
+
+- exact (the project's policy: tokens equal, except where the reference's own top-2 margin is
+  below 2e-4 x S): the engine on the CPU in float32, on the GPU in float32 eager
+  (``enforce_eager``) and with its decode steps replayed from CUDA graphs;
+- statistical: the GPU in bfloat16, and an FP8 checkpoint whose GEMMs run in FP8 on the GPU
+  (dequantized to float32 on the CPU): the share of each sequence generated before its first
+  difference, prompts whose first token agrees, and the first token's logprob error over the top 5
+  (relative to S). The thresholds are this kit's, not the project's policy.
+
+Under ``--cpu-smoke`` the "GPU" runs are CPU runs (CUDA graphs: the same static-buffer callable,
+not captured).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scripts.gpukit.common import StageContext, StageResult
+
+PROMPT_LENS = (5, 19, 11, 27, 8, 14, 22)
+MIN_PREFIX_AGREEMENT = 0.5  # mean share of a sequence generated before its first difference
+MIN_FIRST_TOKEN_AGREEMENT = 0.8  # share of prompts whose first generated token agrees
+MAX_LOGPROB_ERROR = 0.05  # first token, top-5 logprobs, |error| / S
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_new: int, logprobs: int | None = None) -> list[Any]:
+    from dsinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=logprobs)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _make(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) -> Any:
+    from dsinfer import LLM
+
+    args = {"kv_cache_memory": "64MiB", "max_num_seqs": 8, "max_num_batched_tokens": 64, **kwargs}
+    llm = LLM(path, enforce_eager=not graphs, **args)
+    if graphs and llm.engine.runner.decode_graphs is None and ctx.cpu_smoke:
+        llm.engine.runner.enable_decode_graphs(
+            max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
+        )
+    return llm
+
+
+def _exact(result: StageResult, mode: str, ref: list[tuple[list[int], Any]], got: list[list[int]]) -> None:
+    from tests.fixtures.hf_reference import compare_tokens
+
+    forgiven, failures = [], []
+    for i, ((ref_tokens, ref_logits), tokens) in enumerate(zip(ref, got, strict=True)):
+        try:
+            step = compare_tokens(ref_tokens, tokens, ref_logits)
+        except AssertionError as exc:
+            failures.append(f"prompt {i}: {str(exc)[:300]}")
+            continue
+        if step is not None:
+            forgiven.append((i, step))
+    result.figures[f"{mode}: near ties forgiven (prompt, step)"] = forgiven
+    result.check(f"{mode}: tokens = transformers float32", not failures, "; ".join(failures))
+
+
+def _statistics(ref: list[tuple[list[int], Any]], outs: list[Any]) -> dict[str, float]:
+    import torch
+
+    prefix, first, errors = [], [], []
+    for (ref_tokens, ref_logits), out in zip(ref, outs, strict=True):
+        tokens = list(out.token_ids)
+        same = next(
+            (i for i, (a, b) in enumerate(zip(ref_tokens, tokens, strict=False)) if a != b), len(ref_tokens)
+        )
+        prefix.append(same / len(ref_tokens))
+        first.append(float(tokens[:1] == ref_tokens[:1]))
+        ref_lp = torch.log_softmax(ref_logits[0].float(), dim=-1)
+        scale = float(ref_logits[0].abs().max())
+        got = out.logprobs[0] if out.logprobs else {}
+        errors.append(
+            max((abs(lp - float(ref_lp[t])) for t, lp in got.items()), default=float("inf")) / scale
+        )
+    return {
+        "prefix_agreement": round(sum(prefix) / len(prefix), 3),
+        "first_token_agreement": round(sum(first) / len(first), 3),
+        "first_logprob_error_over_S": round(max(errors), 5),
+    }
+
+
+def _statistical(result: StageResult, mode: str, stats: dict[str, float]) -> None:
+    result.figures[mode] = stats
+    result.check(
+        f"{mode}: statistically close",
+        stats["prefix_agreement"] >= MIN_PREFIX_AGREEMENT
+        and stats["first_token_agreement"] >= MIN_FIRST_TOKEN_AGREEMENT
+        and stats["first_logprob_error_over_S"] <= MAX_LOGPROB_ERROR,
+        f"need prefix >= {MIN_PREFIX_AGREEMENT}, first token >= {MIN_FIRST_TOKEN_AGREEMENT}, "
+        f"logprob error <= {MAX_LOGPROB_ERROR} x S",
+    )
+
+
+def run(ctx: StageContext, result: StageResult) -> None:
+    import torch
+
+    from tests.fixtures.checkpoints import FP8_OVERRIDES, build_checkpoint
+    from tests.fixtures.hf_reference import hf_greedy_steps
+
+    max_new = 6 if ctx.cpu_smoke else 12
+    lens = PROMPT_LENS[:4] if ctx.cpu_smoke else PROMPT_LENS
+    prompts = [
+        torch.randint(2, 4096, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lens
+    ]
+    gpu = ctx.device
+    for name, overrides, fp8 in (("float32", None, False), ("fp8 checkpoint", FP8_OVERRIDES, True)):
+        ckpt = build_checkpoint(
+            ctx.out / name.replace(" ", "_"), overrides, fp8=fp8, bias_scale=0.5, with_mtp=False
+        )
+        ref = [hf_greedy_steps(ckpt.hf_model, p, max_new, ()) for p in prompts]
+        path = str(ckpt.path)
+        if not fp8:
+            if not ctx.cpu_smoke:  # under the smoke run the "GPU" eager run below is this one
+                cpu = _make(path, ctx, graphs=False, device="cpu", dtype="float32")
+                _exact(result, "cpu float32", ref, [o.token_ids for o in _generate(cpu, prompts, max_new)])
+                cpu.engine.close()
+            for graphs in (False, True):
+                mode = f"{gpu} float32 " + ("graphs" if graphs else "eager")
+                llm = _make(path, ctx, graphs=graphs, device=gpu, dtype="float32")
+                _exact(result, mode, ref, [o.token_ids for o in _generate(llm, prompts, max_new)])
+                runner = llm.engine.runner.decode_graphs
+                if graphs:
+                    replays = sum(runner.steps.values()) if runner is not None else 0
+                    result.figures[f"{mode}: decode steps from graphs"] = replays
+                    result.check(f"{mode}: decode steps ran through the graph runner", replays > 0)
+                llm.engine.close()
+            dtype = "bfloat16"
+        else:
+            dtype = "float32" if ctx.cpu_smoke else "bfloat16"
+        llm = _make(path, ctx, graphs=True, device=gpu, dtype=dtype)
+        result.figures[f"{name} {gpu} {dtype}: backends"] = dict(llm.engine.ops.backends)
+        _statistical(
+            result, f"{name} {gpu} {dtype}", _statistics(ref, _generate(llm, prompts, max_new, logprobs=5))
+        )
+        llm.engine.close()
+    exact = [c for c in result.checks if "transformers" in c.name]
+    result.summary = (
+        f"{sum(c.ok for c in exact)}/{len(exact)} exact modes equal to transformers; "
+        + "; ".join(
+            f"{k}: prefix {v['prefix_agreement']}, first-logprob err {v['first_logprob_error_over_S']} S"
+            for k, v in result.figures.items()
+            if isinstance(v, dict) and "prefix_agreement" in v
+        )
+    )

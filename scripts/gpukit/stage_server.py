@@ -1,0 +1,80 @@
+"""Stage ``server``: ``dsinfer serve`` all-in-one (gateway, one prefill and one decode pool, KV over
+NIXL) with both pools' ranks on the one GPU (each with its own KV budget), started and stopped as
+the end-to-end tests do (tests/fixtures/servers.py); greedy completions through the official
+``openai`` client must give the offline engine's tokens for the same prompts and settings. Also
+reported: time to healthy and the completions' wall time."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from scripts.gpukit.common import StageContext, StageResult
+
+PROMPTS = ("Hello, DeepSeek", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16")
+MAX_TOKENS = 16
+
+
+def _token_ids(choice: Any) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+
+
+def run(ctx: StageContext, result: StageResult) -> None:
+    import openai
+
+    from dsinfer import LLM, SamplingParams
+    from tests.fixtures.servers import serve
+
+    engine_flags = [
+        "--device",
+        ctx.device,
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-num-seqs",
+        "8",
+        "--model",
+        "tiny",
+    ]
+    if not ctx.cpu_smoke:
+        engine_flags += ["--dtype", "bfloat16"]
+    offline = LLM(
+        "tiny",
+        device=ctx.device,
+        kv_cache_memory="64MiB",
+        max_num_seqs=8,
+        **({} if ctx.cpu_smoke else {"dtype": "bfloat16"}),
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in offline.generate(list(PROMPTS), params, use_tqdm=False)]
+    offline.engine.close()
+    start = time.monotonic()
+    with serve(engine_flags, ctx.out, startup_timeout=ctx.budget_s * 0.6) as server:
+        result.figures["seconds_to_healthy"] = round(time.monotonic() - start, 1)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+        model = client.models.list().data[0].id
+        start = time.monotonic()
+        got = []
+        for prompt in PROMPTS:
+            completion = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=1,
+                extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True},
+            )
+            got.append(_token_ids(completion.choices[0]))
+        result.figures["completions_s"] = round(time.monotonic() - start, 2)
+        result.figures["transfer_lines"] = [
+            line for line in server.metrics().splitlines() if "transfer" in line and not line.startswith("#")
+        ][:6]
+    mismatched = [i for i, (a, b) in enumerate(zip(expected, got, strict=True)) if a != b]
+    result.check(
+        "server tokens = offline engine tokens",
+        not mismatched,
+        "; ".join(f"prompt {i}: offline {expected[i]}, server {got[i]}" for i in mismatched),
+    )
+    result.summary = (
+        f"PD all-in-one on {ctx.device}: healthy in {result.figures['seconds_to_healthy']} s, "
+        f"{len(PROMPTS) - len(mismatched)}/{len(PROMPTS)} completions equal to the offline engine"
+    )

@@ -1,0 +1,60 @@
+"""Stage ``v3-graphs``: benchmarks/kernels/bench_decode_graph.py on a reduced-depth, full-width
+DeepSeek-V3 (4 layers: 1 dense, 3 MoE with 256 FP8 experts): one decode step at batch 1, 32 and
+128 over 4K-token contexts, eager, through the static buffers, and replayed from CUDA graphs.
+Under ``--cpu-smoke``: the tiny preset's sizes, eager and static only."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from scripts.gpukit.common import StageContext, StageResult, run_logged
+
+BENCH = "benchmarks/kernels/bench_decode_graph.py"
+GPU_ARGS = [
+    "--layers",
+    "4",
+    "--batch-sizes",
+    "1,32,128",
+    "--context",
+    "4096",
+    "--iters",
+    "20",
+    "--warmup",
+    "3",
+]
+SMOKE_ARGS = [
+    "--device", "cpu", "--config", "configs/models/tiny/config.json", "--layers", "2",
+    "--batch-sizes", "1,4", "--context", "64", "--iters", "2", "--warmup", "1",
+]  # fmt: skip
+
+
+def run(ctx: StageContext, result: StageResult) -> None:
+    out = ctx.out / "decode_graph.json"
+    argv = [sys.executable, BENCH, *(SMOKE_ARGS if ctx.cpu_smoke else GPU_ARGS), "--out", str(out)]
+    code, tail = run_logged(argv, ctx.out / "bench.log", ctx.budget_s * 0.95)
+    if not out.is_file():
+        result.error = f"{BENCH} wrote no results (exit {code}):\n{tail}"
+        return
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    for r in rows:
+        cells = {
+            m: f"{r[m]['median_ms']:.2f} ms ({r[m]['tokens_per_s']:.0f} tok/s)"
+            for m in ("eager", "static", "graph")
+            if m in r
+        }
+        if "graph_speedup" in r:
+            cells["graph speedup"] = f"{r['graph_speedup']:.2f}x"
+        result.figures[f"B={r['batch_size']}"] = cells
+    result.figures["backends"] = data.get("backends")
+    result.check("every batch size measured", len(rows) == len(data["args"]["batch_sizes"]))
+    if not ctx.cpu_smoke:
+        result.check("every batch size replayed from a CUDA graph", all("graph" in r for r in rows))
+    best = rows[-1] if rows else {}
+    mode = "graph" if "graph" in best else "static"
+    result.summary = (
+        f"{data['model']['layers']} layers, {data['model']['routed_experts']} experts: "
+        + ", ".join(f"B={r['batch_size']} {r.get(mode, r['eager'])['median_ms']:.2f} ms" for r in rows)
+        + f" ({mode})"
+    )

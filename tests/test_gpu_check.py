@@ -1,0 +1,69 @@
+"""scripts/gpu-check, the GPU acceptance kit (docs/gpu.md): its CPU smoke run goes through every
+stage's plumbing at tiny sizes and writes the summary with every stage present; without CUDA and
+without --cpu-smoke it stops with one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.gpukit.kit import _budgets, parse_args
+from scripts.gpukit.stages import BY_NAME
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = [sys.executable, str(ROOT / "scripts" / "gpu-check")]
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_stage(tmp_path: Path) -> None:
+    out = tmp_path / "gpu-check"
+    run = subprocess.run(
+        [*KIT, "--cpu-smoke", "--out", str(out)], capture_output=True, text=True, timeout=900
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    statuses = {r["stage"]: r["status"] for r in summary["stages"]}
+    assert list(statuses) == list(BY_NAME), statuses
+    failed = {
+        r["stage"]: (r["summary"], r.get("error"), [c for c in r["checks"] if not c["ok"]])
+        for r in summary["stages"]
+        if r["status"] == "fail"
+    }
+    assert not failed, failed
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert statuses["gpu-tests"] == "skip"  # every GPU test skips on a CPU; the rest ran
+    assert all(s == "pass" for name, s in statuses.items() if name != "gpu-tests"), statuses
+    markdown = (out / "summary.md").read_text()
+    assert markdown.startswith("# gpu-check (CPU smoke")
+    for name in BY_NAME:
+        assert f"| {name} | " in markdown and f"## {name}: " in markdown
+        assert (out / name / "result.json").is_file()
+    kernels = next(r for r in summary["stages"] if r["stage"] == "kernels")
+    assert kernels["figures"]["mla"] and kernels["figures"]["grouped_gemm"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_without_cuda_one_clear_line(tmp_path: Path) -> None:
+    run = subprocess.run([*KIT, "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA GPU here"), run.stdout
+    assert "--cpu-smoke" in lines[0] and not run.stderr.strip()
+
+
+def test_stage_selection_and_budgets(tmp_path: Path) -> None:
+    args = parse_args(["--out", str(tmp_path), "--stages", "kernels,env", "--budget-s", "kernels=30"])
+    assert [s.name for s in args.selected] == ["env", "kernels"]  # the kit's order
+    assert args.budgets == {"kernels": 30.0}
+    assert _budgets("45") == dict.fromkeys(BY_NAME, 45.0)
+    assert [s.name for s in parse_args(["--out", "x", "--skip", "server,v3-engine"]).selected] == [
+        n for n in BY_NAME if n not in ("server", "v3-engine")
+    ]
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "x", "--stages", "nope"])
+    with pytest.raises(ValueError, match="unknown stage"):
+        _budgets("nope=3")
