@@ -21,7 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nixl_cu12._api import nixl_agent, nixl_agent_config
+try:  # the CUDA 13 build where it is installed (GPU machines: scripts/gpu-wheels), else CUDA 12's
+    from nixl_cu13._api import nixl_agent, nixl_agent_config
+except ImportError:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
 
 from dsinfer.transfer.base import TransferError, TransferHandle
 from dsinfer.transfer.common import Peer, PoolBackend, PoolMetadata, WriteRecord
