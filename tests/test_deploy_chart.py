@@ -543,10 +543,19 @@ def test_dockerfile_stages_and_build_context() -> None:
     )
     assert "ARG DEEPSEEK_KERNELS=" in dockerfile
     for lib in ("DeepGEMM", "FlashMLA", "DeepEP"):
-        assert f"deepseek-ai/{lib}.git@" in dockerfile
+        assert f"deepseek-ai/{lib}.git /opt/src/{lib}" in dockerfile
+    assert "scripts/build-deepseek-kernels $args" in dockerfile  # the one build recipe
     copied = re.findall(r"^COPY\s+(.+?)\s+\S+$", dockerfile, re.MULTILINE)
     sources = {s for line in copied for s in line.split()}
-    assert sources == {"pyproject.toml", "README.md", "constraints.txt", "dsinfer", "kernels", "configs"}
+    assert sources == {
+        "pyproject.toml",
+        "README.md",
+        "constraints.txt",
+        "dsinfer",
+        "kernels",
+        "configs",
+        "scripts/build-deepseek-kernels",
+    }
     assert all((REPO / s).exists() for s in sources)
     ignore = (REPO / "deploy/Dockerfile.dockerignore").read_text().splitlines()
     assert all(f"!{s}" in ignore or f"!{s}/" in ignore for s in sources)
