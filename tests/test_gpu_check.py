@@ -57,7 +57,7 @@ def test_without_cuda_one_clear_line(tmp_path: Path) -> None:
 
 def test_stage_selection_and_budgets(tmp_path: Path) -> None:
     args = parse_args(["--out", str(tmp_path), "--stages", "kernels,env", "--budget-s", "kernels=30"])
-    assert [s.name for s in args.selected] == ["env", "kernels"]  # the kit's order
+    assert [s.name for s in args.selected] == ["kernels", "env"]  # the order given
     assert args.budgets == {"kernels": 30.0}
     assert _budgets("45") == dict.fromkeys(BY_NAME, 45.0)
     assert [s.name for s in parse_args(["--out", "x", "--skip", "server,v3-engine"]).selected] == [

@@ -37,7 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--cpu-smoke", action="store_true", help="every stage's plumbing on CPU at tiny sizes")
     p.add_argument(
-        "--stages", default="all", help=f"comma-separated stages to run (default all): {','.join(BY_NAME)}"
+        "--stages",
+        default="all",
+        help=f"comma-separated stages to run, in that order (default all, in this order): {','.join(BY_NAME)}",
     )
     p.add_argument("--skip", default="", help="comma-separated stages not to run")
     p.add_argument(
@@ -68,7 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [s for s in [*names, *skip] if s not in BY_NAME]
     if unknown:
         p.error(f"unknown stage {unknown[0]!r}; stages: {','.join(BY_NAME)}")
-    args.selected = [BY_NAME[n] for n in BY_NAME if n in names and n not in skip]
+    args.selected = [BY_NAME[n] for n in dict.fromkeys(names) if n not in skip]  # in the order given
     try:
         args.budgets = _budgets(args.budget_s)
     except ValueError as exc:

@@ -3,7 +3,8 @@ through the offline engine, against transformers' float32 greedy loop on the CPU
 
 - exact (the project's policy: tokens equal, except where the reference's own top-2 margin is
   below 2e-4 x S): the engine on the CPU in float32, on the GPU in float32 eager
-  (``enforce_eager``) and with its decode steps replayed from CUDA graphs;
+  (``enforce_eager``), eager with MTP speculative decoding (same tokens by design), and with its
+  decode steps replayed from CUDA graphs (on an explicit ``cuda:0``, as ``--device cuda:N`` runs);
 - statistical: the GPU in bfloat16, and an FP8 checkpoint whose GEMMs run in FP8 on the GPU
   (dequantized to float32 on the CPU): the share of each sequence generated before its first
   difference, prompts whose first token agrees, and the first token's logprob error over the top 5
@@ -109,9 +110,7 @@ def run(ctx: StageContext, result: StageResult) -> None:
     ]
     gpu = ctx.device
     for name, overrides, fp8 in (("float32", None, False), ("fp8 checkpoint", FP8_OVERRIDES, True)):
-        ckpt = build_checkpoint(
-            ctx.out / name.replace(" ", "_"), overrides, fp8=fp8, bias_scale=0.5, with_mtp=False
-        )
+        ckpt = build_checkpoint(ctx.out / name.replace(" ", "_"), overrides, fp8=fp8, bias_scale=0.5)
         ref = [hf_greedy_steps(ckpt.hf_model, p, max_new, ()) for p in prompts]
         path = str(ckpt.path)
         if not fp8:
@@ -119,9 +118,10 @@ def run(ctx: StageContext, result: StageResult) -> None:
                 cpu = _make(path, ctx, graphs=False, device="cpu", dtype="float32")
                 _exact(result, "cpu float32", ref, [o.token_ids for o in _generate(cpu, prompts, max_new)])
                 cpu.engine.close()
-            for graphs in (False, True):
-                mode = f"{gpu} float32 " + ("graphs" if graphs else "eager")
-                llm = _make(path, ctx, graphs=graphs, device=gpu, dtype="float32")
+            for graphs, mtp in ((False, False), (False, True), (True, False)):
+                mode = f"{gpu} float32 " + ("graphs" if graphs else "eager") + (" MTP" if mtp else "")
+                device = f"{gpu}:0" if graphs and gpu == "cuda" else gpu
+                llm = _make(path, ctx, graphs=graphs, device=device, dtype="float32", speculative_mtp=mtp)
                 _exact(result, mode, ref, [o.token_ids for o in _generate(llm, prompts, max_new)])
                 runner = llm.engine.runner.decode_graphs
                 if graphs:

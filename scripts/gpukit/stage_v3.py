@@ -51,7 +51,8 @@ def run(ctx: StageContext, result: StageResult) -> None:
         max_num_seqs=batch,
         max_num_batched_tokens=prompt_len * 8 if not smoke else 64,
         max_model_len=prompt_len + new_tokens + 8,
-        kv_cache_memory="64MiB" if smoke else "2GiB",
+        kv_cache_memory="64MiB" if smoke else None,
+        kv_cache_memory_fraction=None if smoke else 0.25,  # of the memory the weights leave free
         enable_prefix_caching=False,
     )
     start = time.monotonic()
