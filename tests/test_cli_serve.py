@@ -322,7 +322,7 @@ def test_all_in_one_stops_everything_when_the_gateway_dies(tmp_path: Path, serve
         (
             DECODE_PROFILE,
             2,
-            "DeepEP low-latency RDMA buffer for 1024 rows (128 tokens x top-8) x 288 expert slots",
+            "DeepEP low-latency RDMA buffer for 128 tokens per rank x 288 expert slots",
         ),
     ],
 )
@@ -415,7 +415,9 @@ def test_ep_backend_torch_plans_no_deepep_buffers(capsys: pytest.CaptureFixture[
     assert "argument --ep-backend: invalid choice: 'nccl'" in capsys.readouterr().err
 
 
-def test_decode_step_beyond_deepep_low_latency_limit_warns(capsys: pytest.CaptureFixture[str]) -> None:
+def test_decode_low_latency_buffer_sized_for_the_decode_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan sizes DeepEP's low-latency buffer per token, for the tokens of a decode step per rank
+    (--max-num-seqs, doubled with MTP), as the rank builds it; no rows x top-k."""
     code, out, err = serve(
         capsys,
         "--config",
@@ -427,19 +429,13 @@ def test_decode_step_beyond_deepep_low_latency_limit_warns(capsys: pytest.Captur
         "20GiB",
     )
     assert code == 0, err
-    assert (
-        "warning: a decode step of 256 tokens per rank (--max-num-seqs 128 x 2 (MTP)) exceeds the 128" in out
-    )
+    assert "DeepEP low-latency RDMA buffer for 256 tokens per rank" in out and "warning" not in out
 
 
 def test_deepep_buffer_estimates_follow_deepep_formulas() -> None:
-    import inspect
 
     from dsinfer.cli import memory_plan
-    from dsinfer.parallel.registry import make_ep_group
 
-    default = inspect.signature(make_ep_group).parameters["max_tokens_per_rank"].default
-    assert default == memory_plan.LOW_LATENCY_TOKENS_PER_RANK
     # low latency, V3 on EP144 with 288 slots, 1024 rows: 2 x (send + receive) of 288 x 1024
     # combine messages (56 x 4 + 7168 x 2 = 14560 bytes) plus signaling, 128-byte aligned
     n = memory_plan.deepep_low_latency_bytes(1024, 7168, 144, 288)

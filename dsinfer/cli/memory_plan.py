@@ -12,8 +12,9 @@ does not fit, with a message naming what to change. The estimates and their form
   torch; UNVERIFIED): normal mode
   (prefill, colocated) takes the larger of the NVLink and RDMA size hints of DeepEP's recommended
   dispatch and combine configs for the pool size; low-latency mode (decode) takes
-  ``get_low_latency_rdma_size_hint(rows, hidden, ranks, slots)`` with ``rows = 128 x top_k`` as
-  ``make_ep_group`` sizes it. Both mirror DeepEP's ``csrc/config.hpp`` formulas.
+  ``get_low_latency_rdma_size_hint(tokens, hidden, ranks, slots)`` for the tokens of a decode step
+  per rank (``EngineArgs.decode_tokens_per_step``: ``--max-num-seqs``, doubled with MTP), as the
+  rank sizes it. Both mirror DeepEP's ``csrc/config.hpp`` formulas.
 - KV transfer: NIXL and Mooncake register the KV cache in place (no staging copy): 0 extra bytes.
 - Activations, for T tokens per step per rank (prefill and colocated: ``--max-num-batched-tokens``;
   decode: ``--max-num-seqs``, doubled with MTP): the larger of the MoE stage (``T x top_k`` rows
@@ -42,7 +43,6 @@ from dsinfer.workers.args import PoolArgs
 
 GiB = 2**30
 CUDA_RUNTIME_RESERVE = 2 * GiB  # CUDA context, NCCL communicators, cuBLAS/DeepGEMM workspaces
-LOW_LATENCY_TOKENS_PER_RANK = 128  # make_ep_group's max_tokens_per_rank (decode pools)
 
 # DeepEP (csrc/config.hpp, deep_ep/buffer.py): Buffer.num_sms, peers per NVLink domain, and the
 # recommended normal-mode configs per EP size, (dispatch, combine) x (NVLink send, NVLink
@@ -187,7 +187,10 @@ class Part:
     note: str
 
 
-def ep_buffers(plan: ModelPlan, role: str, pool_size: int, slots: int, backend: str = "auto") -> Part:
+def ep_buffers(
+    plan: ModelPlan, role: str, pool_size: int, slots: int, backend: str = "auto", tokens_per_rank: int = 256
+) -> Part:
+    """``tokens_per_rank``: what a decode rank's low-latency buffer holds (a decode step's tokens)."""
     c = plan.config
     low_latency = role == "decode"
     mode = "low-latency" if low_latency else "normal"
@@ -206,11 +209,10 @@ def ep_buffers(plan: ModelPlan, role: str, pool_size: int, slots: int, backend: 
     if why is not None:
         return Part("EP buffers", 0, f"torch all-to-all over NCCL (no DeepEP: {why})")
     if low_latency:
-        rows = LOW_LATENCY_TOKENS_PER_RANK * c.num_experts_per_tok
-        n = deepep_low_latency_bytes(rows, c.hidden_size, pool_size, slots * pool_size)
+        n = deepep_low_latency_bytes(tokens_per_rank, c.hidden_size, pool_size, slots * pool_size)
         note = (
-            f"DeepEP {mode} RDMA buffer for {rows} rows ({LOW_LATENCY_TOKENS_PER_RANK} tokens x top-"
-            f"{c.num_experts_per_tok}) x {slots * pool_size} expert slots, if deep_ep is importable (UNVERIFIED)"
+            f"DeepEP {mode} RDMA buffer for {tokens_per_rank} tokens per rank x {slots * pool_size} expert "
+            "slots, if deep_ep is importable (UNVERIFIED)"
         )
         return Part("EP buffers", n, note)
     sizes = deepep_normal_bytes(pool_size, c.hidden_size * 2)
@@ -267,7 +269,7 @@ def device_plan(
 ) -> DevicePlan:
     shape = plan.rank(engine, pool_size)
     slots, weights = shape.expert_slots, shape.weights()
-    ep = ep_buffers(plan, role, pool_size, slots, engine.ep_backend)
+    ep = ep_buffers(plan, role, pool_size, slots, engine.ep_backend, engine.decode_tokens_per_step())
     runtime = CUDA_RUNTIME_RESERVE if plan.device.type == "cuda" else 0
     free = None
     if gpu_memory is not None and engine.kv_cache_memory is None:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from dsinfer.base.config import PAGE_SIZE
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.memory_plan import (
-    LOW_LATENCY_TOKENS_PER_RANK,
     DevicePlan,
     ModelPlan,
     RankMemory,
@@ -19,7 +18,6 @@ from dsinfer.cli.memory_plan import (
     fmt_bytes,
     model_plan,
     rank_memory,
-    step_tokens,
 )
 from dsinfer.engine.args import EngineArgs
 from dsinfer.gateway.args import GatewayArgs
@@ -189,12 +187,6 @@ def print_pool_plan(pool: PoolArgs, drain_timeout: float, gpu_memory: int | None
     if device is not None:
         kind = "GPU" if plan.device.type == "cuda" else "rank"
         print("\n".join(describe_device(device, gpu_memory, kind)))
-        tokens, what = step_tokens(pool.role, pool.engine)
-        if pool.role == "decode" and device.part("EP buffers").bytes and tokens > LOW_LATENCY_TOKENS_PER_RANK:
-            print(
-                f"  warning: a decode step of {tokens} tokens per rank ({what}) exceeds the "
-                f"{LOW_LATENCY_TOKENS_PER_RANK} tokens DeepEP's low-latency buffer is sized for"
-            )
         if gpu_memory is not None:
             check_fit(f"{pool.role} pool", size, device, gpu_memory)
 
