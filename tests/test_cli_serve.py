@@ -358,14 +358,14 @@ def test_dry_run_placement_per_node(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_dry_run_refuses_a_layout_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = serve(capsys, "--config", str(DECODE_PROFILE), "--dry-run", "--kv-cache-memory", "40GiB")
+    code, out, err = serve(capsys, "--config", str(DECODE_PROFILE), "--dry-run", "--kv-cache-memory", "48GiB")
     assert code == 2
     assert "DOES NOT FIT" in out  # the plan is printed first
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         "dsinfer: error: decode pool (EP144) does not fit: it needs "
     )
-    assert "more than --gpu-memory 74.5 GiB; lower --kv-cache-memory to at most 27.9 GiB" in lines[0]
+    assert "more than --gpu-memory 74.5 GiB; lower --kv-cache-memory to at most 41.9 GiB" in lines[0]
     # EP8 prefill: 36 expert slots per GPU cannot fit even without a KV cache
     line = one_line_error(
         capsys, "--config", str(PREFILL_PROFILE), "--dry-run", "--pool-size", "8", "--nnodes", "1"
@@ -374,7 +374,7 @@ def test_dry_run_refuses_a_layout_that_does_not_fit(capsys: pytest.CaptureFixtur
 
 
 def test_a_pool_that_does_not_fit_is_refused_before_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    line = one_line_error(capsys, "--config", str(DECODE_PROFILE), "--kv-cache-memory", "40GiB")
+    line = one_line_error(capsys, "--config", str(DECODE_PROFILE), "--kv-cache-memory", "48GiB")
     assert "decode pool (EP144) does not fit" in line
 
 
