@@ -67,7 +67,7 @@ def run(ctx: StageContext, result: StageResult) -> None:
         engine.add_request(
             f"r{i}", torch.randint(2, min(vocab, 4096), (prompt_len,), generator=gen).tolist(), params
         )
-    started: set[int] = set()
+    started: set[str] = set()
     prefill_s, decode_ms = 0.0, []
     deadline = ctx.deadline()
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
@@ -78,7 +78,7 @@ def run(ctx: StageContext, result: StageResult) -> None:
         dt = time.perf_counter() - t0
         if len(started) < batch:
             prefill_s += dt
-            started.update(id(u.seq) for u in updates)
+            started.update(u.request_id for u in updates if u.new_token_ids)
         else:
             decode_ms.append(dt * 1e3)
     finished = not engine.has_unfinished_requests()
