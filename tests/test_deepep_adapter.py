@@ -289,3 +289,42 @@ def test_engine_args_decode_tokens_per_step() -> None:
     assert EngineArgs().decode_tokens_per_step() == 256
     assert EngineArgs(speculative_mtp=True).decode_tokens_per_step() == 512
     assert EngineArgs(max_num_seqs=4096).decode_tokens_per_step() == 2048  # the step's token budget
+
+
+def test_low_latency_fit_follows_the_step_agreement(
+    gloo_world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether DeepEP's low-latency buffer takes a step is decided from the pool's agreed largest
+    step (StepVotes.step_tokens), the same on every rank, not from each rank's own rows."""
+    monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
+    module = ModuleType("deep_ep")
+    module.Buffer = _RecordingBuffer
+    group = DeepEPGroup(
+        None, module, hidden=7168, num_local_experts=8, low_latency=True, max_tokens_per_rank=256
+    )
+    group.begin_step(256)
+    assert group.fits_everywhere(3)
+    group.begin_step(257)  # another rank's recompute prefill: every rank takes the torch all-to-all
+    assert not group.fits_everywhere(3)
+    group.close()
+
+
+def test_runner_votes_the_step_tokens() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from dsinfer.engine.agreement import StepVotes, agree
+    from dsinfer.engine.model_runner import ModelRunner
+
+    runner: Any = SimpleNamespace(overlap=False)
+    batch: Any = SimpleNamespace(num_tokens=300, seqs=[])
+    votes = ModelRunner.vote(runner, batch, StepVotes(has_work=True))
+    assert votes.step_tokens == 300 and votes.has_work
+
+    def pool_max(tensor: torch.Tensor) -> torch.Tensor:  # another rank voted 512 tokens
+        other = torch.tensor(
+            [int(getattr(StepVotes(step_tokens=512), f)) for f in StepVotes.__dataclass_fields__]
+        )
+        return torch.maximum(tensor, other)
+
+    assert agree(votes, pool_max).step_tokens == 512

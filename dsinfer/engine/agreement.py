@@ -50,6 +50,9 @@ class StepVotes:
     two_micro_batches: bool = False  # the step runs two micro-batches (--enable-overlap)
     prefill_order: bool = False  # ... in the prefill schedule (a prefill chunk somewhere), else decode's
     eplb_staging: bool = False  # a rank still stages the pending expert placement: no swap yet
+    # the most tokens any rank's step carries: DeepEP's low-latency buffer takes the step only when
+    # they fit it on every rank, else every rank's MoE uses the torch all-to-all
+    step_tokens: int = 0
 
     @property
     def stopping(self) -> bool:

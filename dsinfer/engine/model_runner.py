@@ -120,7 +120,8 @@ class ModelRunner:
             self.tracer.close()
 
     def vote(self, batch: ScheduledBatch, votes: StepVotes) -> StepVotes:
-        """This rank's votes on the step's micro-batches (unchanged without overlap)."""
+        """This rank's votes on the step's size and micro-batches."""
+        votes = dataclasses.replace(votes, step_tokens=batch.num_tokens)
         if not self.overlap:
             return votes
         wants = len(batch.seqs) >= 2 and batch.num_tokens >= self.overlap_min_tokens
@@ -133,6 +134,8 @@ class ModelRunner:
         """One forward over the batch (plus the MTP layer's when speculating), as the pool
         ``agreed`` (dsinfer/engine/agreement.py). ``after_layer`` is called with each cache layer's
         index as soon as that layer's latent KV is written."""
+        if self.model.ep is not None:
+            self.model.ep.group.begin_step(agreed.step_tokens)
         order = None
         if self.overlap and agreed.two_micro_batches:
             order = PREFILL if agreed.prefill_order else DECODE

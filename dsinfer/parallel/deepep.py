@@ -35,11 +35,12 @@ DeepEP's default 1,024 is too small, and an operator's smaller value is refused)
 Rank-invariance: every choice that changes which collectives run (DeepEP or the torch fallback,
 pair or token level) is the same on every rank, or the pool would hang. Dtype, hidden size and
 configuration are shared; whether a low-latency call fits the buffer is not (one rank may run a
-recompute prefill while the others decode), so before each low-latency call the ranks all-reduce
-their row counts (max, one int, a host sync) and all take the torch all-to-all on the same NCCL
-group when any rank's rows exceed the buffer. Non-bf16 activations (the float32 parity runs) go
-through the torch all-to-all too, with the same semantics. ``close`` destroys the buffer, which
-DeepEP asks for before the process group is torn down.
+recompute prefill while the others decode), so the pool's per-step agreement carries the largest
+step's tokens (``StepVotes.step_tokens``, handed over by ``begin_step``) and every rank takes the
+torch all-to-all on the same NCCL group when they exceed the buffer (a caller outside the model
+runner gets an all-reduce of its row count per call instead). Non-bf16 activations (the float32
+parity runs) go through the torch all-to-all too, with the same semantics. ``close`` destroys the
+buffer, which DeepEP asks for before the process group is torn down.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class DeepEPGroup(EPGroup):
         self.low_latency, self.use_fp8 = low_latency, use_fp8
         self.top_k = top_k
         self.max_tokens_per_rank = max_tokens_per_rank
+        self._step_tokens: int | None = None  # the pool's agreed bound for the current step
         self._torch = TorchEPGroup(group)
         self._topk_dtype = getattr(module, "topk_idx_t", torch.int64)
         buffer_cls = module.Buffer
@@ -258,7 +260,7 @@ class DeepEPGroup(EPGroup):
             return self._torch.dispatch(x, dest_rank, local_slot)
         topk_idx = pair_expert_ids(dest_rank, local_slot, self.num_local_experts).to(self._topk_dtype)
         if self.low_latency:
-            if not self.fits_everywhere(x.shape[0], self.max_tokens_per_rank * self.top_k):
+            if not self.fits_everywhere(-(-x.shape[0] // self.top_k)):  # pair rows -> tokens
                 return self._torch.dispatch(x, dest_rank, local_slot)
             return self._ll_pair_dispatch(x, topk_idx)
         recv_x, recv_idx, _, native = self._normal_dispatch(
@@ -291,14 +293,21 @@ class DeepEPGroup(EPGroup):
     def _capacity(self) -> int:
         return self.max_tokens_per_rank * self.size  # rows per local expert in the masked layout (R * T)
 
-    def fits_everywhere(self, rows: int, capacity: int) -> bool:
-        """Whether every rank's ``rows`` fit ``capacity``: one all-reduce (max), the same answer on
-        every rank, so that all take the low-latency path or all take the torch fallback."""
+    def begin_step(self, step_tokens: int) -> None:
+        self._step_tokens = step_tokens
+
+    def fits_everywhere(self, tokens: int) -> bool:
+        """Whether every rank's tokens fit the low-latency buffer, the same answer on every rank (all
+        take the low-latency path or all the torch fallback): from the step's agreement
+        (``begin_step``, the per-step all-reduce) when the model runner gave it, else by an
+        all-reduce (max) of this call's ``tokens``."""
+        if self._step_tokens is not None:
+            return self._step_tokens <= self.max_tokens_per_rank
         count = torch.tensor(
-            [rows], dtype=torch.int64, device=torch.device("cuda", torch.cuda.current_device())
+            [tokens], dtype=torch.int64, device=torch.device("cuda", torch.cuda.current_device())
         )
         all_reduce_in_place(count, "max", self.group)
-        return int(count.item()) <= capacity
+        return int(count.item()) <= self.max_tokens_per_rank
 
     def _ll_pair_dispatch(
         self, x: torch.Tensor, topk_idx: torch.Tensor
@@ -432,9 +441,7 @@ class DeepEPGroup(EPGroup):
     ) -> torch.Tensor:
         """``sum_j w[t, j] * expert_{topk_physical[t, j]}(x[t])`` for every token, ``[T, H]``, through the
         token-level path (same signature and result as :func:`routed_pairs`)."""
-        if x.dtype != torch.bfloat16 or (
-            self.low_latency and not self.fits_everywhere(x.shape[0], self.max_tokens_per_rank)
-        ):
+        if x.dtype != torch.bfloat16 or (self.low_latency and not self.fits_everywhere(x.shape[0])):
             return routed_pairs(self._torch, x, topk_physical, topk_weights, compute, self.num_local_experts)
         if not self.low_latency:
             recv_x, ids, weights, handle = self.dispatch_tokens(x, topk_physical, topk_weights)

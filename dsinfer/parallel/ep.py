@@ -117,6 +117,9 @@ class EPGroup(ABC):
         """``combine`` posted; this fallback runs it synchronously."""
         return Pending.completed(self.combine(y, handle))
 
+    def begin_step(self, step_tokens: int) -> None:  # noqa: B027 - optional hook
+        """The pool agreed that no rank's step carries more than ``step_tokens`` tokens."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, most groups hold nothing to release
         """Release communication buffers; called before the process group is destroyed."""
 
