@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dsinfer.base.cluster_secret import SecretError
 from dsinfer.base.config import ConfigError
 from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsinfer.cli.plan import run_plan
 
             return run_plan(args)
-    except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError) as e:
+    except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError, SecretError) as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2
     except ValidationError as e:  # a flag pydantic refused; name it without a traceback

@@ -7,6 +7,7 @@ import logging
 
 import uvicorn
 
+from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.tokenizer import Tokenizer
@@ -21,17 +22,17 @@ def control_port_of(args: GatewayArgs) -> int:
     return args.control_port if args.control_port is not None else args.port + 1
 
 
-def build_gateway(args: GatewayArgs) -> tuple[Router, object]:
+def build_gateway(args: GatewayArgs, keys: ControlKeys) -> tuple[Router, object]:
     path, _ = resolve_model(args.model)
     config = ModelConfig.from_file(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
-    router = Router(f"{args.host}:{control_port_of(args)}", balancer=args.balancer)
+    router = Router(f"{args.host}:{control_port_of(args)}", keys, balancer=args.balancer)
     app = build_app(router, tokenizer, args, config.vocab_size)
     return router, app
 
 
-def run_gateway(args: GatewayArgs) -> int:
-    _, app = build_gateway(args)
+def run_gateway(args: GatewayArgs, keys: ControlKeys) -> int:
+    _, app = build_gateway(args, keys)
     log.info(
         "OpenAI API on http://%s:%d/v1, pools register at %s:%d",
         args.host,

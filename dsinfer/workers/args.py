@@ -66,3 +66,4 @@ class RankArgs(BaseModel):
     local_rank: int
     dist_init_addr: str  # resolved by the launcher
     incarnation: str
+    dist_store_file: str | None = None  # a pool on one node: torch's FileStore here, no TCPStore

@@ -6,6 +6,12 @@ and, after a back-off, every rank starts again under a new incarnation. SIGTERM 
 the launcher drains instead: the ranks get SIGTERM, finish what they hold and exit. The
 back-off doubles up to 30 s; a pool that ran 60 s resets it and the count of restarts.
 
+The ranks get the cluster secret in their environment (never on a command line, which any user
+can read), and the interface of the worker host for their libraries' listeners
+(dsinfer/workers/network.py). A pool on one node forms its torch.distributed group through a
+FileStore in a private directory of the launcher's instead of a TCPStore, which would listen on
+every interface.
+
 Children die with the launcher even when it is SIGKILLed: on Linux each child asks the kernel
 for SIGKILL on its parent's death (``PR_SET_PDEATHSIG``) between fork and exec. They also run in
 their own session, so a terminal's Ctrl-C reaches only the launcher, which stops them in order.
@@ -16,10 +22,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -28,8 +36,12 @@ from types import FrameType
 
 import zmq
 
-from dsinfer.base.protocol import PoolDown, encode
+from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
+from dsinfer.base.control_auth import connect_curve
+from dsinfer.base.protocol import PoolDown, encode, launcher_identity
 from dsinfer.workers.args import PoolArgs, RankArgs
+from dsinfer.workers.channel import gateway_endpoints
+from dsinfer.workers.network import rank_network_env
 
 log = logging.getLogger("dsinfer.launcher")
 
@@ -123,12 +135,18 @@ class _Start:
     procs: list[subprocess.Popen[bytes]]  # index = local rank
     first_rank: int
     started_at: float
+    store_dir: str | None = None  # the FileStore's private directory (a pool on one node)
+
+    def cleanup(self) -> None:
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 class PoolLauncher:
     def __init__(
         self,
         pool: PoolArgs,
+        secret: str,
         *,
         rank_module: str = "dsinfer.workers.rank",
         drain_timeout: float = 30.0,
@@ -140,6 +158,9 @@ class PoolLauncher:
         self.kill_grace = kill_grace
         self.name = f"{pool.role} pool {pool.pool_id}"
         self.threads = threads_per_rank(pool)
+        self.secret = secret
+        self.keys = ControlKeys.from_secret(secret)
+        self.network_env = rank_network_env(pool.host, os.environ)
 
     def run(self, signals: StopSignals) -> int:
         """Restarts count since the pool last ran ``HEALTHY_RESET`` s; past ``max_restarts`` -> 1."""
@@ -151,14 +172,17 @@ class PoolLauncher:
                 exited = self._watch(start, signals)
             except BaseException:
                 kill(start.procs)
+                start.cleanup()
                 raise
             if exited is None:
                 self._drain(start, signals.requested)
+                start.cleanup()
                 return 0
             rank, code = exited
             reason = f"rank {rank} exited with code {code}"
             log.warning("%s: %s; stopping incarnation %s", self.name, reason, start.incarnation)
             terminate(start.procs, self.kill_grace)
+            start.cleanup()
             self._send_pool_down(start.incarnation, reason)
             if time.monotonic() - start.started_at >= HEALTHY_RESET:
                 restarts, backoff = 0, self.pool.restart_backoff
@@ -178,12 +202,21 @@ class PoolLauncher:
     def _start(self) -> _Start:
         pool = self.pool
         incarnation = uuid.uuid4().hex
-        dist_init_addr = pool.dist_init_addr or f"127.0.0.1:{free_port()}"
+        store_dir = None
+        if pool.dist_init_addr is None and pool.nnodes == 1:
+            store_dir = tempfile.mkdtemp(prefix="dsinfer-pool-")  # mode 0700
+        dist_init_addr = pool.dist_init_addr or ""
         resolved = pool.model_copy(
-            update={"threads_per_rank": self.threads, "dist_init_addr": dist_init_addr}
+            update={"threads_per_rank": self.threads, "dist_init_addr": dist_init_addr or None}
         )
         threads = str(self.threads)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
+        env = {
+            **os.environ,
+            **self.network_env,
+            SECRET_ENV: self.secret,
+            "OMP_NUM_THREADS": threads,
+            "NUMBA_NUM_THREADS": threads,
+        }
         first = pool.node_rank * pool.ranks_per_node
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -194,11 +227,14 @@ class PoolLauncher:
                     local_rank=local,
                     dist_init_addr=dist_init_addr,
                     incarnation=incarnation,
+                    dist_store_file=None if store_dir is None else os.path.join(store_dir, "store"),
                 )
                 cmd = [sys.executable, "-m", self.rank_module, "--args-json", args.model_dump_json()]
                 procs.append(spawn(cmd, env))
         except BaseException:
             kill(procs)
+            if store_dir is not None:
+                shutil.rmtree(store_dir, ignore_errors=True)
             raise
         log.info(
             "%s: started incarnation %s: ranks %d-%d, pids %s, %d thread(s) per rank, dist-init %s",
@@ -208,9 +244,9 @@ class PoolLauncher:
             first + len(procs) - 1,
             ",".join(str(p.pid) for p in procs),
             self.threads,
-            dist_init_addr,
+            dist_init_addr or "a FileStore in " + str(store_dir),
         )
-        return _Start(incarnation, procs, first, time.monotonic())
+        return _Start(incarnation, procs, first, time.monotonic(), store_dir)
 
     def _watch(self, start: _Start, signals: StopSignals) -> tuple[int, int] | None:
         """Block until a rank exits (-> its rank and exit code) or a stop is requested (-> None)."""
@@ -253,21 +289,22 @@ class PoolLauncher:
         return False
 
     def _send_pool_down(self, incarnation: str, reason: str) -> None:
-        """Best effort: an absent gateway delays the launcher by at most the linger."""
-        message = encode(
-            PoolDown(role=self.pool.role, pool=self.pool.pool_id, incarnation=incarnation, reason=reason)
-        )
+        """Best effort, to every gateway: an absent one delays the launcher by at most the linger."""
+        pool = self.pool
+        message = encode(PoolDown(role=pool.role, pool=pool.pool_id, incarnation=incarnation, reason=reason))
+        identity = launcher_identity(pool.role, pool.pool_id, pool.node_rank).encode()
         # A context per message: no ZMQ I/O thread exists while the next ranks are forked.
         ctx = zmq.Context()
         try:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, POOL_DOWN_LINGER_MS)
-            sock.connect(f"tcp://{self.pool.gateway_addr}")
-            sock.send(message, zmq.NOBLOCK)
-            sock.close()
-            log.info(
-                "%s: PoolDown sent to the gateway at %s (best effort)", self.name, self.pool.gateway_addr
-            )
+            for endpoint in gateway_endpoints(pool.gateway_addr):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.IDENTITY, identity)
+                sock.setsockopt(zmq.LINGER, POOL_DOWN_LINGER_MS)
+                connect_curve(sock, self.keys, self.keys.gateway)
+                sock.connect(endpoint)
+                sock.send(message, zmq.NOBLOCK)
+                sock.close()
+            log.info("%s: PoolDown sent to the gateway at %s (best effort)", self.name, pool.gateway_addr)
         except zmq.ZMQError as e:
             log.warning("%s: could not send PoolDown to %s: %s", self.name, self.pool.gateway_addr, e)
         finally:
@@ -276,13 +313,16 @@ class PoolLauncher:
 
 def run_pool(
     pool: PoolArgs,
+    secret: str,
     *,
     rank_module: str = "dsinfer.workers.rank",
     drain_timeout: float = 30.0,
     kill_grace: float = KILL_GRACE,
 ) -> int:
     """Run one pool's local ranks until SIGTERM/SIGINT (-> 0) or ``max_restarts`` is spent (-> 1)."""
-    launcher = PoolLauncher(pool, rank_module=rank_module, drain_timeout=drain_timeout, kill_grace=kill_grace)
+    launcher = PoolLauncher(
+        pool, secret, rank_module=rank_module, drain_timeout=drain_timeout, kill_grace=kill_grace
+    )
     signals = StopSignals()
     try:
         return launcher.run(signals)
