@@ -218,7 +218,7 @@ class ServeProcess:
                     f"a pool restarted 3 times before the server got healthy:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
                     return
             time.sleep(0.25)
         raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")

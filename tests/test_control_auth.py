@@ -79,7 +79,7 @@ def test_forged_workers_cannot_register_receive_requests_or_take_a_pool_down(
         real = curve_dealer(ctx, "colocated/0/0", control)
         real.send(encode(_register("colocated/0/0")))
         real.send(encode(LoadReport(worker="colocated/0/0", incarnation="i1", kv_pages_total=64)))
-        _wait(lambda: httpx.get(f"{url}/health").status_code == 200, "the real rank to register")
+        _wait(lambda: httpx.get(f"{url}/ready").status_code == 200, "the real rank to register")
 
         # No secret: a plain DEALER, and one with keys of another secret. Each claims a pool of
         # its own and the real rank's name, and sends PoolDown for the real rank's incarnation.

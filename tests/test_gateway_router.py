@@ -74,7 +74,7 @@ def _wait(condition: object, timeout: float = 10.0) -> None:
 
 
 def _healthy(url: str) -> bool:
-    return httpx.get(f"{url}/health").status_code == 200
+    return httpx.get(f"{url}/ready").status_code == 200
 
 
 def test_rank_with_other_limits_is_refused_once(

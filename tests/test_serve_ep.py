@@ -217,7 +217,7 @@ def test_decode_rank_killed_restarts_the_ep_pool(
     # back-off and a model load, so the unhealthy window is seconds long; poll fast)
     down = {"decode/0/0", "decode/0/1"}
     while True:
-        health = httpx.get(f"{server.base_url}/health", timeout=5).status_code
+        health = httpx.get(f"{server.base_url}/ready", timeout=5).status_code
         if health == 503 or not down & _healthy_workers(server):
             break
         assert time.monotonic() - killed_at < 10, "decode workers still healthy 10 s after the kill"
@@ -245,7 +245,7 @@ def test_decode_rank_killed_restarts_the_ep_pool(
         assert time.monotonic() < deadline, f"decode ranks after restart: {after}"
         time.sleep(0.5)
     assert not set(after.values()) & set(before.values()), (before, after)
-    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
 
     # and serves the offline tokens again, on both DP ranks
     served = _prompt_tokens(server)

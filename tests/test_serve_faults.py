@@ -148,7 +148,7 @@ def _kill_and_check(server: Server, client: openai.OpenAI, role: str, delay: flo
     assert all(r[1] == "length" for r in results if r[0] == "ok")
     assert all(role in r[1] or "went down" in r[1] or "restarted" in r[1] for r in errors), errors
     # the gateway is up and routes around the dead pool
-    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
     after_kill, threads = _concurrent(client, "hello", count=2, max_tokens=5)
     _join(threads)
     assert [r[0] for r in after_kill] == ["ok", "ok"], after_kill

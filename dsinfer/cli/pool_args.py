@@ -49,7 +49,8 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout",
         type=float,
         default=DRAIN_TIMEOUT,
-        help="seconds ranks get to finish their requests on SIGTERM before SIGKILL",
+        help="SIGTERM: seconds ranks get to finish their requests before SIGKILL, and a gateway's "
+        "streams before they end with an error event",
     )
 
 

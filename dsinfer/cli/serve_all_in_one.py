@@ -151,8 +151,8 @@ def children_of(
 # Run and supervise -----------------------------------------------------------------------------
 def run_all_in_one(args: argparse.Namespace, *, cli_module: str = CLI_MODULE) -> int:
     layout = layout_of(args)
-    gateway = gateway_args_from(args)
     pools = pool_args_of(args, layout, "127.0.0.1:0")  # every pool is checked before anything starts
+    gateway = gateway_args_from(args)
     if args.dry_run:
         from dsinfer.cli.serve_plan import print_all_in_one_plan
 

@@ -132,11 +132,13 @@ class Router:
         await self.control.start()
         self._monitor_task = asyncio.create_task(self._monitor())
 
-    async def stop(self) -> None:
+    def end_all(self, reason: str) -> None:
+        """End every running choice with ``reason`` as its error (its ranks are told Abort)."""
         for choice in list(self._choices.values()):
-            self.end_choice(
-                choice, TokenDelta(request_id=choice.request.request_id, error="gateway shutting down")
-            )
+            self.end_choice(choice, TokenDelta(request_id=choice.request.request_id, error=reason))
+
+    async def stop(self) -> None:
+        self.end_all("gateway shutting down")
         if self._monitor_task is not None:
             self._monitor_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from dsinfer.base.config import TRANSFER_BACKENDS
 from dsinfer.base.protocol import ROLES
 from dsinfer.engine.args import EngineArgs
-from dsinfer.transfer.registry import TRANSFER_BACKENDS
 
 
 class PoolArgs(BaseModel):
