@@ -70,9 +70,9 @@ def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]
     log_path = tmp_path / "gateway.log"
     env = {**os.environ, SECRET_ENV: TEST_SECRET, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
+        argv = ["serve", "--role", "gateway", "--port", str(port), "--control-port", str(control_port)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dsinfer.cli.main", "serve", "--role", "gateway", "--port", str(port)]
-            + ["--control-port", str(control_port), *flags],
+            [sys.executable, "-m", "dsinfer.cli.main", *argv, *flags],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -23,7 +23,12 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HOST:PORT of rank 0's torch.distributed store (one node: free port)",
     )
-    group.add_argument("--gateway-addr", default=None, help="HOST:PORT of the gateway's control socket")
+    group.add_argument(
+        "--gateway-addr",
+        default=None,
+        help="HOST:PORT of the gateway's control socket; several gateways: HOST:PORT,HOST:PORT or a "
+        "name that resolves to each (the ranks register with every one)",
+    )
     group.add_argument(
         "--worker-host",
         default="127.0.0.1",

@@ -1,8 +1,8 @@
 """A rank's control-plane sockets: a DEALER to every gateway, a PULL inbox for peer ranks, and
 one PUSH per peer inbox it writes to. Messages are protocol structs; nothing else goes through.
 
-``--gateway-addr HOST:PORT`` may name several gateways (a DNS name with one address per gateway
-replica, e.g. a headless Kubernetes Service): the rank connects one DEALER to each address,
+``--gateway-addr`` may name several gateways (``HOST:PORT,HOST:PORT``, or a DNS name with one
+address per gateway replica, e.g. a headless Kubernetes Service): the rank connects one DEALER to each address,
 re-resolving the name every ``RESOLVE_EVERY`` s on its heartbeat thread, so that every replica
 knows every rank. Register, load reports, heartbeats and Deregister go to all of them; what
 concerns one request goes back to the gateway that sent the request.
@@ -44,21 +44,22 @@ MAX_OWNERS = 65_536  # requests whose gateway is remembered (decode ones leave w
 
 
 def gateway_endpoints(addr: str) -> tuple[str, ...]:
-    """``tcp://`` endpoints of every address ``HOST:PORT`` resolves to (sorted; empty when the
-    name does not resolve now)."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"gateway address {addr!r} is not HOST:PORT")
-    host = host.strip("[]")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        log.warning("cannot resolve the gateway address %s: %s", addr, e)
-        return ()
-    endpoints = set()
-    for family, _, _, _, sockaddr in infos:
-        ip = str(sockaddr[0])
-        endpoints.add(f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}")
+    """``tcp://`` endpoints of the gateways ``addr`` names: ``HOST:PORT``, or several separated
+    by commas; a HOST that resolves to several addresses (a headless Service) gives one per
+    address. Sorted; empty when no name resolves now."""
+    endpoints: set[str] = set()
+    for one in addr.split(","):
+        host, sep, port = one.strip().rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"gateway address {one.strip()!r} is not HOST:PORT")
+        try:
+            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            log.warning("cannot resolve the gateway address %s: %s", one.strip(), e)
+            continue
+        for family, _, _, _, sockaddr in infos:
+            ip = str(sockaddr[0])
+            endpoints.add(f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}")
     return tuple(sorted(endpoints))
 
 
