@@ -72,7 +72,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-threads",
         type=int,
         default=None,
-        help="threads that template and tokenize prompts off the event loop (default: min(8, cores))",
+        help="threads that template and tokenize prompts off the event loop, at least 2: prompts over "
+        "256 KiB never take the last one (default: min(8, cores))",
     )
 
 

@@ -236,12 +236,12 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Respon
     # Parsing, templating and tokenizing a long prompt take a while: off the event loop.
     if endpoint == "completions":
         prepared = await ctx.preparer.run(
-            lambda: prepare_completion(parse_body(CompletionRequest, body), tokenizer, limits)
+            lambda: prepare_completion(parse_body(CompletionRequest, body), tokenizer, limits), len(body)
         )
         request_id = _request_id(request, "cmpl")
     else:
         prepared = await ctx.preparer.run(
-            lambda: prepare_chat(parse_body(ChatCompletionRequest, body), tokenizer, limits)
+            lambda: prepare_chat(parse_body(ChatCompletionRequest, body), tokenizer, limits), len(body)
         )
         request_id = _request_id(request, "chatcmpl")
     if request_id in ctx.active_ids:

@@ -4,8 +4,7 @@
 413 while it is read: at once when its Content-Length says so, else as soon as the bytes
 received pass the limit, so no more than the limit is ever held. ``Preparer`` runs parsing,
 chat templating and tokenizing on ``--tokenizer-threads`` threads, off the event loop that
-answers /health and streams tokens; when that many requests are being prepared and
-``MAX_WAITING_PER_THREAD`` per thread wait, a new one gets 429.
+answers /health and streams tokens, keeping a thread free of large prompts.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dsinfer.gateway.errors import APIError, overloaded, payload_too_large
 
 MAX_WAITING_PER_THREAD = 16  # requests waiting for a tokenizer thread, per thread, before 429
+LARGE_BODY = 256 * 1024  # bytes: a body over this (a prompt of ~64K tokens or more) is "large"
+MAX_WAITING_LARGE = 2  # large requests waiting per place, before 429
 RETRY_AFTER = 1.0
 
 T = TypeVar("T")
@@ -72,24 +73,38 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class Preparer:
-    def __init__(self, threads: int, max_waiting_per_thread: int = MAX_WAITING_PER_THREAD) -> None:
-        self.threads = threads
-        self.limit = threads * (1 + max_waiting_per_thread)
-        self.pending = 0
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+    """``threads`` threads (at least 2) prepare requests. A large body (over ``LARGE_BODY``) holds
+    one of ``threads - 1`` places while it waits for and uses a thread, so one thread is always
+    there for the others: a short request never waits behind a multi-MB prompt being tokenized.
+    Too many waiting (large ones: ``MAX_WAITING_LARGE`` per place; others:
+    ``MAX_WAITING_PER_THREAD`` per thread) -> 429."""
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        if self.pending >= self.limit:
+    def __init__(self, threads: int) -> None:
+        self.threads = max(2, threads)
+        self._large = asyncio.Semaphore(self.threads - 1)
+        self._limits = {
+            True: (self.threads - 1) * (1 + MAX_WAITING_LARGE),
+            False: self.threads * MAX_WAITING_PER_THREAD,
+        }
+        self.pending = {True: 0, False: 0}  # large?, -> requests waiting or being prepared
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenize")
+
+    async def run(self, fn: Callable[[], T], body_bytes: int) -> T:
+        large = body_bytes > LARGE_BODY
+        if self.pending[large] >= self._limits[large]:
             raise overloaded(
-                f"{self.pending} requests are waiting to be tokenized ({self.threads} tokenizer "
-                "threads, --tokenizer-threads)",
+                f"{self.pending[large]} {'large ' if large else ''}requests are waiting to be tokenized "
+                f"({self.threads} tokenizer threads, --tokenizer-threads)",
                 RETRY_AFTER,
             )
-        self.pending += 1
+        self.pending[large] += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            if not large:
+                return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+            async with self._large:
+                return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
         finally:
-            self.pending -= 1
+            self.pending[large] -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
