@@ -22,6 +22,7 @@ from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys, SecretError, lo
 from dsinfer.base.control_auth import HandshakeLog
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.protocol import (
+    Abort,
     GenerateRequest,
     LoadReport,
     PoolDown,
@@ -31,13 +32,14 @@ from dsinfer.base.protocol import (
     decode,
     encode,
 )
+from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cli.main import main
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.router import Router
 from dsinfer.workers.channel import WorkerChannel
-from tests.fixtures.control import KEYS, TEST_SECRET, curve_dealer
+from tests.fixtures.control import KEYS, TEST_SECRET, curve_dealer, curve_router
 from tests.fixtures.engine_backend import serve
 from tests.fixtures.servers import free_port
 
@@ -161,6 +163,60 @@ def test_rank_inbox_takes_messages_only_from_peers_with_the_secret() -> None:
     finally:
         ctx.destroy(linger=0)
         channel.close()
+
+
+def test_deltas_of_requests_the_gateway_does_not_know_are_answered_with_abort(
+    gateway: tuple[str, str, Router],
+) -> None:
+    """What a rank still streams for a gateway that restarted: the new one tells it to stop."""
+    url, control, _ = gateway
+    ctx = zmq.Context()
+    try:
+        rank = curve_dealer(ctx, "colocated/0/0", control)
+        rank.send(encode(_register("colocated/0/0")))
+        _wait(lambda: httpx.get(f"{url}/ready").status_code == 200, "the rank to register")
+        for _ in range(3):  # answered once
+            rank.send(encode(TokenDelta(request_id="cmpl-old@dead/0", token_ids=[5])))
+        rank.send(
+            encode(TokenDelta(request_id="cmpl-done@dead/0", finish_reason="stop"))
+        )  # a last one: nothing
+        assert rank.poll(int(TIMEOUT * 1000)), "no Abort came"
+        assert decode(rank.recv()) == Abort(request_id="cmpl-old@dead/0")
+        assert rank.poll(500) == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_rank_serves_every_gateway_it_is_given() -> None:
+    """--gateway-addr A,B: Register and reports reach both; a request's deltas go back only to the
+    gateway that sent it; a successful handshake asks the rank to register again."""
+    contexts = [zmq.Context(), zmq.Context()]  # a ZAP authenticator per context: one per gateway
+    routers = [curve_router(ctx) for ctx in contexts]
+    channel = WorkerChannel("colocated/0/0", ",".join(addr for _, addr, _ in routers), "127.0.0.1", KEYS)
+    try:
+        _wait(lambda: not channel.receive(10) and channel.gateway_connected(), "a handshake with a gateway")
+        channel.send_gateway(_register("colocated/0/0"))
+        for sock, _, _ in routers:
+            assert sock.poll(int(TIMEOUT * 1000))
+            identity, frame = sock.recv_multipart()
+            assert identity == b"colocated/0/0" and isinstance(decode(frame), Register)
+        second = routers[1][0]
+        request = GenerateRequest(
+            request_id="cmpl-x@b/0", prompt_token_ids=[1], params=SamplingParams(seed=1)
+        )
+        second.send_multipart([b"colocated/0/0", encode(request)])
+        received: list[object] = []
+        _wait(lambda: received.extend(channel.receive(50)) or received, "the request")
+        assert received == [request]
+        channel.send_gateway(TokenDelta(request_id="cmpl-x@b/0", token_ids=[3], finish_reason="length"))
+        assert second.poll(int(TIMEOUT * 1000)) and isinstance(decode(second.recv_multipart()[1]), TokenDelta)
+        assert routers[0][0].poll(300) == 0  # not to the other gateway
+    finally:
+        channel.close()
+        for (sock, _, auth), ctx in zip(routers, contexts, strict=True):
+            sock.close(linger=0)
+            auth.stop()
+            ctx.term()
 
 
 @pytest.mark.parametrize("role", ["gateway", "decode"])

@@ -321,6 +321,23 @@ def test_killed_gateway_is_replaced_and_the_pools_keep_running(all_in_one: Serve
     ranks = all_in_one.rank_pids("prefill") + all_in_one.rank_pids("decode")
     assert len(ranks) == 2
     old = _gateway_pid(all_in_one)
+    cut: list[BaseException] = []
+    started = threading.Event()
+
+    def stream() -> None:  # in flight when the gateway dies: a broken connection, to retry
+        body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream(
+                "POST", f"{all_in_one.base_url}/v1/completions", json=body, timeout=TIMEOUT
+            ) as r:
+                for _ in r.iter_lines():
+                    started.set()
+        except httpx.HTTPError as e:
+            cut.append(e)
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    assert started.wait(TIMEOUT), "the stream never started"
     os.kill(old, signal.SIGKILL)
     killed = time.monotonic()
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
@@ -334,6 +351,8 @@ def test_killed_gateway_is_replaced_and_the_pools_keep_running(all_in_one: Serve
         except httpx.HTTPError:
             time.sleep(0.2)
     assert served < 15.0, f"the new gateway served {served:.1f} s after the kill"
+    streamer.join(TIMEOUT)
+    assert isinstance(cut[0], httpx.TransportError), cut
     assert _gateway_pid(all_in_one) != old
     assert all_in_one.rank_pids("prefill") + all_in_one.rank_pids("decode") == ranks  # pools not restarted
     assert "restart 1/100" in all_in_one.log()
