@@ -37,6 +37,7 @@ from dsinfer.gateway.backend import Backend
 from dsinfer.gateway.chat import ChatFormatter
 from dsinfer.gateway.completions import CompletionFormatter
 from dsinfer.gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
     APIError,
     bad_request,
     error_body,
@@ -126,7 +127,9 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
             )
         reason = "draining" if ctx.draining else "no pool can serve requests yet"
         return JSONResponse(
-            {"status": "unavailable", "reason": reason}, status_code=503, headers=retry_after(5.0)
+            {"status": "unavailable", "reason": reason},
+            status_code=503,
+            headers=retry_after(UNAVAILABLE_RETRY_AFTER),
         )
 
     @app.get("/metrics")

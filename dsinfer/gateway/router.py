@@ -2,10 +2,11 @@
 
 A job with n choices becomes n worker requests (ids by dsinfer.base.request_id: request, choice,
 attempt; the request part is the client request's id and this gateway's ``instance`` tag, so
-that replicas behind one load balancer never send a rank the same id) sharing one seed, with no stop strings (the gateway owns them). With healthy prefill
-and decode ranks a choice goes PD (DecodeAdmit to the decode rank the decode balancer picks;
-its KVDestination is forwarded, with the decode rank's transfer metadata, in a PrefillRequest to
-the rank the prefill balancer picks); otherwise to a colocated rank. A choice ends with its
+that replicas behind one load balancer never send a rank the same id) sharing one seed, with no
+stop strings (the gateway owns them). With healthy prefill and decode ranks a choice goes PD
+(DecodeAdmit to the decode rank the decode balancer picks; its KVDestination is forwarded, with
+the decode rank's transfer metadata, in a PrefillRequest to the rank the prefill balancer
+picks); otherwise to a colocated rank. A choice ends with its
 worker's last TokenDelta, an error, an abort, or the death of a rank it depends on; the other
 rank of a PD pair is then told Abort, so every page it holds is freed (docs/serving.md has the
 protocol). A choice whose rank dies before its first token is dispatched again, as its next
