@@ -3,10 +3,11 @@ prompts arrive at the gateway, on two commits (before and after bounded, non-blo
 
 Each run starts a gateway process (``dsinfer serve --role gateway``) on a clean ``git archive`` of
 the commit (``pd_serving.export_commit``) and a colocated rank played by this script over the real
-control protocol (CURVE with the cluster secret where the commit has it): it registers with a
-163840-token context (DeepSeek-V3's, so that MB-sized prompts are not refused on length before
-they are tokenized, except by the newer character check) and answers every request with
-``--short-tokens`` tokens, one per 10 ms. No model runs: what is measured is the gateway.
+control protocol (``tests.fixtures.control.PlayedRank``, CURVE with the cluster secret where the
+commit has it): it registers with a 163840-token context (DeepSeek-V3's, so that MB-sized prompts
+are not refused on length before they are tokenized, except by the newer character check) and
+answers every request with ``--short-tokens`` tokens, one per 10 ms. No model runs: what is
+measured is the gateway.
 
 A run: an idle window (``/health`` every 50 ms and short completions one after the other, for
 ``--idle-seconds``), then ``--concurrent`` prompts of ``--prompt-mb`` MB of text sent at once while
@@ -16,7 +17,7 @@ oversized prompts' status codes and latencies, and the gateway's peak RSS growth
 (VmHWM after ``clear_refs``). Commits alternate order between repeats; the load average is
 recorded at the start and end of every run: compare only numbers taken on a quiet machine.
 
-    /work/venv/bin/python benchmarks/intake.py --commits main,HEAD --prompt-mb 3,6 --repeats 3 \
+    /work/venv/bin/python benchmarks/intake.py --commits a1a5690,HEAD --prompt-mb 3,6 --repeats 3 \
         --out benchmarks/results/intake.json --markdown benchmarks/results/intake.md
 """
 
@@ -35,20 +36,17 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import zmq
 from pd_serving import export_commit, machine_info, progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
-from dsinfer.base.control_auth import connect_curve
-from dsinfer.base.protocol import GenerateRequest, Heartbeat, LoadReport, Register, TokenDelta, decode, encode
+from tests.fixtures.control import PlayedRank
 
-WORKER, CONTEXT = "colocated/0/0", 163_840
+CONTEXT = 163_840
 TEXT = "hello world, this is an oversized prompt. "
 
 
@@ -58,69 +56,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@dataclass
-class Rank:
-    """A colocated rank over the real control protocol: tokens at once, one per 10 ms."""
-
-    control: str
-    keys: ControlKeys | None
-    tokens: int
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _socket(self, ctx: zmq.Context[Any], identity: str) -> zmq.Socket[bytes]:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            connect_curve(sock, self.keys, self.keys.gateway)
-        sock.connect(f"tcp://{self.control}")
-        return sock
-
-    def _run(self) -> None:
-        register = Register(
-            worker=WORKER, role="colocated", pool=0, incarnation="bench", inbox="tcp://127.0.0.1:1",
-            kv_pages_total=CONTEXT // 64 + 1, page_size=64, max_model_len=CONTEXT, model="ab" * 32,
-        )  # fmt: skip
-        ctx = zmq.Context()
-        sock, beat = self._socket(ctx, WORKER), self._socket(ctx, f"{WORKER}/heartbeat")
-        running: dict[str, int] = {}
-        last_report = next_token = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now - last_report >= 0.5:
-                    sock.send(encode(register))
-                    sock.send(
-                        encode(LoadReport(worker=WORKER, incarnation="bench", num_running=len(running)))
-                    )
-                    beat.send(encode(Heartbeat(worker=WORKER, incarnation="bench")))
-                    last_report = now
-                while sock.poll(2):
-                    message = decode(sock.recv())
-                    if isinstance(message, GenerateRequest):
-                        running[message.request_id] = self.tokens
-                if now >= next_token:
-                    next_token = now + 0.01
-                    for request_id in list(running):
-                        running[request_id] -= 1
-                        finish = "length" if running[request_id] == 0 else None
-                        sock.send(
-                            encode(TokenDelta(request_id=request_id, token_ids=[40], finish_reason=finish))
-                        )
-                        if finish:
-                            del running[request_id]
-        finally:
-            ctx.destroy(linger=0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def _memory(pid: int, key: str) -> int:
@@ -185,7 +120,7 @@ def run_once(source: Path, args: argparse.Namespace, prompt_mb: float, log_path:
     load_start = os.getloadavg()[0]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=source)
-    rank = Rank(f"127.0.0.1:{control}", ControlKeys.from_secret(secret) if curve else None, args.short_tokens)
+    rank: PlayedRank | None = None
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -197,7 +132,10 @@ def run_once(source: Path, args: argparse.Namespace, prompt_mb: float, log_path:
                 pass
             assert time.monotonic() < deadline, "the gateway did not start"
             time.sleep(0.2)
-        rank.start()
+        keys = ControlKeys.from_secret(secret) if curve else None
+        rank = PlayedRank(
+            f"127.0.0.1:{control}", keys, max_model_len=CONTEXT, interval=0.01, tokens=args.short_tokens
+        )
         while (
             httpx.post(
                 f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30
@@ -247,7 +185,8 @@ def run_once(source: Path, args: argparse.Namespace, prompt_mb: float, log_path:
         }
         return {"prompt_mb": prompt_mb, "curve": curve, "load": [load_start, os.getloadavg()[0]], **windows}
     finally:
-        rank.stop()
+        if rank is not None:
+            rank.stop()
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -292,7 +231,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--commits", default="main,HEAD", help="comma-separated revisions (first = before)")
+    parser.add_argument(
+        "--commits",
+        default="a1a5690,HEAD",
+        help="comma-separated revisions (first = before; a1a5690: main before issue 17)",
+    )
     parser.add_argument("--prompt-mb", default="3,6", help="sizes of the oversized prompts, MB of text")
     parser.add_argument("--concurrent", type=int, default=3, help="oversized prompts sent at once")
     parser.add_argument("--repeats", type=int, default=1)

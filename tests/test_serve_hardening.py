@@ -8,7 +8,8 @@ characters) and a 3.5 MB one (refused after tokenizing, off the event loop) get 
 tokens, or an error event).
 
 The all-in-one server with default flags: no process listens beyond loopback; kill -9 of the
-gateway brings a new one that serves within 15 s, with the pools not restarted (same rank pids).
+gateway brings a new one that serves within 15 s, with the pools not restarted (same rank pids);
+forged workers without the secret (the drill of issue 17) change nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,19 +32,9 @@ import psutil
 import pytest
 import zmq
 
-from dsinfer.base.cluster_secret import SECRET_ENV
-from dsinfer.base.protocol import (
-    Abort,
-    GenerateRequest,
-    Heartbeat,
-    LoadReport,
-    Register,
-    TokenDelta,
-    decode,
-    encode,
-    heartbeat_identity,
-)
-from tests.fixtures.control import TEST_SECRET, curve_dealer
+from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
+from dsinfer.base.protocol import LoadReport, PoolDown, Register, encode
+from tests.fixtures.control import TEST_SECRET, PlayedRank, curve_dealer
 from tests.fixtures.servers import Server, free_port, serve
 
 TIMEOUT = 60.0
@@ -103,69 +94,9 @@ def _wait(condition: object, what: str, timeout: float = TIMEOUT, proc: Gateway 
         time.sleep(0.05)
 
 
-@dataclass
-class FakeRank:
-    """A colocated rank: registers, reports load, streams one token per ``interval`` s per request
-    until its max_tokens (then finish_reason "length"), drops a request on Abort."""
-
-    control: str
-    max_model_len: int = 4096
-    interval: float = 0.1
-    aborted: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        name = "colocated/0/0"
-        register = Register(
-            worker=name, role="colocated", pool=0, incarnation="i1", inbox="tcp://127.0.0.1:1",
-            kv_pages_total=self.max_model_len // 64 + 1, page_size=64, max_model_len=self.max_model_len,
-            model="ab" * 32,
-        )  # fmt: skip
-        ctx = zmq.Context()
-        sock = curve_dealer(ctx, name, self.control)
-        beat = curve_dealer(ctx, heartbeat_identity(name), self.control)
-        running: dict[str, int] = {}
-        last_report = next_token = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now - last_report >= 0.5:
-                    sock.send(encode(register))
-                    sock.send(encode(LoadReport(worker=name, incarnation="i1", num_running=len(running))))
-                    beat.send(encode(Heartbeat(worker=name, incarnation="i1")))
-                    last_report = now
-                while sock.poll(10):
-                    message = decode(sock.recv())
-                    if isinstance(message, GenerateRequest):
-                        running[message.request_id] = message.params.max_tokens or 16
-                    elif isinstance(message, Abort) and running.pop(message.request_id, None) is not None:
-                        self.aborted.append(message.request_id)
-                if now >= next_token:
-                    next_token = now + self.interval
-                    for request_id in list(running):
-                        running[request_id] -= 1
-                        done = running[request_id] == 0
-                        finish = "length" if done else None
-                        sock.send(
-                            encode(TokenDelta(request_id=request_id, token_ids=[40], finish_reason=finish))
-                        )
-                        if done:
-                            del running[request_id]
-        finally:
-            ctx.destroy(linger=0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
 @pytest.fixture()
-def rank(gateway: Gateway, request: pytest.FixtureRequest) -> Iterator[FakeRank]:
-    fake = FakeRank(gateway.control, **getattr(request, "param", {}))
+def rank(gateway: Gateway, request: pytest.FixtureRequest) -> Iterator[PlayedRank]:
+    fake = PlayedRank(gateway.control, **getattr(request, "param", {}))
     try:
         _wait(lambda: _answers(f"{gateway.url}/ready"), "the rank to register", proc=gateway)
         yield fake
@@ -218,7 +149,7 @@ def _recv(sock: socket.socket) -> bytes:
 
 
 @pytest.mark.parametrize("rank", [{"max_model_len": 163840}], indirect=True)
-def test_multi_mb_prompts_get_400_while_health_answers(gateway: Gateway, rank: FakeRank) -> None:
+def test_multi_mb_prompts_get_400_while_health_answers(gateway: Gateway, rank: PlayedRank) -> None:
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -264,7 +195,7 @@ def _stream(url: str, max_tokens: int, events: list[str], started: threading.Eve
 
 
 @pytest.mark.parametrize("gateway", [["--drain-timeout", "3"]], indirect=True)
-def test_sigterm_ends_every_stream_with_done(gateway: Gateway, rank: FakeRank) -> None:
+def test_sigterm_ends_every_stream_with_done(gateway: Gateway, rank: PlayedRank) -> None:
     streams: list[list[str]] = [[], []]
     started = [threading.Event(), threading.Event()]
     # 10 tokens at 0.1 s finish within the drain; 1000 do not
@@ -315,6 +246,59 @@ def test_no_process_listens_beyond_loopback(all_in_one: Server) -> None:
 
 def _gateway_pid(server: Server) -> int:
     return next(p.pid for p in _processes(server) if "gateway" in p.cmdline() and "--role" in p.cmdline())
+
+
+def _rank_incarnation(pid: int) -> str:
+    """What ``ps`` shows any local user: the rank's arguments, its incarnation among them."""
+    argv = psutil.Process(pid).cmdline()
+    return str(json.loads(argv[argv.index("--args-json") + 1])["incarnation"])
+
+
+def test_forged_workers_without_the_secret_change_nothing(all_in_one: Server) -> None:
+    """The drill of issue 17 against the real server: processes on the same host that speak the
+    message format (no CURVE, or keys of another secret) register a pool of their own, speak for
+    the real decode rank and send PoolDown with the incarnations read from ``ps``. None of it
+    lands: no new worker, every request is served by the real pools, none reaches a forger, and
+    the refused handshakes are logged."""
+    gateway_argv = psutil.Process(_gateway_pid(all_in_one)).cmdline()
+    control = f"127.0.0.1:{gateway_argv[gateway_argv.index('--control-port') + 1]}"
+    downs = [
+        PoolDown(role=role, pool=0, incarnation=_rank_incarnation(pid), reason="forged")
+        for role in ("prefill", "decode")
+        for pid in all_in_one.rank_pids(role)
+    ]
+    assert len(downs) == 2
+    forged = Register(
+        worker="decode/1/0", role="decode", pool=1, incarnation="f1", inbox="tcp://127.0.0.1:1",
+        kv_pages_total=1 << 16, page_size=64, max_model_len=4096, model="ab" * 32,
+    )  # fmt: skip
+    other = ControlKeys.from_secret("another-cluster-secret-0123456789")
+    ctx = zmq.Context()
+    try:
+        forgers = [
+            curve_dealer(ctx, name, control, keys)
+            for keys in (None, other)
+            for name in ("decode/1/0", "decode/0/0", "decode/0/launcher/0")
+        ]
+        for forger in forgers:
+            forger.send(encode(forged))
+            forger.send(encode(LoadReport(worker="decode/1/0", incarnation="f1", kv_pages_total=1 << 16)))
+            for down in downs:
+                forger.send(encode(down))
+        _wait(lambda: "refused a connection to" in all_in_one.log(), "the refused handshakes' log line")
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        with httpx.Client(timeout=TIMEOUT) as client:
+            for _ in range(6):
+                response = client.post(f"{all_in_one.base_url}/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"]
+            metrics = all_in_one.metrics()
+        assert 'worker="decode/1/0"' not in metrics
+        assert 'dsinfer_worker_healthy{role="decode",worker="decode/0/0"} 1.0' in metrics, metrics
+        assert all(forger.poll(100) == 0 for forger in forgers)  # nothing ever reached a forger
+        assert "a peer without the cluster secret" in all_in_one.log()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_killed_gateway_is_replaced_and_the_pools_keep_running(all_in_one: Server) -> None:
