@@ -36,6 +36,7 @@ from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.agreement import AllReduceMax, StepVotes, agree
 from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.constraints import LogitConstraints
 from dsinfer.engine.device import bind_device, free_memory, model_identity, resolve_device, resolve_dtype
 from dsinfer.engine.expert_balancer import OnlineExpertBalancer
 from dsinfer.engine.model_runner import ModelRunner
@@ -119,8 +120,9 @@ class LLMEngine:
             attention_token_weight=args.prefill_attention_weight,
             context_token_weight=args.prefill_context_weight,
         )
-        self.runner = ModelRunner.from_args(self.model, pool, self.ops, args)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self.constraints = LogitConstraints(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
+        self.runner = ModelRunner.from_args(self.model, pool, self.ops, args, self.constraints)
         self._seeds = random.Random(args.seed)
         self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
         self._all_reduce_max: AllReduceMax | None = None
@@ -193,6 +195,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
         self.scheduler.check_fits(prompt_len, max_tokens)
+        self.constraints.check(params.grammar)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return [
             Sequence(

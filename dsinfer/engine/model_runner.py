@@ -38,6 +38,7 @@ from dsinfer.base.trace import COMPUTE, Tracer
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.constraints import LogitConstraints
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_unsupported_reason
 from dsinfer.engine.forward import attention_load, balanced_split, build_forward_batch
 from dsinfer.engine.mtp import MTPProposer
@@ -64,8 +65,10 @@ class ModelRunner:
         enable_overlap: bool = False,
         overlap_min_tokens: int = 64,
         tracer: Tracer | None = None,
+        constraints: LogitConstraints | None = None,
     ) -> None:
         self.model, self.pool, self.ops = model, pool, ops
+        self.constraints = constraints  # grammars and min_tokens (None: requests have neither)
         self.device = pool.device
         self.page_size = pool.page_size
         self.mtp = MTPProposer(model, pool, ops) if mtp else None
@@ -77,7 +80,12 @@ class ModelRunner:
 
     @classmethod
     def from_args(
-        cls, model: DeepseekV3ForCausalLM, pool: PagedKVPool, ops: Ops, args: EngineArgs
+        cls,
+        model: DeepseekV3ForCausalLM,
+        pool: PagedKVPool,
+        ops: Ops,
+        args: EngineArgs,
+        constraints: LogitConstraints | None = None,
     ) -> ModelRunner:
         tracer = None
         if args.trace_dir is not None:
@@ -92,6 +100,7 @@ class ModelRunner:
             enable_overlap=args.enable_overlap,
             overlap_min_tokens=args.overlap_min_tokens,
             tracer=tracer,
+            constraints=constraints,
         )
         if runner.device.type == "cuda" and not args.enforce_eager:
             reason = graph_unsupported_reason(model)
@@ -280,6 +289,8 @@ class ModelRunner:
             )
         if any(p.logit_bias for p in params):
             logits = _apply_logit_bias(logits, params)
+        if self.constraints is not None:
+            logits = self.constraints.apply(seqs, offsets, logits)
         sampling = SamplingTensors.from_params(
             params,
             seed=[seq.seed for seq in seqs],

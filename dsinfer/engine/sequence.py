@@ -10,9 +10,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from dsinfer.engine.constraints import GrammarMatcher
 
 
 class SeqStatus(Enum):
@@ -42,6 +46,7 @@ class Sequence:
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    grammar_matcher: GrammarMatcher | None = None  # with params.grammar, made at its first sampling
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
