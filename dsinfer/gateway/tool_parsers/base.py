@@ -1,0 +1,217 @@
+"""What every tool-call format shares: the calls, the streaming parser over begin/end markers, and
+the grammar of a valid call.
+
+The formats DeepSeek and Kimi models write are all a *section* (begin marker ... end marker) of
+*calls*, each ``call begin, header, args begin, arguments, args end``; the header names the
+function (and, for Kimi, is the call's id). ``MarkerParser`` walks that shape incrementally: text
+outside a section is content; a marker split across deltas is held back until it is complete, so
+no marker leaks into the content and arguments stream as they are generated. A call that never
+ended keeps the arguments it got; a section that never ended is dropped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsinfer.base.grammar import JSON_OPTIONS, lark_string
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call (OpenAI's ``tools[].function``)."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=lambda: dict(EMPTY_PARAMETERS))
+    description: str | None = None
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of the call at ``index``: its first delta has the id and the name."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+class ToolFormat(ABC):
+    """One model family's tool-call text: its markers, how a header names a call, its grammar."""
+
+    name: str
+    section_begin: str
+    section_end: str
+    call_begin: str
+    args_begin: str
+    args_end: str
+    stream_arguments = True  # False: the arguments are converted at the call's end (DSML)
+    needs_special_tokens = False  # markers are special tokens the detokenizer would skip
+
+    @abstractmethod
+    def parse_header(self, header: str, index: int) -> tuple[str, str]:
+        """-> (function name, call id) of the call at ``index``."""
+
+    @abstractmethod
+    def header_for(self, tool: ToolSpec) -> str:
+        """The Lark expression the grammar writes between call begin and args begin."""
+
+    def arguments_json(self, raw: str) -> str:
+        """The arguments as JSON text (formats whose arguments are not JSON convert them here)."""
+        return raw
+
+    def parser(self) -> MarkerParser:
+        return MarkerParser(self)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole output -> (content, calls)."""
+        parser = self.parser()
+        content, _ = parser.feed(text)
+        rest, _ = parser.flush()
+        return content + rest, parser.calls
+
+    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+        """Lark (llguidance's dialect): one section of one call (or several when ``parallel``) of
+        one of ``tools``, with arguments valid under the tool's parameter schema."""
+        lines = [
+            f"start: {lark_string(self.section_begin)} calls {lark_string(self.section_end)}",
+            "calls: call+" if parallel else "calls: call",
+            "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
+        ]
+        for i, tool in enumerate(tools):
+            lines.append(
+                f"call_{i}: {lark_string(self.call_begin)} {self.header_for(tool)} "
+                f"{lark_string(self.args_begin)} args_{i} {lark_string(self.args_end)}"
+            )
+            lines.append(f"args_{i}: %json {json.dumps(compact_schema(tool.parameters), ensure_ascii=False)}")
+        return "\n".join(lines) + "\n"
+
+
+def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with llguidance's options for compact JSON (dsinfer/base/grammar.py)."""
+    out = copy.deepcopy(schema) if schema else dict(EMPTY_PARAMETERS)
+    out["x-guidance"] = {**out.get("x-guidance", {}), **JSON_OPTIONS}
+    return out
+
+
+class ToolParser(ABC):
+    calls: list[ToolCall]
+
+    @abstractmethod
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """The next text of the output -> (content, tool-call deltas)."""
+
+    @abstractmethod
+    def flush(self) -> tuple[str, list[ToolCallDelta]]:
+        """The output ended: whatever was held back."""
+
+
+_TEXT, _SECTION, _HEADER, _ARGS, _AFTER = range(5)
+
+
+class MarkerParser(ToolParser):
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.calls = []
+        self._buf = ""
+        self._state = _TEXT
+        self._args = ""  # the current call's raw arguments (formats that convert them at the end)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
+        while self._advance(content, deltas):
+            pass
+        return "".join(content), deltas
+
+    def flush(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", []
+        if self._state in (_TEXT, _AFTER):
+            content = self._buf
+        elif self._state == _ARGS:
+            deltas = self._arguments(self._buf, last=True)
+        self._buf = ""
+        return content, deltas
+
+    def _advance(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
+        """One transition if the buffer allows it; False when it must wait for more text."""
+        fmt, buf = self.fmt, self._buf
+        if self._state in (_TEXT, _AFTER):
+            at = buf.find(fmt.section_begin) if self._state == _TEXT else -1
+            if at < 0:
+                keep = _partial_suffix(buf, fmt.section_begin) if self._state == _TEXT else 0
+                content.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep :]
+                return False
+            content.append(buf[:at])
+            self._buf, self._state = buf[at + len(fmt.section_begin) :], _SECTION
+            return True
+        if self._state == _SECTION:
+            stripped = buf.lstrip()
+            for marker, state in ((fmt.call_begin, _HEADER), (fmt.section_end, _AFTER)):
+                if stripped.startswith(marker):
+                    self._buf, self._state = stripped[len(marker) :], state
+                    return True
+            if any(m.startswith(stripped) for m in (fmt.call_begin, fmt.section_end)):
+                self._buf = stripped
+                return False
+            nearest = [i for i in (stripped.find(fmt.call_begin), stripped.find(fmt.section_end)) if i > 0]
+            self._buf = stripped[min(nearest) :] if nearest else stripped[-1:]  # stray text: dropped
+            return bool(nearest)
+        if self._state == _HEADER:
+            at = buf.find(fmt.args_begin)
+            if at < 0:
+                return False
+            index = len(self.calls)
+            name, call_id = fmt.parse_header(buf[:at], index)
+            self.calls.append(ToolCall(call_id, name, ""))
+            self._buf, self._state, self._args = buf[at + len(fmt.args_begin) :], _ARGS, ""
+            if fmt.stream_arguments:
+                deltas.append(ToolCallDelta(index, id=call_id, name=name))
+            return True
+        at = buf.find(fmt.args_end)
+        if at < 0:
+            keep = _partial_suffix(buf, fmt.args_end)
+            deltas.extend(self._arguments(buf[: len(buf) - keep], last=False))
+            self._buf = buf[len(buf) - keep :]
+            return False
+        deltas.extend(self._arguments(buf[:at], last=True))
+        self._buf, self._state = buf[at + len(fmt.args_end) :], _SECTION
+        return True
+
+    def _arguments(self, piece: str, last: bool) -> list[ToolCallDelta]:
+        call, index = self.calls[-1], len(self.calls) - 1
+        if self.fmt.stream_arguments:
+            call.arguments += piece
+            return [ToolCallDelta(index, arguments=piece)] if piece else []
+        self._args += piece
+        if not last:
+            return []
+        call.arguments = self.fmt.arguments_json(self._args)
+        return [ToolCallDelta(index, id=call.id, name=call.name, arguments=call.arguments)]

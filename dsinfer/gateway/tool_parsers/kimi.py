@@ -1,0 +1,33 @@
+"""Kimi-K2 tool calls (its released chat template; the header is the call's id)::
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>ARGS
+    <|tool_call_end|>...<|tool_calls_section_end|>
+
+The markers are special tokens of Kimi's tokenizer, so the text must be detokenized with them.
+"""
+
+from __future__ import annotations
+
+from dsinfer.base.grammar import lark_string
+from dsinfer.gateway.tool_parsers.base import ToolFormat, ToolSpec
+
+
+class KimiK2Format(ToolFormat):
+    name = "kimi-k2"
+    section_begin = "<|tool_calls_section_begin|>"
+    section_end = "<|tool_calls_section_end|>"
+    call_begin = "<|tool_call_begin|>"
+    args_begin = "<|tool_call_argument_begin|>"
+    args_end = "<|tool_call_end|>"
+    needs_special_tokens = True
+
+    def parse_header(self, header: str, index: int) -> tuple[str, str]:
+        call_id = header.strip()
+        name = call_id.rpartition(":")[0] if ":" in call_id else call_id
+        return name.removeprefix("functions."), call_id
+
+    def header_for(self, tool: ToolSpec) -> str:
+        return f"{lark_string(f'functions.{tool.name}:')} /[0-9]+/"
+
+
+KIMI_K2 = KimiK2Format()

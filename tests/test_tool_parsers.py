@@ -1,0 +1,167 @@
+"""Tool-call parsers on fixed texts in each model family's format, whole and streamed (one character
+at a time, and in chunks that split the markers), and their grammars accepting what they parse."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+
+from dsinfer.gateway.tool_parsers import PARSERS, ToolCallDelta, ToolSpec, tool_format
+
+WEATHER = {"location": "Tokyo, Japan", "unit": "celsius"}
+TIME = {"tz": "UTC"}
+
+TEXTS = {
+    "deepseek-v3": (
+        "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+        + json.dumps(WEATHER)
+        + "\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
+        + json.dumps(TIME)
+        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    ),
+    "deepseek-v3.1": (
+        "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        + json.dumps(WEATHER)
+        + "<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>"
+        + json.dumps(TIME)
+        + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    ),
+    "deepseek-v3.2": (
+        "Let me check.\n\n<｜DSML｜function_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="location" string="true">Tokyo, Japan</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="unit" string="true">celsius</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+        '<｜DSML｜invoke name="get_time">\n'
+        '<｜DSML｜parameter name="tz" string="false">"UTC"</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+        "</｜DSML｜function_calls>"
+    ),
+    "kimi-k2": (
+        "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        "<|tool_call_argument_begin|>"
+        + json.dumps(WEATHER)
+        + "<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>"
+        + json.dumps(TIME)
+        + "<|tool_call_end|><|tool_calls_section_end|>"
+    ),
+}
+CONTENT = {name: "Let me check." if name != "deepseek-v3.2" else "Let me check.\n\n" for name in TEXTS}
+
+
+def _stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str | None, str | None, str]]]:
+    """Content, and per call (id, name, arguments) assembled from the deltas as a client does."""
+    parser = tool_format(name).parser()
+    content, deltas = "", []
+    for piece in pieces:
+        text, new = parser.feed(piece)
+        content += text
+        deltas.extend(new)
+    text, new = parser.flush()
+    content += text
+    deltas.extend(new)
+    calls: dict[int, list] = {}
+    for d in deltas:
+        assert isinstance(d, ToolCallDelta)
+        if d.index not in calls:
+            assert d.id is not None and d.name is not None, "a call's first delta names it"
+            calls[d.index] = [d.id, d.name, ""]
+        calls[d.index][2] += d.arguments
+    return content, [tuple(c) for _, c in sorted(calls.items())]
+
+
+def test_every_registered_parser_is_tested() -> None:
+    assert set(TEXTS) == set(PARSERS)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_whole_text(name: str) -> None:
+    content, calls = tool_format(name).parse(TEXTS[name])
+    assert content == CONTENT[name]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", WEATHER),
+        ("get_time", TIME),
+    ]
+    assert len({c.id for c in calls}) == 2
+    if name == "kimi-k2":
+        assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_streamed(name: str, chunk: int) -> None:
+    text = TEXTS[name]
+    content, calls = _stream(name, [text[i : i + chunk] for i in range(0, len(text), chunk)])
+    assert content == CONTENT[name]
+    assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", WEATHER), ("get_time", TIME)]
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v3.1", "kimi-k2"])
+def test_arguments_stream_as_generated(name: str) -> None:
+    """Before the call ends, the deltas already carry most of its arguments."""
+    text = TEXTS[name]
+    cut = text.index('"celsius"')
+    parser = tool_format(name).parser()
+    _, deltas = parser.feed(text[:cut])
+    sent = "".join(d.arguments for d in deltas if d.index == 0)
+    assert sent and json.dumps(WEATHER).startswith(sent)
+
+
+def test_no_call_is_all_content() -> None:
+    for name in TEXTS:
+        text = "Plain answer with a < sign and <｜User｜> tokens."
+        assert _stream(name, list(text)) == (text, [])
+        assert tool_format(name).parse(text) == (text, [])
+
+
+def test_cut_off_call_keeps_its_arguments() -> None:
+    text = TEXTS["deepseek-v3.1"]
+    cut = text.index("<｜tool▁call▁end｜>")
+    content, calls = tool_format("deepseek-v3.1").parse(text[:cut])
+    assert content == "Let me check." and calls[0].arguments == json.dumps(WEATHER)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_grammar_accepts_a_call_and_parses(name: str) -> None:
+    """The grammar of a required call: its language is what the parser reads (checked at the
+    byte level with llguidance's validator and a matcher over a byte tokenizer)."""
+    fmt = tool_format(name)
+    tools = [
+        ToolSpec("get_weather", {"type": "object", "properties": {"location": {"type": "string"}}}),
+        ToolSpec("get_time", {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}}),
+    ]
+    grammar = llguidance.grammar_from("lark", fmt.grammar(tools, parallel=True))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    header = {"kimi-k2": "functions.get_time:0", "deepseek-v3": "function<｜tool▁sep｜>get_time"}.get(
+        name, '"get_time"' if name == "deepseek-v3.2" else "get_time"
+    )
+    call = fmt.section_begin + fmt.call_begin + header + fmt.args_begin + '{"tz":"CET"}' + fmt.args_end
+    text = call + fmt.section_end
+    tokenizer = llguidance.LLTokenizer(_byte_tokenizer_json())
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    assert matcher.consume_tokens(list(text.encode())), matcher.get_error()
+    assert matcher.is_accepting()
+    _, calls = fmt.parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "CET"})]
+
+
+def _byte_tokenizer_json() -> str:
+    """A tokenizer whose 256 tokens are the bytes (GPT-2's byte -> character map), plus eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {b: chr(b) for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + extra)
+    vocab = {chars[b]: b for b in range(256)} | {"<eos>": 256}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return tok.to_str()
