@@ -6,8 +6,14 @@ this script. The corpus is read in sorted file order and training is determinist
 interpreter reproduces the same files byte for byte.
 
 Special tokens use DeepSeek-V3's spelling (fullwidth bars, U+2581 for spaces). As in DeepSeek-V3,
-only bos and eos are "special" (skipped by ``decode(skip_special_tokens=True)``); the role and
-reasoning markers are added tokens that are never split but are kept in decoded text.
+only bos and eos are "special" (skipped by ``decode(skip_special_tokens=True)``); the role,
+reasoning and tool-call markers are added tokens that are never split but are kept in decoded
+text. The tool-call markers (``TOOL_TOKENS``) take the last ids: the BPE is trained to
+``VOCAB_SIZE - len(TOOL_TOKENS)`` entries and they are added after it.
+
+The chat template is built from fragments (``TOOLS_SYSTEM``, ``TOOL_CALLS``, ``TOOL_OUTPUT``):
+any preset template of this family can include the same tool rendering (DeepSeek-V3's format,
+which ``--tool-call-parser deepseek-v3`` reads).
 
 Usage: python scripts/make_tiny_tokenizer.py [--out DIR]
 """
@@ -32,28 +38,79 @@ ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
 SPECIAL_TOKENS = [BOS, EOS, USER, ASSISTANT, THINK, END_THINK]
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+TOOL_TOKENS = [
+    CALLS_BEGIN,
+    CALLS_END,
+    CALL_BEGIN,
+    CALL_END,
+    OUTPUTS_BEGIN,
+    OUTPUTS_END,
+    OUTPUT_BEGIN,
+    OUTPUT_END,
+    TOOL_SEP,
+]
 SKIPPED_ON_DECODE = {BOS, EOS}
 
 # Folders of the stdlib left out of the corpus: tests, vendored or demo code, installed packages.
 EXCLUDED_DIRS = {"test", "tests", "site-packages", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
 
-# DeepSeek-V3-style chat template: system prompts first (joined by blank lines), then each turn
-# behind its role marker; assistant turns end with eos. Reasoning before </think> is dropped from
-# assistant turns in the history, as DeepSeek-R1's template does.
-CHAT_TEMPLATE = """\
-{%- set ns = namespace(system='') -%}
+# Tool rendering, DeepSeek-V3's format: the tools are described after the system prompt; an
+# assistant turn's calls are <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME, its
+# arguments in a json code fence, <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>; tool results follow as
+# <｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>...<｜tool▁output▁end｜>...<｜tool▁outputs▁end｜>,
+# after which the assistant goes on without a new <｜Assistant｜>. Each fragment expects ``ns``
+# (a namespace with ``system`` and ``is_tool``) and ``message``.
+TOOLS_SYSTEM = """\
+{%- if tools is defined and tools -%}
+    {%- if ns.system -%}{%- set ns.system = ns.system + '\\n\\n' -%}{%- endif -%}
+    {%- set ns.system = ns.system + '## Tools\\nYou have access to the following tools:\\n' -%}
+    {%- for tool in tools -%}
+        {%- set fn = tool['function'] if tool['function'] is defined else tool -%}
+        {%- set ns.system = ns.system + '\\n### ' + fn['name'] + '\\nDescription: ' + (fn['description'] or '') + '\\n\\nParameters: ' + ((fn['parameters'] or {}) | tojson) + '\\n' -%}
+    {%- endfor -%}
+    {%- set ns.system = ns.system + '\\nTo call tools, answer with <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGUMENTS\\n```<｜tool▁call▁end｜> (one such call per tool, chained) and end with <｜tool▁calls▁end｜>.\\n' -%}
+{%- endif -%}
+"""
+TOOL_CALLS = """\
+{%- for call in message['tool_calls'] -%}
+    {%- set args = call['function']['arguments'] -%}
+    {{ ('<｜tool▁calls▁begin｜>' if loop.first else '') + '<｜tool▁call▁begin｜>' + (call['type'] or 'function') + '<｜tool▁sep｜>' + call['function']['name'] + '\\n```json\\n' + (args if args is string else args | tojson) + '\\n```<｜tool▁call▁end｜>' }}
+{%- endfor -%}
+{{ '<｜tool▁calls▁end｜>' }}
+"""
+TOOL_OUTPUT = """\
+{{ ('<｜tool▁outputs▁begin｜>' if not ns.is_tool else '') + '<｜tool▁output▁begin｜>' + content + '<｜tool▁output▁end｜>' }}
+"""
+
+# DeepSeek-V3-style chat template: system prompts first (joined by blank lines), then the tools,
+# then each turn behind its role marker; assistant turns end with eos. Reasoning before </think>
+# is dropped from assistant turns in the history, as DeepSeek-R1's template does.
+CHAT_TEMPLATE = (
+    """\
+{%- set ns = namespace(system='', is_tool=false) -%}
 {%- for message in messages -%}
     {%- if message['role'] == 'system' -%}
         {%- if ns.system -%}{%- set ns.system = ns.system + '\\n\\n' -%}{%- endif -%}
         {%- set ns.system = ns.system + message['content'] -%}
     {%- endif -%}
 {%- endfor -%}
+"""
+    + TOOLS_SYSTEM
+    + """\
 {{ bos_token }}{{ ns.system }}
 {%- for message in messages -%}
-    {%- set content = message['content'] -%}
+    {%- set content = message['content'] or '' -%}
     {%- if content is not string -%}
         {%- set texts = content | selectattr('type', 'equalto', 'text') | map(attribute='text') -%}
         {%- set content = texts | join('') -%}
+    {%- endif -%}
+    {%- if message['role'] != 'tool' and ns.is_tool -%}
+        {{ '<｜tool▁outputs▁end｜>' }}
     {%- endif -%}
     {%- if message['role'] == 'user' -%}
         {{ '<｜User｜>' + content }}
@@ -61,15 +118,29 @@ CHAT_TEMPLATE = """\
         {%- if '</think>' in content -%}
             {%- set content = content.split('</think>')[-1] -%}
         {%- endif -%}
-        {{ '<｜Assistant｜>' + content + eos_token }}
+        {{ ('' if ns.is_tool else '<｜Assistant｜>') + content }}
+        {%- if message['tool_calls'] is defined and message['tool_calls'] -%}
+"""
+    + TOOL_CALLS
+    + """\
+        {%- endif -%}
+        {{ eos_token }}
+    {%- elif message['role'] == 'tool' -%}
+"""
+    + TOOL_OUTPUT
+    + """\
     {%- elif message['role'] != 'system' -%}
         {{ raise_exception('Unsupported chat role: ' + message['role']) }}
     {%- endif -%}
+    {%- set ns.is_tool = message['role'] == 'tool' -%}
 {%- endfor -%}
-{%- if add_generation_prompt -%}
+{%- if ns.is_tool -%}
+    {{ '<｜tool▁outputs▁end｜>' }}
+{%- elif add_generation_prompt -%}
     {{ '<｜Assistant｜>' }}
 {%- endif -%}
 """
+)
 
 
 def stdlib_docstrings() -> Iterator[str]:
@@ -100,13 +171,14 @@ def build_tokenizer(corpus: Iterator[str]) -> Tokenizer:
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE - len(TOOL_TOKENS),
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
+    tokenizer.add_tokens(TOOL_TOKENS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0",
         pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
@@ -155,6 +227,8 @@ def main() -> None:
     if size != VOCAB_SIZE:
         raise SystemExit(f"trained vocabulary has {size} entries, expected {VOCAB_SIZE}: corpus too small")
     for token_id, token in enumerate(SPECIAL_TOKENS):
+        assert tokenizer.token_to_id(token) == token_id, token
+    for token_id, token in enumerate(TOOL_TOKENS, start=VOCAB_SIZE - len(TOOL_TOKENS)):
         assert tokenizer.token_to_id(token) == token_id, token
 
     args.out.mkdir(parents=True, exist_ok=True)
