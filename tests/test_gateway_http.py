@@ -131,10 +131,14 @@ BAD_COMPLETIONS: list[tuple[Any, int, str | None]] = [
     ({"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
     ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ({"prompt": "hi", "min_tokens": 2}, 400, "min_tokens"),
+    ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
+    ({"prompt": "hi", "guided_json": {"type": "objec"}}, 400, "guided_json"),
+    ({"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
     ([1, 2], 400, None),
 ]
 
@@ -163,9 +167,31 @@ BAD_CHATS: list[tuple[Any, int, str | None]] = [
     ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, "logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
     (
-        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
         400,
         "response_format",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}},
+            },
+        },
+        400,
+        "response_format",
+    ),
+    ({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, 400, "functions"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
     ),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "prompt"),
     (

@@ -18,7 +18,7 @@ from typing import Any
 
 import llguidance
 
-__all__ = ["JSON_OPTIONS", "check", "choice", "from_lark", "json_object", "json_schema", "regex"]
+__all__ = ["JSON_OPTIONS", "check", "choice", "from_lark", "json_object", "json_schema", "lark", "regex"]
 
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}  # separators "," and ":" only
 
@@ -54,6 +54,11 @@ def choice(options: list[str]) -> str:
 def from_lark(text: str) -> str:
     """A Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's), told apart by llguidance."""
     return llguidance.grammar_from("grammar", text)
+
+
+def lark(text: str) -> str:
+    """A Lark grammar in llguidance's dialect (``%json {schema}`` embeds a JSON schema)."""
+    return llguidance.grammar_from("lark", text)
 
 
 def check(grammar: str) -> str | None:

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from dsinfer.engine.args import parse_size
-from dsinfer.gateway.args import BALANCERS, MAX_REQUEST_BODY, REASONING_PARSERS, GatewayArgs
+from dsinfer.gateway.args import BALANCERS, MAX_REQUEST_BODY, REASONING_PARSERS, TOOL_PARSERS, GatewayArgs
 
 API_KEY_ENV = "DSINFER_API_KEY"
 
@@ -39,6 +39,19 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=REASONING_PARSERS,
         help="return thinking as reasoning_content",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default="deepseek-v3",
+        choices=list(TOOL_PARSERS),
+        help="the model's tool-call format: parses tool_calls and constrains tool_choice required/named "
+        "(default: %(default)s, the built-in template's; deepseek-v3.1 for V3.1 and V3.2-Exp)",
+    )
+    group.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        help="/v1/responses kept in memory for previous_response_id (default: %(default)s)",
     )
     group.add_argument(
         "--max-queued-requests",

@@ -244,7 +244,10 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Respon
         request_id = _request_id(request, "cmpl")
     else:
         prepared = await ctx.preparer.run(
-            lambda: prepare_chat(parse_body(ChatCompletionRequest, body), tokenizer, limits), len(body)
+            lambda: prepare_chat(
+                parse_body(ChatCompletionRequest, body), tokenizer, limits, ctx.args.tool_call_parser
+            ),
+            len(body),
         )
         request_id = _request_id(request, "chatcmpl")
     if request_id in ctx.active_ids:

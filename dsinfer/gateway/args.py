@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from dsinfer.base.presets import resolve_model
 from dsinfer.gateway.reasoning import PARSERS as REASONING_PARSERS
+from dsinfer.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 
 BALANCERS = ("load", "round_robin")
 MAX_REQUEST_BODY = 8 * 2**20  # bytes: a context's worth of prompt (token ids included) with room
@@ -24,6 +25,8 @@ class GatewayArgs(BaseModel):
     chat_template: Path | None = None  # a Jinja file replacing the checkpoint's chat template
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
     reasoning_parser: str | None = None  # deepseek-r1, deepseek-v3.1/v3.2: thinking -> reasoning_content
+    tool_call_parser: str = "deepseek-v3"  # the format tool calls are read and constrained in
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
     max_queued_requests: int = 1024  # while this many choices wait for a first token, new requests get 429
     request_timeout: float = 600.0  # seconds from arrival until a request is ended with an error
     max_n: int = 16  # largest n (choices per prompt) accepted
@@ -47,6 +50,12 @@ class GatewayArgs(BaseModel):
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.balancer not in BALANCERS:
             raise ValueError(f"balancer must be one of {', '.join(BALANCERS)}, got {self.balancer!r}")
         if self.max_queued_requests < 1:

@@ -14,11 +14,16 @@ from dsinfer.gateway.openai_api import (
     ChatDelta,
     ChatLogprob,
     ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
     PromptLogprobs,
+    ToolCallOut,
     TopLogprob,
 )
 from dsinfer.gateway.serving import GatewayContext, RequestRun
 from dsinfer.gateway.sse import run_events
+from dsinfer.gateway.tool_parsers import ToolCall, ToolCallDelta
 
 
 class ChatFormatter:
@@ -52,12 +57,13 @@ class ChatFormatter:
         await self.run.complete()
         choices = []
         for i, state in enumerate(self.run.choices):
+            calls = tool_calls_out(state.tool_calls)
             if self.reasoning:
                 message = ChatResponseMessage(
-                    content=state.text or None, reasoning_content=state.reasoning or None
+                    content=state.text or None, reasoning_content=state.reasoning or None, tool_calls=calls
                 )
             else:
-                message = ChatResponseMessage(content=state.text)
+                message = ChatResponseMessage(content=state.text or (None if calls else ""), tool_calls=calls)
             logprobs = self._logprobs(state.token_ids, state.logprobs) if self.wants_logprobs else None
             choices.append(
                 ChatChoice(index=i, message=message, logprobs=logprobs, finish_reason=state.finish_reason)
@@ -85,10 +91,32 @@ class ChatFormatter:
         if self.wants_logprobs and update.token_ids:
             logprobs = self._logprobs(update.token_ids, update.logprobs or [])
         prompt_logprobs = self._prompt_logprobs() if update.first and index == 0 else None
-        if not (update.text or update.reasoning or logprobs or update.finish_reason or prompt_logprobs):
+        calls = tool_call_deltas(update.tool_calls) or None
+        if not (
+            update.text or update.reasoning or logprobs or update.finish_reason or prompt_logprobs or calls
+        ):
             return None
-        delta = ChatDelta(content=update.text or None, reasoning_content=update.reasoning or None)
+        delta = ChatDelta(
+            content=update.text or None, reasoning_content=update.reasoning or None, tool_calls=calls
+        )
         choice = ChatChunkChoice(
             index=index, delta=delta, logprobs=logprobs, finish_reason=update.finish_reason
         )
         return self._envelope([choice], prompt_logprobs=prompt_logprobs)
+
+
+def tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:
+    return [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def tool_call_deltas(deltas: list[ToolCallDelta]) -> list[DeltaToolCall]:
+    """OpenAI's streamed calls: the first delta of a call has its id, type and name."""
+    return [
+        DeltaToolCall(
+            index=d.index,
+            id=d.id,
+            type="function" if d.id is not None else None,
+            function=DeltaFunctionCall(name=d.name, arguments=d.arguments),
+        )
+        for d in deltas
+    ]

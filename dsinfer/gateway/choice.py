@@ -19,6 +19,7 @@ from dsinfer.base.stop_strings import StopStringMatcher
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.errors import without_paths
 from dsinfer.gateway.reasoning import ReasoningParser
+from dsinfer.gateway.tool_parsers import ToolCall, ToolCallDelta, ToolParser
 
 log = logging.getLogger("dsinfer.gateway")
 
@@ -34,6 +35,7 @@ class ChoiceUpdate:
     finish_reason: str | None = None
     error: str | None = None
     first: bool = False  # the choice's first update
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -60,12 +62,14 @@ class ChoiceState:
         skip_special_tokens: bool,
         include_stop_str: bool,
         reasoning: ReasoningParser | None,
+        tools: ToolParser | None = None,
     ) -> None:
         self.matcher = StopStringMatcher(tokenizer, stops, skip_special_tokens)
         self.detokenizer = self.matcher.detokenizer
         self.stops = stops
         self.include_stop_str = include_stop_str
         self.reasoning_parser = reasoning
+        self.tool_parser = tools  # reads tool calls out of the answer text
         self.emitted = 0  # characters of the detokenized text already passed on
         self.text = ""  # answer text passed on so far
         self.reasoning = ""
@@ -122,12 +126,25 @@ class ChoiceState:
                 reasoning, text = self.reasoning_parser.flush()
                 update.reasoning += reasoning
                 update.text += text
+        if self.tool_parser is not None:
+            update.text, update.tool_calls = self.tool_parser.feed(update.text)
+            if ending:
+                rest, calls = self.tool_parser.flush()
+                update.text += rest
+                update.tool_calls += calls
         self.text += update.text
         self.reasoning += update.reasoning
         if ending:
-            self.finish_reason = update.finish_reason = delta.finish_reason or "abort"
+            reason = delta.finish_reason or "abort"
+            self.finish_reason = update.finish_reason = (
+                "tool_calls" if reason == "stop" and self.tool_calls else reason
+            )
             self.error = update.error = None if delta.error is None else without_paths(delta.error)
         return update
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.tool_parser.calls if self.tool_parser is not None else []
 
     def _safe_text(self) -> str:
         text = self.detokenizer.text

@@ -1,4 +1,9 @@
-"""/v1/completions: the response body, or its SSE chunks, from a RequestRun's choice updates."""
+"""/v1/completions: the response body, or its SSE chunks, from a RequestRun's choice updates.
+
+``echo`` with ``logprobs`` (how lm-eval scores a continuation): the choice's logprobs start with
+the prompt's tokens (the first one's logprob is null, as it has no context), each with its top
+alternatives, then the generated tokens'; with ``max_tokens`` 0 nothing generated is returned.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +39,32 @@ class _Logprobs:
             self.offset += len(text)
         return out
 
+    def prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> CompletionLogprobs:
+        """The prompt's tokens: the first has no logprob; each other one its own and the top ones."""
+        out = CompletionLogprobs()
+        for token, alternatives in zip(token_ids, logprobs, strict=False):
+            text = self.ctx.token_text(token, self.as_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(None if alternatives is None else alternatives.get(token))
+            ranked = sorted((alternatives or {}).items(), key=lambda kv: -kv[1])
+            out.top_logprobs.append(
+                None if alternatives is None else {self.ctx.token_text(t, self.as_id): lp for t, lp in ranked}
+            )
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs | None) -> CompletionLogprobs:
+    if then is None:
+        return first
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
+
 
 class CompletionFormatter:
     def __init__(self, ctx: GatewayContext, run: RequestRun, model: str) -> None:
@@ -43,21 +74,31 @@ class CompletionFormatter:
         self.prefixes = [
             prepared.prompt_texts[i // run.n] if prepared.echo else "" for i in range(len(run.choices))
         ]
-        self.logprobs = [_Logprobs(ctx, prepared.return_token_ids, len(p)) for p in self.prefixes]
+        # with echo + logprobs, the offsets count from the prompt's first token
+        offsets = [0 if prepared.echo_logprobs else len(p) for p in self.prefixes]
+        self.logprobs = [_Logprobs(ctx, prepared.return_token_ids, offset) for offset in offsets]
+        self.echo_only = prepared.echo_only
+
+    def _echoed(self, index: int) -> CompletionLogprobs:
+        prompt = self.run.prepared.prompts[index // self.run.n]
+        raw = self.run.choices[index].prompt_logprobs or [None] * len(prompt)
+        return self.logprobs[index].prompt(prompt, raw)
 
     async def response(self) -> CompletionResponse:
         await self.run.complete()
         choices = []
         for i, state in enumerate(self.run.choices):
-            logprobs = (
-                self.logprobs[i].convert(state.token_ids, state.logprobs) if self.wants_logprobs else None
-            )
+            logprobs = None
+            if self.wants_logprobs and not self.echo_only:
+                logprobs = self.logprobs[i].convert(state.token_ids, state.logprobs)
+            if self.run.prepared.echo_logprobs:
+                logprobs = _joined(self._echoed(i), logprobs)
             choices.append(
                 CompletionChoice(
                     index=i,
-                    text=self.prefixes[i] + state.text,
+                    text=self.prefixes[i] + ("" if self.echo_only else state.text),
                     logprobs=logprobs,
-                    finish_reason=state.finish_reason,
+                    finish_reason="length" if self.echo_only else state.finish_reason,
                     prompt_logprobs=self._prompt_logprobs(state.prompt_logprobs),
                 )
             )
@@ -66,6 +107,8 @@ class CompletionFormatter:
         )
 
     def _prompt_logprobs(self, raw: list[dict[int, float] | None] | None) -> PromptLogprobs | None:
+        if not self.run.prepared.show_prompt_logprobs:
+            return None
         return self.ctx.prompt_logprobs(raw, self.run.prepared.return_token_ids)
 
     def chunks(self) -> AsyncIterator[str]:
@@ -75,21 +118,26 @@ class CompletionFormatter:
         return CompletionChunk(id=self.run.request_id, model=self.model, choices=choices, **fields)
 
     def _chunk(self, index: int, update: ChoiceUpdate) -> CompletionChunk | None:
-        text = update.text
+        text = "" if self.echo_only else update.text
         prompt_logprobs = None
+        echoed = None
         if update.first:
             text = self.prefixes[index] + text
             prompt_logprobs = self._prompt_logprobs(self.run.choices[index].prompt_logprobs)
+            if self.run.prepared.echo_logprobs:
+                echoed = self._echoed(index)
         logprobs = None
-        if self.wants_logprobs and update.token_ids:
+        if self.wants_logprobs and update.token_ids and not self.echo_only:
             logprobs = self.logprobs[index].convert(update.token_ids, update.logprobs or [])
+        if echoed is not None:
+            logprobs = _joined(echoed, logprobs)
         if not text and logprobs is None and update.finish_reason is None and prompt_logprobs is None:
             return None
         choice = CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
-            finish_reason=update.finish_reason,
+            finish_reason="length" if self.echo_only and update.finish_reason else update.finish_reason,
             prompt_logprobs=prompt_logprobs,
         )
         return self._envelope([choice])

@@ -2,7 +2,9 @@
 
 Requests validate in strict mode: a JSON string is never read as a number, a float never as an
 integer. Unknown fields are ignored, as vLLM does; fields that would change the result but are
-not supported are declared so that the gateway can refuse them (``best_of``, ``suffix``, tools...).
+not supported are declared so that the gateway can refuse them (``best_of``, ``suffix``, the
+legacy ``functions``...). Every request body is a model here, so the served OpenAPI schema
+documents it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,34 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None  # not supported: refused
+    structural_tag: str | None = None  # not supported: refused
 
 
 class _SamplingFields(_Request):
@@ -48,8 +78,15 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
-    min_tokens: int = 0  # not supported: refused when > 0
+    min_tokens: int = 0
     use_beam_search: bool = False  # not supported: refused when true
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's earlier names for structured_outputs' fields
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -69,16 +106,54 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (an object with no properties if absent)
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -87,9 +162,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
-    tools: list[dict[str, Any]] | None = None  # not supported
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    functions: list[dict[str, Any]] | None = None  # legacy: refused (use tools)
+    function_call: str | dict[str, Any] | None = None  # legacy: refused (use tool_choice)
     add_generation_prompt: bool = True  # vLLM
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
 
@@ -168,10 +245,42 @@ class ChatChoiceLogprobs(_Response):
     content: list[ChatLogprob] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class _Sparse(_Response):
+    """Only the fields a stream chunk carries appear in it."""
+
+    @model_serializer(mode="wrap")
+    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Sparse):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(_Response):
@@ -187,16 +296,11 @@ class ChatCompletionResponse(_Completion):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM: of the one prompt, at the response level
 
 
-class ChatDelta(_Response):
-    """Only the fields a chunk carries appear in it."""
-
+class ChatDelta(_Sparse):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -9,6 +9,7 @@ could hold (the limits come from the pools' Register messages: ``Limits.capacity
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,6 +20,9 @@ from dsinfer.base.tokenizer import ChatTemplateError, Tokenizer
 from dsinfer.gateway.backend import Capacity
 from dsinfer.gateway.errors import APIError, bad_request
 from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest
+from dsinfer.gateway.structured import request_grammar
+from dsinfer.gateway.tool_parsers import ToolFormat
+from dsinfer.gateway.tools import plan_tools
 
 MAX_LOGPROBS = 20  # top-N logprobs per position, as vLLM's default max_logprobs
 _TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token")
@@ -60,6 +64,10 @@ class Prepared:
     echo: bool = False
     top_logprobs: int = 0  # chat: how many alternatives per token
     thinking: bool = False  # chat: chat_template_kwargs {"thinking": true} (DeepSeek-V3.1/V3.2 templates)
+    tool_format: ToolFormat | None = None  # chat: read tool calls from the output in this format
+    echo_logprobs: bool = False  # completions: echo with logprobs: the prompt's tokens lead the logprobs
+    echo_only: bool = False  # completions: echo with max_tokens 0: the one generated token is dropped
+    show_prompt_logprobs: bool = True  # the request asked for prompt_logprobs (echo may ask for it)
 
 
 def parse_body(cls: type[RequestT], body: bytes) -> RequestT:
@@ -115,8 +123,6 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
 
 
 def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.min_tokens:
-        raise bad_request("min_tokens is not supported", param="min_tokens")
     if req.use_beam_search:
         raise bad_request("beam search is not supported", param="use_beam_search")
 
@@ -129,6 +135,8 @@ def _sampling_params(
     max_tokens_param: str,
     logprobs: int | None,
     logprobs_param: str,
+    grammar: str | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     if req.n > limits.max_n or req.n < 1:
         raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", param="n")
@@ -158,9 +166,11 @@ def _sampling_params(
             ignore_eos=req.ignore_eos,
             max_tokens=max_tokens,
             logprobs=logprobs,
-            prompt_logprobs=req.prompt_logprobs,
+            prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             logit_bias=_logit_bias(req.logit_bias, limits.vocab_size),
+            min_tokens=req.min_tokens,
+            grammar=grammar,
             **fields,
         )
     except ValueError as e:
@@ -229,15 +239,20 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Lim
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is only supported when equal to n", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported", param="echo")
+    echo_only = req.echo and req.max_tokens == 0  # scoring: the prompt's logprobs, nothing generated
+    echo_logprobs = req.echo and req.logprobs is not None
+    prompt_logprobs = None
+    if echo_logprobs and req.logprobs is not None:  # the prompt's logprobs lead the choice's
+        prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     params = _sampling_params(
         req,
         limits,
-        max_tokens=req.max_tokens,
+        max_tokens=1 if echo_only else req.max_tokens,
         max_tokens_param="max_tokens",
         logprobs=req.logprobs,
         logprobs_param="logprobs",
+        grammar=request_grammar(req),
+        prompt_logprobs=prompt_logprobs,
     )
     raw = req.prompt
     items: list[str] | list[list[int]]
@@ -272,6 +287,9 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Lim
         include_stop_str=req.include_stop_str_in_output,
         return_token_ids=req.return_tokens_as_token_ids,
         echo=req.echo,
+        echo_logprobs=echo_logprobs,
+        echo_only=echo_only,
+        show_prompt_logprobs=req.prompt_logprobs is not None,
     )
 
 
@@ -294,13 +312,20 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     return data
 
 
-def render_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+def render_chat(
+    req: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
-    reserved = [k for k in _TEMPLATE_RESERVED if k in kwargs]
+    reserved = [k for k in (*_TEMPLATE_RESERVED, "tools") if k in kwargs]
     if reserved:
         raise bad_request(f"chat_template_kwargs must not set {reserved[0]!r}", param="chat_template_kwargs")
+    if tools:
+        kwargs["tools"] = tools
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     try:
         text = tokenizer.apply_chat_template(
@@ -312,13 +337,12 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> Prepared:
+def prepare_chat(
+    req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits, tool_parser: str = "deepseek-v3"
+) -> Prepared:
     check_model(req.model, limits)
     _refuse_unsupported(req)
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tools are not supported", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    tools = plan_tools(req, tool_parser)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     top = req.top_logprobs or 0
@@ -331,8 +355,11 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limit
         max_tokens_param=max_tokens_param,
         logprobs=top if req.logprobs else None,
         logprobs_param="top_logprobs",
+        grammar=request_grammar(req, tools.grammar if tools else None),
     )
-    ids = render_chat(req, tokenizer, limits)
+    if tools is not None and tools.format is not None and tools.format.needs_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    ids = render_chat(req, tokenizer, limits, tools.template_tools if tools else None)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     _check_length(ids, params, limits, max_tokens_param)
@@ -346,4 +373,5 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limit
         return_token_ids=req.return_tokens_as_token_ids,
         top_logprobs=top,
         thinking=bool((req.chat_template_kwargs or {}).get("thinking", False)),
+        tool_format=tools.format if tools else None,
     )

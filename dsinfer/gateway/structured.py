@@ -1,0 +1,113 @@
+"""A request's output constraint -> the grammar its workers enforce, or a 400 naming the problem.
+
+Sources: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and its earlier
+``guided_*`` names, and (chat) the tool-call grammar of ``tool_choice`` "required" or a named
+function (dsinfer/gateway/tools.py). At most one may be given. The grammar is compiled here without
+a tokenizer (llguidance's validator: schema errors, bad regexes, grammar syntax) so a bad one never
+reaches a worker; the worker compiles the token-level matcher and caches it
+(dsinfer/engine/constraints.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from dsinfer.base import grammar
+from dsinfer.gateway.errors import APIError, bad_request
+from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ResponseFormat
+
+Source = tuple[str, Callable[[], str]]  # (the parameter, what builds its grammar)
+
+
+def _schema(value: dict[str, Any] | bool | str | None, param: str) -> dict[str, Any] | bool:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param}: the JSON schema is not valid JSON: {e}", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise bad_request(f"{param}: a JSON schema must be an object", param=param)
+    return value
+
+
+def _response_format(rf: ResponseFormat) -> Source | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return "response_format", grammar.json_object
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise bad_request(
+            "response_format of type json_schema needs json_schema.schema", param="response_format"
+        )
+    schema = _schema(rf.json_schema.schema_, "response_format.json_schema.schema")
+    return "response_format", lambda: grammar.json_schema(schema)
+
+
+def _choices(options: list[str], param: str) -> Source:
+    if not options:
+        raise bad_request(f"{param} must list at least one choice", param=param)
+    return param, lambda: grammar.choice(options)
+
+
+def _sources(req: CompletionRequest | ChatCompletionRequest) -> list[Source]:
+    sources: list[Source] = []
+    if req.response_format is not None:
+        found = _response_format(req.response_format)
+        if found is not None:
+            sources.append(found)
+    so = req.structured_outputs
+    if so is not None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(so, name) is not None:
+                raise bad_request(f"structured_outputs.{name} is not supported", param="structured_outputs")
+        if so.json_ is not None:
+            schema = _schema(so.json_, "structured_outputs.json")
+            sources.append(("structured_outputs.json", lambda: grammar.json_schema(schema)))
+        if so.regex is not None:
+            sources.append(("structured_outputs.regex", lambda: grammar.regex(so.regex or "")))
+        if so.choice is not None:
+            sources.append(_choices(so.choice, "structured_outputs.choice"))
+        if so.grammar is not None:
+            sources.append(("structured_outputs.grammar", lambda: grammar.from_lark(so.grammar or "")))
+        if so.json_object:
+            sources.append(("structured_outputs.json_object", grammar.json_object))
+    if req.guided_json is not None:
+        guided = _schema(req.guided_json, "guided_json")
+        sources.append(("guided_json", lambda: grammar.json_schema(guided)))
+    if req.guided_regex is not None:
+        sources.append(("guided_regex", lambda: grammar.regex(req.guided_regex or "")))
+    if req.guided_choice is not None:
+        sources.append(_choices(req.guided_choice, "guided_choice"))
+    if req.guided_grammar is not None:
+        sources.append(("guided_grammar", lambda: grammar.from_lark(req.guided_grammar or "")))
+    return sources
+
+
+def request_grammar(
+    req: CompletionRequest | ChatCompletionRequest, tool_grammar: str | None = None
+) -> str | None:
+    """The one grammar the request's output must match, checked; None without a constraint."""
+    sources = _sources(req)
+    if tool_grammar is not None:
+        sources.append(("tool_choice", lambda: tool_grammar))
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = ", ".join(name for name, _ in sources)
+        raise bad_request(f"only one output constraint may be given, got {names}", param=sources[1][0])
+    param, build = sources[0]
+    return checked(build, param)
+
+
+def checked(build: Callable[[], str], param: str) -> str:
+    try:
+        text = build()
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param=param.split(".")[0]) from None
+    problem = grammar.check(text)
+    if problem is not None:
+        raise APIError(400, f"{param}: {problem.strip()}", param=param.split(".")[0], code="invalid_grammar")
+    return text

@@ -1,0 +1,71 @@
+"""Chat tools: a request's ``tools`` and ``tool_choice`` -> what the template renders, whether the
+output is read for tool calls, and the grammar that forces a call.
+
+- ``none``: the tools are rendered (the model knows them) but the output is plain content.
+- ``auto`` (the default with tools): the output is read with the server's tool-call parser
+  (``--tool-call-parser``); calls become ``tool_calls`` and ``finish_reason`` "tool_calls".
+- ``required`` / a named function: generation is constrained to the parser's format, one call
+  (or several with ``parallel_tool_calls``) of the allowed function(s), with arguments valid under
+  their parameter schema, so the output always parses, whatever the weights.
+
+The legacy ``functions`` / ``function_call`` are refused with a 400 that names their replacement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsinfer.base.grammar import lark
+from dsinfer.gateway.errors import bad_request
+from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatTool, NamedToolChoice
+from dsinfer.gateway.structured import checked
+from dsinfer.gateway.tool_parsers import ToolFormat, ToolSpec, tool_format
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    template_tools: list[dict[str, Any]]  # the chat template's ``tools`` variable
+    format: ToolFormat | None  # read the output for calls in this format (None: tool_choice none)
+    grammar: str | None  # tool_choice required or named: the output must be a call
+
+
+def _spec(tool: ChatTool) -> ToolSpec:
+    fn = tool.function
+    parameters = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+    return ToolSpec(fn.name, parameters, fn.description)
+
+
+def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
+    if req.functions is not None or req.function_call is not None:
+        name = "functions" if req.functions is not None else "function_call"
+        raise bad_request(
+            f"{name} is deprecated and not supported; send tools and tool_choice instead", param=name
+        )
+    choice = req.tool_choice
+    if not req.tools:
+        if choice is not None and choice != "none":
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    specs = [_spec(t) for t in req.tools]
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise bad_request("tools must have distinct function names", param="tools")
+    template_tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if choice == "none":
+        return ToolPlan(template_tools, None, None)
+    fmt = tool_format(parser)
+    if choice is None or choice == "auto":
+        return ToolPlan(template_tools, fmt, None)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        allowed = [s for s in specs if s.name == choice.function.name]
+        parallel = False
+    else:  # required
+        allowed, parallel = specs, req.parallel_tool_calls
+    grammar = checked(lambda: lark(fmt.grammar(allowed, parallel)), "tools")
+    return ToolPlan(template_tools, fmt, grammar)
