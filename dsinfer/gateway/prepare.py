@@ -342,7 +342,7 @@ def prepare_chat(
 ) -> Prepared:
     check_model(req.model, limits)
     _refuse_unsupported(req)
-    tools = plan_tools(req, tool_parser)
+    tools = plan_tools(req, tool_parser, tokenizer.token_to_id)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     top = req.top_logprobs or 0

@@ -13,6 +13,7 @@ The legacy ``functions`` / ``function_call`` are refused with a 400 that names t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,10 @@ def _spec(tool: ChatTool) -> ToolSpec:
     return ToolSpec(fn.name, parameters, fn.description)
 
 
-def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
+def plan_tools(
+    req: ChatCompletionRequest, parser: str, token_id: Callable[[str], int | None]
+) -> ToolPlan | None:
+    """``token_id``: a text's id when the vocabulary has it as one token (tool-call markers usually)."""
     if req.functions is not None or req.function_call is not None:
         name = "functions" if req.functions is not None else "function_call"
         raise bad_request(
@@ -67,5 +71,5 @@ def plan_tools(req: ChatCompletionRequest, parser: str) -> ToolPlan | None:
         parallel = False
     else:  # required
         allowed, parallel = specs, req.parallel_tool_calls
-    grammar = checked(lambda: lark(fmt.grammar(allowed, parallel)), "tools")
+    grammar = checked(lambda: lark(fmt.grammar(allowed, parallel, token_id)), "tools")
     return ToolPlan(template_tools, fmt, grammar)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,14 +74,16 @@ class ToolFormat(ABC):
     args_end: str
     stream_arguments = True  # False: the arguments are converted at the call's end (DSML)
     needs_special_tokens = False  # markers are special tokens the detokenizer would skip
+    tokens: tuple[str, ...] = ()  # the markers a vocabulary may have as single tokens
 
     @abstractmethod
     def parse_header(self, header: str, index: int) -> tuple[str, str]:
         """-> (function name, call id) of the call at ``index``."""
 
     @abstractmethod
-    def header_for(self, tool: ToolSpec) -> str:
-        """The Lark expression the grammar writes between call begin and args begin."""
+    def header_for(self, tool: ToolSpec, text: Callable[[str], str]) -> str:
+        """The Lark expression the grammar writes between call begin and args begin (``text``
+        writes a literal)."""
 
     def arguments_json(self, raw: str) -> str:
         """The arguments as JSON text (formats whose arguments are not JSON convert them here)."""
@@ -95,18 +99,30 @@ class ToolFormat(ABC):
         rest, _ = parser.flush()
         return content + rest, parser.calls
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+    def grammar(self, tools: list[ToolSpec], parallel: bool, token_id: Callable[[str], int | None]) -> str:
         """Lark (llguidance's dialect): one section of one call (or several when ``parallel``) of
-        one of ``tools``, with arguments valid under the tool's parameter schema."""
+        one of ``tools``, with arguments valid under the tool's parameter schema. A marker the
+        vocabulary has as one token (``token_id``) is written as that token (``<[id]>``), which
+        is how the model emits it and how llguidance matches it."""
+        single = {t: i for t in self.tokens if (i := token_id(t)) is not None}
+
+        def text(literal: str) -> str:
+            if not single:
+                return lark_string(literal)
+            pieces = re.split(
+                "(" + "|".join(map(re.escape, sorted(single, key=len, reverse=True))) + ")", literal
+            )
+            return " ".join(f"<[{single[p]}]>" if p in single else lark_string(p) for p in pieces if p)
+
         lines = [
-            f"start: {lark_string(self.section_begin)} calls {lark_string(self.section_end)}",
+            f"start: {text(self.section_begin)} calls {text(self.section_end)}",
             "calls: call+" if parallel else "calls: call",
             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
         ]
         for i, tool in enumerate(tools):
             lines.append(
-                f"call_{i}: {lark_string(self.call_begin)} {self.header_for(tool)} "
-                f"{lark_string(self.args_begin)} args_{i} {lark_string(self.args_end)}"
+                f"call_{i}: {text(self.call_begin)} {self.header_for(tool, text)} "
+                f"{text(self.args_begin)} args_{i} {text(self.args_end)}"
             )
             lines.append(f"args_{i}: %json {json.dumps(compact_schema(tool.parameters), ensure_ascii=False)}")
         return "\n".join(lines) + "\n"

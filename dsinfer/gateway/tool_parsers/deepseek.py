@@ -14,7 +14,8 @@ V3.1 drops the type and the code fence::
 
 from __future__ import annotations
 
-from dsinfer.base.grammar import lark_string
+from collections.abc import Callable
+
 from dsinfer.gateway.tool_parsers.base import ToolFormat, ToolSpec, new_call_id
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -22,6 +23,7 @@ CALLS_END = "<｜tool▁calls▁end｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
 CALL_END = "<｜tool▁call▁end｜>"
 SEP = "<｜tool▁sep｜>"
+TOKENS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
 
 class DeepSeekV3Format(ToolFormat):
@@ -30,12 +32,13 @@ class DeepSeekV3Format(ToolFormat):
     call_begin = CALL_BEGIN
     args_begin = "\n```json\n"
     args_end = "\n```" + CALL_END
+    tokens = TOKENS
 
     def parse_header(self, header: str, index: int) -> tuple[str, str]:
         return header.rpartition(SEP)[2].strip(), new_call_id()
 
-    def header_for(self, tool: ToolSpec) -> str:
-        return lark_string(f"function{SEP}{tool.name}")
+    def header_for(self, tool: ToolSpec, text: Callable[[str], str]) -> str:
+        return text(f"function{SEP}{tool.name}")
 
 
 class DeepSeekV31Format(ToolFormat):
@@ -44,12 +47,13 @@ class DeepSeekV31Format(ToolFormat):
     call_begin = CALL_BEGIN
     args_begin = SEP
     args_end = CALL_END
+    tokens = TOKENS
 
     def parse_header(self, header: str, index: int) -> tuple[str, str]:
         return header.strip(), new_call_id()
 
-    def header_for(self, tool: ToolSpec) -> str:
-        return lark_string(tool.name)
+    def header_for(self, tool: ToolSpec, text: Callable[[str], str]) -> str:
+        return text(tool.name)
 
 
 DEEPSEEK_V3 = DeepSeekV3Format()

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
-from dsinfer.base.grammar import lark_string
 from dsinfer.gateway.tool_parsers.base import ToolFormat, ToolSpec, new_call_id
 
 DSML = "｜DSML｜"
@@ -34,12 +34,13 @@ class DeepSeekV32Format(ToolFormat):
     args_begin = ">"
     args_end = f"</{DSML}invoke>"
     stream_arguments = False
+    tokens = (DSML,)
 
     def parse_header(self, header: str, index: int) -> tuple[str, str]:
         return header.strip().strip('"'), new_call_id()
 
-    def header_for(self, tool: ToolSpec) -> str:
-        return lark_string(json.dumps(tool.name))
+    def header_for(self, tool: ToolSpec, text: Callable[[str], str]) -> str:
+        return text(json.dumps(tool.name))
 
     def arguments_json(self, raw: str) -> str:
         body = raw.strip()

@@ -8,7 +8,8 @@ The markers are special tokens of Kimi's tokenizer, so the text must be detokeni
 
 from __future__ import annotations
 
-from dsinfer.base.grammar import lark_string
+from collections.abc import Callable
+
 from dsinfer.gateway.tool_parsers.base import ToolFormat, ToolSpec
 
 
@@ -20,14 +21,15 @@ class KimiK2Format(ToolFormat):
     args_begin = "<|tool_call_argument_begin|>"
     args_end = "<|tool_call_end|>"
     needs_special_tokens = True
+    tokens = (section_begin, section_end, call_begin, args_begin, args_end)
 
     def parse_header(self, header: str, index: int) -> tuple[str, str]:
         call_id = header.strip()
         name = call_id.rpartition(":")[0] if ":" in call_id else call_id
         return name.removeprefix("functions."), call_id
 
-    def header_for(self, tool: ToolSpec) -> str:
-        return f"{lark_string(f'functions.{tool.name}:')} /[0-9]+/"
+    def header_for(self, tool: ToolSpec, text: Callable[[str], str]) -> str:
+        return f"{text(f'functions.{tool.name}:')} /[0-9]+/"
 
 
 KIMI_K2 = KimiK2Format()
