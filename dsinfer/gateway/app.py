@@ -47,6 +47,13 @@ from dsinfer.gateway.errors import (
     unavailable,
 )
 from dsinfer.gateway.intake import BodyLimit, BodyTooLarge, Preparer
+from dsinfer.gateway.extra_routes import (
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    document_request_bodies,
+    install_extra_routes,
+)
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dsinfer.gateway.prepare import parse_body, prepare_chat, prepare_completion
@@ -164,6 +171,17 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
     async def chat_completions(request: Request) -> Response:
         return await _generate(ctx, request, "chat")
 
+    install_extra_routes(app, ctx, lambda request: _check_auth(ctx, request))
+    document_request_bodies(
+        app,
+        {
+            ("post", "/v1/completions"): CompletionRequest,
+            ("post", "/v1/chat/completions"): ChatCompletionRequest,
+            ("post", "/tokenize"): TokenizeRequest,
+            ("post", "/detokenize"): DetokenizeRequest,
+            ("post", "/v1/embeddings"): EmbeddingRequest,
+        },
+    )
     return app
 
 
@@ -178,7 +196,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -191,14 +214,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _check_auth(ctx: GatewayContext, request: Request) -> None:
+    """The API key, as OpenAI clients send it (``Authorization: Bearer``) or Anthropic's (``x-api-key``)."""
     key = ctx.args.api_key
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(given.encode(), key.encode()):
         raise APIError(
             401,
-            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
