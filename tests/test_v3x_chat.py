@@ -3,7 +3,7 @@ tool calls and tool results) rendered with the tiny tokenizer, and the thinking-
 parsers, alone and through the gateway's chat endpoint with ``chat_template_kwargs``.
 
 Tool calling itself (parsing the model's tool calls into OpenAI ``tool_calls``) is the tool-call
-parsers' (tests/test_tool_parsers.py, tests/test_api_tools.py); the templates' tool rendering is
+parsers' (tests/test_tool_parsers.py, tests/test_api_clients.py); the templates' tool rendering is
 checked here directly."""
 
 from __future__ import annotations

@@ -1,0 +1,310 @@
+"""The application-facing APIs end to end, through ``dsinfer serve`` as real processes (the
+all-in-one PD server and ``--colocated``) driven by the official ``openai`` and ``anthropic``
+clients on the tiny checkpoint's random weights.
+
+Covered: tool calling (auto, required, a named function; streamed tool-call deltas; a tool-role
+round trip), structured output (json_object, json_schema with nested objects, arrays and enums,
+vLLM's regex and choice extras) where every constrained output must parse and validate under its
+schema (jsonschema), echo + logprobs against transformers' teacher-forced logprobs, /v1/responses
+and Anthropic's /v1/messages (text, streaming events, tools)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from tests.fixtures.checkpoints import BuiltCheckpoint
+from tests.fixtures.hf_reference import LOGIT_RTOL, hf_logits
+from tests.fixtures.servers import Server, serve
+
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "40"]
+API_KEY = "test-key"
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": -100, "maximum": 100},
+        "b": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
+]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+PERSON = {  # nested objects, arrays, enums; every value bounded so random weights finish it
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "kind": {"enum": ["home", "work"]},
+                "verified": {"type": "boolean"},
+            },
+            "required": ["kind", "verified"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "tags", "address"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module", params=["pd", "colocated"])
+def server(
+    request: pytest.FixtureRequest, tiny_ckpt: BuiltCheckpoint, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    mode = ["--colocated"] if request.param == "colocated" else []
+    args = ["--model", str(tiny_ckpt.path), *ENGINE_FLAGS, *mode, "--api-key", API_KEY]
+    with serve(args, tmp_path_factory.mktemp(f"api-{request.param}")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    name = client.models.list().data[0].id
+    assert client.models.retrieve(name).id == name
+    return name
+
+
+def _check_calls(calls: list[Any], allowed: set[str]) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_and_named(client: openai.OpenAI, model: str) -> None:
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, seed=seed
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls or [], set(SCHEMAS))
+    r = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    calls = r.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
+    _check_calls(calls, {"add"})
+    r = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+    )
+    assert len(r.choices[0].message.tool_calls or []) == 1
+
+
+def test_tool_choice_auto_and_none(client: openai.OpenAI, model: str) -> None:
+    """Random weights rarely call a tool unconstrained: auto answers (content, or parsed calls)."""
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(
+            model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=16, temperature=0
+        )
+        c = r.choices[0]
+        assert c.finish_reason in ("stop", "length", "tool_calls")
+        if c.message.tool_calls:
+            assert choice == "auto"
+            _check_calls(c.message.tool_calls, set(SCHEMAS))
+        else:
+            assert c.message.content
+
+
+def test_streamed_tool_deltas_equal_whole(client: openai.OpenAI, model: str) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=80, temperature=0
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
+    calls: dict[int, dict[str, Any]] = {}
+    pieces, finish = 0, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.id and d.function and d.function.name, "a call's first delta names it"
+                calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
+                continue
+            assert d.id is None
+            calls[d.index]["arguments"] += d.function.arguments or ""
+            pieces += 1
+    assert finish == "tool_calls"
+    assert pieces > 1, "the arguments arrive as they are generated"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+
+
+def test_tool_role_round_trip(server: Server, client: openai.OpenAI, model: str) -> None:
+    first = client.chat.completions.create(
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    call = (first.choices[0].message.tool_calls or [])[0]
+    history: list[Any] = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees"},
+    ]
+    rendered = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={"messages": history, "tools": TOOLS, "return_token_strs": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    ).json()
+    text = "".join(rendered["token_strs"])
+    assert "<｜tool▁output▁begin｜>Sunny, 21 degrees<｜tool▁output▁end｜>" in text
+    assert call.function.arguments in text
+    second = client.chat.completions.create(model=model, messages=history, tools=TOOLS, max_tokens=8)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_json_object(server: Server, client: openai.OpenAI, model: str) -> None:
+    """Biased toward '"' and '}', unconstrained output is not JSON; constrained it is an object."""
+    ids = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={"prompt": '"}', "add_special_tokens": False},
+        headers={"x-api-key": API_KEY},
+        timeout=30,
+    ).json()["tokens"]
+    bias = {str(t): 8 for t in ids}
+    kwargs: dict[str, Any] = dict(model=model, messages=ASK, max_tokens=40, temperature=0, logit_bias=bias)
+    free = client.chat.completions.create(**kwargs).choices[0].message.content or ""
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free)
+    r = client.chat.completions.create(response_format={"type": "json_object"}, **kwargs)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+def test_json_schema(client: openai.OpenAI, model: str) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}}
+    r = client.chat.completions.create(
+        model=model, messages=ASK, response_format=fmt, max_tokens=120, temperature=1, seed=3, n=3
+    )
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content or ""), PERSON)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model=model, messages=ASK, response_format=fmt, max_tokens=120, temperature=0, stream=True
+        )
+        if chunk.choices
+    )
+    jsonschema.validate(json.loads(streamed), PERSON)
+    done = client.completions.create(
+        model=model, prompt="A person:", max_tokens=120, temperature=0, extra_body={"guided_json": PERSON}
+    )
+    jsonschema.validate(json.loads(done.choices[0].text), PERSON)
+
+
+def test_regex_and_choice(client: openai.OpenAI, model: str) -> None:
+    pattern = r"[a-z]{3}-[0-9]{2}"
+    options = ["red", "green", "blue"]
+    for seed in range(2):
+        r = client.completions.create(
+            model=model,
+            prompt="A code:",
+            max_tokens=20,
+            seed=seed,
+            extra_body={"structured_outputs": {"regex": pattern}},
+        )
+        assert re.fullmatch(pattern, r.choices[0].text) and r.choices[0].finish_reason == "stop"
+        chat = client.chat.completions.create(
+            model=model, messages=ASK, max_tokens=20, seed=seed, extra_body={"guided_choice": options}
+        )
+        assert chat.choices[0].message.content in options
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        client.completions.create(model=model, prompt="x", extra_body={"structured_outputs": {"regex": "(a"}})
+
+
+def test_echo_logprobs_equal_transformers(
+    client: openai.OpenAI, model: str, tiny_ckpt: BuiltCheckpoint
+) -> None:
+    """lm-eval's loglikelihood request: echo + logprobs with max_tokens 0 (and 1)."""
+    prompt = "The capital of France is Paris"
+    for max_tokens in (0, 1):
+        r = client.completions.create(
+            model=model,
+            prompt=prompt,
+            echo=True,
+            logprobs=2,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
+        lp = r.choices[0].logprobs
+        assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+        assert r.choices[0].text.startswith(prompt)
+        ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+        n_prompt = len(ids) - max_tokens
+        assert lp.token_logprobs[0] is None and len(ids) == r.usage.prompt_tokens + max_tokens  # type: ignore[union-attr]
+        logits = hf_logits(tiny_ckpt.hf_model, ids[:n_prompt])
+        reference = torch.log_softmax(logits.double(), dim=-1)
+        for pos in range(1, n_prompt):
+            scale = float(logits[pos - 1].abs().max())
+            tolerance = 2 * LOGIT_RTOL * scale  # a logprob moves with the logit and the normalizer
+            assert abs(lp.token_logprobs[pos] - float(reference[pos - 1, ids[pos]])) <= tolerance
+            top = lp.top_logprobs[pos]  # type: ignore[index]
+            assert top is not None
+            for token, value in top.items():
+                assert (
+                    abs(value - float(reference[pos - 1, int(token.removeprefix("token_id:"))])) <= tolerance
+                )
