@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -74,6 +75,7 @@ PERSON = {  # nested objects, arrays, enums; every value bounded so random weigh
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0}  # the anthropic client no longer takes temperature as an argument
 
 
 @pytest.fixture(scope="module", params=["pd", "colocated"])
@@ -308,3 +310,129 @@ def test_echo_logprobs_equal_transformers(
                 assert (
                     abs(value - float(reference[pos - 1, int(token.removeprefix("token_id:"))])) <= tolerance
                 )
+
+
+def test_responses(server: Server, client: openai.OpenAI, model: str) -> None:
+    first = client.responses.create(
+        model=model, input="Hello", instructions="Be brief.", max_output_tokens=6, temperature=0
+    )
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"  # type: ignore[union-attr]
+    assert first.output_text and first.usage is not None and first.usage.output_tokens == 6
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    follow = client.responses.create(
+        model=model, input="And then?", previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    assert follow.usage is not None and follow.usage.input_tokens > first.usage.input_tokens + 4
+    with pytest.raises(openai.NotFoundError, match="resp_unknown"):
+        client.responses.create(model=model, input="x", previous_response_id="resp_unknown")
+    tools: Any = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    kwargs: Any = dict(
+        model=model,
+        input="Weather in Paris?",
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=80,
+        temperature=0,
+    )
+    whole = client.responses.create(**kwargs)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert len(calls) == 1 and whole.status == "completed"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    with client.responses.stream(**kwargs) as stream:
+        types = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert types.count("response.function_call_arguments.delta") > 1 and types[-1] == "response.completed"
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    round_trip = client.responses.create(
+        model=model,
+        input=[
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"},
+        ],
+        previous_response_id=whole.id,
+        max_output_tokens=4,
+    )
+    assert round_trip.status in ("completed", "incomplete")
+    schema = client.responses.create(
+        model=model,
+        input="A person",
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+        max_output_tokens=120,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(schema.output_text), PERSON)
+
+
+@pytest.fixture(scope="module")
+def claude(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key=API_KEY, timeout=120, max_retries=0)
+
+
+def test_messages_text_and_stream(claude: anthropic.Anthropic, model: str) -> None:
+    kwargs: Any = dict(
+        model=model,
+        max_tokens=8,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body=GREEDY,
+    )
+    whole = claude.messages.create(**kwargs)
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 8
+    assert whole.content[0].type == "text" and whole.content[0].text
+    with claude.messages.stream(**kwargs) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text  # type: ignore[union-attr]
+    assert final.stop_reason == "max_tokens"
+    stop = whole.content[0].text[2:5]  # type: ignore[union-attr]
+    cut = claude.messages.create(**{**kwargs, "stop_sequences": [stop]})
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    bad = anthropic.Anthropic(base_url=claude.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        bad.messages.create(**kwargs)
+    assert info.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        claude.messages.create(**{**kwargs, "messages": [{"role": "user", "content": [image]}]})
+
+
+def test_messages_tools(claude: anthropic.Anthropic, model: str) -> None:
+    tools: Any = [{"name": "get_weather", "description": "Weather", "input_schema": WEATHER}]
+    ask: Any = [{"role": "user", "content": "Weather in Paris?"}]
+    named: Any = {"type": "tool", "name": "get_weather"}
+    whole = claude.messages.create(
+        model=model, max_tokens=80, messages=ask, tools=tools, tool_choice=named, extra_body=GREEDY
+    )
+    assert whole.stop_reason == "tool_use"
+    uses = [b for b in whole.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER)
+    with claude.messages.stream(
+        model=model, max_tokens=80, messages=ask, tools=tools, tool_choice=named, extra_body=GREEDY
+    ) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events.count("input_json") > 1, "tool input streams as input_json_delta"
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        (u.name, u.input) for u in uses
+    ]
+    required = claude.messages.create(
+        model=model,
+        max_tokens=80,
+        messages=ask,
+        tools=tools,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )
+    assert required.stop_reason == "tool_use"
+    history: Any = [
+        *ask,
+        {
+            "role": "assistant",
+            "content": [u.model_dump(include={"type", "id", "name", "input"}) for u in uses],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "Sunny"}]},
+    ]
+    answer = claude.messages.create(model=model, max_tokens=4, messages=history, tools=tools)
+    assert answer.stop_reason in ("max_tokens", "end_turn", "tool_use")

@@ -18,20 +18,24 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from dsinfer.base.expert_load import document as expert_load_document
 from dsinfer.base.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, TokenizerError
+from dsinfer.gateway.anthropic_api import MessagesRequest, anthropic_error
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend
 from dsinfer.gateway.chat import ChatFormatter
@@ -46,7 +50,6 @@ from dsinfer.gateway.errors import (
     timeout_error,
     unavailable,
 )
-from dsinfer.gateway.intake import BodyLimit, BodyTooLarge, Preparer
 from dsinfer.gateway.extra_routes import (
     DetokenizeRequest,
     EmbeddingRequest,
@@ -54,9 +57,13 @@ from dsinfer.gateway.extra_routes import (
     document_request_bodies,
     install_extra_routes,
 )
+from dsinfer.gateway.intake import BodyLimit, BodyTooLarge, Preparer
+from dsinfer.gateway.messages import MessagesFormatter, prepare_messages
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from dsinfer.gateway.prepare import parse_body, prepare_chat, prepare_completion
+from dsinfer.gateway.prepare import Limits, Prepared, parse_body, prepare_chat, prepare_completion
+from dsinfer.gateway.responses import prepare_responses
+from dsinfer.gateway.responses_api import ResponsesRequest, ResponseStore
 from dsinfer.gateway.serving import (
     ClientGone,
     GatewayContext,
@@ -163,13 +170,30 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
         )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
+    completion_endpoint, chat_endpoint = _openai_endpoints(ctx)
+    store = ResponseStore()
+    responses_endpoint, messages_endpoint = _more_endpoints(ctx, store)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(ctx, request, "completions")
+        return await _generate(ctx, request, completion_endpoint)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _generate(ctx, request, "chat")
+        return await _generate(ctx, request, chat_endpoint)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await _generate(ctx, request, responses_endpoint)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> Response:
+        _check_auth(ctx, request)
+        return JSONResponse(store.get(response_id).body)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await _generate(ctx, request, messages_endpoint)
 
     install_extra_routes(app, ctx, lambda request: _check_auth(ctx, request))
     document_request_bodies(
@@ -177,6 +201,8 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
         {
             ("post", "/v1/completions"): CompletionRequest,
             ("post", "/v1/chat/completions"): ChatCompletionRequest,
+            ("post", "/v1/responses"): ResponsesRequest,
+            ("post", "/v1/messages"): MessagesRequest,
             ("post", "/tokenize"): TokenizeRequest,
             ("post", "/detokenize"): DetokenizeRequest,
             ("post", "/v1/embeddings"): EmbeddingRequest,
@@ -234,7 +260,53 @@ def _request_id(request: Request, prefix: str) -> str:
     return f"{prefix}-{given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex}"
 
 
-async def _generate(ctx: GatewayContext, request: Request, endpoint: str) -> Response:
+class _Formatter(Protocol):
+    async def response(self) -> BaseModel | dict[str, Any]: ...
+
+    def chunks(self) -> AsyncIterator[str]: ...
+
+
+# body, limits -> the prepared request and what formats its run (called off the event loop)
+_Prepare = Callable[[bytes, Limits], tuple[Prepared, Callable[[RequestRun], _Formatter]]]
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    name: str  # the metrics label
+    id_prefix: str
+    prepare: _Prepare
+    reasoning: bool = True  # the reasoning parser splits the output
+    error: Callable[[APIError], Response] = APIError.response  # the API's error format
+
+
+def _openai_endpoints(ctx: GatewayContext) -> tuple[_Endpoint, _Endpoint]:
+    def completion(body: bytes, limits: Limits) -> tuple[Prepared, Callable[[RequestRun], _Formatter]]:
+        prepared = prepare_completion(parse_body(CompletionRequest, body), ctx.tokenizer, limits)
+        return prepared, lambda run: CompletionFormatter(ctx, run, ctx.model_name)
+
+    def chat(body: bytes, limits: Limits) -> tuple[Prepared, Callable[[RequestRun], _Formatter]]:
+        req = parse_body(ChatCompletionRequest, body)
+        prepared = prepare_chat(req, ctx.tokenizer, limits, ctx.args.tool_call_parser)
+        return prepared, lambda run: ChatFormatter(ctx, run, ctx.model_name)
+
+    return _Endpoint("completions", "cmpl", completion, reasoning=False), _Endpoint("chat", "chatcmpl", chat)
+
+
+def _more_endpoints(ctx: GatewayContext, store: ResponseStore) -> tuple[_Endpoint, _Endpoint]:
+    def responses(body: bytes, limits: Limits) -> tuple[Prepared, Callable[[RequestRun], _Formatter]]:
+        return prepare_responses(body, ctx, limits, store)
+
+    def messages(body: bytes, limits: Limits) -> tuple[Prepared, Callable[[RequestRun], _Formatter]]:
+        prepared = prepare_messages(body, ctx, limits)
+        return prepared, lambda run: MessagesFormatter(ctx, run, ctx.model_name)
+
+    return (
+        _Endpoint("responses", "resp", responses),
+        _Endpoint("messages", "msg", messages, error=anthropic_error),
+    )
+
+
+async def _generate(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> Response:
     status: int | None = 500
     try:
         response = await _serve(ctx, request, endpoint)
@@ -244,45 +316,31 @@ async def _generate(ctx: GatewayContext, request: Request, endpoint: str) -> Res
     except APIError as e:
         status = e.status
         if e.status < 500:
-            log.info("%s request refused: %d %s", endpoint, e.status, e.message)
-        return e.response()
+            log.info("%s request refused: %d %s", endpoint.name, e.status, e.message)
+        return endpoint.error(e)
     except ClientGone:
         status = CLIENT_CLOSED
         return Response(status_code=CLIENT_CLOSED)
     finally:
         if status is not None:
-            ctx.metrics.requests.labels(endpoint, str(status)).inc()
+            ctx.metrics.requests.labels(endpoint.name, str(status)).inc()
 
 
-async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Response:
+async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> Response:
     arrival = time.monotonic()
     _check_auth(ctx, request)
     if ctx.draining:
         raise unavailable("the gateway is shutting down; send the request again (to another replica)")
     body = await request.body()  # at most --max-request-body bytes (BodyLimit)
-    limits, tokenizer = ctx.limits(), ctx.tokenizer
+    limits = ctx.limits()
     # Parsing, templating and tokenizing a long prompt take a while: off the event loop.
-    if endpoint == "completions":
-        prepared = await ctx.preparer.run(
-            lambda: prepare_completion(parse_body(CompletionRequest, body), tokenizer, limits), len(body)
-        )
-        request_id = _request_id(request, "cmpl")
-    else:
-        prepared = await ctx.preparer.run(
-            lambda: prepare_chat(
-                parse_body(ChatCompletionRequest, body), tokenizer, limits, ctx.args.tool_call_parser
-            ),
-            len(body),
-        )
-        request_id = _request_id(request, "chatcmpl")
+    prepared, make_formatter = await ctx.preparer.run(lambda: endpoint.prepare(body, limits), len(body))
+    request_id = _request_id(request, endpoint.id_prefix)
     if request_id in ctx.active_ids:
         raise bad_request(f"request id {request_id!r} is already in use", code="duplicate_request_id")
     ctx.active_ids.add(request_id)
-    run = RequestRun(ctx, request_id, prepared, endpoint, reasoning=endpoint == "chat", arrival=arrival)
-    model = ctx.model_name
-    formatter = (
-        CompletionFormatter(ctx, run, model) if endpoint == "completions" else ChatFormatter(ctx, run, model)
-    )
+    run = RequestRun(ctx, request_id, prepared, endpoint.name, reasoning=endpoint.reasoning, arrival=arrival)
+    formatter = make_formatter(run)
     headers = {"X-Request-Id": request_id}
     try:
         run.start()
@@ -291,7 +349,7 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Respon
         raise
     if prepared.stream:
         return _RunStreamingResponse(
-            ctx, endpoint, run, _stream(request, run, formatter.chunks()), headers={**HEADERS, **headers}
+            ctx, endpoint.name, run, _stream(request, run, formatter.chunks()), headers={**HEADERS, **headers}
         )
     try:
         result = await unless_disconnected(request, run, formatter.response)
@@ -299,7 +357,10 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Respon
         raise timeout_error(ctx.args.request_timeout) from None
     finally:
         await run.close()
-    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+    text = (
+        result.model_dump_json() if isinstance(result, BaseModel) else json.dumps(result, ensure_ascii=False)
+    )
+    return Response(text, media_type="application/json", headers=headers)
 
 
 async def _stream(request: Request, run: RequestRun, chunks: AsyncIterator[str]) -> AsyncGenerator[str, None]:

@@ -83,6 +83,7 @@ class ChoiceState:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.stopped_by_string = False  # this state ended the choice on a stop string
+        self.stop_string: str | None = None  # the stop string that ended it
 
     @property
     def finished(self) -> bool:
@@ -161,8 +162,9 @@ class ChoiceState:
         else:
             full = self.detokenizer.text
             end = stop_at
+            matched = next((s for s in self.stops if full.startswith(s, end)), "")
+            self.stop_string = matched or None
             if self.include_stop_str:
-                matched = next((s for s in self.stops if full.startswith(s, end)), "")
                 end += len(matched)
             final = full[:end]
         if len(final) < self.emitted:

@@ -74,10 +74,10 @@ def parse_body(cls: type[RequestT], body: bytes) -> RequestT:
     try:
         return cls.model_validate_json(body)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
 
 
-def _validation_error(e: ValidationError) -> APIError:
+def validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     if err["type"] == "json_invalid":
         return bad_request(f"request body is not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}")

@@ -23,6 +23,11 @@ def sse(data: BaseModel | dict[str, Any]) -> str:
     return f"data: {body}\n\n"
 
 
+def named_event(event: str, data: dict[str, Any]) -> str:
+    """A typed event, as /v1/responses and Anthropic's /v1/messages stream them."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
 async def run_events(
     run: RequestRun,
     chunk: Callable[[int, ChoiceUpdate], BaseModel | None],
