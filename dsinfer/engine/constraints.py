@@ -147,8 +147,7 @@ class LogitConstraints:
             self.executor.unsafe_compute_mask_ptr(plain, *size)
         if drafted:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
-        rows = torch.tensor(constrained)
-        return apply_token_bitmask(logits, bitmask[rows], rows.to(logits.device))
+        return apply_token_bitmask(logits, bitmask)  # unconstrained rows allow every token
 
     def _min_tokens(self, seqs: list[Sequence], offsets: list[int], logits: torch.Tensor) -> torch.Tensor:
         rows, cols = [], []

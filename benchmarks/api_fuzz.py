@@ -1,0 +1,153 @@
+"""Fuzz the gateway's served OpenAPI schema with schemathesis: no request may get a 5xx.
+
+Starts ``dsinfer serve`` (the all-in-one PD server, or ``--colocated``) on the built-in tiny model
+with dummy weights, then runs ``schemathesis run <server>/openapi.json --checks
+not_a_server_error`` with ``--max-examples`` cases per operation (every route: the generation
+endpoints, /v1/responses, /v1/messages, /tokenize, /detokenize, /v1/embeddings, /v1/models...),
+authenticated with the server's API key. The context length is kept short (``--max-model-len``)
+so that a generated ``max_tokens`` never makes a case slow. Writes schemathesis' own output and a
+summary (cases, failures, command, machine, load, duration) to ``--out``.
+
+    python benchmarks/api_fuzz.py --max-examples 100 --out benchmarks/results/api_fuzz.md
+
+tests/test_api_fuzz.py runs the fuzzing phase with a few cases per operation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+API_KEY = "fuzz"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server(
+    mode: str,
+    log_path: Path,
+    max_model_len: int,
+    timeout: float = 180.0,
+    served_model_name: str | None = None,
+) -> Iterator[str]:
+    """``dsinfer serve`` until healthy, stopped with its whole process group on exit."""
+    port = free_port()
+    args = [
+        *("--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "32MiB"),
+        *("--max-model-len", str(max_model_len), "--max-n", "4", "--api-key", API_KEY),
+        *(["--colocated"] if mode == "colocated" else []),
+        *(["--served-model-name", served_model_name] if served_model_name else []),
+    ]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dsinfer.cli.main", "serve", "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not healthy after {timeout:.0f} s; see {log_path}")
+            time.sleep(0.25)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def fuzz(url: str, max_examples: int, seed: int, timeout: float, phases: str) -> tuple[int, str]:
+    """-> (schemathesis' exit code, its output)."""
+    command = [
+        *(sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json"),
+        *("--checks", "not_a_server_error", "--max-examples", str(max_examples), "--seed", str(seed)),
+        *("--header", f"Authorization: Bearer {API_KEY}", "--workers", "1", "--no-color"),
+        *("--request-timeout", "120", "--suppress-health-check", "all", "--phases", phases),
+    ]
+    with tempfile.TemporaryDirectory() as scratch:  # schemathesis keeps a cache in its working directory
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, check=False, cwd=scratch
+        )
+    return done.returncode, done.stdout + done.stderr
+
+
+def count_cases(output: str) -> int:
+    """The number of test cases schemathesis reports as generated."""
+    found = re.search(r"Test cases:\s*(\d+) generated", output)
+    return int(found.group(1)) if found else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=("pd", "colocated"), default="pd")
+    parser.add_argument("--max-examples", type=int, default=100, help="cases per operation")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=64)
+    parser.add_argument("--phases", default="examples,coverage,fuzzing,stateful")
+    parser.add_argument("--timeout", type=float, default=3000.0)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/api_fuzz.md"))
+    parser.add_argument("--log", type=Path, default=Path("/tmp/api_fuzz_server.log"))
+    args = parser.parse_args()
+    load = os.getloadavg()
+    start = time.monotonic()
+    with server(args.mode, args.log, args.max_model_len) as url:
+        code, output = fuzz(url, args.max_examples, args.seed, args.timeout, args.phases)
+    seconds = time.monotonic() - start
+    cases = count_cases(output)
+    summary = [
+        "# schemathesis over the served OpenAPI schema (not_a_server_error)",
+        "",
+        f"- result: exit code {code} ({'no failures' if code == 0 else 'FAILURES'}), {cases} test cases",
+        f"- server: dsinfer serve{' --colocated' if args.mode == 'colocated' else ''}, tiny model, dummy "
+        f"weights, --max-model-len {args.max_model_len}",
+        f"- command: python benchmarks/api_fuzz.py --mode {args.mode} --max-examples {args.max_examples} "
+        f"--seed {args.seed} --max-model-len {args.max_model_len} --phases {args.phases}",
+        f"- machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; load "
+        f"average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
+        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {seconds:.0f} s",
+        "",
+        "schemathesis' output:",
+        "",
+        "```",
+        output.strip(),
+        "```",
+        "",
+    ]
+    args.out.write_text("\n".join(summary), encoding="utf-8")
+    print(f"{cases} cases, exit code {code}, {seconds:.0f} s -> {args.out}")
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
