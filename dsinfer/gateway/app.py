@@ -1,5 +1,7 @@
-"""The gateway's HTTP app: OpenAI-compatible /v1 endpoints, /health, /ready and /metrics over a
-Backend.
+"""The gateway's HTTP app over a Backend: OpenAI-compatible /v1 endpoints (completions, chat
+completions, responses), Anthropic's /v1/messages, /health, /ready and /metrics. Every generation
+endpoint is one ``_Endpoint``: its body is prepared into a ``Prepared`` request and its run
+formatted by the API's own formatter.
 
 ``build_app`` keeps all state on ``app.state.gateway`` (its own Prometheus registry included)
 and starts/stops the backend in the app's lifespan. Every error a client can cause is answered

@@ -8,10 +8,12 @@ each tool call (a call's first delta names it and opens its block; the rest are 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal
 
 from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
+from dsinfer.gateway.serving import RequestRun, RequestTimeout
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 
@@ -30,6 +32,14 @@ class BlockEvent:
     action: Literal["open", "delta", "close"]
     block: Block
     delta: str = ""
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """The run ended without finishing its choice: a backend error or the request's deadline."""
+
+    kind: Literal["error", "timeout"]
+    message: str
 
 
 def final_blocks(state: ChoiceState) -> list[Block]:
@@ -103,3 +113,20 @@ class BlockStream:
             return []
         block, self._open = self._open, None
         return [BlockEvent("close", block)]
+
+
+async def stream_blocks(run: RequestRun, blocks: BlockStream) -> AsyncIterator[BlockEvent | RunFailure]:
+    """The block events of a run's one choice; a failure is the last item (the run is aborted)."""
+    try:
+        async for _, update in run.updates():
+            if update.error is not None:
+                await run.abort()
+                yield RunFailure("error", update.error)
+                return
+            for event in blocks.feed(update):
+                yield event
+    except RequestTimeout as e:
+        yield RunFailure("timeout", str(e))
+        return
+    for event in blocks.finish():
+        yield event

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from dsinfer.gateway.anthropic_api import MessagesRequest, to_chat_request
-from dsinfer.gateway.blocks import Block, BlockEvent, BlockStream, final_blocks
+from dsinfer.gateway.blocks import Block, BlockEvent, BlockStream, RunFailure, final_blocks, stream_blocks
 from dsinfer.gateway.choice import ChoiceState
 from dsinfer.gateway.prepare import Limits, Prepared, parse_body, prepare_chat
-from dsinfer.gateway.serving import GatewayContext, RequestRun, RequestTimeout
+from dsinfer.gateway.serving import GatewayContext, RequestRun
 from dsinfer.gateway.sse import named_event
 
 log = logging.getLogger("dsinfer.gateway")
@@ -97,20 +97,11 @@ class MessagesFormatter:
 
     async def chunks(self) -> AsyncIterator[str]:
         yield named_event("message_start", {"type": "message_start", "message": self._message([])})
-        blocks = BlockStream()
-        try:
-            async for _, update in self.run.updates():
-                if update.error is not None:
-                    await self.run.abort()
-                    yield self._error("api_error", update.error)
-                    return
-                for event in blocks.feed(update):
-                    yield self._event(event)
-        except RequestTimeout as e:
-            yield self._error("timeout_error", str(e))
-            return
-        for event in blocks.finish():
-            yield self._event(event)
+        async for item in stream_blocks(self.run, BlockStream()):
+            if isinstance(item, RunFailure):
+                yield self._error("api_error" if item.kind == "error" else "timeout_error", item.message)
+                return
+            yield self._event(item)
         reason, sequence = stop_reason(self.run.choices[0])
         delta = {"stop_reason": reason, "stop_sequence": sequence}
         usage = {"output_tokens": self._usage()["output_tokens"]}

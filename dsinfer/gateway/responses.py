@@ -17,10 +17,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from dsinfer.gateway.blocks import Block, BlockEvent, BlockStream, final_blocks
+from dsinfer.gateway.blocks import Block, BlockEvent, BlockStream, RunFailure, final_blocks, stream_blocks
 from dsinfer.gateway.prepare import Limits, Prepared, parse_body, prepare_chat
 from dsinfer.gateway.responses_api import ResponsesRequest, ResponseStore, StoredResponse, to_chat_request
-from dsinfer.gateway.serving import GatewayContext, RequestRun, RequestTimeout
+from dsinfer.gateway.serving import GatewayContext, RequestRun
 from dsinfer.gateway.sse import named_event
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}
@@ -149,20 +149,11 @@ class ResponsesFormatter:
         yield self._event("response.created", response=self._body("in_progress", []))
         yield self._event("response.in_progress", response=self._body("in_progress", []))
         blocks = BlockStream()
-        try:
-            async for _, update in self.run.updates():
-                if update.error is not None:
-                    await self.run.abort()
-                    yield self._failed("server_error", update.error)
-                    return
-                for event in blocks.feed(update):
-                    for line in self._block_events(event):
-                        yield line
-        except RequestTimeout as e:
-            yield self._failed("timeout", str(e))
-            return
-        for event in blocks.finish():
-            for line in self._block_events(event):
+        async for item in stream_blocks(self.run, blocks):
+            if isinstance(item, RunFailure):
+                yield self._failed("server_error" if item.kind == "error" else "timeout", item.message)
+                return
+            for line in self._block_events(item):
                 yield line
         body = self._finish(blocks.blocks)
         yield self._event(f"response.{body['status']}", response=body)
