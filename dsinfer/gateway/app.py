@@ -5,7 +5,7 @@ formatted by the API's own formatter.
 
 ``build_app`` keeps all state on ``app.state.gateway`` (its own Prometheus registry included)
 and starts/stops the backend in the app's lifespan. Every error a client can cause is answered
-in OpenAI's format before anything is submitted to the backend. Bodies are bounded while they
+in the API's format (OpenAI's; Anthropic's on /v1/messages) before anything reaches the backend. Bodies are bounded while they
 are read and prompts are prepared off the event loop (dsinfer/gateway/intake.py). ``/health`` is
 liveness (the process answers), ``/ready`` readiness (pools registered, not draining); every
 503 and 429 carries Retry-After; a client that leaves is counted as status 499.
