@@ -49,7 +49,7 @@ def server(
     timeout: float = 180.0,
     served_model_name: str | None = None,
 ) -> Iterator[str]:
-    """``dsinfer serve`` until healthy, stopped with its whole process group on exit."""
+    """``dsinfer serve`` until ready (/ready), stopped with its whole process group on exit."""
     port = free_port()
     args = [
         *("--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "32MiB"),
@@ -71,7 +71,7 @@ def server(
             if process.poll() is not None:
                 raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not healthy after {timeout:.0f} s; see {log_path}")
