@@ -13,6 +13,7 @@ over, as OpenAI documents); then ``input``: a string (one user message) or items
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -83,20 +84,26 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The newest ``capacity`` stored responses by id (least recently used dropped first)."""
+    """The newest ``capacity`` stored responses by id (least recently used dropped first). Read
+    from the tokenizer threads (a request's history), written on the event loop: locked."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
         self.capacity = capacity
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
 
     def put(self, response_id: str, item: StoredResponse) -> None:
-        self._items[response_id] = item
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        with self._lock:
+            self._items[response_id] = item
+            self._items.move_to_end(response_id)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse:
-        item = self._items.get(response_id)
+        with self._lock:
+            item = self._items.get(response_id)
+            if item is not None:
+                self._items.move_to_end(response_id)
         if item is None:
             raise APIError(
                 404,
@@ -105,7 +112,6 @@ class ResponseStore:
                 param="previous_response_id",
                 code="response_not_found",
             )
-        self._items.move_to_end(response_id)
         return item
 
 
