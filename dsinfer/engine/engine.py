@@ -45,7 +45,7 @@ from dsinfer.engine.sequence import Sequence
 from dsinfer.engine.step import KVReservation, LayerHookFor, RemotePrefill, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
-from dsinfer.ops import select_ops
+from dsinfer.ops import compile_ahead, select_ops
 from dsinfer.parallel.ep import EPGroup, all_reduce_in_place
 from dsinfer.parallel.placement import ExpertPlacement
 
@@ -364,6 +364,7 @@ class LLMEngine:
         before serving; under expert parallelism every rank of the pool runs it in lockstep.
         Counters are reset afterwards."""
         start = time.monotonic()
+        compile_ahead(self.ops)  # on a fresh install the ranks of a machine share the compiling
         ids = [t % self.config.vocab_size for t in range(1, 9)]
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
         self.add_request("__warmup__", ids, params)
