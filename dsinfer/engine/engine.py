@@ -131,23 +131,30 @@ class LLMEngine:
 
     def _make_pool(self, device: torch.device, dtype: torch.dtype) -> PagedKVPool:
         layers = self.model.num_cache_layers
-        budget = self.args.kv_cache_memory
-        if budget is None:
-            budget = int(free_memory(device) * self.args.kv_fraction_for(device.type))
         indexer = self.args.indexer_format_for(device.type)
         spec = KVCacheSpec.for_model(self.config, str(dtype).removeprefix("torch."), indexer)
+        budget, how = self.args.kv_cache_memory, "--kv-cache-memory"
+        if budget is None:
+            budget, how = self.args.default_kv_budget(
+                page_bytes=PagedKVPool.page_bytes_for(spec, layers),
+                page_size=spec.page_size,
+                max_model_len=self.max_model_len,
+                free=free_memory(device),
+                device_type=device.type,
+            )
         num_pages = PagedKVPool.num_pages_for_budget(spec, layers, budget)
         page_bytes = PagedKVPool.page_bytes_for(spec, layers)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
         log.info(
-            "KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %s per token: %d bytes)",
+            "KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %s per token: %d bytes; %s)",
             num_pages,
             spec.page_size,
             num_pages * page_bytes / 2**20,
             layers,
             spec.describe(),
             spec.bytes_per_token,
+            how,
         )
         return PagedKVPool(layers, num_pages, spec, device=device)
 
