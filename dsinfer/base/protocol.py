@@ -9,7 +9,8 @@ Who sends what (docs/serving.md has the whole flow):
 
 - worker rank -> gateway (DEALER -> ROUTER at --gateway-addr): Register once per incarnation,
   then LoadReport every ``HEARTBEAT_INTERVAL`` s (it is also the heartbeat), KVDestination,
-  TokenDelta; Deregister when it stops after draining.
+  TokenDeltas (the iteration's TokenDelta of every request, one message per step); Deregister
+  when it stops after draining.
 - launcher -> gateway: PoolDown when a rank of its pool died (the pool restarts whole).
 
 Each sender connects with its own ZMQ identity: a rank's worker name, ``heartbeat_identity`` for
@@ -124,6 +125,13 @@ class TokenDelta(_Message, kw_only=True):
     retryable: bool = False  # with error: refused before any work (e.g. draining); send it elsewhere
 
 
+class TokenDeltas(_Message, kw_only=True):
+    """Every TokenDelta a rank produced in one iteration of its loop, in order: one message per
+    rank per step instead of one per request per token."""
+
+    deltas: list[TokenDelta]
+
+
 class Heartbeat(_Message, kw_only=True):
     """Sent by a rank's own thread, so a long step (or a slow machine) never looks like death."""
 
@@ -205,6 +213,7 @@ Message = (
     | LoadReport
     | KVDestination
     | TokenDelta
+    | TokenDeltas
     | PoolDown
     | Heartbeat
     | Deregister

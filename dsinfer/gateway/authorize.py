@@ -22,6 +22,7 @@ from dsinfer.base.protocol import (
     PoolDown,
     Register,
     TokenDelta,
+    TokenDeltas,
     heartbeat_identity,
     launcher_of,
 )
@@ -50,8 +51,8 @@ def refusal(sender: str, message: Message, registry: WorkerRegistry) -> str | No
         if launcher_of(sender) == pool or (info is not None and info.pool_key == pool):
             return None
         return f"it is no launcher or rank of {message.role} pool {message.pool}"
-    if isinstance(message, TokenDelta):
-        return None  # the router checks the choice's ranks
+    if isinstance(message, TokenDelta | TokenDeltas):
+        return None  # the router checks each choice's ranks
     return "ranks do not send it to the gateway"
 
 

@@ -46,6 +46,7 @@ from dsinfer.base.protocol import (
     PrefillRequest,
     Register,
     TokenDelta,
+    TokenDeltas,
     WorkerRequest,
 )
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
@@ -234,7 +235,10 @@ class Router:
         if reason is not None:
             self._refusals.refused(sender, message, reason)
             return
-        if isinstance(message, TokenDelta):
+        if isinstance(message, TokenDeltas):
+            for delta in message.deltas:
+                self._on_delta(sender, delta)
+        elif isinstance(message, TokenDelta):
             self._on_delta(sender, message)
         elif isinstance(message, LoadReport):
             self.pools.report(message, now)

@@ -120,6 +120,7 @@ class RequestRun:
                 skip_special_tokens=prepared.params.skip_special_tokens,
                 include_stop_str=prepared.include_stop_str,
                 reasoning=make_reasoning_parser(parser, prepared.thinking),
+                incremental=prepared.stream,
             )
             for _ in range(len(prepared.prompts) * self.n)
         ]

@@ -208,6 +208,7 @@ def run_rank(args: RankArgs) -> int:
                 break
             if agreed.has_work:
                 role.step(plan, agreed)
+            channel.flush()  # this iteration's token deltas, one message
             if time.monotonic() - last_report >= HEARTBEAT_INTERVAL:
                 with_load = time.monotonic() - last_expert_load >= EXPERT_LOAD_INTERVAL
                 channel.send_gateway(role.load_report(with_expert_load=with_load))
