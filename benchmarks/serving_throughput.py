@@ -120,6 +120,19 @@ def role_of(cmdline: str) -> str:
     return "vllm engine core" if "python" in cmdline or "VLLM" in cmdline else "other"
 
 
+def rss_mib_by_role(tree: dict[int, str]) -> dict[str, list[float]]:
+    """Resident memory of each process of the tree, MiB, grouped by role."""
+    out: dict[str, list[float]] = {}
+    for pid, cmdline in tree.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        out.setdefault(role_of(cmdline), []).append(round(kib / 1024, 1))
+    return out
+
+
 def cpu_seconds(tree: dict[int, str]) -> dict[int, float]:
     ticks = os.sysconf("SC_CLK_TCK")
     out = {}
@@ -239,6 +252,8 @@ async def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict
                 f"[{name}] pass {i + 1}: {p['output_tok_s']:.0f} output tok/s, CPU s {p['cpu_s_by_role']}"
             )
             passes.append(p)
+        rss = rss_mib_by_role(process_tree(server.proc.pid))
+        progress(f"[{name}] resident memory after the passes, MiB: {rss}")
         expected = args.num_requests * args.output_len
         bad = [p["output_tokens"] for p in passes if p["output_tokens"] != expected]
         if bad:
@@ -247,6 +262,7 @@ async def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict
             "server": name,
             "status": "ok",
             "ready_s": ready_s,
+            "rss_mib_by_role": rss,
             "passes": passes,
             "median_output_tok_s": statistics.median(p["output_tok_s"] for p in passes),
         }
@@ -320,7 +336,8 @@ def markdown(report: dict[str, Any]) -> str:
         if r["status"] == "ok":
             mid = sorted(r["passes"], key=lambda p: p["output_tok_s"])[len(r["passes"]) // 2]
             lines.append(
-                f"- {r['server']}: {mid['cpu_s_by_role']} (wall {mid['wall_s']:.2f} s, ready after {r['ready_s']:.1f} s)"
+                f"- {r['server']}: {mid['cpu_s_by_role']} (wall {mid['wall_s']:.2f} s, ready after "
+                f"{r['ready_s']:.1f} s; resident MiB after the passes {r['rss_mib_by_role']})"
             )
     return "\n".join(lines) + "\n"
 
