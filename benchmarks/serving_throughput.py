@@ -39,7 +39,7 @@ import httpx
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from offline_throughput import git_state, machine_info, parse_cpu_list, worker_env  # noqa: E402
+from offline_throughput import git_state, machine_info, worker_env  # noqa: E402
 
 SERVERS = ("dsinfer-colocated", "dsinfer-pd", "vllm")
 VLLM_COMPILATION = json.dumps({"custom_ops": ["all", "-rotary_embedding"]})  # peers.md
@@ -67,7 +67,7 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
         cmd += ["--dtype", dtype, "--port", str(port), "--host", "127.0.0.1", "--seed", "0"]
         cmd += ["--max-model-len", str(max_len), "--max-num-seqs", str(args.num_requests)]
-        cmd += ["--compilation-config", VLLM_COMPILATION, "--disable-log-requests"]
+        cmd += ["--compilation-config", VLLM_COMPILATION]  # 0.32 logs no requests by default
         if dtype == "float32":
             cmd += ["--attention-backend", "CPU_MLA"]
         env = worker_env("vllm", args.scratch, args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
@@ -342,6 +342,33 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_report(
+    args: argparse.Namespace,
+    load_start: list[float],
+    servers: list[dict[str, Any]],
+    offline: dict[str, list[float]],
+) -> str:
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "workload": f"{args.num_requests} concurrent /v1/completions, {args.input_len} prompt tokens (ids), "
+        f"{args.output_len} output tokens, greedy, ignore_eos, not streamed, {args.dtype}; "
+        f"warm-up pass then {args.repeats} timed passes per server",
+        "machine": machine_info(args),
+        "git": git_state(),
+        "load_average_start": load_start,
+        "load_average_end": load_average(),
+        "servers": servers,
+        "offline_output_tok_s": offline,
+    }
+    text = markdown(report)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default=",".join(SERVERS))
@@ -379,32 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.scratch / "logs" / f"serving-{time.strftime('%Y%m%d-%H%M%S')}"
     log_dir.mkdir(parents=True)
     load_start = load_average()
-    servers = []
-    for name in args.servers.split(","):
-        if name not in SERVERS:
-            raise SystemExit(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
+    servers: list[dict[str, Any]] = []
+    offline: dict[str, list[float]] = {"dsinfer": [], "vllm": []}
+    names = args.servers.split(",")
+    unknown = [n for n in names if n not in SERVERS]
+    if unknown:
+        raise SystemExit(f"unknown server {unknown[0]!r}; choose from {', '.join(SERVERS)}")
+    for name in names:  # the report is rewritten after each server: a cut run keeps what it has
         servers.append(asyncio.run(run_server(name, args, log_dir)))
-    offline = run_offline(args, log_dir) if args.offline_repeats > 0 else {"dsinfer": [], "vllm": []}
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "workload": f"{args.num_requests} concurrent /v1/completions, {args.input_len} prompt tokens (ids), "
-        f"{args.output_len} output tokens, greedy, ignore_eos, not streamed, {args.dtype}; "
-        f"warm-up pass then {args.repeats} timed passes per server",
-        "machine": machine_info(args),
-        "git": git_state(),
-        "load_average_start": load_start,
-        "load_average_end": load_average(),
-        "servers": servers,
-        "offline_output_tok_s": offline,
-        "cores": parse_cpu_list(args.cores),
-    }
-    text = markdown(report)
-    print(text)
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text)
+        write_report(args, load_start, servers, offline)
+    if args.offline_repeats > 0:
+        offline.update(run_offline(args, log_dir))
+    print(write_report(args, load_start, servers, offline))
     return 0
 
 
