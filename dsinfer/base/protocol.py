@@ -10,7 +10,8 @@ Who sends what (docs/serving.md has the whole flow):
 - worker rank -> gateway (DEALER -> ROUTER at --gateway-addr): Register once per incarnation,
   then LoadReport every ``HEARTBEAT_INTERVAL`` s (it is also the heartbeat), KVDestination,
   TokenDelta; Deregister when it stops after draining.
-- launcher -> gateway: PoolDown when a rank of its pool died (the pool restarts whole).
+- launcher -> gateway: PoolDown when a rank of its pool died and the pool restarts whole;
+  RankDown when one rank of a pool of several died and the survivors serve on (elastic EP).
 - gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
   (prefill), Abort.
 - prefill rank -> decode rank (PUSH -> the decode rank's inbox): PrefillDone after its last KV
@@ -67,6 +68,7 @@ class Register(_Message, kw_only=True):
     max_model_len: int  # prompt + generated tokens a request may have on this rank
     model: str  # the served model's identity (config hash); the gateway refuses a rank whose
     # model, page_size or max_model_len differ from the ranks already registered
+    rejoined: bool = False  # a restarted rank that joined its running pool again (elastic EP)
 
 
 class LoadReport(_Message, kw_only=True):
@@ -140,6 +142,16 @@ class PoolDown(_Message, kw_only=True):
     reason: str
 
 
+class RankDown(_Message, kw_only=True):
+    """One rank of a pool of several died and the survivors serve on (elastic EP): that rank's
+    incarnation leaves rotation, its choices move to other ranks; its launcher restarts it and
+    it rejoins the pool (a new Register with ``rejoined``)."""
+
+    worker: str
+    incarnation: str
+    reason: str
+
+
 # gateway -> worker -----------------------------------------------------------------------------
 class WorkerRequest(_Message, kw_only=True):
     """Fields every request to a worker has: ``params.n == 1``, ``params.seed`` set, no stop strings."""
@@ -148,6 +160,10 @@ class WorkerRequest(_Message, kw_only=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     choice: int = 0  # index among the prompt's n choices: the sampler's key
+    # a continuation (a choice migrated from a dead rank, as its next attempt): the tokens it
+    # already delivered, prefilled after the prompt and counted as output (sampler position,
+    # penalties, max_tokens), so the tokens that follow are the undisturbed choice's
+    output_token_ids: list[int] = []
 
 
 class GenerateRequest(WorkerRequest, kw_only=True):
@@ -201,6 +217,7 @@ Message = (
     | KVDestination
     | TokenDelta
     | PoolDown
+    | RankDown
     | Heartbeat
     | Deregister
     | GenerateRequest

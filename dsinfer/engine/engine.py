@@ -161,16 +161,23 @@ class LLMEngine:
         *,
         first_choice: int = 0,
         prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """Validates and queues; raises ValueError naming the problem (nothing is queued then).
 
         The request's choices are numbered from ``first_choice``: a server that splits ``n``
         choices into ``n`` requests of one choice each passes the choice index here, so the
         counter-based sampler draws exactly what the offline engine draws for that choice.
-        ``prefill_only`` (PD prefill side) ends each choice after its first token."""
+        ``prefill_only`` (PD prefill side) ends each choice after its next token.
+        ``output_token_ids``: a continuation (a migrated choice): the tokens the choice already
+        generated elsewhere. They are prefilled after the prompt and count as output (the
+        sampler's position, penalties, ``max_tokens``), so the next token is the one the
+        undisturbed choice would have sampled."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seqs = self._new_sequences(request_id, prompt_token_ids, params, first_choice, prefill_only)
+        seqs = self._new_sequences(
+            request_id, prompt_token_ids, params, first_choice, prefill_only, output_token_ids or []
+        )
         self._requests[request_id] = (seqs, prompt)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -182,6 +189,7 @@ class LLMEngine:
         params: SamplingParams,
         first_choice: int,
         prefill_only: bool,
+        output_token_ids: list[int],
     ) -> list[Sequence]:
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
@@ -192,6 +200,15 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
+        if output_token_ids:
+            if params.n != 1:
+                raise ValueError(f"a continuation has one choice, got n={params.n}")
+            if any(not 0 <= t < vocab for t in output_token_ids):
+                raise ValueError(f"output token ids must be in [0, {vocab})")
+            if len(output_token_ids) >= max_tokens:
+                raise ValueError(
+                    f"a continuation of {len(output_token_ids)} output tokens has none left of its {max_tokens}"
+                )
         self.scheduler.check_fits(prompt_len, max_tokens)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         return [
@@ -199,10 +216,10 @@ class LLMEngine:
                 request_id=request_id,
                 choice=first_choice + i,
                 prompt_len=prompt_len,
-                token_ids=list(prompt_token_ids),
+                token_ids=[*prompt_token_ids, *output_token_ids],
                 params=params,
                 seed=seed,
-                max_tokens=1 if prefill_only else max_tokens,
+                max_tokens=len(output_token_ids) + 1 if prefill_only else max_tokens,
                 eos_ids=self.eos_ids,
                 stop_matcher=StopStringMatcher(
                     self.tokenizer, list(params.stop or []), params.skip_special_tokens
@@ -215,25 +232,34 @@ class LLMEngine:
 
     # PD decode side ------------------------------------------------------------------------
     def new_remote_prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_choice: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_choice: int = 0,
+        output_token_ids: list[int] | None = None,
     ) -> RemotePrefill:
-        """A validated one-choice request whose prompt another rank prefills: hold its pages with
+        """A validated one-choice request whose prompt (and, for a continuation, the output it
+        already has: ``add_request``) another rank prefills: hold its pages with
         ``reserve_remote_prefill``, then ``join_remote_prefill`` when the KV has arrived."""
         if params.n != 1:
             raise ValueError(f"n must be 1 for a remotely prefilled request, got {params.n}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        [seq] = self._new_sequences(request_id, prompt_token_ids, params, first_choice, False)
+        [seq] = self._new_sequences(
+            request_id, prompt_token_ids, params, first_choice, False, output_token_ids or []
+        )
         return RemotePrefill(seq)
 
     def reserve_remote_prefill(self, request: RemotePrefill) -> KVReservation | None:
-        """Pages for the whole prompt (a prefix-cache hit first), or None while seats or pages
-        are short. The pages stay reserved until joined or cancelled."""
+        """Pages for every token known so far (the prompt; a continuation's output too), a
+        prefix-cache hit first, or None while seats or pages are short. The pages stay reserved
+        until joined or cancelled."""
         seq = request._seq
-        if not self.scheduler.reserve(seq):
+        cached = self.scheduler.reserve(seq)
+        if cached is None:
             return None
-        first_page = seq.num_cached_prompt_tokens // self.page_size
-        return KVReservation(seq.num_cached_prompt_tokens, seq.pages[first_page:])
+        return KVReservation(cached, seq.pages[cached // self.page_size :])
 
     def join_remote_prefill(
         self,
@@ -243,7 +269,8 @@ class LLMEngine:
         prompt_logprobs: list[dict[int, float] | None] | None,
         draft: int | None,
     ) -> SeqUpdate:
-        """The prompt's KV has arrived: the request runs from the prefill rank's first token."""
+        """The KV has arrived: the request runs from the prefill rank's token (the first, or a
+        continuation's next)."""
         seq = request._seq
         if seq.prompt_logprobs is not None and prompt_logprobs is not None:
             seq.prompt_logprobs = list(prompt_logprobs)

@@ -75,7 +75,7 @@ class DecodeWorker(RoleWorker):
             return
         try:
             request = self.engine.new_remote_prefill(
-                msg.request_id, msg.prompt_token_ids, msg.params, msg.choice
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.choice, msg.output_token_ids
             )
         except ValueError as e:
             self.fail(msg.request_id, str(e))

@@ -78,13 +78,18 @@ class PrefillWorker(RoleWorker):
         try:
             self.backend.connect(msg.decode_agent, msg.decode_transfer_metadata)
             self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params, first_choice=msg.choice, prefill_only=True
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                first_choice=msg.choice,
+                prefill_only=True,
+                output_token_ids=msg.output_token_ids,
             )
         except (ValueError, TransferError) as e:
             self.fail(msg.request_id, str(e))
             return
         first_page = dest.num_cached_tokens // self.page_size
-        expected = self.engine.pages_for(len(msg.prompt_token_ids)) - first_page
+        expected = self.engine.pages_for(len(msg.prompt_token_ids) + len(msg.output_token_ids)) - first_page
         if len(dest.pages) != expected:
             self.engine.abort_request(msg.request_id)
             self.fail(msg.request_id, f"decode gave {len(dest.pages)} pages for {expected} to send")
@@ -112,8 +117,8 @@ class PrefillWorker(RoleWorker):
             out = self._out.get(seq.request_id)
             if out is None or out.aborted:
                 continue
-            last = seq.prompt_len if seq.end >= seq.prompt_len else seq.end
-            complete = -(-last // self.page_size) if last == seq.prompt_len else last // self.page_size
+            last = min(seq.end, seq.context_len)
+            complete = -(-last // self.page_size) if last == seq.context_len else last // self.page_size
             new = [p for p in range(out.first_page, complete) if p not in out.sent]
             if not new:
                 continue

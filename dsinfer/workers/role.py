@@ -99,7 +99,11 @@ class ColocatedWorker(RoleWorker):
                 return
             try:
                 self.engine.add_request(
-                    message.request_id, message.prompt_token_ids, message.params, first_choice=message.choice
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    first_choice=message.choice,
+                    output_token_ids=message.output_token_ids,
                 )
             except ValueError as e:
                 self.fail(message.request_id, str(e))
