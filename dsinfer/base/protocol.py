@@ -13,7 +13,7 @@ Who sends what (docs/serving.md has the whole flow):
 - launcher -> gateway: PoolDown when a rank of its pool died and the pool restarts whole;
   RankDown when one rank of a pool of several died and the survivors serve on (elastic EP).
 - gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
-  (prefill), Abort.
+  (prefill), Abort; PeerDown to decode ranks when a prefill rank died.
 - prefill rank -> decode rank (PUSH -> the decode rank's inbox): PrefillDone after its last KV
   write completed, TransferAborted once no write of an aborted transfer can still land.
 - decode rank -> prefill rank (PUSH -> the prefill rank's inbox): Abort of a transfer the decode
@@ -190,6 +190,14 @@ class Abort(_Message, kw_only=True):
     request_id: str
 
 
+class PeerDown(_Message, kw_only=True):
+    """Gateway -> decode ranks: prefill rank ``worker`` is dead (its launcher saw the process
+    exit, PoolDown or RankDown), so none of its KV writes can land any more: the fence of every
+    transfer from it, as TransferAborted is for one (sent before the rank can register again)."""
+
+    worker: str
+
+
 # prefill rank <-> decode rank ------------------------------------------------------------------
 class PrefillDone(_Message, kw_only=True):
     """Every KV write of the request has completed; decode may start from ``first_token``."""
@@ -224,6 +232,7 @@ Message = (
     | DecodeAdmit
     | PrefillRequest
     | Abort
+    | PeerDown
     | PrefillDone
     | TransferAborted
 )

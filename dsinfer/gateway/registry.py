@@ -132,6 +132,10 @@ class WorkerRegistry:
         info.healthy, info.pool_down = False, True
         return info
 
+    def live(self, role: str) -> list[str]:
+        """Ranks of ``role`` whose incarnation is not known dead (healthy or not)."""
+        return sorted(w.name for w in self.workers.values() if w.role == role and not w.pool_down)
+
     def candidates(self, role: str) -> list[str]:
         return sorted(
             w.name

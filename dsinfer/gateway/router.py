@@ -44,6 +44,7 @@ from dsinfer.base.protocol import (
     KVDestination,
     LoadReport,
     Message,
+    PeerDown,
     PoolDown,
     PrefillRequest,
     RankDown,
@@ -212,6 +213,9 @@ class Router:
         self.pools.out_of_rotation(info.name)
         for choice in [c for c in self._choices.values() if c.depends_on(info.name)]:
             self._retry_or_end(choice, reason, cause, skip=info.name if dead else None)
+        if dead and info.role == "prefill":  # after the Aborts: its transfers are fenced
+            for name in self.pools.registry.live("decode"):
+                self.control.send(name, PeerDown(worker=info.name))
 
     def _retry_or_end(self, choice: _Choice, reason: str, cause: str, skip: str | None = None) -> None:
         """Dispatch the choice again as its next attempt, a continuation of the tokens it
