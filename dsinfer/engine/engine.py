@@ -11,6 +11,9 @@ off the scheduler, the sequences, the cache and the model. That surface:
 - one step in lockstep with the pool: ``plan_step``, ``agree``, ``run_step``
   (dsinfer/engine/agreement.py); ``step_updates`` does the three for a caller that has no votes
   of its own;
+- a change of the pool's membership (elastic EP): ``expert_placement``, ``begin_regroup``
+  (stage the experts of the coming placement at step boundaries), ``regroup`` (serve it over a
+  new group);
 - ``load_report``: queue lengths, KV usage, prefix-cache statistics and expert load;
 - ``warmup``, ``close``, and what a rank registers with: ``max_model_len``, ``model_identity``.
 """
@@ -58,11 +61,13 @@ class LLMEngine:
         args: EngineArgs,
         ep_group: EPGroup | None = None,
         agreement_group: dist.ProcessGroup | None = None,
+        placement: ExpertPlacement | None = None,
     ) -> None:
         """``ep_group``: this rank's expert-parallel group (a pool of several ranks); every rank
         of it must step together (an idle rank runs an empty forward). ``agreement_group``: the
         group the per-step agreement is all-reduced over (a gloo group beside an NCCL one keeps
-        it on the host); None: ``ep_group`` itself."""
+        it on the host); None: ``ep_group`` itself. ``placement``: the expert placement over
+        ``ep_group`` (else ``args.placement``'s file, else the default layout)."""
         self.args = args
         device = resolve_device(args.device)
         bind_device(device)
@@ -77,7 +82,8 @@ class LLMEngine:
             num_mtp_layers=1 if args.speculative_mtp else 0,
             seed=args.seed,
             ep_group=ep_group,
-            placement=ExpertPlacement.load(args.placement) if args.placement is not None else None,
+            placement=placement
+            or (ExpertPlacement.load(args.placement) if args.placement is not None else None),
             num_redundant_experts=args.num_redundant_experts,
         )
         self.config, self.model = loaded.config, loaded.model
@@ -89,9 +95,9 @@ class LLMEngine:
                 min_gain=args.eplb_min_gain,
                 stage_budget=args.eplb_stage_budget,
             )
-            if ep_group is not None and args.eplb_interval > 0
+            if ep_group is not None
             else None
-        )
+        )  # online EPLB (--eplb-interval), and the expert moves of a pool's membership change
         self.tokenizer = Tokenizer.from_dir(loaded.path)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:
@@ -124,6 +130,9 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
         self._all_reduce_max: AllReduceMax | None = None
+        self._set_agreement(ep_group, agreement_group)
+
+    def _set_agreement(self, ep_group: EPGroup | None, agreement_group: dist.ProcessGroup | None) -> None:
         if agreement_group is not None:
             self._all_reduce_max = lambda t: all_reduce_in_place(t, "max", agreement_group)
         elif ep_group is not None:
@@ -333,12 +342,43 @@ class LLMEngine:
         batch = self.scheduler.schedule() if has_work else ScheduledBatch()
         votes = self.runner.vote(batch, StepVotes(has_work=has_work))
         if self.expert_balancer is not None:
-            votes = dataclasses.replace(votes, eplb_staging=self.expert_balancer.vote_staging())
+            if not has_work:
+                self.expert_balancer.idle_boundary()
+            votes = dataclasses.replace(
+                votes,
+                eplb_staging=self.expert_balancer.vote_staging(),
+                regroup_staging=self.expert_balancer.regroup_staging,
+            )
         return StepPlan(batch, votes)
 
     def agree(self, votes: StepVotes) -> StepVotes:
         """The pool's decision from every rank's votes: one all-reduce (none without a pool)."""
         return agree(votes, self._all_reduce_max)
+
+    # The pool's membership (elastic EP) ---------------------------------------------------------
+    @property
+    def expert_placement(self) -> ExpertPlacement | None:
+        """The placement the pool serves with now (None without expert parallelism)."""
+        return self.model.ep.placement if self.model.ep is not None else None
+
+    def begin_regroup(self, placement: ExpertPlacement, rank: int) -> None:
+        """Stage this rank's experts for ``placement`` (its index ``rank`` there) at the coming
+        step boundaries, a bounded share of each (its ``regroup_staging`` vote says when done)."""
+        assert self.expert_balancer is not None, "a regroup needs an expert-parallel pool"
+        self.expert_balancer.begin_regroup(placement, rank)
+
+    def regroup(
+        self,
+        ep_group: EPGroup,
+        agreement_group: dist.ProcessGroup | None,
+        placement: ExpertPlacement,
+        rank: int,
+    ) -> None:
+        """Serve ``placement`` over a new pool group from the next step on: this rank's experts
+        as staged (what is left of them staged now), its weights and KV as they are."""
+        assert self.expert_balancer is not None, "a regroup needs an expert-parallel pool"
+        self.expert_balancer.regroup(ep_group, placement, rank)
+        self._set_agreement(ep_group, agreement_group)
 
     def run_step(
         self, plan: StepPlan, agreed: StepVotes, layer_hook_for: LayerHookFor | None = None

@@ -58,6 +58,7 @@ class PrefillWorker(RoleWorker):
         self.page_size = engine.page_size
         self.page_bytes = engine.kv_page_bytes
         self._out: dict[str, _Outgoing] = {}
+        self._planned: list[tuple[_Outgoing, list[int]]] = []  # the last step's new pages per request
 
     # Messages --------------------------------------------------------------------------------
     def handle(self, message: Message, now: float) -> None:
@@ -111,8 +112,16 @@ class PrefillWorker(RoleWorker):
             if out is not None and update.finished and update.finish_reason != "abort":
                 out.done, out.forward_done_at = update, time.time()
 
+    def step_interrupted(self) -> None:
+        """Pages the interrupted step was writing are written again, every layer, when the step
+        that computes them again runs (writes already posted land the same bytes)."""
+        for out, pages in self._planned:
+            out.sent.difference_update(pages)
+        self._planned = []
+
     def _plan_writes(self, work: list[ScheduledWork]) -> LayerHook | None:
         plan: list[tuple[_Outgoing, list[int], list[int]]] = []
+        self._planned = []
         for seq in work:
             out = self._out.get(seq.request_id)
             if out is None or out.aborted:
@@ -123,6 +132,7 @@ class PrefillWorker(RoleWorker):
             if not new:
                 continue
             out.sent.update(new)
+            self._planned.append((out, new))
             src = [seq.pages[p] for p in new]
             dst = [out.msg.destination.pages[p - out.first_page] for p in new]
             plan.append((out, src, dst))
