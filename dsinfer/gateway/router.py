@@ -175,19 +175,18 @@ class Router:
             output_token_ids=list(choice.output),
         )
         now = time.monotonic()
+        # the balancers count the choice under its worker request id, the one ``_forget`` reports
+        route = dataclasses.replace(stream.route, request_id=fields["request_id"])
         if self.pools.pd_ready():
-            choice.decode_worker = self.pools.pick("decode", stream.route, now)
-            choice.prefill_worker = self.pools.pick("prefill", stream.route, now)
+            choice.decode_worker = self.pools.pick("decode", route, now)
+            choice.prefill_worker = self.pools.pick("prefill", route, now)
             prefill = self.pools.registry.get(choice.prefill_worker)
             assert prefill is not None
             choice.request = DecodeAdmit(
                 **fields, prefill_worker=choice.prefill_worker, prefill_inbox=prefill.register.inbox
             )
         else:
-            choice.decode_worker, choice.prefill_worker = (
-                self.pools.pick("colocated", stream.route, now),
-                None,
-            )
+            choice.decode_worker, choice.prefill_worker = self.pools.pick("colocated", route, now), None
             choice.request = GenerateRequest(**fields)
         self._choices[choice.request.request_id] = choice
         self.control.send(choice.decode_worker, choice.request)
