@@ -32,7 +32,6 @@ import torch.distributed as dist
 from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.protocol import LoadReport
 from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.base.stop_strings import StopStringMatcher
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
@@ -45,6 +44,7 @@ from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.sequences import SequenceFactory
 from dsinfer.engine.step import KVReservation, LayerHookFor, RemotePrefill, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
@@ -127,7 +127,14 @@ class LLMEngine:
         )
         self.runner = ModelRunner.from_args(self.model, pool, self.ops, args)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
-        self._seeds = random.Random(args.seed)
+        self._sequences = SequenceFactory(
+            self.config.vocab_size,
+            self.max_model_len,
+            self.eos_ids,
+            self.tokenizer,
+            self.scheduler.check_fits,
+            random.Random(args.seed),
+        )
         self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
         self._all_reduce_max: AllReduceMax | None = None
         self._set_agreement(ep_group, agreement_group)
@@ -184,60 +191,12 @@ class LLMEngine:
         undisturbed choice would have sampled."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seqs = self._new_sequences(
+        seqs = self._sequences(
             request_id, prompt_token_ids, params, first_choice, prefill_only, output_token_ids or []
         )
         self._requests[request_id] = (seqs, prompt)
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _new_sequences(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        first_choice: int,
-        prefill_only: bool,
-        output_token_ids: list[int],
-    ) -> list[Sequence]:
-        prompt_len = len(prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("prompt is empty")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len}")
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
-        if output_token_ids:
-            if params.n != 1:
-                raise ValueError(f"a continuation has one choice, got n={params.n}")
-            if any(not 0 <= t < vocab for t in output_token_ids):
-                raise ValueError(f"output token ids must be in [0, {vocab})")
-            if len(output_token_ids) >= max_tokens:
-                raise ValueError(
-                    f"a continuation of {len(output_token_ids)} output tokens has none left of its {max_tokens}"
-                )
-        self.scheduler.check_fits(prompt_len, max_tokens)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return [
-            Sequence(
-                request_id=request_id,
-                choice=first_choice + i,
-                prompt_len=prompt_len,
-                token_ids=[*prompt_token_ids, *output_token_ids],
-                params=params,
-                seed=seed,
-                max_tokens=len(output_token_ids) + 1 if prefill_only else max_tokens,
-                eos_ids=self.eos_ids,
-                stop_matcher=StopStringMatcher(
-                    self.tokenizer, list(params.stop or []), params.skip_special_tokens
-                )
-                if params.stop and not prefill_only
-                else None,
-            )
-            for i in range(params.n)
-        ]
 
     # PD decode side ------------------------------------------------------------------------
     def new_remote_prefill(
@@ -255,7 +214,7 @@ class LLMEngine:
             raise ValueError(f"n must be 1 for a remotely prefilled request, got {params.n}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        [seq] = self._new_sequences(
+        [seq] = self._sequences(
             request_id, prompt_token_ids, params, first_choice, False, output_token_ids or []
         )
         return RemotePrefill(seq)
