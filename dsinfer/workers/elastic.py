@@ -73,6 +73,8 @@ class ElasticPool:
         """Leave the current group (if any) and initialise ``members``' group, waiting up to
         ``timeout`` s for every member; returns this rank's EP group over it."""
         if dist.is_initialized():
+            if self.backend == "nccl":  # a communicator with a dead peer can hang its destroy (unverified)
+                dist.group.WORLD.abort()
             dist.destroy_process_group()
         wait = timedelta(seconds=timeout)
         dist.init_process_group(
