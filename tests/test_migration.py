@@ -56,34 +56,32 @@ def _expected(
     return [[(c.token_ids, c.logprobs) for c in out.outputs] for out in outs]
 
 
-def _continue(
-    engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, choice: int, output: list[int]
-) -> tuple[list[int], list[dict[int, float]]]:
-    engine.add_request(rid, prompt, params, first_choice=choice, output_token_ids=output)
-    tokens: list[int] = []
-    logprobs: list[dict[int, float]] = []
-    while engine.has_unfinished_requests():
-        for update in engine.step_updates():
-            tokens += update.new_token_ids
-            logprobs += update.new_logprobs or []
-    return tokens, logprobs
-
-
 def test_continuation_gives_the_undisturbed_tokens(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
-    """With MTP on: its draft starts again after the replayed tokens (tokens never depend on it)."""
+    """With MTP on: its draft starts again after the replayed tokens (tokens never depend on it).
+    Every continuation runs in one batch."""
     engine = LLMEngine(EngineArgs(model=str(tiny_ckpt.path), speculative_mtp=True, **ENGINE))
     try:
+        wanted: dict[str, tuple[list[int], list[dict[int, float]] | None]] = {}
         for name, params in CASES.items():
+            one = dataclasses.replace(params, n=1)
             for p, choices in enumerate(_expected(offline, params)):
                 for choice, (tokens, logprobs) in enumerate(choices):
                     split = 1 + (3 * p + choice) % (len(tokens) - 1)
-                    one = dataclasses.replace(params, n=1)
-                    got, got_lp = _continue(
-                        engine, f"{name}-{p}/{choice}~1", PROMPTS[p], one, choice, tokens[:split]
+                    rid = f"{name}-{p}/{choice}~1"
+                    engine.add_request(
+                        rid, PROMPTS[p], one, first_choice=choice, output_token_ids=tokens[:split]
                     )
-                    assert got == tokens[split:], (name, p, choice, split)
-                    if logprobs is not None:
-                        assert [set(d) for d in got_lp] == [set(d) for d in logprobs[split:]]
+                    wanted[rid] = tokens[split:], None if logprobs is None else logprobs[split:]
+        got: dict[str, list[int]] = {rid: [] for rid in wanted}
+        got_lp: dict[str, list[dict[int, float]]] = {rid: [] for rid in wanted}
+        while engine.has_unfinished_requests():
+            for update in engine.step_updates():
+                got[update.request_id] += update.new_token_ids
+                got_lp[update.request_id] += update.new_logprobs or []
+        for rid, (tokens, logprobs) in wanted.items():
+            assert got[rid] == tokens, rid
+            if logprobs is not None:
+                assert [set(d) for d in got_lp[rid]] == [set(d) for d in logprobs], rid
         assert engine.kv.num_available_pages() == engine.kv.num_pages
     finally:
         engine.close()

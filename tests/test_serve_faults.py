@@ -123,7 +123,7 @@ def _kill_and_check(
     assert len(before) == 1
     specs = mixed_specs(STREAMS, PROMPT if when_streaming else LONG_PROMPT, STREAM_TOKENS)
     expected = offline_tokens(offline, specs)
-    moved_before = _migrations(server)
+    moved_before = _migrations(server, streaming=when_streaming)
     streams = start_streams(client, specs)
     if when_streaming:
         wait_started(streams, timeout=120)
@@ -135,7 +135,9 @@ def _kill_and_check(
     assert [s.result for s in streams] == [("ok", "length")] * STREAMS, [s.result for s in streams]
     for s, want in zip(streams, expected, strict=True):
         assert s.tokens == want, s.spec
-    assert _migrations(server) > moved_before, "no choice moved: the kill cut nothing"
+    assert _migrations(server, streaming=when_streaming) > moved_before, (
+        "no choice moved: the kill cut nothing"
+    )
     # the gateway is up and routes around the dead pool
     assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
     # the pool comes back whole and serves again
@@ -152,8 +154,10 @@ def _kill_and_check(
     _wait_kv_free(server)
 
 
-def _migrations(server: Server) -> float:
-    pattern = re.compile(r"^dsinfer_choice_migrations_total{[^}]*} (\S+)$", re.MULTILINE)
+def _migrations(server: Server, *, streaming: bool) -> float:
+    """Choices moved so far (``streaming``: only those that had streamed tokens: continuations)."""
+    label = 'streaming="true"' if streaming else ""
+    pattern = re.compile(rf"^dsinfer_choice_migrations_total{{[^}}]*{label}[^}}]*}} (\S+)$", re.MULTILINE)
     return sum(float(m.group(1)) for m in pattern.finditer(server.metrics()))
 
 
