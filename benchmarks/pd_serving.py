@@ -179,6 +179,14 @@ def _descendants(root: int) -> list[tuple[int, str]]:
     return found
 
 
+def ready(base_url: str) -> bool:
+    """The gateway can serve: /ready says 200 (or /health, on commits before /ready existed)."""
+    status = httpx.get(f"{base_url}/ready", timeout=2).status_code
+    if status == 404:
+        status = httpx.get(f"{base_url}/health", timeout=2).status_code
+    return status == 200
+
+
 @dataclass
 class ServeProcess:
     argv: list[str]
@@ -218,7 +226,7 @@ class ServeProcess:
                     f"a pool restarted 3 times before the server got healthy:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                if ready(self.base_url):
                     return
             time.sleep(0.25)
         raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")

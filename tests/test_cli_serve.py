@@ -205,11 +205,16 @@ def on_term(signum, frame):
     sys.exit(0)
 
 signal.signal(signal.SIGTERM, on_term)
-info = {"pid": os.getpid(), "argv": argv, "api_key": os.environ.get("DSINFER_API_KEY")}
+info = {
+    "pid": os.getpid(), "argv": argv, "api_key": os.environ.get("DSINFER_API_KEY"),
+    "secret": os.environ.get("DSINFER_CLUSTER_SECRET"),
+}
 (out / f"{tag}.tmp").write_text(json.dumps(info))
 (out / f"{tag}.tmp").rename(out / f"{tag}.json")
-while not (out / f"die.{tag}").exists():
+die = out / f"die.{tag}"
+while not die.exists():
     time.sleep(0.02)
+die.unlink()
 sys.exit(5)
 """
 
@@ -299,8 +304,33 @@ def test_all_in_one_starts_children_with_flags_and_stops_them(
     assert f"API at http://127.0.0.1:8123/v1; pools register on control port {control}" in err
 
 
-def test_all_in_one_stops_everything_when_the_gateway_dies(tmp_path: Path, servers: list[AllInOne]) -> None:
-    server = AllInOne(tmp_path, "--colocated", "--decode-pools", "2", "--decode-pool-size", "3")
+def test_all_in_one_restarts_a_dead_gateway_and_keeps_the_pools(
+    tmp_path: Path, servers: list[AllInOne]
+) -> None:
+    server = AllInOne(tmp_path, "--colocated", "--decode-pools", "2")
+    servers.append(server)
+    pools = [server.child(f"colocated.{i}") for i in range(2)]
+    first = server.child("gateway")
+    secrets = {p["secret"] for p in [*pools, first]}  # one secret per run, for every child
+    assert len(secrets) == 1 and len(secrets.pop() or "") >= 32
+    assert not any(first["secret"] in " ".join(p["argv"]) for p in [*pools, first])
+    (server.dir / "die.gateway").write_text("")
+    wait_for(lambda: server.child("gateway")["pid"] != first["pid"], "a new gateway")
+    second = server.child("gateway")
+    assert second["argv"] == first["argv"] and second["secret"] == first["secret"]
+    assert all(alive(p["pid"]) for p in pools) and not list(server.dir.glob("*.term"))
+    server.proc.send_signal(signal.SIGTERM)
+    code, err = server.wait()
+    assert code == 0, err
+    assert "the gateway exited with code 5; restart 1/100" in err, err
+
+
+def test_all_in_one_stops_everything_when_the_gateway_dies_past_max_restarts(
+    tmp_path: Path, servers: list[AllInOne]
+) -> None:
+    server = AllInOne(
+        tmp_path, "--colocated", "--decode-pools", "2", "--decode-pool-size", "3", "--max-restarts", "0"
+    )
     servers.append(server)
     pools = [server.child(f"colocated.{i}") for i in range(2)]
     assert [flag(p["argv"], "--pool-size") for p in pools] == ["3", "3"]

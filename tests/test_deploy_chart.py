@@ -66,7 +66,8 @@ VALUES = {
 }
 # What differs between a deployment and its profile file by design: addresses, ids and the
 # checkpoint path (the chart sets them from the cluster: Services, LWS indices, the pod IP).
-DEPLOYMENT_FLAGS = ("gateway_addr", "dist_init_addr", "worker_host", "node_rank", "pool_id", "model")
+DEPLOYMENT_FLAGS = ("gateway_addr", "dist_init_addr", "worker_host", "host", "node_rank", "pool_id", "model")
+CLUSTER_SECRET = f"{RELEASE}-dsinfer-cluster-secret"
 CORE_KINDS = {"Deployment", "Service", "ConfigMap", "Secret", "Ingress", "PodDisruptionBudget"}
 
 
@@ -184,7 +185,12 @@ def container_env(
 
 
 def lws_pod_env(
-    lws: dict[str, Any], group: int, worker: int, pod_ip: str, leader_address: str
+    lws: dict[str, Any],
+    group: int,
+    worker: int,
+    pod_ip: str,
+    leader_address: str,
+    secrets: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, str]:
     """Env of pod ``worker`` of group ``group``: what LWS injects plus the container's own."""
     size = lws["spec"]["leaderWorkerTemplate"]["size"]
@@ -195,7 +201,7 @@ def lws_pod_env(
         "LWS_WORKER_INDEX": str(worker),
     }
     fields = {"status.podIP": pod_ip, LWS_GROUP_INDEX: str(group), LWS_WORKER_INDEX: str(worker)}
-    return {**injected, **container_env(container, fields, {})}
+    return {**injected, **container_env(container, fields, secrets or {})}
 
 
 def serve_argv(container: dict[str, Any], env: dict[str, str]) -> list[str]:
@@ -288,13 +294,16 @@ def test_h800_pools_are_4_node_32_rank_and_18_node_144_rank_groups(helm: Path) -
         assert flag(args, "--node-rank") == "$(DSINFER_NODE_RANK)"
         assert flag(args, "--dist-init-addr") == "$(LWS_LEADER_ADDRESS):29500"
         assert flag(args, "--worker-host") == "$(POD_IP)"
-        assert flag(args, "--gateway-addr") == f"{RELEASE}-dsinfer-gateway-internal.{NAMESPACE}.svc:8001"
+        assert flag(args, "--gateway-addr") == f"{RELEASE}-dsinfer-gateway-control.{NAMESPACE}.svc:8001"
         assert flag(args, "--num-redundant-experts") == "32"
         assert flag(args, "--transfer-backend") == "nixl"
         env = {e["name"]: e for e in container["env"]}
         assert env["DSINFER_POOL_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == LWS_GROUP_INDEX
         assert env["DSINFER_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == LWS_WORKER_INDEX
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        secret = env["DSINFER_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert secret == {"name": CLUSTER_SECRET, "key": "cluster-secret"}
+        assert "--cluster-secret-file" not in args  # the secret comes from the Secret, in the env
         resources = container["resources"]
         assert resources["limits"]["nvidia.com/gpu"] == ranks // nodes == 8
         assert resources["limits"]["hugepages-2Mi"] == "32Gi"
@@ -348,7 +357,7 @@ def test_h800_scaling_day_night_and_metrics(helm: Path) -> None:
         assert len(day["start"].split()) == len(day["end"].split()) == 5 and day["start"] != day["end"]
         zoneinfo.ZoneInfo(day["timezone"])  # an IANA zone
         prom = [t for t in triggers if t["type"] == "prometheus"]
-        assert {re.match(r"sum\((\w+)", t["metadata"]["query"]).group(1) for t in prom} == series[role]  # type: ignore[union-attr]
+        assert {re.search(r"dsinfer_\w+", t["metadata"]["query"]).group(0) for t in prom} == series[role]  # type: ignore[union-attr]
         for t in prom:
             meta = t["metadata"]
             assert set(meta) == {"serverAddress", "query", "threshold"} and float(meta["threshold"]) > 0
@@ -365,18 +374,29 @@ def test_h800_scaling_day_night_and_metrics(helm: Path) -> None:
 
 def test_h800_gateway_service_monitor_ingress_and_api_key(helm: Path) -> None:
     deploy = objects(helm, "values-h800.yaml", "Deployment")[f"{RELEASE}-dsinfer-gateway"]
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
-    container = pod_spec(deploy)["containers"][0]
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"
-    assert container["startupProbe"]["httpGet"]["path"] == "/metrics"
-    key = next(e for e in container["env"] if e["name"] == "DSINFER_API_KEY")
-    assert key["valueFrom"]["secretKeyRef"] == {"name": "dsinfer-api-key", "key": "api-key"}
+    assert deploy["spec"]["replicas"] == 2  # behind the Service, each routing to every pool
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    pod = pod_spec(deploy)
+    container = pod["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert flag(container["args"], "--host") == "$(POD_IP)"  # the pod IP, not every interface
+    assert flag(container["args"], "--drain-timeout") == "75" and pod["terminationGracePeriodSeconds"] == 90
+    env = {e["name"]: e["valueFrom"] for e in container["env"]}
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["DSINFER_API_KEY"]["secretKeyRef"] == {"name": "dsinfer-api-key", "key": "api-key"}
+    assert env["DSINFER_CLUSTER_SECRET"]["secretKeyRef"] == {"name": CLUSTER_SECRET, "key": "cluster-secret"}
     assert "--api-key" not in container["args"]  # never on a command line others can read
+    secret = objects(helm, "values-h800.yaml", "Secret")[CLUSTER_SECRET]
+    assert len(secret["stringData"]["cluster-secret"]) == 48  # made at install, kept across upgrades
     services = objects(helm, "values-h800.yaml", "Service")
     internal = services[f"{RELEASE}-dsinfer-gateway-internal"]
     assert internal["spec"]["publishNotReadyAddresses"] is True
-    assert {p["name"] for p in internal["spec"]["ports"]} == {"http", "control"}
+    assert {p["name"] for p in internal["spec"]["ports"]} == {"http"}
+    control = services[f"{RELEASE}-dsinfer-gateway-control"]["spec"]  # one address per replica
+    assert control["clusterIP"] == "None" and control["publishNotReadyAddresses"] is True
+    assert [p["port"] for p in control["ports"]] == [8001]
     monitor = objects(helm, "values-h800.yaml", "ServiceMonitor")[f"{RELEASE}-dsinfer-gateway"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     selected = monitor["spec"]["selector"]["matchLabels"]
@@ -389,6 +409,7 @@ def test_h800_gateway_service_monitor_ingress_and_api_key(helm: Path) -> None:
     backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": f"{RELEASE}-dsinfer-gateway", "port": {"name": "http"}}
     pdbs = objects(helm, "values-h800.yaml", "PodDisruptionBudget")
+    assert pdbs[f"{RELEASE}-dsinfer-gateway"]["spec"]["maxUnavailable"] == 1
     for role in ("prefill", "decode"):
         pdb = pdbs[f"{RELEASE}-dsinfer-{role}"]
         assert pdb["spec"]["maxUnavailable"] == 1
@@ -405,8 +426,9 @@ def test_cpu_profile_fixed_pools_and_no_cluster_extras(helm: Path) -> None:
         pod = pod_spec(obj)
         assert "hostNetwork" not in pod
         assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in pod["containers"])
-    kinds = {d["kind"] for d in _rendered(helm, "values-cpu-tiny.yaml")}
-    assert not kinds & {"ScaledObject", "ServiceMonitor", "Ingress", "Secret"}
+    docs = _rendered(helm, "values-cpu-tiny.yaml")
+    assert not {d["kind"] for d in docs} & {"ScaledObject", "ServiceMonitor", "Ingress"}
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [CLUSTER_SECRET]  # no API key
 
 
 # Every rendered command through dsinfer's parser, and the same flags as its profile ----------
@@ -423,16 +445,22 @@ def _profile_namespace(profile: Path, deployment: argparse.Namespace) -> argpars
 @pytest.mark.parametrize("values", list(VALUES))
 def test_rendered_commands_parse_and_match_profiles(helm: Path, values: str) -> None:
     docs = _rendered(helm, values)
-    secrets = {"dsinfer-api-key": {"api-key": "unused"}}
+    secrets = {"dsinfer-api-key": {"api-key": "unused"}, CLUSTER_SECRET: {"cluster-secret": "s" * 48}}
     commands: dict[str, list[str]] = {}
     for doc in docs:
         if doc["kind"] == "Deployment":
             container = pod_spec(doc)["containers"][0]
-            commands["gateway"] = serve_argv(container, container_env(container, {}, secrets))
+            env = container_env(container, {"status.podIP": "10.1.2.4"}, secrets)
+            commands["gateway"] = serve_argv(container, env)
         elif doc["kind"] == "LeaderWorkerSet":
             size = doc["spec"]["leaderWorkerTemplate"]["size"]
             env = lws_pod_env(
-                doc, group=1, worker=size - 1, pod_ip="10.1.2.3", leader_address="lead-1.lws.ns"
+                doc,
+                group=1,
+                worker=size - 1,
+                pod_ip="10.1.2.3",
+                leader_address="lead-1.lws.ns",
+                secrets=secrets,
             )
             container = pod_spec(doc)["containers"][0]
             commands[flag(container["args"], "--role")] = serve_argv(container, env)

@@ -2,16 +2,18 @@
 that leaves by the scaling path (its pods get SIGTERM) drains and deregisters before it stops,
 with no request failing.
 
-`helm template` of values-cpu-tiny.yaml gives a gateway Deployment, 1 prefill pool (1 rank, 1
-pod) and 2 decode pools (LeaderWorkerSet groups of 2 pods, 1 rank each). Each pod becomes one
-process started from its container's command and args exactly as rendered, with its environment
-made as the kubelet and LWS would make it (downward-API fields, Secret keys, LWS_* variables) and
-$(VAR) references expanded. Only host/port bindings are rewritten, because this machine has one
-network namespace and no cluster DNS:
+`helm template` of values-cpu-tiny.yaml gives a gateway Deployment of 2 replicas, 1 prefill pool
+(1 rank, 1 pod) and 2 decode pools (LeaderWorkerSet groups of 2 pods, 1 rank each). Each pod
+becomes one process started from its container's command and args exactly as rendered, with its
+environment made as the kubelet and LWS would make it (downward-API fields, Secret keys, the
+cluster secret included, LWS_* variables) and $(VAR) references expanded. Only ports and names
+are rewritten, because this machine has one network namespace and no cluster DNS:
 
-- gateway `--host 0.0.0.0` -> `127.0.0.1` (tests listen on loopback only);
-- gateway `--port` and `--control-port` -> free ports (8000/8001 may be taken here);
-- pools `--gateway-addr <service>.<namespace>.svc:8001` -> `127.0.0.1:<control port>`;
+- gateway replica i's pod IP ($(POD_IP), its `--host`) is `127.0.0.<i+1>` (loopback addresses);
+- gateway `--port` and `--control-port` -> free ports (8000/8001 may be taken here), the same for
+  every replica, as in a cluster;
+- pools `--gateway-addr <headless service>.<namespace>.svc:8001` (one address per replica) ->
+  `127.0.0.1:<control port>,127.0.0.2:<control port>`;
 - pools `--dist-init-addr $(LWS_LEADER_ADDRESS):29500` -> `127.0.0.1:<a free port per group>`
   (LWS_LEADER_ADDRESS stands for 127.0.0.1; in a cluster every group's leader has its own IP);
 - the pod IP ($(POD_IP), `--worker-host`) is 127.0.0.1.
@@ -76,23 +78,31 @@ class Pod:
 
 @dataclass
 class Deployment:
-    gateway: Pod
+    gateways: list[Pod]  # the replicas; pod IP 127.0.0.<i+1>
     pools: dict[tuple[str, int], list[Pod]]  # (role, group) -> pods, leader first
     port: int
 
     @property
+    def gateway(self) -> Pod:
+        return self.gateways[0]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.{i + 1}:{self.port}" for i in range(len(self.gateways))]
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.urls[0]
 
     def all_pods(self) -> list[Pod]:
-        return [self.gateway, *(p for pods in self.pools.values() for p in pods)]
+        return [*self.gateways, *(p for pods in self.pools.values() for p in pods)]
 
-    def metrics(self) -> str:
-        return httpx.get(f"{self.url}/metrics", timeout=10).text
+    def metrics(self, url: str | None = None) -> str:
+        return httpx.get(f"{url or self.url}/metrics", timeout=10).text
 
-    def healthy_workers(self) -> set[str]:
+    def healthy_workers(self, url: str | None = None) -> set[str]:
         pattern = re.compile(r'^dsinfer_worker_healthy\{[^}]*worker="([^"]+)"[^}]*\} 1\.0$', re.MULTILINE)
-        return set(pattern.findall(self.metrics()))
+        return set(pattern.findall(self.metrics(url)))
 
     def logs(self) -> str:
         return "\n".join(f"==== {p.name}\n{p.log()[-3000:]}" for p in self.all_pods())
@@ -111,13 +121,16 @@ def plan_processes(docs: list[dict[str, Any]], gateway_url_in_cluster: str) -> D
     secrets = {d["metadata"]["name"]: d.get("stringData", {}) for d in docs if d["kind"] == "Secret"}
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     container = pod_spec(deploy)["containers"][0]
-    argv = serve_argv(container, container_env(container, {}, secrets))
     port, control = free_port(), free_port()
-    assert flag(argv, "--host") == "0.0.0.0"
-    _replace_flag(argv, "--host", "127.0.0.1")
-    _replace_flag(argv, "--port", str(port))
-    _replace_flag(argv, "--control-port", str(control))
-    gateway = Pod("gateway", _local_python(argv), container_env(container, {}, secrets))
+    gateways = []
+    for replica in range(deploy["spec"]["replicas"]):
+        env = container_env(container, {"status.podIP": f"127.0.0.{replica + 1}"}, secrets)
+        argv = serve_argv(container, env)
+        assert flag(argv, "--host") == f"127.0.0.{replica + 1}"  # its pod IP
+        _replace_flag(argv, "--port", str(port))
+        _replace_flag(argv, "--control-port", str(control))
+        gateways.append(Pod(f"gateway-{replica}", _local_python(argv), env))
+    control_addrs = ",".join(f"127.0.0.{i + 1}:{control}" for i in range(len(gateways)))
     pools: dict[tuple[str, int], list[Pod]] = {}
     for lws in (d for d in docs if d["kind"] == "LeaderWorkerSet"):
         size = lws["spec"]["leaderWorkerTemplate"]["size"]
@@ -139,8 +152,8 @@ def plan_processes(docs: list[dict[str, Any]], gateway_url_in_cluster: str) -> D
                     **container_env(container, fields, secrets),
                 }
                 argv = serve_argv(container, env)
-                assert flag(argv, "--gateway-addr").endswith(":8001")
-                _replace_flag(argv, "--gateway-addr", f"127.0.0.1:{control}")
+                assert flag(argv, "--gateway-addr").endswith("-gateway-control.llm.svc:8001")
+                _replace_flag(argv, "--gateway-addr", control_addrs)
                 if "--dist-init-addr" in argv:
                     assert flag(argv, "--dist-init-addr") == "127.0.0.1:29500"
                     _replace_flag(argv, "--dist-init-addr", f"127.0.0.1:{dist_port}")
@@ -155,7 +168,7 @@ def plan_processes(docs: list[dict[str, Any]], gateway_url_in_cluster: str) -> D
                 name = f"{lws['metadata']['name']}-{group}" + (f"-{worker}" if worker else "")
                 pods.append(Pod(name, _local_python(argv), env, probes))
             pools[(role, group)] = pods
-    return Deployment(gateway, pools, port)
+    return Deployment(gateways, pools, port)
 
 
 def start(pod: Pod, log_dir: Path) -> None:
@@ -220,23 +233,27 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 assert pod.process is not None
                 assert pod.process.poll() is None, f"{pod.name} exited:\n{dep.logs()}"
             with contextlib.suppress(httpx.HTTPError):
-                if expected <= dep.healthy_workers():
+                if all(expected <= dep.healthy_workers(url) for url in dep.urls):
                     break
             assert time.monotonic() < deadline, f"not all workers healthy:\n{dep.logs()}"
             time.sleep(0.5)
         yield dep
     finally:
-        stop(dep.all_pods()[1:], timeout=20)  # pools drain before the gateway goes
-        stop([dep.gateway], timeout=10)
+        stop(dep.all_pods()[len(dep.gateways) :], timeout=20)  # pools drain before the gateways go
+        stop(dep.gateways, timeout=10)
 
 
 def test_rendered_cpu_profile_serves(deployment: Deployment) -> None:
-    assert httpx.get(f"{deployment.url}/health", timeout=10).status_code == 200
-    response = complete(deployment.url, "Hello")
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["text"]
-    assert complete(deployment.url, "Hello", key=None).status_code == 401  # the key came from the Secret
+    texts = []
+    for url in deployment.urls:  # every replica routes to every pool
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+        response = complete(url, "Hello")
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and choice["text"]
+        texts.append(choice["text"])
+        assert complete(url, "Hello", key=None).status_code == 401  # the key came from the Secret
+    assert len(set(texts)) == 1  # greedy: the same tokens whichever replica took the request
     for pods in deployment.pools.values():
         for pod in pods:
             ready, live = probe(pod, "readinessProbe"), probe(pod, "livenessProbe")
@@ -290,11 +307,11 @@ def test_scaling_down_a_decode_pool_drains_deregisters_and_loses_no_request(depl
     for pod in leaving:
         log = pod.log()
         assert "draining incarnation" in log and "stopped (rank exit codes 0)" in log, log[-3000:]
-    gateway_log = deployment.gateway.log()
     stopped = max(_logged_at(pod.log(), "stopped (rank exit codes") for pod in leaving)
-    for rank in (0, 1):
-        deregistered = _logged_at(gateway_log, f"worker decode/1/{rank} deregistered (drained)")
-        assert deregistered <= stopped  # the gateway knew before the pool stopped
+    for gateway in deployment.gateways:  # every replica knew before the pool stopped
+        for rank in (0, 1):
+            deregistered = _logged_at(gateway.log(), f"worker decode/1/{rank} deregistered (drained)")
+            assert deregistered <= stopped
     metrics = deployment.metrics()
     assert 'worker="decode/1/' not in metrics
     assert {"decode/0/0", "decode/0/1", "prefill/0/0"} <= deployment.healthy_workers()

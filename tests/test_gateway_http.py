@@ -217,8 +217,11 @@ def test_models_and_health(url: str, backend: ScriptedBackend, scripted: Callabl
     models = _client(url).models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").status_code == 200
     backend.ready = False
-    assert httpx.get(f"{url}/health").status_code == 503
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "ready": False, "healthy_workers": 0}
+    not_ready = httpx.get(f"{url}/ready")  # liveness holds, readiness does not
+    assert not_ready.status_code == 503 and int(not_ready.headers["retry-after"]) >= 1
 
 
 def test_backend_refusals(url: str, backend: ScriptedBackend, scripted: Callable[..., None]) -> None:
@@ -227,10 +230,9 @@ def test_backend_refusals(url: str, backend: ScriptedBackend, scripted: Callable
     _check_error(response, 429)
     assert response.headers["retry-after"] == "4"
     backend.refuse = Unavailable("no healthy decode worker")
-    error = _check_error(
-        httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}), 503
-    )
-    assert "decode" in error["message"]
+    response = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert "decode" in _check_error(response, 503)["message"]
+    assert int(response.headers["retry-after"]) >= 1
 
 
 def test_worker_error(url: str, scripted: Callable[..., None], tokenizer: Tokenizer) -> None:

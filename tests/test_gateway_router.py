@@ -22,6 +22,7 @@ from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.router import Router
+from tests.fixtures.control import KEYS, curve_dealer
 from tests.fixtures.engine_backend import serve
 from tests.fixtures.servers import free_port
 
@@ -34,10 +35,7 @@ class FakeRank:
 
     def __init__(self, ctx: zmq.Context, control: str, worker: str, **register: object) -> None:
         self.worker = worker
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, worker.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{control}")
+        self.sock = curve_dealer(ctx, worker, control)
         fields: dict[str, object] = {
             "worker": worker, "role": "colocated", "pool": int(worker.split("/")[1]), "incarnation": "i1",
             "inbox": "tcp://127.0.0.1:1", "kv_pages_total": KV_PAGES, "page_size": PAGE,
@@ -61,7 +59,7 @@ class FakeRank:
 @pytest.fixture()
 def gateway() -> Iterator[tuple[str, str]]:
     control = f"127.0.0.1:{free_port()}"
-    router = Router(control)
+    router = Router(control, KEYS)
     tokenizer = Tokenizer.from_dir(resolve_model(None)[0])
     app = build_app(router, tokenizer, GatewayArgs(), 4096)
     with serve(app) as url:
@@ -76,7 +74,7 @@ def _wait(condition: object, timeout: float = 10.0) -> None:
 
 
 def _healthy(url: str) -> bool:
-    return httpx.get(f"{url}/health").status_code == 200
+    return httpx.get(f"{url}/ready").status_code == 200
 
 
 def test_rank_with_other_limits_is_refused_once(

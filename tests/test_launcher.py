@@ -1,5 +1,8 @@
 """The pool launcher (dsinfer.workers.launcher) with a fake rank module: restart on a rank's death
-with PoolDown to the gateway, drain on SIGTERM, max_restarts, children dying with the launcher.
+with PoolDown to the gateway (over CURVE, as the pool's launcher), drain on SIGTERM,
+max_restarts, children dying with the launcher; the ranks get the cluster secret in their
+environment (not their command line), the loopback interface for their libraries' listeners and
+a FileStore in a private directory per incarnation.
 
 Each test runs the launcher in a subprocess (it installs signal handlers) with ``fake_rank.py``
 from tmp_path on PYTHONPATH. A fake rank writes ``<incarnation>.<rank>.json`` (pid, threads),
@@ -22,9 +25,10 @@ from typing import Any
 import pytest
 import zmq
 
-from dsinfer.base.protocol import PoolDown, decode
+from dsinfer.base.protocol import PoolDown, decode, launcher_identity
 from dsinfer.workers.args import PoolArgs
 from dsinfer.workers.launcher import free_port
+from tests.fixtures.control import TEST_SECRET, curve_router
 
 TIMEOUT = 30.0
 
@@ -47,6 +51,8 @@ info = {
     "pid": os.getpid(), "rank": args["rank"], "local_rank": args["local_rank"],
     "incarnation": args["incarnation"], "omp": os.environ.get("OMP_NUM_THREADS"),
     "threads": args["pool"]["threads_per_rank"], "dist_init_addr": args["dist_init_addr"],
+    "store": args["dist_store_file"], "secret": os.environ.get("DSINFER_CLUSTER_SECRET"),
+    "argv": sys.argv, "gloo": os.environ.get("GLOO_SOCKET_IFNAME"), "ucx": os.environ.get("UCX_NET_DEVICES"),
 }
 (out / f"{tag}.tmp").write_text(json.dumps(info))
 (out / f"{tag}.tmp").rename(out / f"{tag}.json")
@@ -62,10 +68,12 @@ DRIVER = """
 import logging, sys
 from dsinfer.workers.args import PoolArgs
 from dsinfer.workers.launcher import run_pool
+from tests.fixtures.control import TEST_SECRET
 logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
 pool = PoolArgs.model_validate_json(sys.argv[1])
-sys.exit(run_pool(pool, rank_module="fake_rank", drain_timeout=float(sys.argv[2]), kill_grace=1.0))
+sys.exit(run_pool(pool, TEST_SECRET, rank_module="fake_rank", drain_timeout=float(sys.argv[2]), kill_grace=1.0))
 """
+REPO = Path(__file__).resolve().parents[1]
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
@@ -92,7 +100,7 @@ class Launcher:
         self.dir = tmp_path / "ranks"
         self.dir.mkdir()
         (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
-        pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+        pythonpath = os.pathsep.join(filter(None, [str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", DRIVER, pool.model_dump_json(), str(drain_timeout)],
             env={**os.environ, "PYTHONPATH": pythonpath, "FAKE_RANK_DIR": str(self.dir), **env},
@@ -135,13 +143,12 @@ class Launcher:
 @pytest.fixture
 def router() -> Iterator[tuple[zmq.Socket, str]]:
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock, addr, auth = curve_router(ctx)
     try:
-        yield sock, f"127.0.0.1:{port}"
+        yield sock, addr
     finally:
         sock.close()
+        auth.stop()
         ctx.term()
 
 
@@ -155,12 +162,12 @@ def launchers() -> Iterator[list[Launcher]]:
             launcher.close()
 
 
-def recv_pool_down(sock: zmq.Socket) -> PoolDown:
+def recv_pool_down(sock: zmq.Socket) -> tuple[str, PoolDown]:
     assert sock.poll(int(TIMEOUT * 1000)), "no PoolDown reached the gateway"
-    _identity, frame = sock.recv_multipart()
+    identity, frame = sock.recv_multipart()
     message = decode(frame)
     assert isinstance(message, PoolDown), message
-    return message
+    return identity.decode(), message
 
 
 def test_dead_rank_restarts_pool_and_reports_pool_down(
@@ -175,10 +182,15 @@ def test_dead_rank_restarts_pool_and_reports_pool_down(
     assert [r["rank"] for r in first] == [0, 1, 2] and [r["local_rank"] for r in first] == [0, 1, 2]
     expected_threads = max(1, (os.cpu_count() or 1) // 3)
     assert all(r["threads"] == expected_threads and r["omp"] == str(expected_threads) for r in first)
-    assert len({r["dist_init_addr"] for r in first}) == 1
+    assert all(r["secret"] == TEST_SECRET and TEST_SECRET not in " ".join(r["argv"]) for r in first)
+    assert all(r["gloo"] == "lo" and r["ucx"] == "lo" for r in first)  # --worker-host 127.0.0.1
+    store = Path(first[0]["store"])  # one FileStore, in a directory only this user can enter
+    assert {r["store"] for r in first} == {str(store)} and first[0]["dist_init_addr"] == ""
+    assert store.parent.stat().st_mode & 0o777 == 0o700
 
     (launcher.dir / f"die.{first_inc}.1").write_text("")
-    down = recv_pool_down(sock)
+    sender, down = recv_pool_down(sock)
+    assert sender == launcher_identity("decode", 2, 0)
     assert (down.role, down.pool, down.incarnation) == ("decode", 2, first_inc)
     assert down.reason == "rank 1 exited with code 3"
     for survivor in (0, 2):  # got SIGTERM, and are gone
@@ -189,6 +201,7 @@ def test_dead_rank_restarts_pool_and_reports_pool_down(
     second = launcher.incarnation(second_inc, 3)
     assert second_inc != first_inc
     assert not {r["pid"] for r in second} & {r["pid"] for r in first}
+    assert second[0]["store"] != str(store) and not store.parent.exists()  # a fresh store per start
 
     launcher.proc.send_signal(signal.SIGTERM)
     code, err = launcher.wait()

@@ -188,7 +188,7 @@ def test_decode_rank_killed_the_ep_pool_serves_on(
     os.kill(before[1], signal.SIGKILL)
     health = []
     while any(s.is_alive() for s in streams):
-        health.append(httpx.get(f"{server.base_url}/health", timeout=5).status_code)
+        health.append(httpx.get(f"{server.base_url}/ready", timeout=5).status_code)
         assert "decode/0/0" in _healthy_workers(server), "the surviving rank left rotation"
         time.sleep(0.05)
     join_streams(streams, timeout=120)
@@ -210,6 +210,7 @@ def test_decode_rank_killed_the_ep_pool_serves_on(
         assert time.monotonic() < deadline, f"rank 1 did not rejoin: {after}\n{server.log()[-3000:]}"
         time.sleep(0.5)
     assert after[0] == before[0] and after[1] != before[1], (before, after)
+    assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
 
     # a later burst runs on both decode ranks, with the offline tokens
     model = _model(client)

@@ -139,7 +139,7 @@ def _kill_and_check(
         "no choice moved: the kill cut nothing"
     )
     # the gateway is up and routes around the dead pool
-    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
     # the pool comes back whole and serves again
     _wait_workers(server, {f"{role}/0/0"}, timeout=120)
     assert server.rank_pids(role, pool=0) != before

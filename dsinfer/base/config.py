@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 PAGE_SIZE = 64  # tokens per page of the latent KV cache (FlashMLA's block size)
+# Choices of engine flags, here (no torch) so that a process that only parses them never loads torch.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # how dsinfer/model/loader.py reads a checkpoint
+EP_BACKENDS: tuple[str, ...] = ("auto", "deepep", "torch")  # dsinfer/parallel/registry.py
+TRANSFER_BACKENDS = ("nixl", "mooncake")  # dsinfer/transfer/registry.py
 FP8_BLOCK = 128  # block edge of DeepSeek's FP8 weight scales
 
 

@@ -12,6 +12,11 @@ Who sends what (docs/serving.md has the whole flow):
   TokenDelta; Deregister when it stops after draining.
 - launcher -> gateway: PoolDown when a rank of its pool died and the pool restarts whole;
   RankDown when one rank of a pool of several died and the survivors serve on (elastic EP).
+
+Each sender connects with its own ZMQ identity: a rank's worker name, ``heartbeat_identity`` for
+its heartbeat thread, ``launcher_identity`` for a pool launcher. The gateway accepts a message
+only from the identity it speaks for (dsinfer/gateway/authorize.py), and only from peers that
+passed the CURVE handshake with the cluster's keys (dsinfer/base/control_auth.py).
 - gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
   (prefill), Abort; PeerDown to decode ranks when a prefill rank died.
 - prefill rank -> decode rank (PUSH -> the decode rank's inbox): PrefillDone after its last KV
@@ -259,3 +264,23 @@ def decode(frame: bytes) -> Message:
 
 def worker_name(role: str, pool: int, rank: int) -> str:
     return f"{role}/{pool}/{rank}"
+
+
+def heartbeat_identity(worker: str) -> str:
+    """The ZMQ identity of a rank's heartbeat socket (its main socket's is the worker name)."""
+    return f"{worker}/heartbeat"
+
+
+def launcher_identity(role: str, pool: int, node_rank: int) -> str:
+    """The ZMQ identity of the launcher of one node of a pool."""
+    return f"{role}/{pool}/launcher/{node_rank}"
+
+
+def launcher_of(identity: str) -> tuple[str, int] | None:
+    """(role, pool) of a ``launcher_identity``, else None."""
+    parts = identity.split("/")
+    if len(parts) != 4 or parts[2] != "launcher" or parts[0] not in ROLES:
+        return None
+    if not (parts[1].isdigit() and parts[3].isdigit()):
+        return None
+    return parts[0], int(parts[1])

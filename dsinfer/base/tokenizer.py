@@ -9,6 +9,7 @@ encode it with ``add_special_tokens=False`` (as transformers does when it tokeni
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from datetime import datetime
@@ -32,6 +33,15 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class TokenizerError(ValueError):
     """A tokenizer directory, file or chat template that cannot be used; the message names it."""
+
+
+class ChatTemplateError(TokenizerError):
+    """The chat template refused a conversation; ``reason`` is the template's own message (no
+    server path: it may be shown to the client who sent the conversation)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -192,8 +202,21 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch entry point releases the GIL while it works (``encode`` holds it throughout),
+        # so a server tokenizing a long prompt on a thread keeps serving; same ids, no offsets.
+        ids = self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self._head + ids + self._tail if add_special_tokens else ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters of text one token can stand for, or None when no such bound
+        holds (a normalizer may shrink the text before it is split). A text longer than
+        ``n * max_token_chars`` has more than ``n`` tokens: a length check before tokenizing.
+        Vocabulary entries spell one character per byte (byte-level BPE) or per character, so
+        the longest entry bounds a token's text."""
+        if json.loads(self.backend.to_str()).get("normalizer") is not None:
+            return None
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -206,9 +229,10 @@ class Tokenizer:
     ) -> str:
         """Render a conversation; extra keyword arguments (``tools``, ``thinking``...) reach the template."""
         if self._template is None:
-            raise TokenizerError(
+            raise ChatTemplateError(
                 f"{self.origin}: no chat template "
-                f"({CHAT_TEMPLATE_FILE}, or 'chat_template' in {TOKENIZER_CONFIG_FILE})"
+                f"({CHAT_TEMPLATE_FILE}, or 'chat_template' in {TOKENIZER_CONFIG_FILE})",
+                "this model has no chat template",
             )
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
         try:
@@ -216,7 +240,7 @@ class Tokenizer:
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables, **kwargs
             )
         except jinja2.TemplateError as e:
-            raise TokenizerError(f"chat template of {self.origin}: {e}") from e
+            raise ChatTemplateError(f"chat template of {self.origin}: {e}", str(e)) from e
 
 
 class IncrementalDetokenizer:

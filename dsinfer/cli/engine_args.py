@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dsinfer.base.config import EP_BACKENDS, LOAD_FORMATS
 from dsinfer.base.presets import DEFAULT_MODEL
 from dsinfer.engine.args import INDEXER_CACHE_DTYPES, EngineArgs
-from dsinfer.model.loader import LOAD_FORMATS
-from dsinfer.parallel.registry import EP_BACKENDS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

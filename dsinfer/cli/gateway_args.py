@@ -10,7 +10,8 @@ import argparse
 import os
 from typing import Any
 
-from dsinfer.gateway.args import BALANCERS, REASONING_PARSERS, GatewayArgs
+from dsinfer.engine.args import parse_size
+from dsinfer.gateway.args import BALANCERS, MAX_REQUEST_BODY, REASONING_PARSERS, GatewayArgs
 
 API_KEY_ENV = "DSINFER_API_KEY"
 
@@ -68,6 +69,27 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         help="seconds an idle HTTP connection stays open; keep it above the idle timeout of a load "
         "balancer in front, so that the balancer closes idle connections (default: %(default)s)",
     )
+    group.add_argument(
+        "--max-request-body",
+        type=_size,
+        default=MAX_REQUEST_BODY,
+        metavar="SIZE",
+        help="largest request body (e.g. 8MiB); a larger one gets 413 while it is read (default: 8MiB)",
+    )
+    group.add_argument(
+        "--tokenizer-threads",
+        type=int,
+        default=None,
+        help="threads that template and tokenize prompts off the event loop, at least 2: prompts over "
+        "256 KiB never take the last one (default: min(8, cores))",
+    )
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def gateway_args_from(args: argparse.Namespace, **overrides: Any) -> GatewayArgs:

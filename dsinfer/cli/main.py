@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dsinfer.base.cluster_secret import SecretError
 from dsinfer.base.config import ConfigError
 from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
@@ -17,7 +18,6 @@ from dsinfer.cli.eplb import add_eplb_args
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.plan import add_plan_args
 from dsinfer.cli.serve import add_serve_args
-from dsinfer.model.loader import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsinfer.cli.plan import run_plan
 
             return run_plan(args)
-    except (CheckpointError, ConfigError, TokenizerError, FileNotFoundError, UsageError) as e:
+    except _one_line_errors() as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2
     except ValidationError as e:  # a flag pydantic refused; name it without a traceback
@@ -76,6 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dsinfer: error: {'; '.join(problems)}", file=sys.stderr)
         return 2
     return 1
+
+
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """Errors reported in one line. The checkpoint loader's only once it was imported (it
+    brings torch, which a gateway process never needs)."""
+    errors: list[type[Exception]] = [ConfigError, TokenizerError, FileNotFoundError, UsageError, SecretError]
+    loader = sys.modules.get("dsinfer.model.loader")
+    if loader is not None:
+        errors.append(loader.CheckpointError)
+    return tuple(errors)
 
 
 def _flag_error(err: Any) -> str:

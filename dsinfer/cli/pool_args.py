@@ -24,7 +24,12 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         help="HOST:PORT of the pool's torch.distributed store: rank 0's (several nodes), the launcher's "
         "(one node; default: a free port)",
     )
-    group.add_argument("--gateway-addr", default=None, help="HOST:PORT of the gateway's control socket")
+    group.add_argument(
+        "--gateway-addr",
+        default=None,
+        help="HOST:PORT of the gateway's control socket; several gateways: HOST:PORT,HOST:PORT or a "
+        "name that resolves to each (the ranks register with every one)",
+    )
     group.add_argument(
         "--worker-host",
         default="127.0.0.1",
@@ -64,7 +69,8 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout",
         type=float,
         default=DRAIN_TIMEOUT,
-        help="seconds ranks get to finish their requests on SIGTERM before SIGKILL",
+        help="SIGTERM: seconds ranks get to finish their requests before SIGKILL, and a gateway's "
+        "streams before they end with an error event",
     )
 
 

@@ -3,6 +3,11 @@
 Every flag can also come from ``--config FILE``, a YAML mapping of flag names (dashes or
 underscores) to values; flags on the command line override the file. ``--dry-run`` prints the
 layout and memory plan and exits without starting anything.
+
+A role process (``--role``) needs the cluster secret the gateway and the pools share
+(``--cluster-secret-file`` or ``$DSINFER_CLUSTER_SECRET``) and refuses to start without it; the
+all-in-one server makes one per run unless given one, and hands it to its children through
+their environment.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from dsinfer.base.cluster_secret import load_secret, missing_secret_error
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.gateway_args import add_gateway_args, gateway_args_from
@@ -39,6 +45,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", default=None, metavar="FILE", help="YAML of flag names -> values")
     parser.add_argument("--dry-run", action="store_true", help="print the layout and memory plan, then exit")
+    parser.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        metavar="FILE",
+        help="the secret the gateway and every pool share (default: $DSINFER_CLUSTER_SECRET); the "
+        "control plane accepts only processes that hold it. The all-in-one server makes its own",
+    )
     parser.add_argument(
         "--gpu-memory",
         default=None,
@@ -178,6 +191,15 @@ def pool_args_for_role(args: argparse.Namespace) -> PoolArgs:
     return pool_args_from(args, args.role, engine_args_from(args))
 
 
+def role_secret(args: argparse.Namespace) -> str:
+    """The cluster secret a role process must have (SecretError names where it comes from)."""
+    secret = load_secret(args.cluster_secret_file)
+    if secret is None:
+        what = "the gateway" if args.role == "gateway" else f"a {args.role} pool"
+        raise missing_secret_error(what)
+    return secret
+
+
 # Dispatch ----------------------------------------------------------------------------------------
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.config is not None:
@@ -194,9 +216,10 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
             print_gateway_plan(gateway)
             return 0
+        from dsinfer.base.cluster_secret import ControlKeys
         from dsinfer.gateway.server import run_gateway
 
-        return run_gateway(gateway)
+        return run_gateway(gateway, ControlKeys.from_secret(role_secret(args)))
     pool = pool_args_for_role(args)
     gpu_memory = gpu_memory_of(args)
     if args.dry_run:
@@ -208,6 +231,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         from dsinfer.cli.memory_plan import check_pool_fits
 
         check_pool_fits(pool, gpu_memory)
+    secret = role_secret(args)
     from dsinfer.workers.launcher import run_pool
 
-    return run_pool(pool, drain_timeout=args.drain_timeout)
+    return run_pool(pool, secret, drain_timeout=args.drain_timeout)

@@ -1,9 +1,13 @@
 """All-in-one ``dsinfer serve`` (no ``--role``): a gateway and its pools as child processes here.
 
 Each child is ``dsinfer serve --role ...`` with this command's flags passed through, so the
-all-in-one server runs the code paths of a cluster. Pools restart their own ranks (their
-launcher); the gateway dying, or a launcher giving up, stops everything with exit code 1.
-SIGTERM or Ctrl-C drains the pools, then stops the gateway, and exits 0.
+all-in-one server runs the code paths of a cluster. The children share a cluster secret made
+for this run (or the one given), passed in their environment, never on a command line. Pools
+restart their own ranks (their launcher); a gateway that dies is started again on the same
+ports while the pools keep running (their ranks register with the new one as soon as it is up),
+with a back-off that doubles up to 30 s and ``--max-restarts`` restarts. A launcher giving up
+stops everything with exit code 1. SIGTERM or Ctrl-C drains the pools, then stops the gateway,
+and exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dsinfer.base.cluster_secret import SECRET_ENV, generate_secret, load_secret
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
@@ -28,6 +33,9 @@ log = logging.getLogger("dsinfer.serve")
 
 CLI_MODULE = "dsinfer.cli.main"
 ANY_ADDRESS = ("", "0.0.0.0", "::")
+GATEWAY_BACKOFF = 0.5  # seconds before the first restart of a dead gateway (doubles, capped)
+MAX_BACKOFF = 30.0
+HEALTHY_RESET = 60.0  # a gateway that ran this long resets the back-off and the restart count
 
 
 @dataclass(frozen=True)
@@ -114,38 +122,45 @@ class Child:
 
 
 def children_of(
-    args: argparse.Namespace, layout: Layout, control_port: int, cli_module: str = CLI_MODULE
+    args: argparse.Namespace,
+    layout: Layout,
+    control_port: int,
+    secret: str,
+    cli_module: str = CLI_MODULE,
 ) -> list[Child]:
     """The gateway, then every pool, as ``dsinfer serve --role ...`` with this command's flags.
 
-    The API key goes through the environment, not the command line other users can read."""
+    The cluster secret and the API key go through the environment, not the command line other
+    users can read."""
     base = [sys.executable, "-m", cli_module, "--log-level", args.log_level, "serve"]
     engine = flags_of(args, actions_of(add_engine_args))
     gateway_ns = argparse.Namespace(**{**vars(args), "control_port": control_port})
     gateway_flags = flags_of(gateway_ns, actions_of(add_gateway_args), skip=("api_key",))
-    env = {**os.environ, API_KEY_ENV: args.api_key} if args.api_key else None
-    children = [Child("gateway", [*base, "--role", "gateway", *engine, *gateway_flags], env)]
+    env = {**os.environ, SECRET_ENV: secret}
+    gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
+    children = [Child("gateway", [*base, "--role", "gateway", *engine, *gateway_flags], gateway_env)]
     pool_flags = flags_of(args, actions_of(add_pool_args), skip=(*POOL_ONLY, "threads_per_rank"))
     gateway_addr = f"{connect_host(args.host)}:{control_port}"
     for spec in layout.pools:
         own = ["--role", spec.role, "--pool-id", str(spec.pool_id), "--pool-size", str(spec.size)]
         own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_per_rank)]
-        children.append(Child(spec.name, [*base, *own, *engine, *pool_flags]))
+        children.append(Child(spec.name, [*base, *own, *engine, *pool_flags], env))
     return children
 
 
 # Run and supervise -----------------------------------------------------------------------------
 def run_all_in_one(args: argparse.Namespace, *, cli_module: str = CLI_MODULE) -> int:
     layout = layout_of(args)
-    gateway = gateway_args_from(args)
     pools = pool_args_of(args, layout, "127.0.0.1:0")  # every pool is checked before anything starts
+    gateway = gateway_args_from(args)
     if args.dry_run:
         from dsinfer.cli.serve_plan import print_all_in_one_plan
 
         print_all_in_one_plan(layout, gateway, pools, gateway.control_port)
         return 0
     control_port = gateway.control_port or free_port(connect_host(gateway.host))
-    specs = children_of(args, layout, control_port, cli_module)
+    secret = load_secret(args.cluster_secret_file) or generate_secret()
+    specs = children_of(args, layout, control_port, secret, cli_module)
     signals = StopSignals()
     children: list[tuple[str, subprocess.Popen[bytes]]] = []
     try:
@@ -158,24 +173,73 @@ def run_all_in_one(args: argparse.Namespace, *, cli_module: str = CLI_MODULE) ->
             control_port,
             ", ".join(f"{name} pid {proc.pid}" for name, proc in children),
         )
-        return _supervise(children, signals, args.drain_timeout)
+        return _supervise(children, specs[0], signals, args)
     finally:
         _stop(children, args.drain_timeout)
         signals.restore()
 
 
+class _Restarts:
+    """The gateway's restart budget: a doubling back-off, reset by a long enough run."""
+
+    def __init__(self, max_restarts: int) -> None:
+        self.max_restarts, self.count, self.backoff = max_restarts, 0, GATEWAY_BACKOFF
+        self.started_at = time.monotonic()
+
+    def next_delay(self) -> float | None:
+        """Seconds to wait before the next start, or None when the budget is spent."""
+        if time.monotonic() - self.started_at >= HEALTHY_RESET:
+            self.count, self.backoff = 0, GATEWAY_BACKOFF
+        if self.count >= self.max_restarts:
+            return None
+        self.count += 1
+        delay, self.backoff = self.backoff, min(self.backoff * 2, MAX_BACKOFF)
+        return delay
+
+
 def _supervise(
-    children: list[tuple[str, subprocess.Popen[bytes]]], signals: StopSignals, drain_timeout: float
+    children: list[tuple[str, subprocess.Popen[bytes]]],
+    gateway: Child,
+    signals: StopSignals,
+    args: argparse.Namespace,
 ) -> int:
+    restarts = _Restarts(args.max_restarts)
     while signals.requested is None:
-        for name, proc in children:
+        for i, (name, proc) in enumerate(children):
             code = proc.poll()
-            if code is not None:
+            if code is None:
+                continue
+            delay = restarts.next_delay() if name == gateway.name else None
+            if delay is None:
                 print(f"dsinfer: error: {name} exited with code {code}; stopping everything", file=sys.stderr)
                 return 1
+            log.warning(
+                "all-in-one: the gateway exited with code %d; restart %d/%d in %.1f s (the pools keep running)",
+                code,
+                restarts.count,
+                restarts.max_restarts,
+                delay,
+            )
+            if not _sleep(delay, signals):
+                break
+            children[i] = (name, spawn(gateway.argv, gateway.env))
+            restarts.started_at = time.monotonic()
+            log.info("all-in-one: gateway pid %d", children[i][1].pid)
         time.sleep(POLL_INTERVAL)
-    log.info("all-in-one: stopping (pools drain for up to %.0f s, then the gateway stops)", drain_timeout)
+    log.info(
+        "all-in-one: stopping (pools drain for up to %.0f s, then the gateway stops)", args.drain_timeout
+    )
     return 0
+
+
+def _sleep(seconds: float, signals: StopSignals) -> bool:
+    """Sleep unless a stop is requested; False if one was."""
+    deadline = time.monotonic() + seconds
+    while signals.requested is None:
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 def _stop(children: list[tuple[str, subprocess.Popen[bytes]]], drain_timeout: float) -> None:

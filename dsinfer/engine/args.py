@@ -7,9 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from dsinfer.base.config import EP_BACKENDS, LOAD_FORMATS
 from dsinfer.base.kv_spec import IndexerFormat
-from dsinfer.model.loader import LOAD_FORMATS
-from dsinfer.parallel.registry import EP_BACKENDS
 
 INDEXER_CACHE_DTYPES = ("auto", "fp8", "model")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)

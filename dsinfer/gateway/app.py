@@ -1,8 +1,12 @@
-"""The gateway's HTTP app: OpenAI-compatible /v1 endpoints, /health and /metrics over a Backend.
+"""The gateway's HTTP app: OpenAI-compatible /v1 endpoints, /health, /ready and /metrics over a
+Backend.
 
 ``build_app`` keeps all state on ``app.state.gateway`` (its own Prometheus registry included)
 and starts/stops the backend in the app's lifespan. Every error a client can cause is answered
-in OpenAI's format before anything is submitted to the backend.
+in OpenAI's format before anything is submitted to the backend. Bodies are bounded while they
+are read and prompts are prepared off the event loop (dsinfer/gateway/intake.py). ``/health`` is
+liveness (the process answers), ``/ready`` readiness (pools registered, not draining); every
+503 and 429 carries Retry-After; a client that leaves is counted as status 499.
 """
 
 from __future__ import annotations
@@ -32,7 +36,17 @@ from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend
 from dsinfer.gateway.chat import ChatFormatter
 from dsinfer.gateway.completions import CompletionFormatter
-from dsinfer.gateway.errors import APIError, bad_request, error_body, server_error, timeout_error
+from dsinfer.gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
+    APIError,
+    bad_request,
+    error_body,
+    retry_after,
+    server_error,
+    timeout_error,
+    unavailable,
+)
+from dsinfer.gateway.intake import BodyLimit, BodyTooLarge, Preparer
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dsinfer.gateway.prepare import parse_body, prepare_chat, prepare_completion
@@ -74,7 +88,10 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
     if args.chat_template is not None:
         tokenizer = with_chat_template(tokenizer, args.chat_template)
     metrics = GatewayMetrics(backend.metrics_snapshot)
-    ctx = GatewayContext(backend, tokenizer, args, args.model_name(), vocab_size, metrics)
+    preparer = Preparer(args.tokenizer_pool_size())
+    ctx = GatewayContext(
+        backend, tokenizer, args, args.model_name(), vocab_size, metrics, preparer, tokenizer.max_token_chars
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,21 +101,36 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
             yield
         finally:
             await backend.stop()
+            preparer.close()
 
     app = FastAPI(title="dsinfer gateway", lifespan=lifespan)
     app.state.gateway = ctx
+    app.add_middleware(BodyLimit, limit=args.max_request_body)
     _install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            snapshot = backend.metrics_snapshot()
-        except Exception as e:
-            log.exception("backend metrics failed")
-            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
+        """Liveness: the process answers. Whether it can serve is /ready's."""
+        snapshot = backend.metrics_snapshot()
         healthy = sum(w.healthy for w in snapshot.workers)
-        body = {"status": "ok" if snapshot.ready else "unavailable", "healthy_workers": healthy}
-        return JSONResponse(body, status_code=200 if snapshot.ready else 503)
+        body = {"status": "ok", "ready": ctx.is_ready(snapshot), "healthy_workers": healthy}
+        return JSONResponse(body)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: the pools can serve requests (a prefill and a decode rank, or a colocated
+        one) and the gateway is not draining."""
+        snapshot = backend.metrics_snapshot()
+        if ctx.is_ready(snapshot):
+            return JSONResponse(
+                {"status": "ready", "healthy_workers": sum(w.healthy for w in snapshot.workers)}
+            )
+        reason = "draining" if ctx.draining else "no pool can serve requests yet"
+        return JSONResponse(
+            {"status": "unavailable", "reason": reason},
+            status_code=503,
+            headers=retry_after(UNAVAILABLE_RETRY_AFTER),
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -140,6 +172,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
 
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return exc.error.response()
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
@@ -174,10 +210,11 @@ def _request_id(request: Request, prefix: str) -> str:
 
 
 async def _generate(ctx: GatewayContext, request: Request, endpoint: str) -> Response:
-    status = 500
+    status: int | None = 500
     try:
         response = await _serve(ctx, request, endpoint)
-        status = response.status_code
+        # a stream's status is known when it ends (499 if the client left): it counts itself
+        status = None if isinstance(response, _RunStreamingResponse) else response.status_code
         return response
     except APIError as e:
         status = e.status
@@ -188,21 +225,27 @@ async def _generate(ctx: GatewayContext, request: Request, endpoint: str) -> Res
         status = CLIENT_CLOSED
         return Response(status_code=CLIENT_CLOSED)
     finally:
-        ctx.metrics.requests.labels(endpoint, str(status)).inc()
+        if status is not None:
+            ctx.metrics.requests.labels(endpoint, str(status)).inc()
 
 
 async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Response:
     arrival = time.monotonic()
     _check_auth(ctx, request)
-    body = await request.body()
-    # Tokenizing a long prompt takes milliseconds: off the event loop that streams other requests.
+    if ctx.draining:
+        raise unavailable("the gateway is shutting down; send the request again (to another replica)")
+    body = await request.body()  # at most --max-request-body bytes (BodyLimit)
+    limits, tokenizer = ctx.limits(), ctx.tokenizer
+    # Parsing, templating and tokenizing a long prompt take a while: off the event loop.
     if endpoint == "completions":
-        completion = parse_body(CompletionRequest, body)
-        prepared = await asyncio.to_thread(prepare_completion, completion, ctx.tokenizer, ctx.limits())
+        prepared = await ctx.preparer.run(
+            lambda: prepare_completion(parse_body(CompletionRequest, body), tokenizer, limits), len(body)
+        )
         request_id = _request_id(request, "cmpl")
     else:
-        chat = parse_body(ChatCompletionRequest, body)
-        prepared = await asyncio.to_thread(prepare_chat, chat, ctx.tokenizer, ctx.limits())
+        prepared = await ctx.preparer.run(
+            lambda: prepare_chat(parse_body(ChatCompletionRequest, body), tokenizer, limits), len(body)
+        )
         request_id = _request_id(request, "chatcmpl")
     if request_id in ctx.active_ids:
         raise bad_request(f"request id {request_id!r} is already in use", code="duplicate_request_id")
@@ -220,7 +263,7 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: str) -> Respon
         raise
     if prepared.stream:
         return _RunStreamingResponse(
-            run, _stream(request, run, formatter.chunks()), headers={**HEADERS, **headers}
+            ctx, endpoint, run, _stream(request, run, formatter.chunks()), headers={**HEADERS, **headers}
         )
     try:
         result = await unless_disconnected(request, run, formatter.response)
@@ -248,11 +291,19 @@ async def _stream(request: Request, run: RequestRun, chunks: AsyncIterator[str])
 
 
 class _RunStreamingResponse(StreamingResponse):
-    """Closes its run however the response ends (also when the body never started)."""
+    """Closes its run however the response ends (also when the body never started) and counts
+    the request: 200, or 499 when the client left first."""
 
-    def __init__(self, run: RequestRun, content: AsyncIterator[str], headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        ctx: GatewayContext,
+        endpoint: str,
+        run: RequestRun,
+        content: AsyncIterator[str],
+        headers: dict[str, str],
+    ) -> None:
         super().__init__(content, media_type=MEDIA_TYPE, headers=headers)
-        self.run = run
+        self.ctx, self.endpoint, self.run = ctx, endpoint, run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -262,3 +313,5 @@ class _RunStreamingResponse(StreamingResponse):
                 if not self.run.finished and self.run.outcome == "ok":
                     self.run.outcome = "client gone"
                 await self.run.close()
+            status = CLIENT_CLOSED if self.run.outcome == "client gone" else self.status_code
+            self.ctx.metrics.requests.labels(self.endpoint, str(status)).inc()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -10,6 +11,7 @@ from dsinfer.base.presets import resolve_model
 from dsinfer.gateway.reasoning import PARSERS as REASONING_PARSERS
 
 BALANCERS = ("load", "round_robin")
+MAX_REQUEST_BODY = 8 * 2**20  # bytes: a context's worth of prompt (token ids included) with room
 
 
 class GatewayArgs(BaseModel):
@@ -32,6 +34,9 @@ class GatewayArgs(BaseModel):
     # on a connection just as the server closes it gets "disconnected without a response", so the
     # server should be the side that waits longer; uvicorn's own default is 5 s.
     http_keep_alive: float = 75.0
+    max_request_body: int = MAX_REQUEST_BODY  # bytes; a larger body gets 413 while it is read
+    tokenizer_threads: int | None = None  # None = min(8, cores): templating and tokenizing off the loop
+    drain_timeout: float = 30.0  # SIGTERM: seconds running streams get before they end in an error
 
     @model_validator(mode="after")
     def _check(self) -> GatewayArgs:
@@ -53,6 +58,12 @@ class GatewayArgs(BaseModel):
             raise ValueError(f"http_keep_alive must be positive, got {self.http_keep_alive}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.max_request_body < 1:
+            raise ValueError(f"max_request_body must be at least 1 byte, got {self.max_request_body}")
+        if self.tokenizer_threads is not None and self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads must be at least 1, got {self.tokenizer_threads}")
+        if not self.drain_timeout > 0:
+            raise ValueError(f"drain_timeout must be positive, got {self.drain_timeout}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be at least 1, got {self.max_n}")
         if self.served_model_name is not None and not self.served_model_name.strip():
@@ -62,6 +73,9 @@ class GatewayArgs(BaseModel):
         if self.chat_template is not None and not self.chat_template.is_file():
             raise ValueError(f"chat_template {str(self.chat_template)!r} is not a file")
         return self
+
+    def tokenizer_pool_size(self) -> int:
+        return self.tokenizer_threads or min(8, os.cpu_count() or 1)
 
     def model_name(self) -> str:
         """The name clients pass as ``model``: --served-model-name, else the model directory's name."""

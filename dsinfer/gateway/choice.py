@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.stop_strings import StopStringMatcher
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.gateway.errors import without_paths
 from dsinfer.gateway.reasoning import ReasoningParser
 
 log = logging.getLogger("dsinfer.gateway")
@@ -125,7 +126,7 @@ class ChoiceState:
         self.reasoning += update.reasoning
         if ending:
             self.finish_reason = update.finish_reason = delta.finish_reason or "abort"
-            self.error = update.error = delta.error
+            self.error = update.error = None if delta.error is None else without_paths(delta.error)
         return update
 
     def _safe_text(self) -> str:

@@ -1,7 +1,10 @@
 """The gateway's control socket: one ZMQ ROUTER bound at the control address (the pools'
 ``--gateway-addr``). Every message to and from the ranks goes through it: frames in are decoded
-and handed to ``on_message``; a message the socket cannot deliver (the rank is gone, its queue
-is full) is handed to ``on_undeliverable`` with the rank's name."""
+and handed to ``on_message`` with the sender's ROUTER identity (a rank's worker name, its
+heartbeat's or its launcher's name: dsinfer/base/protocol.py); a message the socket cannot
+deliver (the rank is gone, its queue is full) is handed to ``on_undeliverable`` with the rank's
+name. The socket is a CURVE server (dsinfer/base/control_auth.py): only peers holding the
+cluster secret get through, the others are logged."""
 
 from __future__ import annotations
 
@@ -13,7 +16,11 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
+from dsinfer.base.cluster_secret import ControlKeys
+from dsinfer.base.control_auth import HANDSHAKE_EVENTS, HandshakeLog, serve_curve, start_authenticator
 from dsinfer.base.protocol import Message, decode, encode
 
 log = logging.getLogger("dsinfer.gateway")
@@ -23,32 +30,45 @@ class ControlSocket:
     def __init__(
         self,
         addr: str,
-        on_message: Callable[[Message], None],
+        keys: ControlKeys,
+        on_message: Callable[[str, Message], None],
         on_undeliverable: Callable[[str, msgspec.Struct], None],
     ) -> None:
         self.addr = addr
+        self._keys = keys
         self._on_message, self._on_undeliverable = on_message, on_undeliverable
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._auth: ThreadAuthenticator | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.handshakes = HandshakeLog(f"the control socket {addr}", server=True)
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        self._auth = start_authenticator(self._ctx, self._keys)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes its name back
+        serve_curve(self._sock, self._keys.gateway)
+        self._monitor = self._sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self._sock.bind(f"tcp://{self.addr}")
-        self._task = asyncio.create_task(self._receive())
-        log.info("control socket listening on %s", self.addr)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch_handshakes())]
+        log.info("control socket listening on %s (CURVE)", self.addr)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         if self._ctx is not None:
             self._ctx.term()
 
@@ -70,12 +90,18 @@ class ControlSocket:
             frames = await self._sock.recv_multipart()
             if len(frames) != 2:
                 continue
+            sender = frames[0].decode(errors="replace")
             try:
                 message = decode(frames[1])
             except (msgspec.DecodeError, ValueError) as e:
-                log.error("dropped an undecodable message from %r: %s", frames[0], e)
+                log.error("dropped an undecodable message from %r: %s", sender, e)
                 continue
             try:
-                self._on_message(message)
+                self._on_message(sender, message)
             except Exception:
-                log.exception("error handling %s", type(message).__name__)
+                log.exception("error handling %s from %s", type(message).__name__, sender)
+
+    async def _watch_handshakes(self) -> None:
+        assert self._monitor is not None
+        while True:
+            self.handshakes.event(await recv_monitor_message(self._monitor))

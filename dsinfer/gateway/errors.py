@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 INVALID_REQUEST = "invalid_request_error"
+UNAVAILABLE_RETRY_AFTER = 5.0  # seconds a 503 asks the client to wait (a pool restarts in seconds)
+# An absolute file path (two or more components): what a library's error may quote.
+_PATH = re.compile(r"(?<![\w:/.~-])(?:/[\w.@+~-]+){2,}/?")
 
 
 class APIError(Exception):
@@ -48,19 +52,40 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def overloaded(message: str, retry_after: float) -> APIError:
-    seconds = max(1, math.ceil(retry_after)) if math.isfinite(retry_after) else 1
+def retry_after(seconds: float) -> dict[str, str]:
+    """The Retry-After header: whole seconds, at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)) if math.isfinite(seconds) else 1)}
+
+
+def overloaded(message: str, seconds: float) -> APIError:
     return APIError(
-        429,
-        message,
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(seconds)},
+        429, message, type="rate_limit_error", code="rate_limit_exceeded", headers=retry_after(seconds)
     )
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable_error", code="service_unavailable")
+def unavailable(message: str, seconds: float = UNAVAILABLE_RETRY_AFTER) -> APIError:
+    return APIError(
+        503,
+        message,
+        type="service_unavailable_error",
+        code="service_unavailable",
+        headers=retry_after(seconds),
+    )
+
+
+def payload_too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than {limit} bytes, this server's limit (--max-request-body)",
+        code="request_too_large",
+        headers={"Connection": "close"},
+    )
+
+
+def without_paths(message: str) -> str:
+    """``message`` with any absolute file path replaced: text from a worker or a library may
+    name the server's files, which a client must not see."""
+    return _PATH.sub("<path>", message)
 
 
 def server_error(message: str) -> APIError:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.base.tokenizer import Tokenizer, TokenizerError
+from dsinfer.base.tokenizer import ChatTemplateError, Tokenizer
 from dsinfer.gateway.backend import Capacity
 from dsinfer.gateway.errors import APIError, bad_request
 from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -39,6 +39,7 @@ class Limits:
     vocab_size: int
     max_n: int
     capacity: Capacity  # what the registered pools hold: max_model_len, KV pages
+    max_token_chars: int | None = None  # the tokenizer's bound on one token's characters
 
     @property
     def max_model_len(self) -> int:
@@ -176,6 +177,19 @@ def _params_error(message: str, max_tokens_param: str, logprobs_param: str) -> A
     return bad_request(message, param=param if param.isidentifier() else None)
 
 
+def _check_chars(text: str, limits: Limits, param: str) -> None:
+    """Refuse, before tokenizing it, a text with more characters than the context can hold
+    tokens of (each token stands for at most ``max_token_chars`` characters)."""
+    per_token, limit = limits.max_token_chars, limits.max_model_len
+    if per_token is not None and len(text) > (limit - 1) * per_token:
+        raise bad_request(
+            f"the prompt has {len(text)} characters, more than this model's context length of {limit} "
+            f"tokens can hold (a token stands for at most {per_token} characters)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def _check_length(ids: list[int], params: SamplingParams, limits: Limits, max_tokens_param: str) -> None:
     _check_ids(ids, limits.vocab_size, "prompt")
     n, limit = len(ids), limits.max_model_len
@@ -238,6 +252,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Lim
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
+            _check_chars(item, limits, "prompt")
             ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             texts.append(item)
         else:
@@ -279,7 +294,7 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     return data
 
 
-def render_chat(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def render_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
@@ -291,8 +306,9 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt, **kwargs
         )
-    except TokenizerError as e:
-        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+    except ChatTemplateError as e:
+        raise bad_request(f"cannot apply the chat template: {e.reason}", param="messages") from None
+    _check_chars(text, limits, "messages")
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -316,7 +332,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, limits: Limit
         logprobs=top if req.logprobs else None,
         logprobs_param="top_logprobs",
     )
-    ids = render_chat(req, tokenizer)
+    ids = render_chat(req, tokenizer, limits)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     _check_length(ids, params, limits, max_tokens_param)

@@ -1,10 +1,12 @@
 """The gateway's Backend over worker pools: dispatch, PD pairing, retries, ending choices.
 
 A job with n choices becomes n worker requests (ids by dsinfer.base.request_id: request, choice,
-attempt) sharing one seed, with no stop strings (the gateway owns them). With healthy prefill
-and decode ranks a choice goes PD (DecodeAdmit to the decode rank the decode balancer picks;
-its KVDestination is forwarded, with the decode rank's transfer metadata, in a PrefillRequest to
-the rank the prefill balancer picks); otherwise to a colocated rank. A choice ends with its
+attempt; the request part is the client request's id and this gateway's ``instance`` tag, so
+that replicas behind one load balancer never send a rank the same id) sharing one seed, with no
+stop strings (the gateway owns them). With healthy prefill and decode ranks a choice goes PD
+(DecodeAdmit to the decode rank the decode balancer picks; its KVDestination is forwarded, with
+the decode rank's transfer metadata, in a PrefillRequest to the rank the prefill balancer
+picks); otherwise to a colocated rank. A choice ends with its
 worker's last TokenDelta, an error, an abort, or the death of a rank it depends on; the other
 rank of a PD pair is then told Abort, so every page it holds is freed (docs/serving.md has the
 protocol).
@@ -19,7 +21,9 @@ attempt that arrive late carry its old id and are dropped, so the stream has no 
 no gap. Stop strings stay the gateway's (the HTTP layer's choice state runs on).
 
 The sockets are dsinfer/gateway/control.py's; the ranks' registry, health, balancers and
-metrics are dsinfer/gateway/pools.py's.
+metrics are dsinfer/gateway/pools.py's; which sender may send what, dsinfer/gateway/authorize.py.
+A rank's token delta for a request this gateway does not know (it restarted, or the request
+ended here already) is answered with Abort, so the rank frees what it holds.
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ import contextlib
 import dataclasses
 import logging
 import random
+import secrets
 import time
 from collections.abc import AsyncIterator
 
 import msgspec
 
 from dsinfer.balancers.base import RouteRequest
+from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.protocol import (
     Abort,
     DecodeAdmit,
@@ -54,6 +60,7 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.gateway.authorize import RefusalLog, refusal
 from dsinfer.gateway.backend import BackendMetrics, Capacity, Job, MigrationStats, Unavailable
 from dsinfer.gateway.control import ControlSocket
 from dsinfer.gateway.pools import Pools
@@ -63,6 +70,7 @@ log = logging.getLogger("dsinfer.gateway")
 
 MONITOR_INTERVAL = 0.25
 MAX_MIGRATIONS = 3  # times one choice may move to another rank (--max-migrations)
+MAX_ORPHANS = 4096  # unknown request ids answered with Abort, remembered to answer each once
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,16 +126,20 @@ class Router:
     def __init__(
         self,
         control_addr: str,
+        keys: ControlKeys,
         *,
         balancer: str = "load",
         heartbeat_timeout: float | None = None,
         max_migrations: int = MAX_MIGRATIONS,
     ):
         self.pools = Pools(balancer, heartbeat_timeout)
-        self.control = ControlSocket(control_addr, self._on_message, self._undeliverable)
+        self.control = ControlSocket(control_addr, keys, self._on_message, self._undeliverable)
         self.max_migrations = max_migrations
         self.migrations = MigrationStats()
         self._choices: dict[str, _Choice] = {}  # worker request id -> choice
+        self._refusals = RefusalLog()
+        self._orphans: set[str] = set()  # unknown request ids already answered with Abort
+        self.instance = secrets.token_hex(4)  # in every worker request id this gateway sends
         self._random = random.Random()
         self._monitor_task: asyncio.Task[None] | None = None
 
@@ -136,11 +148,13 @@ class Router:
         await self.control.start()
         self._monitor_task = asyncio.create_task(self._monitor())
 
-    async def stop(self) -> None:
+    def end_all(self, reason: str) -> None:
+        """End every running choice with ``reason`` as its error (its ranks are told Abort)."""
         for choice in list(self._choices.values()):
-            self.end_choice(
-                choice, TokenDelta(request_id=choice.request.request_id, error="gateway shutting down")
-            )
+            self.end_choice(choice, TokenDelta(request_id=choice.request.request_id, error=reason))
+
+    async def stop(self) -> None:
+        self.end_all("gateway shutting down")
         if self._monitor_task is not None:
             self._monitor_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -156,7 +170,8 @@ class Router:
         route = self.pools.route_request(job.request_id, job.prompt_token_ids, job.params.max_tokens)
         stream = RouterStream(self, job, params, route)
         for i in range(job.params.n):
-            choice = _Choice(stream, i, RequestKey(job.request_id, job.first_choice + i))
+            key = RequestKey(f"{job.request_id}@{self.instance}", job.first_choice + i)
+            choice = _Choice(stream, i, key)
             stream.choices.append(choice)
             self._dispatch(choice)
         return stream
@@ -245,11 +260,15 @@ class Router:
         self._dispatch(choice)
 
     # Incoming --------------------------------------------------------------------------------
-    def _on_message(self, message: Message) -> None:
+    def _on_message(self, sender: str, message: Message) -> None:
         now = time.monotonic()
         registry = self.pools.registry
+        reason = refusal(sender, message, registry)
+        if reason is not None:
+            self._refusals.refused(sender, message, reason)
+            return
         if isinstance(message, TokenDelta):
-            self._on_delta(message)
+            self._on_delta(sender, message)
         elif isinstance(message, LoadReport):
             self.pools.report(message, now)
         elif isinstance(message, KVDestination):
@@ -279,12 +298,13 @@ class Router:
         if isinstance(message, Register | Deregister | PoolDown | RankDown):
             self.pools.announce_readiness()
 
-    def _on_delta(self, delta: TokenDelta) -> None:
+    def _on_delta(self, sender: str, delta: TokenDelta) -> None:
         choice = self._choices.get(delta.request_id)
         if choice is None:
-            with contextlib.suppress(ValueError):
-                key = parse_request_id(delta.request_id)
-                log.debug("late delta of %s choice %d attempt %d", key.request, key.choice, key.attempt)
+            self._orphan(sender, delta)
+            return
+        if sender not in choice.workers:
+            self._refusals.refused(sender, delta, f"{delta.request_id} was not sent to it")
             return
         if delta.retryable and not choice.started:
             self._retry_or_end(choice, delta.error or "refused", "refused")
@@ -302,9 +322,21 @@ class Router:
                 choice.moved_at = None
         choice.stream.put(choice, delta)
 
+    def _orphan(self, sender: str, delta: TokenDelta) -> None:
+        """A delta of no choice here: late (the choice ended) or from before this gateway started."""
+        with contextlib.suppress(ValueError):
+            key = parse_request_id(delta.request_id)
+            log.debug("late delta of %s choice %d attempt %d", key.request, key.choice, key.attempt)
+        if delta.finish_reason is not None or delta.error is not None or delta.request_id in self._orphans:
+            return
+        if len(self._orphans) >= MAX_ORPHANS:
+            self._orphans.clear()
+        self._orphans.add(delta.request_id)
+        self.control.send(sender, Abort(request_id=delta.request_id))
+
     def _on_destination(self, dest: KVDestination) -> None:
         choice = self._choices.get(dest.request_id)
-        if choice is None or choice.prefill_worker is None:
+        if choice is None or choice.prefill_worker is None or dest.worker != choice.decode_worker:
             return
         decode_info = self.pools.registry.get(dest.worker)
         if decode_info is None:

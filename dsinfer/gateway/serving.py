@@ -25,9 +25,10 @@ from starlette.requests import Request
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.args import GatewayArgs
-from dsinfer.gateway.backend import Backend, Job, JobStream, Overloaded, Unavailable
+from dsinfer.gateway.backend import Backend, BackendMetrics, Job, JobStream, Overloaded, Unavailable
 from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
 from dsinfer.gateway.errors import overloaded, server_error, unavailable
+from dsinfer.gateway.intake import Preparer
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import PromptLogprob, PromptLogprobs, PromptTokensDetails, Usage
 from dsinfer.gateway.prepare import Limits, Prepared
@@ -52,15 +53,21 @@ class GatewayContext:
     model_name: str  # what clients pass as ``model``
     vocab_size: int
     metrics: GatewayMetrics
+    preparer: Preparer  # parsing, templating and tokenizing, off the event loop
+    max_token_chars: int | None = None  # the tokenizer's bound on one token's characters
+    draining: bool = False  # SIGTERM: new requests get 503, running streams finish
     active_ids: set[str] = field(default_factory=set)
     _token_text: dict[int, str] = field(default_factory=dict)
+
+    def is_ready(self, snapshot: BackendMetrics) -> bool:
+        return snapshot.ready and not self.draining
 
     def limits(self) -> Limits:
         """The limits a request is validated against now; 503 before any pool registered."""
         capacity = self.backend.capacity()
         if capacity is None:
             raise unavailable("no worker pool has registered yet")
-        return Limits(self.model_name, self.vocab_size, self.args.max_n, capacity)
+        return Limits(self.model_name, self.vocab_size, self.args.max_n, capacity, self.max_token_chars)
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """How a logprob names a token: its own text, or ``token_id:<id>`` (vLLM's option)."""

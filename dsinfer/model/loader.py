@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from dsinfer.base.config import FP8_BLOCK, ConfigError, ModelConfig
+from dsinfer.base.config import FP8_BLOCK, LOAD_FORMATS, ConfigError, ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.model.checkpoint import (
     FP8,
@@ -44,7 +44,6 @@ from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 
 log = logging.getLogger("dsinfer.loader")
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 __all__ = ["LOAD_FORMATS", "CheckpointError", "LoadedModel", "load_model"]
 
 

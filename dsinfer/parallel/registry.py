@@ -21,14 +21,13 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from dsinfer.base.config import EP_BACKENDS
 from dsinfer.parallel.deepep import LOW_LATENCY_HIDDEN, DeepEPGroup, missing_buffer_api
 from dsinfer.parallel.ep import EPGroup, TorchEPGroup
 
 logger = logging.getLogger("dsinfer.parallel")
 
 __all__ = ["EP_BACKENDS", "deepep_unavailable", "make_ep_group"]
-
-EP_BACKENDS: tuple[str, ...] = ("auto", "deepep", "torch")
 
 
 def _import_deep_ep() -> ModuleType | str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dsinfer.base.config import TRANSFER_BACKENDS
 from dsinfer.transfer.base import TransferBackend, TransferError
 
-TRANSFER_BACKENDS = ("nixl", "mooncake")
+__all__ = ["TRANSFER_BACKENDS", "make_transfer_backend"]
 
 
 def make_transfer_backend(name: str, agent_name: str, *, host: str = "127.0.0.1") -> TransferBackend:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from dsinfer.base.config import TRANSFER_BACKENDS
 from dsinfer.base.protocol import ROLES
 from dsinfer.engine.args import EngineArgs
-from dsinfer.transfer.registry import TRANSFER_BACKENDS
 
 
 class PoolArgs(BaseModel):
@@ -79,3 +79,4 @@ class RankArgs(BaseModel):
     incarnation: str
     pool_incarnation: str = ""  # the pool start's (its keys in the launcher's store); "" = incarnation
     joining: bool = False  # restarted alone: rejoins its running pool (elastic EP)
+    dist_store_file: str | None = None  # a pool on one node: torch's FileStore here, no TCPStore

@@ -14,6 +14,13 @@ starts again under a new incarnation. SIGTERM or SIGINT to the launcher drains i
 ranks get SIGTERM, finish what they hold and exit. The back-off doubles up to 30 s; a pool that
 ran 60 s since its last restart resets it and the count of restarts.
 
+The ranks get the cluster secret in their environment (never on a command line, which any user
+can read), and the interface of the worker host for their libraries' listeners
+(dsinfer/workers/network.py). A pool on one node forms its torch.distributed group without a
+socket on any outside interface: an elastic pool through the launcher's store, which listens on
+loopback only; any other one-node pool through a FileStore in a private directory of the
+launcher's (torch's own TCPStore would listen on every interface).
+
 Children die with the launcher even when it is SIGKILLed: on Linux each child asks the kernel
 for SIGKILL on its parent's death (``PR_SET_PDEATHSIG``) between fork and exec. They also run in
 their own session, so a terminal's Ctrl-C reaches only the launcher, which stops them in order.
@@ -24,10 +31,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,9 +47,13 @@ import msgspec
 import torch.distributed as dist
 import zmq
 
-from dsinfer.base.protocol import PoolDown, RankDown, encode, worker_name
+from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
+from dsinfer.base.control_auth import connect_curve
+from dsinfer.base.protocol import PoolDown, RankDown, encode, launcher_identity, worker_name
 from dsinfer.workers.args import PoolArgs, RankArgs
+from dsinfer.workers.channel import gateway_endpoints
 from dsinfer.workers.membership import PoolStore, host_store
+from dsinfer.workers.network import rank_network_env
 
 log = logging.getLogger("dsinfer.launcher")
 
@@ -138,12 +151,18 @@ class _Start:
     store: PoolStore | None = None  # an elastic pool's membership
     incarnations: list[str] = field(default_factory=list)  # each local rank's (a restarted one: its own)
     restarting: dict[int, float] = field(default_factory=dict)  # local rank -> when it starts again
+    store_dir: str | None = None  # the FileStore's private directory (a one-node pool, not elastic)
+
+    def cleanup(self) -> None:
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 class PoolLauncher:
     def __init__(
         self,
         pool: PoolArgs,
+        secret: str,
         *,
         rank_module: str = "dsinfer.workers.rank",
         drain_timeout: float = 30.0,
@@ -159,26 +178,31 @@ class PoolLauncher:
         self._last_restart = time.monotonic()
         self._store: dist.TCPStore | None = None  # hosted for the launcher's lifetime (elastic)
         self._store_addr = ""
+        self.secret = secret
+        self.keys = ControlKeys.from_secret(secret)
+        self.network_env = rank_network_env(pool.host, os.environ)
 
     def run(self, signals: StopSignals) -> int:
         """Restarts count since the pool last ran ``HEALTHY_RESET`` s; past ``max_restarts`` -> 1."""
         if self.pool.elastic:
-            self._store_addr = self.pool.dist_init_addr or f"127.0.0.1:{free_port()}"
-            self._store = host_store(self._store_addr, STORE_TIMEOUT)
+            self._store, self._store_addr = host_store(STORE_TIMEOUT)
         while True:
             start = self._start()
             try:
                 exited = self._watch(start, signals)
             except BaseException:
                 kill(start.procs)
+                start.cleanup()
                 raise
             if exited is None:
                 self._drain(start, signals.requested)
+                start.cleanup()
                 return 0
             rank, code = exited
             reason = f"rank {rank} exited with code {code}"
             log.warning("%s: %s; stopping incarnation %s", self.name, reason, start.incarnation)
             terminate(start.procs, self.kill_grace)
+            start.cleanup()
             self._send(
                 PoolDown(
                     role=self.pool.role, pool=self.pool.pool_id, incarnation=start.incarnation, reason=reason
@@ -219,8 +243,12 @@ class PoolLauncher:
     def _start(self) -> _Start:
         pool = self.pool
         incarnation = uuid.uuid4().hex
-        dist_init_addr = self._store_addr or pool.dist_init_addr or f"127.0.0.1:{free_port()}"
+        store_dir = None
+        if self._store is None and pool.dist_init_addr is None and pool.nnodes == 1:
+            store_dir = tempfile.mkdtemp(prefix="dsinfer-pool-")  # mode 0700
+        dist_init_addr = self._store_addr or pool.dist_init_addr or ""
         start = _Start(incarnation, [], pool.node_rank * pool.ranks_per_node, dist_init_addr)
+        start.store_dir = store_dir
         if self._store is not None:
             start.store = PoolStore(self._store, incarnation)
             start.store.start(pool.pool_size)
@@ -230,6 +258,7 @@ class PoolLauncher:
                 start.incarnations.append(incarnation)
         except BaseException:
             kill(start.procs)
+            start.cleanup()
             raise
         first, procs = start.first_rank, start.procs
         log.info(
@@ -240,13 +269,13 @@ class PoolLauncher:
             first + len(procs) - 1,
             ",".join(str(p.pid) for p in procs),
             self.threads,
-            dist_init_addr,
+            dist_init_addr or f"a FileStore in {store_dir}",
         )
         return start
 
     def _spawn_rank(self, start: _Start, local: int, incarnation: str) -> subprocess.Popen[bytes]:
         resolved = self.pool.model_copy(
-            update={"threads_per_rank": self.threads, "dist_init_addr": start.dist_init_addr}
+            update={"threads_per_rank": self.threads, "dist_init_addr": start.dist_init_addr or None}
         )
         args = RankArgs(
             pool=resolved,
@@ -256,9 +285,16 @@ class PoolLauncher:
             incarnation=incarnation,
             pool_incarnation=start.incarnation,
             joining=incarnation != start.incarnation,
+            dist_store_file=None if start.store_dir is None else os.path.join(start.store_dir, "store"),
         )
         threads = str(self.threads)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "NUMBA_NUM_THREADS": threads}
+        env = {
+            **os.environ,
+            **self.network_env,
+            SECRET_ENV: self.secret,
+            "OMP_NUM_THREADS": threads,
+            "NUMBA_NUM_THREADS": threads,
+        }
         return spawn([sys.executable, "-m", self.rank_module, "--args-json", args.model_dump_json()], env)
 
     def _watch(self, start: _Start, signals: StopSignals) -> tuple[int, int] | None:
@@ -366,17 +402,22 @@ class PoolLauncher:
         return False
 
     def _send(self, struct: msgspec.Struct) -> None:
-        """PoolDown or RankDown to the gateway. Best effort: an absent gateway delays the launcher
-        by at most the linger."""
+        """PoolDown or RankDown to every gateway. Best effort: an absent one delays the launcher by
+        at most the linger."""
+        pool = self.pool
         message = encode(struct)
+        identity = launcher_identity(pool.role, pool.pool_id, pool.node_rank).encode()
         # A context per message: no ZMQ I/O thread exists while the next ranks are forked.
         ctx = zmq.Context()
         try:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, POOL_DOWN_LINGER_MS)
-            sock.connect(f"tcp://{self.pool.gateway_addr}")
-            sock.send(message, zmq.NOBLOCK)
-            sock.close()
+            for endpoint in gateway_endpoints(pool.gateway_addr):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.IDENTITY, identity)
+                sock.setsockopt(zmq.LINGER, POOL_DOWN_LINGER_MS)
+                connect_curve(sock, self.keys, self.keys.gateway)
+                sock.connect(endpoint)
+                sock.send(message, zmq.NOBLOCK)
+                sock.close()
             log.info(
                 "%s: %s sent to the gateway at %s (best effort)",
                 self.name,
@@ -393,13 +434,16 @@ class PoolLauncher:
 
 def run_pool(
     pool: PoolArgs,
+    secret: str,
     *,
     rank_module: str = "dsinfer.workers.rank",
     drain_timeout: float = 30.0,
     kill_grace: float = KILL_GRACE,
 ) -> int:
     """Run one pool's local ranks until SIGTERM/SIGINT (-> 0) or ``max_restarts`` is spent (-> 1)."""
-    launcher = PoolLauncher(pool, rank_module=rank_module, drain_timeout=drain_timeout, kill_grace=kill_grace)
+    launcher = PoolLauncher(
+        pool, secret, rank_module=rank_module, drain_timeout=drain_timeout, kill_grace=kill_grace
+    )
     signals = StopSignals()
     try:
         return launcher.run(signals)

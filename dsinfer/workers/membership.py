@@ -18,6 +18,7 @@ its own prefix:
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,12 +47,27 @@ class Membership:
         return self.ranks.index(rank)
 
 
-def host_store(addr: str, timeout: float) -> dist.TCPStore:
-    """The launcher's store, listening at ``addr`` (HOST:PORT)."""
-    host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(
-        host, int(port), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout)
+def host_store(timeout: float) -> tuple[dist.TCPStore, str]:
+    """The launcher's store and its address (HOST:PORT). It listens on loopback only (an elastic
+    pool is on one node): the socket is bound here and handed over, since torch's TCPStore would
+    bind every interface, where any host could rewrite the pool's membership."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+        master_listen_fd=listener.detach(),  # the store serves on this descriptor from now on
     )
+    return store, f"127.0.0.1:{port}"
 
 
 class PoolStore:

@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsinfer.base.cluster_secret import ControlKeys, SecretError
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.protocol import (
@@ -58,7 +59,7 @@ log = logging.getLogger("dsinfer.worker")
 
 IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
-REGISTER_EVERY = 5.0  # seconds; a restarted gateway learns the ranks again from these
+REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
 DIST_TIMEOUT = timedelta(minutes=10)  # start-up: ranks warm up (compile) at their own pace
 REFORM_TIMEOUT = 300.0  # seconds the members of a re-forming pool wait for each other
 
@@ -92,7 +93,7 @@ def build_role(
     name = worker_name(pool.role, pool.pool_id, args.rank)
     if pool.role == "colocated":
         return ColocatedWorker(engine, channel, name, args.incarnation), None
-    transfer = make_transfer_backend(pool.transfer_backend, f"{name}@{args.incarnation}")
+    transfer = make_transfer_backend(pool.transfer_backend, f"{name}@{args.incarnation}", host=pool.host)
     transfer.register_pool(engine.kv_regions())
     if pool.role == "prefill":
         return PrefillWorker(engine, channel, name, args.incarnation, transfer), transfer
@@ -151,8 +152,17 @@ def _elastic_pool(args: RankArgs, backend: str) -> ElasticPool:
     )
 
 
+def dist_init_method(args: RankArgs) -> str:
+    """A FileStore in the launcher's private directory for a pool on one node (no listening
+    socket: torch's TCPStore binds every interface), else rank 0's TCPStore."""
+    if args.dist_store_file is not None:
+        return f"file://{args.dist_store_file}"
+    return f"tcp://{args.dist_init_addr}"
+
+
 def run_rank(args: RankArgs) -> int:
     pool = args.pool
+    keys = ControlKeys.from_env()  # before the model loads: a missing secret fails at once
     threads = pool.threads_per_rank or max(1, (os.cpu_count() or 1) // pool.ranks_per_node)
     torch.set_num_threads(threads)
     name = worker_name(pool.role, pool.pool_id, args.rank)
@@ -180,7 +190,7 @@ def run_rank(args: RankArgs) -> int:
         else:
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{args.dist_init_addr}",
+                init_method=dist_init_method(args),
                 rank=args.rank,
                 world_size=pool.pool_size,
                 timeout=DIST_TIMEOUT,
@@ -211,10 +221,8 @@ def run_rank(args: RankArgs) -> int:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    channel = WorkerChannel(name, pool.gateway_addr, pool.host)
-    channel.start_heartbeat(
-        pool.gateway_addr, Heartbeat(worker=name, incarnation=args.incarnation), HEARTBEAT_INTERVAL
-    )
+    channel = WorkerChannel(name, pool.gateway_addr, pool.host, keys)
+    channel.start_heartbeat(Heartbeat(worker=name, incarnation=args.incarnation), HEARTBEAT_INTERVAL)
     role, transfer = build_role(args, engine, channel)
     register = Register(
         worker=name,
@@ -243,7 +251,7 @@ def run_rank(args: RankArgs) -> int:
     try:
         while True:
             now = time.monotonic()
-            if now - last_register >= REGISTER_EVERY:
+            if channel.gateway_connected() or now - last_register >= REGISTER_EVERY:
                 channel.send_gateway(register)
                 last_register = now
             # while the pool works, nobody makes the others wait in the next all-reduce
@@ -314,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     except PoolLost as e:
         log.error("rank leaves its pool: %s", e)
         return 1
+    except SecretError as e:
+        print(f"dsinfer: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,15 +28,37 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 
-{{/* The internal gateway Service: pools register on its control port, probes and Prometheus
-read its /metrics. It publishes the gateway before it is ready, which it only becomes once pools
-have registered through it. */}}
+{{/* The internal gateway Service: probes and Prometheus read /metrics through it. It publishes
+the gateway before it is ready, which it only becomes once pools have registered. */}}
 {{- define "dsinfer.gatewayInternal" -}}
 {{- printf "%s-gateway-internal" (include "dsinfer.fullname" .) -}}
 {{- end -}}
 
 {{- define "dsinfer.gatewayHost" -}}
 {{- printf "%s.%s.svc" (include "dsinfer.gatewayInternal" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* The headless control Service: resolves to every gateway replica; the pools' --gateway-addr. */}}
+{{- define "dsinfer.gatewayControl" -}}
+{{- printf "%s-gateway-control" (include "dsinfer.fullname" .) -}}
+{{- end -}}
+
+{{- define "dsinfer.gatewayControlAddr" -}}
+{{- printf "%s.%s.svc:%d" (include "dsinfer.gatewayControl" .) .Release.Namespace (int .Values.gateway.controlPort) -}}
+{{- end -}}
+
+{{/* The cluster secret's Secret: an existing one, or the one the chart keeps. */}}
+{{- define "dsinfer.clusterSecretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "dsinfer.fullname" .)) -}}
+{{- end -}}
+
+{{/* $DSINFER_CLUSTER_SECRET from that Secret: the gateway and every pool hold it (env entry). */}}
+{{- define "dsinfer.clusterSecretEnv" -}}
+- name: DSINFER_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "dsinfer.clusterSecretName" . }}
+      key: {{ .Values.clusterSecret.secretKey }}
 {{- end -}}
 
 {{- define "dsinfer.gatewayURL" -}}
