@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pd_serving import export_commit, git, machine_info, progress, serve, wait_ready
+from pd_serving import export_commit, git, machine_info, progress, save_report, serve, wait_ready
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
 RANKS = 3  # prefill/0/0, decode/0/0, decode/0/1
@@ -235,12 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "summary": summarize(runs),
     }
-    text = markdown(report)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    if args.markdown is not None:
-        args.markdown.write_text(text)
+    save_report(report, markdown(report), args.out, args.markdown)
     return 0
 
 

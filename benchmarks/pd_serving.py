@@ -906,6 +906,15 @@ def git(*argv: str) -> str:
     ).stdout.strip()
 
 
+def save_report(report: dict[str, Any], text: str, out: Path | None, markdown: Path | None) -> None:
+    """Print the markdown ``text`` and write it and the JSON ``report`` where asked."""
+    print(text)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    if markdown is not None:
+        markdown.write_text(text)
+
+
 def git_commit() -> str:
     """HEAD of this checkout, flagged when dsinfer's tracked files or untracked sources differ."""
     try:

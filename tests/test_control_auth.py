@@ -29,6 +29,7 @@ from dsinfer.base.protocol import (
     PrefillDone,
     Register,
     TokenDelta,
+    TokenDeltas,
     decode,
     encode,
 )
@@ -208,8 +209,12 @@ def test_a_rank_serves_every_gateway_it_is_given() -> None:
         received: list[object] = []
         _wait(lambda: received.extend(channel.receive(50)) or received, "the request")
         assert received == [request]
-        channel.send_gateway(TokenDelta(request_id="cmpl-x@b/0", token_ids=[3], finish_reason="length"))
-        assert second.poll(int(TIMEOUT * 1000)) and isinstance(decode(second.recv_multipart()[1]), TokenDelta)
+        delta = TokenDelta(request_id="cmpl-x@b/0", token_ids=[3], finish_reason="length")
+        channel.send_gateway(delta)
+        channel.flush()  # a step's deltas go as one TokenDeltas message per gateway
+        assert second.poll(int(TIMEOUT * 1000)) and decode(second.recv_multipart()[1]) == TokenDeltas(
+            deltas=[delta]
+        )
         assert routers[0][0].poll(300) == 0  # not to the other gateway
     finally:
         channel.close()

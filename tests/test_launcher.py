@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import zmq
 
@@ -174,7 +175,9 @@ def test_dead_rank_restarts_pool_and_reports_pool_down(
     tmp_path: Path, router: tuple[zmq.Socket, str], launchers: list[Launcher]
 ) -> None:
     sock, addr = router
-    pool = PoolArgs(role="decode", pool_id=2, pool_size=3, gateway_addr=addr, restart_backoff=0.1)
+    pool = PoolArgs(
+        role="decode", pool_id=2, pool_size=3, gateway_addr=addr, restart_backoff=0.1, elastic_ep=False
+    )
     launcher = Launcher(tmp_path, pool)
     launchers.append(launcher)
     first_inc = wait_for(launcher.incarnations, "the first incarnation")[0]
@@ -209,6 +212,24 @@ def test_dead_rank_restarts_pool_and_reports_pool_down(
     assert all((launcher.dir / f"{second_inc}.{r}.term").exists() for r in range(3)), err
     assert not any(alive(r["pid"]) for r in second)
     assert "draining" in err and "restart 1/100" in err, err
+
+
+def test_elastic_pool_store_listens_on_loopback_only(tmp_path: Path, launchers: list[Launcher]) -> None:
+    """An elastic pool's ranks meet on their launcher's membership store, which no other host
+    can reach (torch's TCPStore alone would listen on every interface)."""
+    pool = PoolArgs(role="decode", pool_size=2, gateway_addr=f"127.0.0.1:{free_port()}")
+    assert pool.elastic
+    launcher = Launcher(tmp_path, pool)
+    launchers.append(launcher)
+    ranks = launcher.incarnation(wait_for(launcher.incarnations, "the pool to start")[0], 2)
+    addrs = {r["dist_init_addr"] for r in ranks}
+    assert len(addrs) == 1 and all(r["store"] is None for r in ranks), ranks
+    host, port = addrs.pop().rsplit(":", 1)
+    assert host == "127.0.0.1"
+    listening = [
+        c.laddr for c in psutil.Process(launcher.proc.pid).net_connections("inet") if c.status == "LISTEN"
+    ]
+    assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", int(port))], listening
 
 
 def test_max_restarts_with_absent_gateway(tmp_path: Path, launchers: list[Launcher]) -> None:

@@ -65,12 +65,20 @@ class Harness:
     def send_peer(self, inbox: str, message: msgspec.Struct) -> None:
         self.wire.append((inbox, encode(message)))
 
-    def admit(self, rid: str, prompt: list[int], params: SamplingParams, choice: int = 0) -> None:
+    def admit(
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        choice: int = 0,
+        output: list[int] | None = None,
+    ) -> None:
         msg = DecodeAdmit(
             request_id=rid,
             prompt_token_ids=prompt,
             params=dataclasses.replace(params, n=1, seed=params.seed if params.seed is not None else 1234),
             choice=choice,
+            output_token_ids=output or [],
             prefill_worker="prefill/0/0",
             prefill_inbox=PREFILL_INBOX,
         )
@@ -114,6 +122,7 @@ class Harness:
                 prompt_token_ids=admit.prompt_token_ids,
                 params=admit.params,
                 choice=admit.choice,
+                output_token_ids=admit.output_token_ids,
                 destination=dest,
                 decode_inbox=DECODE_INBOX,
                 decode_agent=self.backends[1].agent_name,

@@ -11,6 +11,7 @@ import torch
 
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
+from dsinfer.parallel.elastic_placement import keep_ranks, placement_for_members
 from dsinfer.parallel.placement import FORMAT, ExpertPlacement, _packable, _pick, moe_layer_ids
 
 E = 16  # logical experts, like the tiny model
@@ -282,3 +283,39 @@ def test_for_model_deepseek_v3_prefill_layout() -> None:
     copies = [len(s) for s in p.replicas(61)]
     assert sorted(set(copies)) == [1, 2] and copies.count(2) == 32
     assert_valid(p)
+
+
+# Elastic EP ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("ranks", "redundant", "dead"), [(2, 2, 1), (2, 8, 0), (4, 0, 2), (4, 4, 0), (8, 8, 5)]
+)
+def test_keep_ranks_keeps_every_survivors_experts_and_covers_all(
+    ranks: int, redundant: int, dead: int
+) -> None:
+    current = ExpertPlacement.default([1, 2], 8 if ranks < 8 else 16, ranks, redundant)
+    kept = [r for r in range(ranks) if r != dead]
+    shrunk = keep_ranks(current, kept)
+    assert shrunk.num_ranks == ranks - 1 and shrunk.num_logical == current.num_logical
+    for layer in current.layers:
+        for new, old in enumerate(kept):
+            mine = shrunk.local_experts(layer, new)
+            assert mine[: current.slots_per_rank] == current.local_experts(layer, old)  # nothing moves
+        assert all(shrunk.replicas(layer))  # every expert has a slot (also checked at construction)
+    if redundant >= current.num_logical * (ranks - 1):  # every expert already on every survivor
+        assert shrunk.slots_per_rank == current.slots_per_rank
+
+
+def test_keep_ranks_spreads_the_orphans_and_pads_with_the_least_replicated() -> None:
+    current = ExpertPlacement(3, 6, {1: (0, 1, 2, 3, 4, 5)})
+    shrunk = keep_ranks(current, [0, 2])  # rank 1 held experts 2 and 3
+    assert shrunk.layers == {1: (0, 1, 2, 4, 5, 3)}
+    uneven = keep_ranks(ExpertPlacement(3, 6, {1: (0, 1, 2, 3, 4, 5)}), [2])
+    assert uneven.layers == {1: (4, 5, 0, 1, 2, 3)}
+    with pytest.raises(ValueError, match="not distinct ranks"):
+        keep_ranks(current, [0, 0])
+
+
+def test_placement_for_members_is_the_initial_one_when_whole() -> None:
+    initial = ExpertPlacement.default([1, 2], 8, 4, 4)
+    assert placement_for_members(initial, [0, 1, 2, 3]) is initial
+    assert placement_for_members(initial, [0, 1, 3]) == keep_ranks(initial, [0, 1, 3])

@@ -1,8 +1,10 @@
 """Faults through real processes, with two prefill pools and two decode pools (one rank each):
 a client leaving mid-stream, a decode rank killed mid-stream, a prefill rank killed while it
-prefills and writes KV. Every request ends (tokens or a clear error), the gateway stays up, the
-dead pool leaves rotation, is restarted whole by its launcher and serves again, and every KV
-page is freed on both sides."""
+prefills and writes KV. Every one of 20 streams (half greedy, half seeded at temperature 0.8)
+completes with exactly the tokens of an undisturbed run (the choices the dead rank held move to
+other ranks, those that had streamed as continuations), the gateway stays up, the dead pool
+leaves rotation, is restarted whole by its launcher and serves again, and every KV page is
+freed on both sides."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import http.client
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
@@ -18,8 +19,10 @@ import httpx
 import openai
 import pytest
 
+from dsinfer import LLM
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
+from tests.fixtures.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_started
 
 FLAGS = [
     "--dtype", "float32",
@@ -29,6 +32,8 @@ FLAGS = [
     "--decode-pools", "2",
 ]  # fmt: skip
 LONG_PROMPT = " ".join(str(i) for i in range(100))  # ~290 tokens; the checkpoint holds 512
+PROMPT = " ".join(str(i) for i in range(12))
+STREAMS, STREAM_TOKENS = 20, 48
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +41,11 @@ def server(tiny_ckpt: BuiltCheckpoint, tmp_path_factory: pytest.TempPathFactory)
     with serve(["--model", str(tiny_ckpt.path), *FLAGS], tmp_path_factory.mktemp("faults")) as s:
         _wait_workers(s, {"prefill/0/0", "prefill/1/0", "decode/0/0", "decode/1/0"}, timeout=120)
         yield s
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt: BuiltCheckpoint) -> LLM:
+    return LLM(str(tiny_ckpt.path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
@@ -74,39 +84,6 @@ def _wait_kv_free(server: Server, timeout: float = 20.0) -> None:
         time.sleep(0.5)
 
 
-def _stream_all(client: openai.OpenAI, prompt: str, max_tokens: int, results: list[object]) -> None:
-    """One streaming completion; appends 'ok' with its token count, or the error it ended with."""
-    try:
-        model = client.models.list().data[0].id
-        chunks = list(
-            client.completions.create(
-                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
-            )
-        )
-        results.append(("ok", chunks[-1].choices[0].finish_reason))
-    except openai.APIError as e:
-        results.append(("error", str(e)))
-
-
-def _concurrent(
-    client: openai.OpenAI, prompt: str, count: int, max_tokens: int
-) -> tuple[list[object], list[threading.Thread]]:
-    results: list[object] = []
-    threads = [
-        threading.Thread(target=_stream_all, args=(client, prompt, max_tokens, results)) for _ in range(count)
-    ]
-    for t in threads:
-        t.start()
-    return results, threads
-
-
-def _join(threads: list[threading.Thread], timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.1, deadline - time.monotonic()))
-        assert not t.is_alive(), "a request never ended"
-
-
 def test_idle_keep_alive_connection_is_not_closed_under_the_client(server: Server) -> None:
     """A pooled connection idle for longer than uvicorn's 5 s default still serves: a client that
     sends on it must not race the server closing it ("disconnected without a response")."""
@@ -136,29 +113,40 @@ def test_client_disconnect_frees_kv_on_both_sides(server: Server, client: openai
     _wait_kv_free(server)
 
 
-def _kill_and_check(server: Server, client: openai.OpenAI, role: str, delay: float) -> None:
+def _kill_and_check(
+    server: Server, client: openai.OpenAI, offline: LLM, role: str, *, when_streaming: bool
+) -> None:
+    """20 streams (half greedy, half seeded at temperature 0.8) while ``role`` pool 0's rank is
+    killed (``when_streaming``: once every stream delivered tokens; else while the prefills and
+    their KV writes run): every one completes with the undisturbed run's tokens."""
     before = server.rank_pids(role, pool=0)
     assert len(before) == 1
-    results, threads = _concurrent(client, LONG_PROMPT, count=4, max_tokens=150)
-    time.sleep(delay)
+    specs = mixed_specs(STREAMS, PROMPT if when_streaming else LONG_PROMPT, STREAM_TOKENS)
+    expected = offline_tokens(offline, specs)
+    moved_before = _migrations(server, streaming=when_streaming)
+    streams = start_streams(client, specs)
+    if when_streaming:
+        wait_started(streams, timeout=120)
+        assert all(s.result is None for s in streams), "streams ended before the kill: make them longer"
+    else:
+        time.sleep(0.3)
     os.kill(before[0], signal.SIGKILL)
-    _join(threads)
-    assert len(results) == 4
-    errors = [r for r in results if r[0] == "error"]
-    assert all(r[1] == "length" for r in results if r[0] == "ok")
-    assert all(role in r[1] or "went down" in r[1] or "restarted" in r[1] for r in errors), errors
+    join_streams(streams, timeout=180)
+    assert [s.result for s in streams] == [("ok", "length")] * STREAMS, [s.result for s in streams]
+    for s, want in zip(streams, expected, strict=True):
+        assert s.tokens == want, s.spec
+    assert _migrations(server, streaming=when_streaming) > moved_before, (
+        "no choice moved: the kill cut nothing"
+    )
     # the gateway is up and routes around the dead pool
     assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
-    after_kill, threads = _concurrent(client, "hello", count=2, max_tokens=5)
-    _join(threads)
-    assert [r[0] for r in after_kill] == ["ok", "ok"], after_kill
     # the pool comes back whole and serves again
     _wait_workers(server, {f"{role}/0/0"}, timeout=120)
     assert server.rank_pids(role, pool=0) != before
     served = _metric(server.metrics(), "dsinfer_worker_prompt_tokens_total").get(f"{role}/0/0", 0.0)
-    results, threads = _concurrent(client, "a b c d", count=4, max_tokens=4)
-    _join(threads)
-    assert [r[0] for r in results] == ["ok"] * 4, results
+    streams = start_streams(client, mixed_specs(4, "a b c d", 4))
+    join_streams(streams, timeout=90)
+    assert [s.result for s in streams] == [("ok", "length")] * 4
     deadline = time.monotonic() + 10
     while _metric(server.metrics(), "dsinfer_worker_prompt_tokens_total").get(f"{role}/0/0", 0.0) <= served:
         assert time.monotonic() < deadline, f"restarted {role} pool 0 got no request"
@@ -166,9 +154,16 @@ def _kill_and_check(server: Server, client: openai.OpenAI, role: str, delay: flo
     _wait_kv_free(server)
 
 
-def test_decode_rank_killed_mid_stream(server: Server, client: openai.OpenAI) -> None:
-    _kill_and_check(server, client, "decode", delay=2.0)
+def _migrations(server: Server, *, streaming: bool) -> float:
+    """Choices moved so far (``streaming``: only those that had streamed tokens: continuations)."""
+    label = 'streaming="true"' if streaming else ""
+    pattern = re.compile(rf"^dsinfer_choice_migrations_total{{[^}}]*{label}[^}}]*}} (\S+)$", re.MULTILINE)
+    return sum(float(m.group(1)) for m in pattern.finditer(server.metrics()))
 
 
-def test_prefill_rank_killed_during_transfer(server: Server, client: openai.OpenAI) -> None:
-    _kill_and_check(server, client, "prefill", delay=0.3)
+def test_decode_rank_killed_mid_stream(server: Server, client: openai.OpenAI, offline: LLM) -> None:
+    _kill_and_check(server, client, offline, "decode", when_streaming=True)
+
+
+def test_prefill_rank_killed_during_transfer(server: Server, client: openai.OpenAI, offline: LLM) -> None:
+    _kill_and_check(server, client, offline, "prefill", when_streaming=False)

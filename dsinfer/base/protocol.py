@@ -9,15 +9,17 @@ Who sends what (docs/serving.md has the whole flow):
 
 - worker rank -> gateway (DEALER -> ROUTER at --gateway-addr): Register once per incarnation,
   then LoadReport every ``HEARTBEAT_INTERVAL`` s (it is also the heartbeat), KVDestination,
-  TokenDelta; Deregister when it stops after draining.
-- launcher -> gateway: PoolDown when a rank of its pool died (the pool restarts whole).
+  TokenDeltas (the iteration's TokenDelta of every request, one message per step); Deregister
+  when it stops after draining.
+- launcher -> gateway: PoolDown when a rank of its pool died and the pool restarts whole;
+  RankDown when one rank of a pool of several died and the survivors serve on (elastic EP).
 
 Each sender connects with its own ZMQ identity: a rank's worker name, ``heartbeat_identity`` for
 its heartbeat thread, ``launcher_identity`` for a pool launcher. The gateway accepts a message
 only from the identity it speaks for (dsinfer/gateway/authorize.py), and only from peers that
 passed the CURVE handshake with the cluster's keys (dsinfer/base/control_auth.py).
 - gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
-  (prefill), Abort.
+  (prefill), Abort; PeerDown to decode ranks when a prefill rank died.
 - prefill rank -> decode rank (PUSH -> the decode rank's inbox): PrefillDone after its last KV
   write completed, TransferAborted once no write of an aborted transfer can still land.
 - decode rank -> prefill rank (PUSH -> the prefill rank's inbox): Abort of a transfer the decode
@@ -72,6 +74,7 @@ class Register(_Message, kw_only=True):
     max_model_len: int  # prompt + generated tokens a request may have on this rank
     model: str  # the served model's identity (config hash); the gateway refuses a rank whose
     # model, page_size or max_model_len differ from the ranks already registered
+    rejoined: bool = False  # a restarted rank that joined its running pool again (elastic EP)
 
 
 class LoadReport(_Message, kw_only=True):
@@ -124,6 +127,13 @@ class TokenDelta(_Message, kw_only=True):
     retryable: bool = False  # with error: refused before any work (e.g. draining); send it elsewhere
 
 
+class TokenDeltas(_Message, kw_only=True):
+    """Every TokenDelta a rank produced in one iteration of its loop, in order: one message per
+    rank per step instead of one per request per token."""
+
+    deltas: list[TokenDelta]
+
+
 class Heartbeat(_Message, kw_only=True):
     """Sent by a rank's own thread, so a long step (or a slow machine) never looks like death."""
 
@@ -145,6 +155,16 @@ class PoolDown(_Message, kw_only=True):
     reason: str
 
 
+class RankDown(_Message, kw_only=True):
+    """One rank of a pool of several died and the survivors serve on (elastic EP): that rank's
+    incarnation leaves rotation, its choices move to other ranks; its launcher restarts it and
+    it rejoins the pool (a new Register with ``rejoined``)."""
+
+    worker: str
+    incarnation: str
+    reason: str
+
+
 # gateway -> worker -----------------------------------------------------------------------------
 class WorkerRequest(_Message, kw_only=True):
     """Fields every request to a worker has: ``params.n == 1``, ``params.seed`` set, no stop strings."""
@@ -153,6 +173,10 @@ class WorkerRequest(_Message, kw_only=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     choice: int = 0  # index among the prompt's n choices: the sampler's key
+    # a continuation (a choice migrated from a dead rank, as its next attempt): the tokens it
+    # already delivered, prefilled after the prompt and counted as output (sampler position,
+    # penalties, max_tokens), so the tokens that follow are the undisturbed choice's
+    output_token_ids: list[int] = []
 
 
 class GenerateRequest(WorkerRequest, kw_only=True):
@@ -177,6 +201,14 @@ class PrefillRequest(WorkerRequest, kw_only=True):
 
 class Abort(_Message, kw_only=True):
     request_id: str
+
+
+class PeerDown(_Message, kw_only=True):
+    """Gateway -> decode ranks: prefill rank ``worker`` is dead (its launcher saw the process
+    exit, PoolDown or RankDown), so none of its KV writes can land any more: the fence of every
+    transfer from it, as TransferAborted is for one (sent before the rank can register again)."""
+
+    worker: str
 
 
 # prefill rank <-> decode rank ------------------------------------------------------------------
@@ -205,13 +237,16 @@ Message = (
     | LoadReport
     | KVDestination
     | TokenDelta
+    | TokenDeltas
     | PoolDown
+    | RankDown
     | Heartbeat
     | Deregister
     | GenerateRequest
     | DecodeAdmit
     | PrefillRequest
     | Abort
+    | PeerDown
     | PrefillDone
     | TransferAborted
 )

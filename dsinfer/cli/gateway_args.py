@@ -63,6 +63,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds before a request ends in an error"
     )
+    group.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="times one choice may move to another rank when its rank dies or stops answering (a "
+        "streaming choice continues there with the same tokens); past it, it ends with an error "
+        "(default: %(default)s)",
+    )
     group.add_argument("--max-n", type=int, default=16, help="largest n accepted (default: %(default)s)")
     group.add_argument(
         "--balancer", default="load", choices=BALANCERS, help="worker choice (default: %(default)s)"

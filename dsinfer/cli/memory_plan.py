@@ -125,22 +125,33 @@ def rank_memory(plan: ModelPlan, engine: EngineArgs, pool_size: int, free: int |
     """``free``: the device memory left for the KV cache at start-up, when the plan knows it better
     than this machine (a planned GPU that is not here)."""
     shape = plan.rank(engine, pool_size)
-    budget, note = _kv_budget(plan, engine, free)
+    budget, note = _kv_budget(plan, engine, shape.page_bytes(), free)
     pages = shape.kv_pages(budget) if budget is not None else None
     return RankMemory(shape, shape.weights(), shape.page_bytes(), budget, note, pages)
 
 
-def _kv_budget(plan: ModelPlan, engine: EngineArgs, planned_free: int | None) -> tuple[int | None, str]:
+def _kv_budget(
+    plan: ModelPlan, engine: EngineArgs, page_bytes: int, planned_free: int | None
+) -> tuple[int | None, str]:
     if engine.kv_cache_memory is not None:
         return engine.kv_cache_memory, "--kv-cache-memory"
-    fraction = engine.kv_fraction_for(plan.device.type)
-    what = f"{fraction:g} of free memory at start-up"
+    device = plan.device.type
     if planned_free is not None:
-        return int(max(planned_free, 0) * fraction), f"{what}: {fmt_bytes(planned_free)} by --gpu-memory"
-    if plan.device.type == "cuda" and not torch.cuda.is_available():
-        return None, what + " (no GPU here to measure)"
-    free = free_memory(plan.device)
-    return int(free * fraction), f"{what} (free here now: {fmt_bytes(free)})"
+        budget, note = _default_kv_budget(plan, engine, page_bytes, planned_free)
+        return budget, f"{note}, by --gpu-memory"
+    if device == "cuda" and not torch.cuda.is_available():
+        return None, f"{engine.kv_fraction_for(device):g} of free memory at start-up (no GPU here to measure)"
+    return _default_kv_budget(plan, engine, page_bytes, free_memory(plan.device))
+
+
+def _default_kv_budget(plan: ModelPlan, engine: EngineArgs, page_bytes: int, free: int) -> tuple[int, str]:
+    return engine.default_kv_budget(
+        page_bytes=page_bytes,
+        page_size=PAGE_SIZE,
+        max_model_len=engine.max_model_len or plan.config.max_position_embeddings,
+        free=free,
+        device_type=plan.device.type,
+    )
 
 
 # Buffers and activations ----------------------------------------------------------------------

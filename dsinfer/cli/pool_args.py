@@ -21,7 +21,8 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dist-init-addr",
         default=None,
-        help="HOST:PORT of rank 0's torch.distributed store (one node: free port)",
+        help="HOST:PORT of the pool's torch.distributed store: rank 0's (several nodes), the launcher's "
+        "(one node; default: a free port)",
     )
     group.add_argument(
         "--gateway-addr",
@@ -49,6 +50,20 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--restart-backoff", type=float, default=1.0, help="seconds before a restart (doubles, capped at 30)"
+    )
+    group.add_argument(
+        "--no-elastic-ep",
+        dest="elastic_ep",
+        action="store_false",
+        help="a dead rank of a pool of several restarts the pool whole (default: the others serve on "
+        "and the rank rejoins)",
+    )
+    group.add_argument(
+        "--ep-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a serving pool's collective waits for a peer before a hung one counts as dead "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--drain-timeout",
@@ -92,5 +107,7 @@ def pool_args_from(args: argparse.Namespace, role: str, engine: EngineArgs, **ov
         threads_per_rank=args.threads_per_rank,
         max_restarts=args.max_restarts,
         restart_backoff=args.restart_backoff,
+        elastic_ep=args.elastic_ep,
+        ep_timeout=args.ep_timeout,
     )
     return PoolArgs(**{**fields, **overrides})

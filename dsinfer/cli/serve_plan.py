@@ -172,9 +172,14 @@ def print_pool_plan(pool: PoolArgs, drain_timeout: float, gpu_memory: int | None
             f"  KV transfer: {pool.transfer_backend}, timeout {pool.kv_transfer_timeout:g} s, "
             f"quarantine {pool.kv_quarantine:g} s"
         )
+    dead = (
+        f"the others serve on and it rejoins (elastic EP, collectives wait {pool.ep_timeout:g} s for a peer)"
+        if pool.elastic
+        else "the pool restarts whole"
+    )
     print(
         f"  launcher: up to {pool.max_restarts} restarts, back-off {pool.restart_backoff:g} s "
-        f"(doubling, capped at 30 s), drain timeout {drain_timeout:g} s"
+        f"(doubling, capped at 30 s), drain timeout {drain_timeout:g} s; a rank dies: {dead}"
     )
     plan = model_plan(pool.engine)
     print("\n".join(describe_placement(plan, pool.engine, size, pool.nnodes)))

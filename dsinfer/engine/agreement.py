@@ -53,6 +53,9 @@ class StepVotes:
     # the most tokens any rank's step carries: DeepEP's low-latency buffer takes the step only when
     # they fit it on every rank, else every rank's MoE uses the torch all-to-all
     step_tokens: int = 0
+    # Elastic EP: the pool's membership (dsinfer/workers/elastic.py) ----------------------------
+    pool_generation: int = 0  # newest membership generation a rank knows of; past the pool's: a regroup comes
+    regroup_staging: bool = False  # a rank still stages its experts for that membership: no re-form yet
 
     @property
     def stopping(self) -> bool:

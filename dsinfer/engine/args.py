@@ -48,7 +48,7 @@ class EngineArgs(BaseModel):
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    kv_cache_memory: int | None = None  # bytes for the KV cache; None = a fraction of free memory
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None = default_kv_budget()
     # V3.2's indexer key cache: fp8 (DeepSeek's release format), model (the model dtype, as
     # transformers scores), auto = fp8 on a GPU, model on a CPU
     indexer_cache_dtype: str = "auto"
@@ -87,12 +87,31 @@ class EngineArgs(BaseModel):
         return min(self.max_num_seqs * (2 if self.speculative_mtp else 1), self.max_num_batched_tokens)
 
     def kv_fraction_for(self, device_type: str) -> float:
-        """Fraction of free memory for the latent KV cache when no size is given: 0.8 on a GPU
-        (headroom for activations and the decode step's CUDA graphs, captured after the pool), 0.1
-        on a CPU (a laptop keeps its memory)."""
+        """Fraction of free memory the latent KV cache may take when no size is given: 0.8 on a
+        GPU (headroom for activations and the decode step's CUDA graphs, captured after the pool),
+        0.02 on a CPU (a cap: there the pool is sized to what the sequences need, see
+        :meth:`default_kv_budget`; the machine's memory stays for everything else)."""
         if self.kv_cache_memory_fraction is not None:
             return self.kv_cache_memory_fraction
-        return 0.8 if device_type == "cuda" else 0.1
+        return 0.8 if device_type == "cuda" else 0.02
+
+    def default_kv_budget(
+        self, *, page_bytes: int, page_size: int, max_model_len: int, free: int, device_type: str
+    ) -> tuple[int, str]:
+        """Bytes of the KV pool when ``kv_cache_memory`` is not given, and how they were chosen.
+        On a CPU: what ``max_num_seqs`` sequences of ``max_model_len`` tokens need (whole pages of
+        ``page_bytes``), capped at ``kv_fraction_for`` of ``free`` memory. On a GPU: that fraction
+        of free memory (the pool is the prefix cache too; the memory is the GPU's anyway)."""
+        fraction = self.kv_fraction_for(device_type)
+        cap = int(max(free, 0) * fraction)
+        cap_note = f"{fraction:g} of free memory ({free / 2**30:.1f} GiB free at start-up)"
+        if device_type == "cuda":
+            return cap, cap_note
+        need = self.max_num_seqs * -(-max_model_len // page_size) * page_bytes
+        sequences = f"--max-num-seqs {self.max_num_seqs} x --max-model-len {max_model_len}"
+        if need <= cap:
+            return need, f"{sequences} (capped at {cap_note})"
+        return cap, f"{cap_note}: less than {sequences} need ({need / 2**30:.2f} GiB)"
 
     @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
     @classmethod

@@ -11,6 +11,9 @@ off the scheduler, the sequences, the cache and the model. That surface:
 - one step in lockstep with the pool: ``plan_step``, ``agree``, ``run_step``
   (dsinfer/engine/agreement.py); ``step_updates`` does the three for a caller that has no votes
   of its own;
+- a change of the pool's membership (elastic EP): ``expert_placement``, ``begin_regroup``
+  (stage the experts of the coming placement at step boundaries), ``regroup`` (serve it over a
+  new group);
 - ``load_report``: queue lengths, KV usage, prefix-cache statistics and expert load;
 - ``warmup``, ``close``, and what a rank registers with: ``max_model_len``, ``model_identity``.
 """
@@ -29,7 +32,6 @@ import torch.distributed as dist
 from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.protocol import LoadReport
 from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.base.stop_strings import StopStringMatcher
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
@@ -43,10 +45,11 @@ from dsinfer.engine.model_runner import ModelRunner
 from dsinfer.engine.outputs import RequestOutput, build_output
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from dsinfer.engine.sequence import Sequence
+from dsinfer.engine.sequences import SequenceFactory
 from dsinfer.engine.step import KVReservation, LayerHookFor, RemotePrefill, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
-from dsinfer.ops import select_ops
+from dsinfer.ops import compile_ahead, select_ops
 from dsinfer.parallel.ep import EPGroup, all_reduce_in_place
 from dsinfer.parallel.placement import ExpertPlacement
 
@@ -59,11 +62,13 @@ class LLMEngine:
         args: EngineArgs,
         ep_group: EPGroup | None = None,
         agreement_group: dist.ProcessGroup | None = None,
+        placement: ExpertPlacement | None = None,
     ) -> None:
         """``ep_group``: this rank's expert-parallel group (a pool of several ranks); every rank
         of it must step together (an idle rank runs an empty forward). ``agreement_group``: the
         group the per-step agreement is all-reduced over (a gloo group beside an NCCL one keeps
-        it on the host); None: ``ep_group`` itself."""
+        it on the host); None: ``ep_group`` itself. ``placement``: the expert placement over
+        ``ep_group`` (else ``args.placement``'s file, else the default layout)."""
         self.args = args
         device = resolve_device(args.device)
         bind_device(device)
@@ -78,7 +83,8 @@ class LLMEngine:
             num_mtp_layers=1 if args.speculative_mtp else 0,
             seed=args.seed,
             ep_group=ep_group,
-            placement=ExpertPlacement.load(args.placement) if args.placement is not None else None,
+            placement=placement
+            or (ExpertPlacement.load(args.placement) if args.placement is not None else None),
             num_redundant_experts=args.num_redundant_experts,
         )
         self.config, self.model = loaded.config, loaded.model
@@ -90,9 +96,9 @@ class LLMEngine:
                 min_gain=args.eplb_min_gain,
                 stage_budget=args.eplb_stage_budget,
             )
-            if ep_group is not None and args.eplb_interval > 0
+            if ep_group is not None
             else None
-        )
+        )  # online EPLB (--eplb-interval), and the expert moves of a pool's membership change
         self.tokenizer = Tokenizer.from_dir(loaded.path)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:
@@ -123,9 +129,20 @@ class LLMEngine:
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.constraints = LogitConstraints(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
         self.runner = ModelRunner.from_args(self.model, pool, self.ops, args, self.constraints)
-        self._seeds = random.Random(args.seed)
+        self._sequences = SequenceFactory(
+            self.config.vocab_size,
+            self.max_model_len,
+            self.eos_ids,
+            self.tokenizer,
+            self.scheduler.check_fits,
+            self.constraints.check,
+            random.Random(args.seed),
+        )
         self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
         self._all_reduce_max: AllReduceMax | None = None
+        self._set_agreement(ep_group, agreement_group)
+
+    def _set_agreement(self, ep_group: EPGroup | None, agreement_group: dist.ProcessGroup | None) -> None:
         if agreement_group is not None:
             self._all_reduce_max = lambda t: all_reduce_in_place(t, "max", agreement_group)
         elif ep_group is not None:
@@ -133,23 +150,30 @@ class LLMEngine:
 
     def _make_pool(self, device: torch.device, dtype: torch.dtype) -> PagedKVPool:
         layers = self.model.num_cache_layers
-        budget = self.args.kv_cache_memory
-        if budget is None:
-            budget = int(free_memory(device) * self.args.kv_fraction_for(device.type))
         indexer = self.args.indexer_format_for(device.type)
         spec = KVCacheSpec.for_model(self.config, str(dtype).removeprefix("torch."), indexer)
+        budget, how = self.args.kv_cache_memory, "--kv-cache-memory"
+        if budget is None:
+            budget, how = self.args.default_kv_budget(
+                page_bytes=PagedKVPool.page_bytes_for(spec, layers),
+                page_size=spec.page_size,
+                max_model_len=self.max_model_len,
+                free=free_memory(device),
+                device_type=device.type,
+            )
         num_pages = PagedKVPool.num_pages_for_budget(spec, layers, budget)
         page_bytes = PagedKVPool.page_bytes_for(spec, layers)
         if num_pages < 1:
             raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
         log.info(
-            "KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %s per token: %d bytes)",
+            "KV cache: %d pages x %d tokens (%.1f MiB, %d layers x %s per token: %d bytes; %s)",
             num_pages,
             spec.page_size,
             num_pages * page_bytes / 2**20,
             layers,
             spec.describe(),
             spec.bytes_per_token,
+            how,
         )
         return PagedKVPool(layers, num_pages, spec, device=device)
 
@@ -163,80 +187,57 @@ class LLMEngine:
         *,
         first_choice: int = 0,
         prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         """Validates and queues; raises ValueError naming the problem (nothing is queued then).
 
         The request's choices are numbered from ``first_choice``: a server that splits ``n``
         choices into ``n`` requests of one choice each passes the choice index here, so the
         counter-based sampler draws exactly what the offline engine draws for that choice.
-        ``prefill_only`` (PD prefill side) ends each choice after its first token."""
+        ``prefill_only`` (PD prefill side) ends each choice after its next token.
+        ``output_token_ids``: a continuation (a migrated choice): the tokens the choice already
+        generated elsewhere. They are prefilled after the prompt and count as output (the
+        sampler's position, penalties, ``max_tokens``), so the next token is the one the
+        undisturbed choice would have sampled."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seqs = self._new_sequences(request_id, prompt_token_ids, params, first_choice, prefill_only)
+        seqs = self._sequences(
+            request_id, prompt_token_ids, params, first_choice, prefill_only, output_token_ids or []
+        )
         self._requests[request_id] = (seqs, prompt)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _new_sequences(
+    # PD decode side ------------------------------------------------------------------------
+    def new_remote_prefill(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        first_choice: int,
-        prefill_only: bool,
-    ) -> list[Sequence]:
-        prompt_len = len(prompt_token_ids)
-        if prompt_len == 0:
-            raise ValueError("prompt is empty")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_model_len is {self.max_model_len}")
-        vocab = self.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - prompt_len)
-        self.scheduler.check_fits(prompt_len, max_tokens)
-        self.constraints.check(params.grammar)
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        return [
-            Sequence(
-                request_id=request_id,
-                choice=first_choice + i,
-                prompt_len=prompt_len,
-                token_ids=list(prompt_token_ids),
-                params=params,
-                seed=seed,
-                max_tokens=1 if prefill_only else max_tokens,
-                eos_ids=self.eos_ids,
-                stop_matcher=StopStringMatcher(
-                    self.tokenizer, list(params.stop or []), params.skip_special_tokens
-                )
-                if params.stop and not prefill_only
-                else None,
-            )
-            for i in range(params.n)
-        ]
-
-    # PD decode side ------------------------------------------------------------------------
-    def new_remote_prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_choice: int = 0
+        first_choice: int = 0,
+        output_token_ids: list[int] | None = None,
     ) -> RemotePrefill:
-        """A validated one-choice request whose prompt another rank prefills: hold its pages with
+        """A validated one-choice request whose prompt (and, for a continuation, the output it
+        already has: ``add_request``) another rank prefills: hold its pages with
         ``reserve_remote_prefill``, then ``join_remote_prefill`` when the KV has arrived."""
         if params.n != 1:
             raise ValueError(f"n must be 1 for a remotely prefilled request, got {params.n}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        [seq] = self._new_sequences(request_id, prompt_token_ids, params, first_choice, False)
+        [seq] = self._sequences(
+            request_id, prompt_token_ids, params, first_choice, False, output_token_ids or []
+        )
         return RemotePrefill(seq)
 
     def reserve_remote_prefill(self, request: RemotePrefill) -> KVReservation | None:
-        """Pages for the whole prompt (a prefix-cache hit first), or None while seats or pages
-        are short. The pages stay reserved until joined or cancelled."""
+        """Pages for every token known so far (the prompt; a continuation's output too), a
+        prefix-cache hit first, or None while seats or pages are short. The pages stay reserved
+        until joined or cancelled."""
         seq = request._seq
-        if not self.scheduler.reserve(seq):
+        cached = self.scheduler.reserve(seq)
+        if cached is None:
             return None
-        first_page = seq.num_cached_prompt_tokens // self.page_size
-        return KVReservation(seq.num_cached_prompt_tokens, seq.pages[first_page:])
+        return KVReservation(cached, seq.pages[cached // self.page_size :])
 
     def join_remote_prefill(
         self,
@@ -246,7 +247,8 @@ class LLMEngine:
         prompt_logprobs: list[dict[int, float] | None] | None,
         draft: int | None,
     ) -> SeqUpdate:
-        """The prompt's KV has arrived: the request runs from the prefill rank's first token."""
+        """The KV has arrived: the request runs from the prefill rank's token (the first, or a
+        continuation's next)."""
         seq = request._seq
         if seq.prompt_logprobs is not None and prompt_logprobs is not None:
             seq.prompt_logprobs = list(prompt_logprobs)
@@ -309,12 +311,43 @@ class LLMEngine:
         batch = self.scheduler.schedule() if has_work else ScheduledBatch()
         votes = self.runner.vote(batch, StepVotes(has_work=has_work))
         if self.expert_balancer is not None:
-            votes = dataclasses.replace(votes, eplb_staging=self.expert_balancer.vote_staging())
+            if not has_work:
+                self.expert_balancer.idle_boundary()
+            votes = dataclasses.replace(
+                votes,
+                eplb_staging=self.expert_balancer.vote_staging(),
+                regroup_staging=self.expert_balancer.regroup_staging,
+            )
         return StepPlan(batch, votes)
 
     def agree(self, votes: StepVotes) -> StepVotes:
         """The pool's decision from every rank's votes: one all-reduce (none without a pool)."""
         return agree(votes, self._all_reduce_max)
+
+    # The pool's membership (elastic EP) ---------------------------------------------------------
+    @property
+    def expert_placement(self) -> ExpertPlacement | None:
+        """The placement the pool serves with now (None without expert parallelism)."""
+        return self.model.ep.placement if self.model.ep is not None else None
+
+    def begin_regroup(self, placement: ExpertPlacement, rank: int) -> None:
+        """Stage this rank's experts for ``placement`` (its index ``rank`` there) at the coming
+        step boundaries, a bounded share of each (its ``regroup_staging`` vote says when done)."""
+        assert self.expert_balancer is not None, "a regroup needs an expert-parallel pool"
+        self.expert_balancer.begin_regroup(placement, rank)
+
+    def regroup(
+        self,
+        ep_group: EPGroup,
+        agreement_group: dist.ProcessGroup | None,
+        placement: ExpertPlacement,
+        rank: int,
+    ) -> None:
+        """Serve ``placement`` over a new pool group from the next step on: this rank's experts
+        as staged (what is left of them staged now), its weights and KV as they are."""
+        assert self.expert_balancer is not None, "a regroup needs an expert-parallel pool"
+        self.expert_balancer.regroup(ep_group, placement, rank)
+        self._set_agreement(ep_group, agreement_group)
 
     def run_step(
         self, plan: StepPlan, agreed: StepVotes, layer_hook_for: LayerHookFor | None = None
@@ -367,6 +400,7 @@ class LLMEngine:
         before serving; under expert parallelism every rank of the pool runs it in lockstep.
         Counters are reset afterwards."""
         start = time.monotonic()
+        compile_ahead(self.ops)  # on a fresh install the ranks of a machine share the compiling
         ids = [t % self.config.vocab_size for t in range(1, 9)]
         params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=0)
         self.add_request("__warmup__", ids, params)

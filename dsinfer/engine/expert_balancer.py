@@ -10,6 +10,14 @@ dsinfer/engine/agreement.py), and at the first boundary at which no rank is, eve
 its expert modules and routing tables before its forward. Expert weights are the same, only
 where they live changes, so no token changes.
 
+The same staging carries a pool's change of membership (elastic EP, dsinfer/workers/elastic.py):
+``begin_regroup`` stages this rank's experts for the placement of the coming membership, paced
+like EPLB's (voted as ``regroup_staging``), or all at once when a rank died and the pool cannot
+serve without them; ``regroup`` swaps to them together with the new group's EP communicator.
+A regroup cancels a pending EPLB placement and restarts the load window (``steps`` from 0 on
+every rank, the one that joined included, so the window's all-reduce stays at common steps).
+``interval`` 0: no EPLB, only regroups.
+
 Staging contract (what keeps a step from stalling, by construction):
 
 - Staging runs on the serving thread, at step boundaries (``before_step``), in pieces
@@ -59,7 +67,8 @@ import torch
 
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.expert_staging import ExpertSource, ExpertStaging
-from dsinfer.model.moe import ExpertParallel, MoE
+from dsinfer.model.moe import ExpertParallel, Experts, MoE
+from dsinfer.parallel.ep import EPGroup
 from dsinfer.parallel.eplb import placement_from_load
 from dsinfer.parallel.placement import ExpertPlacement
 
@@ -120,6 +129,7 @@ class _Pending:
     placement: ExpertPlacement
     staging: ExpertStaging
     started: float  # time.monotonic() of the decision
+    rank: int  # this rank's index in the placement
 
 
 class OnlineExpertBalancer:
@@ -137,6 +147,8 @@ class OnlineExpertBalancer:
             raise ValueError("online expert rebalancing needs an expert-parallel pool")
         if stage_budget < 0:
             raise ValueError(f"stage_budget must be >= 0, got {stage_budget}")
+        if interval < 0:
+            raise ValueError(f"interval must be >= 0 (0: no EPLB), got {interval}")
         self.model, self.source = model, source
         self.interval, self.min_gain, self.stage_budget = interval, min_gain, stage_budget
         self.policy = policy or eplb_policy(model.config.n_group)
@@ -146,6 +158,7 @@ class OnlineExpertBalancer:
         self._layer_of = {name: m.layer_id for name, m in self._moes.items()}
         self._last = self._cumulative()
         self._pending: _Pending | None = None
+        self._regroup: _Pending | None = None  # staged for a coming pool membership
         self._swap_voted = False  # a placement was pending when this rank last voted
         self._retired: list[torch.Tensor] = []  # weights of replaced modules, not freed yet
         self._freeing: Rebalance | None = None  # the rebalance whose replaced weights those are
@@ -167,19 +180,80 @@ class OnlineExpertBalancer:
             self._step_seconds.append(now - self._resumed)
         self.steps += 1
         deadline = now + self.budget()
-        if self._freeing is not None:
-            if self._retired:
-                self._free_pacer.run(self._free_one, deadline)
-            if not self._retired:
-                self._freeing.freed_step, self._freeing = self.steps, None
-        if self._pending is not None:
+        if self._retired:
+            self._free_pacer.run(self._free_one, deadline)
+        if not self._retired and self._freeing is not None:
+            self._freeing.freed_step, self._freeing = self.steps, None
+        if self._regroup is not None:
+            if self._regroup.staging.pieces_left:
+                self._stage_pacer.run(self._regroup.staging.fill_next, deadline)
+        elif self._pending is not None:
             if self._swap_voted and not staging_anywhere:
                 self._swap(self._pending)
             else:
                 self._stage(self._pending, deadline)
-        elif self.steps % self.interval == 0:
+        elif self.interval and self.steps % self.interval == 0:
             self._check()
         self._resumed = time.perf_counter()
+
+    # Pool membership changes (elastic EP) --------------------------------------------------------
+    @property
+    def regroup_staging(self) -> bool:
+        """This rank's ``regroup_staging`` vote: pieces of the coming placement are left."""
+        return self._regroup is not None and self._regroup.staging.pieces_left > 0
+
+    def idle_boundary(self) -> None:
+        """A boundary at which the pool does not step (idle): staging for a coming membership
+        goes on, one piece (an idle pool would otherwise never get to its re-form)."""
+        if self._regroup is not None and self._regroup.staging.pieces_left:
+            self._regroup.staging.fill_next()
+
+    def begin_regroup(self, placement: ExpertPlacement, rank: int) -> None:
+        """Stage the experts ``placement`` gives this rank (index ``rank`` in it) at the coming
+        boundaries; a pending EPLB placement is dropped."""
+        self._pending = None
+        self._regroup = _Pending(placement, self._staging_for(placement, rank), time.monotonic(), rank)
+
+    def regroup(self, group: EPGroup, placement: ExpertPlacement, rank: int) -> None:
+        """Serve ``placement`` over ``group`` (this rank's index ``rank``) from now on: the
+        pieces not staged yet are staged now (all of them when nothing was staged for it)."""
+        pending = self._regroup
+        if pending is None or pending.placement != placement or pending.rank != rank:
+            self.begin_regroup(placement, rank)
+            pending = self._regroup
+        assert pending is not None
+        while pending.staging.pieces_left:
+            pending.staging.fill_next()
+        self._install(ExpertParallel(placement, group), pending.staging.modules)
+        self._regroup = None
+        self.steps, self._last = 0, self._cumulative()
+        log.info(
+            "expert placement of %d ranks (%d slots each) on group rank %d, staged in %.2f s",
+            placement.num_ranks,
+            placement.slots_per_rank,
+            rank,
+            time.monotonic() - pending.started,
+        )
+
+    def _staging_for(self, placement: ExpertPlacement, rank: int) -> ExpertStaging:
+        wanted = {}
+        for name, moe in self._moes.items():
+            experts = placement.local_experts(moe.layer_id, rank)
+            if experts != moe.experts.expert_ids:
+                wanted[f"{name}.experts"] = experts
+        held = {f"{name}.experts": m.experts for name, m in self._moes.items()}
+        return self.source.stage(wanted, held)
+
+    def _install(self, ep: ExpertParallel, staged: dict[str, Experts]) -> None:
+        """Every MoE layer routes by ``ep`` with its staged module (where it changed)."""
+        for name, moe in self._moes.items():
+            moe.experts.slot_load.zero_()
+            new = staged.get(f"{name}.experts")
+            if new is not None:
+                self._retired.extend(moe.experts.parameters())  # freed at later boundaries
+                moe.experts = new
+            moe.set_placement(ep)
+        self.model.ep = self.ep = ep
 
     def budget(self) -> float:
         """Seconds of staging per step boundary: ``stage_budget`` x the recent median step."""
@@ -200,23 +274,16 @@ class OnlineExpertBalancer:
         before, after = current.stats(load)["balance"], candidate.stats(load)["balance"]
         if candidate.layers == current.layers or before < after * (1 + self.min_gain):
             return
-        rank = self.ep.rank
-        wanted = {}
-        for name, moe in self._moes.items():
-            experts = candidate.local_experts(moe.layer_id, rank)
-            if experts != moe.experts.expert_ids:
-                wanted[f"{name}.experts"] = experts
-        held = {f"{name}.experts": m.experts for name, m in self._moes.items()}
-        staging = self.source.stage(wanted, held)
+        staging = self._staging_for(candidate, self.ep.rank)
         self.history.append(Rebalance(self.steps, before, after))
-        self._pending = _Pending(candidate, staging, time.monotonic())
+        self._pending = _Pending(candidate, staging, time.monotonic(), self.ep.rank)
         log.info(
             "step %d: expert placement %.3f -> %.3f max/mean per-rank load; staging %d layers' new "
             "experts in %d pieces",
             self.steps,
             before,
             after,
-            len(wanted),
+            len(staging.modules),
             staging.total,
         )
 
@@ -231,16 +298,7 @@ class OnlineExpertBalancer:
     def _swap(self, pending: _Pending) -> None:
         event = self.history[-1]
         event.received_before = [int(m.experts.slot_load.sum()) for m in self._moes.values()]
-        ep = ExpertParallel(pending.placement, self.ep.group)
-        staged = pending.staging.modules
-        for name, moe in self._moes.items():
-            moe.experts.slot_load.zero_()
-            new = staged.get(f"{name}.experts")
-            if new is not None:
-                self._retired.extend(moe.experts.parameters())  # freed at later boundaries
-                moe.experts = new
-            moe.set_placement(ep)
-        self.model.ep = self.ep = ep
+        self._install(ExpertParallel(pending.placement, self.ep.group), pending.staging.modules)
         self._pending, self._freeing = None, event
         event.stage_seconds, event.swap_step = time.monotonic() - pending.started, self.steps
         log.info(
@@ -257,5 +315,5 @@ class OnlineExpertBalancer:
 
     def close(self) -> None:
         """Drop a staging still under way and the replaced weights not freed yet."""
-        self._pending = self._freeing = None
+        self._pending = self._regroup = self._freeing = None
         self._retired.clear()

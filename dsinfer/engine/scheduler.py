@@ -143,35 +143,37 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # PD decode side: a sequence whose prompt KV another rank computes ------------------------
-    def reserve(self, seq: Sequence) -> bool:
-        """Hold pages for ``seq``'s whole prompt (its cached prefix first); False, holding
-        nothing, while seats or pages are short. The caller later ``join``s or gives the pages
-        back through ``cancel_reserved`` (their KV may still be being written)."""
+    def reserve(self, seq: Sequence) -> int | None:
+        """Hold pages for ``seq``'s known tokens (its prompt, a continuation's output too), its
+        cached prefix first; returns how many tokens that prefix covers (whole pages), or None,
+        holding nothing, while seats or pages are short. The caller later ``join``s or gives the
+        pages back through ``cancel_reserved`` (their KV may still be being written)."""
         if len(self.running) + self.num_reserved >= self.max_num_seqs:
-            return False
+            return None
         match = self.kv.match_prefix(seq.token_ids) if seq.uses_prefix_cache else None
         cached_pages = match.pages if match else []
-        needed = self.pages_for(seq.prompt_len) - len(cached_pages)
+        needed = self.pages_for(seq.num_tokens) - len(cached_pages)
         if needed > self.kv.num_available_pages():
             if match:
                 self.kv.abandon(match)
-            return False
+            return None
         seq.pages = cached_pages + self.kv.allocate(needed)
-        seq.num_cached_prompt_tokens = match.num_tokens if match else 0
+        cached = match.num_tokens if match else 0
+        seq.num_cached_prompt_tokens = min(cached, seq.prompt_len)
         seq.status = SeqStatus.RESERVED
         self.num_reserved += 1
         self.stats.prompt_tokens_submitted += seq.prompt_len
         self.stats.prompt_tokens_cached += seq.num_cached_prompt_tokens
-        return True
+        return cached
 
     def join(self, seq: Sequence, first_token: int, logprobs: dict[int, float] | None) -> bool:
-        """The prompt's KV has arrived: record the first token (sampled by the prefill rank) and
-        run the sequence. Returns whether it finished with that token."""
+        """The KV of the known tokens has arrived: record the next token (sampled by the prefill
+        rank) and run the sequence. Returns whether it finished with that token."""
         self.num_reserved -= 1
-        seq.num_computed_tokens = seq.prompt_len
+        seq.num_computed_tokens = seq.num_tokens
         seq.status = SeqStatus.RUNNING
         if seq.uses_prefix_cache:
-            self.kv.commit(seq.token_ids, seq.pages, seq.prompt_len)
+            self.kv.commit(seq.token_ids, seq.pages, seq.num_tokens)
         seq.append(first_token, logprobs)
         if seq.finish_reason is not None:
             self._finish(seq)

@@ -23,7 +23,7 @@ class ScheduledWork:
     """What the coming forward computes for one sequence, as a PD prefill plans its KV writes."""
 
     request_id: str
-    prompt_len: int
+    context_len: int  # tokens whose KV the request's prefill computes (prompt; a continuation's output too)
     end: int  # tokens whose KV is in the cache after the forward
     pages: list[int]  # the sequence's pages, in token order
 
@@ -41,7 +41,7 @@ class StepPlan:
 
     def work(self) -> list[ScheduledWork]:
         return [
-            ScheduledWork(s.seq.request_id, s.seq.prompt_len, s.end, s.seq.pages) for s in self.batch.seqs
+            ScheduledWork(s.seq.request_id, s.seq.num_tokens, s.end, s.seq.pages) for s in self.batch.seqs
         ]
 
 
@@ -102,8 +102,8 @@ class RemotePrefill:
 
 @dataclass(frozen=True)
 class KVReservation:
-    """Pages held for a remote prefill: the first ``num_cached_tokens`` prompt tokens came from
-    this rank's prefix cache (whole pages); ``pages`` receive the rest of the prompt, in order."""
+    """Pages held for a remote prefill: the first ``num_cached_tokens`` known tokens came from
+    this rank's prefix cache (whole pages); ``pages`` receive the rest of them, in order."""
 
     num_cached_tokens: int
     pages: list[int]

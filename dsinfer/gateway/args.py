@@ -29,6 +29,7 @@ class GatewayArgs(BaseModel):
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
     max_queued_requests: int = 1024  # while this many choices wait for a first token, new requests get 429
     request_timeout: float = 600.0  # seconds from arrival until a request is ended with an error
+    max_migrations: int = 3  # times one choice may move to another rank (its rank died) before it fails
     max_n: int = 16  # largest n (choices per prompt) accepted
     balancer: str = "load"
     model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
@@ -64,6 +65,8 @@ class GatewayArgs(BaseModel):
             raise ValueError(f"request_timeout must be positive, got {self.request_timeout}")
         if not self.http_keep_alive > 0:
             raise ValueError(f"http_keep_alive must be positive, got {self.http_keep_alive}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_request_body < 1:
             raise ValueError(f"max_request_body must be at least 1 byte, got {self.max_request_body}")
         if self.tokenizer_threads is not None and self.tokenizer_threads < 1:

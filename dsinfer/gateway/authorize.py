@@ -2,11 +2,12 @@
 
 Every peer on the control socket passed the CURVE handshake with the cluster's keys; within the
 cluster, a rank speaks only for itself (its worker name is its ZMQ identity; its heartbeat
-thread's is ``heartbeat_identity``), and a pool's state changes (``PoolDown``) come only from
-that pool's launcher or its registered ranks, naming the registered incarnation (the registry
-ignores any other). So a stale process, a misconfigured pool or a bug cannot take another
-pool out of rotation, deregister it or speak for its ranks. Token deltas and KV destinations are
-checked by the router against the ranks their choice was sent to.
+thread's is ``heartbeat_identity``), and a pool's state changes come only from that pool:
+``PoolDown`` from its launcher or its registered ranks, ``RankDown`` (one rank of an elastic pool
+died) from its launcher, each naming the registered incarnation (the registry ignores any
+other). So a stale process, a misconfigured pool or a bug cannot take another pool out of
+rotation, deregister it or speak for its ranks. Token deltas and KV destinations are checked by
+the router against the ranks their choice was sent to.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from dsinfer.base.protocol import (
     LoadReport,
     Message,
     PoolDown,
+    RankDown,
     Register,
     TokenDelta,
+    TokenDeltas,
     heartbeat_identity,
     launcher_of,
 )
@@ -50,8 +53,13 @@ def refusal(sender: str, message: Message, registry: WorkerRegistry) -> str | No
         if launcher_of(sender) == pool or (info is not None and info.pool_key == pool):
             return None
         return f"it is no launcher or rank of {message.role} pool {message.pool}"
-    if isinstance(message, TokenDelta):
-        return None  # the router checks the choice's ranks
+    if isinstance(message, RankDown):
+        role, pool, _ = message.worker.split("/")
+        if launcher_of(sender) == (role, int(pool)):
+            return None
+        return f"it is no launcher of {message.worker}'s pool"
+    if isinstance(message, TokenDelta | TokenDeltas):
+        return None  # the router checks each choice's ranks
     return "ranks do not send it to the gateway"
 
 

@@ -97,9 +97,29 @@ class WorkerStatus:
 
 
 @dataclass
+class MigrationStats:
+    """Choices moved to other ranks (their rank died, stopped answering, was unreachable or
+    refused them), by cause and by whether they had streamed tokens (a continuation); and the
+    time from each move to the moved choice's next token (its recovery)."""
+
+    moves: dict[tuple[str, bool], int] = field(default_factory=dict)  # (cause, streaming) -> count
+    resumed: int = 0
+    resume_seconds: float = 0.0  # summed over ``resumed``
+
+    def moved(self, cause: str, *, streaming: bool) -> None:
+        self.moves[cause, streaming] = self.moves.get((cause, streaming), 0) + 1
+
+    def resumed_after(self, seconds: float) -> None:
+        self.resumed += 1
+        self.resume_seconds += seconds
+
+
+@dataclass
 class BackendMetrics:
     queue_length: int  # worker requests (choices) dispatched that have no first token yet
     in_flight: int  # worker requests dispatched and not finished
     workers: list[WorkerStatus] = field(default_factory=list)
     ready: bool = False  # every role the topology needs has at least one healthy worker (/health)
     expert_load: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # role -> layer -> per expert
+    migrations: MigrationStats = field(default_factory=MigrationStats)
+    pool_events: dict[tuple[str, str], int] = field(default_factory=dict)  # (pool, event) -> count

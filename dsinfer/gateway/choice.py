@@ -63,7 +63,14 @@ class ChoiceState:
         include_stop_str: bool,
         reasoning: ReasoningParser | None,
         tools: ToolParser | None = None,
+        incremental: bool = True,
     ) -> None:
+        """``incremental=False`` (a response sent whole, with no stop strings, reasoning or tool
+        parser): the text is decoded once, when the choice ends; until then updates carry tokens
+        only. The text is the same: an incremental detokenization concatenates to the decode of
+        all the ids."""
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.incremental = incremental or bool(stops) or reasoning is not None or tools is not None
         self.matcher = StopStringMatcher(tokenizer, stops, skip_special_tokens)
         self.detokenizer = self.matcher.detokenizer
         self.stops = stops
@@ -104,7 +111,7 @@ class ChoiceState:
             now = time.monotonic()
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
-            for i, token in enumerate(delta.token_ids):
+            for i, token in enumerate(delta.token_ids if self.incremental else ()):
                 stop_at = self.matcher.feed(token)
                 if stop_at is not None:  # this token completes a stop string: it is the last
                     update.token_ids = update.token_ids[: i + 1]
@@ -148,6 +155,8 @@ class ChoiceState:
         return self.tool_parser.calls if self.tool_parser is not None else []
 
     def _safe_text(self) -> str:
+        if not self.incremental:
+            return ""
         text = self.detokenizer.text
         end = max(self.emitted, len(text) - held_back(text, self.stops))
         new = text[self.emitted : end]
@@ -156,7 +165,9 @@ class ChoiceState:
 
     def _final_text(self, stop_at: int | None) -> str:
         """The rest of the text; cut where the stop string starts (``stop_at``) when one matched."""
-        if stop_at is None:
+        if not self.incremental:
+            final = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        elif stop_at is None:
             self.detokenizer.flush()
             final = self.detokenizer.text
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from dsinfer.gateway.backend import BackendMetrics
@@ -79,6 +79,30 @@ class BackendCollector(Collector):
             families["seconds"].add_metric(key, r.transfer_seconds)
             families["transfers"].add_metric(key, r.transfers)
         yield from families.values()
+        moves = CounterMetricFamily(
+            "dsinfer_choice_migrations",
+            "choices moved to another rank, by cause (rank_died, unresponsive, unreachable, drained, "
+            "refused) and whether they had streamed tokens (a continuation)",
+            labels=["cause", "streaming"],
+        )
+        for (cause, streaming), count in sorted(snap.migrations.moves.items()):
+            moves.add_metric([cause, str(streaming).lower()], count)
+        yield moves
+        yield SummaryMetricFamily(
+            "dsinfer_migration_recovery_seconds",
+            "from a choice's move to its next token on the new rank",
+            count_value=snap.migrations.resumed,
+            sum_value=snap.migrations.resume_seconds,
+        )
+        events = CounterMetricFamily(
+            "dsinfer_pool_events",
+            "pool restarts (pool_restarted), ranks that died while their pool served on (rank_died) "
+            "and ranks that rejoined it (rank_rejoined)",
+            labels=["pool", "event"],
+        )
+        for (pool, event), count in sorted(snap.pool_events.items()):
+            events.add_metric([pool, event], count)
+        yield events
 
 
 class GatewayMetrics:

@@ -23,6 +23,7 @@ class Pools:
         self.registry = WorkerRegistry() if heartbeat_timeout is None else WorkerRegistry(heartbeat_timeout)
         self.balancers: dict[str, Balancer] = {}  # made at the first registration (its page size)
         self._announced_ready = False  # last readiness logged (a line when it changes)
+        self.events: dict[tuple[str, str], int] = {}  # ("<role>/<pool>", event) -> count
 
     # The ranks' messages -----------------------------------------------------------------------
     def register(self, msg: Register, now: float) -> WorkerInfo | None:
@@ -30,7 +31,15 @@ class Pools:
         accepted, replaced = self.registry.register(msg, now)
         if accepted and not self.balancers:
             self.balancers = {role: make_balancer(self.balancer_kind, role, msg.page_size) for role in ROLES}
+        if accepted and msg.rejoined and replaced is not None:
+            self.event(msg.role, msg.pool, "rank_rejoined")
         return replaced
+
+    def event(self, role: str, pool: int, event: str) -> None:
+        """Count a pool event: ``pool_restarted`` (PoolDown), ``rank_died`` (RankDown: the pool
+        shrank and serves on), ``rank_rejoined``."""
+        key = (f"{role}/{pool}", event)
+        self.events[key] = self.events.get(key, 0) + 1
 
     def report(self, msg: LoadReport, now: float) -> None:
         info = self.registry.report(msg, now)
@@ -108,4 +117,5 @@ class Pools:
             workers=workers,
             ready=self.ready(),
             expert_load={role: sum_loads(per_rank) for role, per_rank in loads.items()},
+            pool_events=dict(self.events),
         )

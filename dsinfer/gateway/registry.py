@@ -23,7 +23,7 @@ class WorkerInfo:
     last_seen: float
     report: LoadReport | None = None
     healthy: bool = True  # heartbeats recent and its pool not reported down
-    pool_down: bool = False  # this incarnation's pool died: never healthy again
+    pool_down: bool = False  # this incarnation died (its pool, or the rank alone): never healthy again
     expert_load: dict[int, list[int]] | None = None  # the latest one reported
 
     @property
@@ -123,6 +123,18 @@ class WorkerRegistry:
         for info in down:
             info.healthy, info.pool_down = False, True
         return down
+
+    def rank_down(self, worker: str, incarnation: str) -> WorkerInfo | None:
+        """One rank of a pool died (the survivors serve on): that incarnation never serves again."""
+        info = self.workers.get(worker)
+        if info is None or info.register.incarnation != incarnation or info.pool_down:
+            return None
+        info.healthy, info.pool_down = False, True
+        return info
+
+    def live(self, role: str) -> list[str]:
+        """Ranks of ``role`` whose incarnation is not known dead (healthy or not)."""
+        return sorted(w.name for w in self.workers.values() if w.role == role and not w.pool_down)
 
     def candidates(self, role: str) -> list[str]:
         return sorted(

@@ -9,8 +9,16 @@ the decode rank's transfer metadata, in a PrefillRequest to the rank the prefill
 picks); otherwise to a colocated rank. A choice ends with its
 worker's last TokenDelta, an error, an abort, or the death of a rank it depends on; the other
 rank of a PD pair is then told Abort, so every page it holds is freed (docs/serving.md has the
-protocol). A choice whose rank dies before its first token is dispatched again, as its next
-attempt: the one place a choice moves between ranks.
+protocol).
+
+Migration: a choice whose rank dies, stops answering or refuses it (draining) is dispatched
+again, as its next attempt (``_retry_or_end``, the one place a choice moves between ranks), at
+most ``max_migrations`` times. The router keeps the token ids each choice delivered; a choice
+that already streamed moves as a continuation (``WorkerRequest.output_token_ids``): the new
+ranks prefill the prompt and those tokens, and the counter-based sampler, keyed by the output
+position, goes on with the tokens the undisturbed choice would have had. Tokens of the old
+attempt that arrive late carry its old id and are dropped, so the stream has no duplicate and
+no gap. Stop strings stay the gateway's (the HTTP layer's choice state runs on).
 
 The sockets are dsinfer/gateway/control.py's; the ranks' registry, health, balancers and
 metrics are dsinfer/gateway/pools.py's; which sender may send what, dsinfer/gateway/authorize.py.
@@ -42,16 +50,19 @@ from dsinfer.base.protocol import (
     KVDestination,
     LoadReport,
     Message,
+    PeerDown,
     PoolDown,
     PrefillRequest,
+    RankDown,
     Register,
     TokenDelta,
+    TokenDeltas,
     WorkerRequest,
 )
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.gateway.authorize import RefusalLog, refusal
-from dsinfer.gateway.backend import BackendMetrics, Capacity, Job, Unavailable
+from dsinfer.gateway.backend import BackendMetrics, Capacity, Job, MigrationStats, Unavailable
 from dsinfer.gateway.control import ControlSocket
 from dsinfer.gateway.pools import Pools
 from dsinfer.gateway.registry import WorkerInfo
@@ -59,7 +70,7 @@ from dsinfer.gateway.registry import WorkerInfo
 log = logging.getLogger("dsinfer.gateway")
 
 MONITOR_INTERVAL = 0.25
-MAX_RETRIES = 1  # times a choice is sent again after its rank died before its first token
+MAX_MIGRATIONS = 3  # times one choice may move to another rank (--max-migrations)
 MAX_ORPHANS = 4096  # unknown request ids answered with Abort, remembered to answer each once
 
 
@@ -71,8 +82,10 @@ class _Choice:
     request: WorkerRequest = dataclasses.field(init=False)  # its current attempt
     decode_worker: str = ""  # decode or colocated rank
     prefill_worker: str | None = None
-    started: bool = False  # the first token arrived (PD: the prefill rank is done with it)
+    started: bool = False  # the current attempt's first token arrived (PD: the prefill rank is done)
     finished: bool = False
+    output: list[int] = dataclasses.field(default_factory=list)  # token ids delivered, every attempt
+    moved_at: float | None = None  # when the current attempt was dispatched as a migration
 
     @property
     def workers(self) -> list[str]:
@@ -118,9 +131,12 @@ class Router:
         *,
         balancer: str = "load",
         heartbeat_timeout: float | None = None,
+        max_migrations: int = MAX_MIGRATIONS,
     ):
         self.pools = Pools(balancer, heartbeat_timeout)
         self.control = ControlSocket(control_addr, keys, self._on_message, self._undeliverable)
+        self.max_migrations = max_migrations
+        self.migrations = MigrationStats()
         self._choices: dict[str, _Choice] = {}  # worker request id -> choice
         self._refusals = RefusalLog()
         self._orphans: set[str] = set()  # unknown request ids already answered with Abort
@@ -164,26 +180,29 @@ class Router:
     def _dispatch(self, choice: _Choice) -> None:
         """Send the choice's current attempt to a prefill + decode pair (PD) or a colocated rank."""
         stream = choice.stream
+        params = stream.params
+        if choice.output:  # a continuation: the prompt's logprobs came with the first attempt
+            params = dataclasses.replace(params, prompt_logprobs=None)
         fields = dict(
             request_id=format_request_id(choice.key),
             prompt_token_ids=stream.job.prompt_token_ids,
-            params=stream.params,
+            params=params,
             choice=choice.index,
+            output_token_ids=list(choice.output),
         )
         now = time.monotonic()
+        # the balancers count the choice under its worker request id, the one ``_forget`` reports
+        route = dataclasses.replace(stream.route, request_id=fields["request_id"])
         if self.pools.pd_ready():
-            choice.decode_worker = self.pools.pick("decode", stream.route, now)
-            choice.prefill_worker = self.pools.pick("prefill", stream.route, now)
+            choice.decode_worker = self.pools.pick("decode", route, now)
+            choice.prefill_worker = self.pools.pick("prefill", route, now)
             prefill = self.pools.registry.get(choice.prefill_worker)
             assert prefill is not None
             choice.request = DecodeAdmit(
                 **fields, prefill_worker=choice.prefill_worker, prefill_inbox=prefill.register.inbox
             )
         else:
-            choice.decode_worker, choice.prefill_worker = (
-                self.pools.pick("colocated", stream.route, now),
-                None,
-            )
+            choice.decode_worker, choice.prefill_worker = self.pools.pick("colocated", route, now), None
             choice.request = GenerateRequest(**fields)
         self._choices[choice.request.request_id] = choice
         self.control.send(choice.decode_worker, choice.request)
@@ -203,19 +222,25 @@ class Router:
         for worker in choice.workers:
             self.pools.finished(choice.request.request_id, worker)
 
-    def _fail_worker(self, info: WorkerInfo, reason: str) -> None:
-        """Choices that need the dead rank start again elsewhere if nothing was streamed yet
-        (once), else end with ``reason``; the other rank of a PD pair is told to drop them."""
+    def _fail_worker(self, info: WorkerInfo, reason: str, cause: str, dead: bool = True) -> None:
+        """Choices that need the rank move to other ranks (``_retry_or_end``); the other rank of
+        a PD pair is told to drop them. ``dead``: nothing is sent to the rank any more."""
         self.pools.out_of_rotation(info.name)
         for choice in [c for c in self._choices.values() if c.depends_on(info.name)]:
-            self._retry_or_end(choice, reason, skip=info.name)
+            self._retry_or_end(choice, reason, cause, skip=info.name if dead else None)
+        if dead and info.role == "prefill":  # after the Aborts: its transfers are fenced
+            for name in self.pools.registry.live("decode"):
+                self.control.send(name, PeerDown(worker=info.name))
 
-    def _retry_or_end(self, choice: _Choice, reason: str, skip: str | None = None) -> None:
-        """Dispatch a choice that has streamed nothing yet as its next attempt (the old ranks
-        drop the old one), or end it with ``reason``."""
+    def _retry_or_end(self, choice: _Choice, reason: str, cause: str, skip: str | None = None) -> None:
+        """Dispatch the choice again as its next attempt, a continuation of the tokens it
+        delivered (the old ranks drop the old attempt), or end it with ``reason`` once it moved
+        ``max_migrations`` times, past its deadline or with no rank left to take it."""
         old_id = choice.request.request_id
         late = time.monotonic() >= choice.stream.job.deadline  # the HTTP layer times it out anyway
-        if choice.started or choice.key.attempt >= MAX_RETRIES or late or not self.pools.ready():
+        if choice.key.attempt >= self.max_migrations or late or not self.pools.ready():
+            if choice.key.attempt >= self.max_migrations:
+                reason = f"{reason}; the choice already moved {choice.key.attempt} times (--max-migrations)"
             self.end_choice(choice, TokenDelta(request_id=old_id, error=reason))
             return
         self._forget(choice)
@@ -223,7 +248,16 @@ class Router:
             if worker != skip:
                 self.control.send(worker, Abort(request_id=old_id))
         choice.key = choice.key.next_attempt()
-        log.info("%s: %s; sending it again", old_id, reason)
+        choice.started, choice.moved_at = False, time.monotonic()
+        self.migrations.moved(cause, streaming=bool(choice.output))
+        log.info(
+            "%s: %s; moving it as attempt %d after %d delivered tokens (%s)",
+            old_id,
+            reason,
+            choice.key.attempt,
+            len(choice.output),
+            cause,
+        )
         self._dispatch(choice)
 
     # Incoming --------------------------------------------------------------------------------
@@ -234,7 +268,10 @@ class Router:
         if reason is not None:
             self._refusals.refused(sender, message, reason)
             return
-        if isinstance(message, TokenDelta):
+        if isinstance(message, TokenDeltas):
+            for delta in message.deltas:
+                self._on_delta(sender, delta)
+        elif isinstance(message, TokenDelta):
             self._on_delta(sender, message)
         elif isinstance(message, LoadReport):
             self.pools.report(message, now)
@@ -243,18 +280,26 @@ class Router:
         elif isinstance(message, Register):
             replaced = self.pools.register(message, now)
             if replaced is not None:
-                self._fail_worker(replaced, f"worker {replaced.name} restarted")
+                self._fail_worker(replaced, f"worker {replaced.name} restarted", "rank_died")
         elif isinstance(message, Heartbeat):
             registry.heartbeat(message.worker, message.incarnation, now)
         elif isinstance(message, Deregister):
             info = registry.deregister(message.worker, message.incarnation)
             if info is not None:
-                self._fail_worker(info, f"worker {info.name} stopped")
+                self._fail_worker(info, f"worker {info.name} stopped", "drained")
         elif isinstance(message, PoolDown):
             log.warning("pool %s/%d down: %s", message.role, message.pool, message.reason)
+            self.pools.event(message.role, message.pool, "pool_restarted")
             for info in registry.pool_down(message.role, message.pool, message.incarnation):
-                self._fail_worker(info, f"{message.role} pool {message.pool} went down ({message.reason})")
-        if isinstance(message, Register | Deregister | PoolDown):
+                reason = f"{message.role} pool {message.pool} went down ({message.reason})"
+                self._fail_worker(info, reason, "rank_died")
+        elif isinstance(message, RankDown):
+            info = registry.rank_down(message.worker, message.incarnation)
+            if info is not None:
+                self.pools.event(info.role, info.register.pool, "rank_died")
+                log.warning("worker %s died, its pool serves on: %s", message.worker, message.reason)
+                self._fail_worker(info, f"worker {message.worker} died ({message.reason})", "rank_died")
+        if isinstance(message, Register | Deregister | PoolDown | RankDown):
             self.pools.announce_readiness()
 
     def _on_delta(self, sender: str, delta: TokenDelta) -> None:
@@ -266,7 +311,7 @@ class Router:
             self._refusals.refused(sender, delta, f"{delta.request_id} was not sent to it")
             return
         if delta.retryable and not choice.started:
-            self._retry_or_end(choice, delta.error or "refused")
+            self._retry_or_end(choice, delta.error or "refused", "refused")
             return
         if delta.error is not None or delta.finish_reason is not None:
             self._forget(choice)
@@ -274,6 +319,11 @@ class Router:
                 for worker in choice.workers:
                     self.control.send(worker, Abort(request_id=delta.request_id))
         choice.started = True
+        if delta.token_ids:
+            choice.output.extend(delta.token_ids)
+            if choice.moved_at is not None:
+                self.migrations.resumed_after(time.monotonic() - choice.moved_at)
+                choice.moved_at = None
         choice.stream.put(choice, delta)
 
     def _orphan(self, sender: str, delta: TokenDelta) -> None:
@@ -303,6 +353,7 @@ class Router:
                 prompt_token_ids=request.prompt_token_ids,
                 params=request.params,
                 choice=request.choice,
+                output_token_ids=request.output_token_ids,
                 destination=dest,
                 decode_inbox=decode_info.register.inbox,
                 decode_agent=decode_info.register.transfer_agent,
@@ -314,19 +365,21 @@ class Router:
         self.pools.unreachable(worker)
         choice = self._choices.get(getattr(message, "request_id", ""))
         if choice is not None and not isinstance(message, Abort):
-            self._retry_or_end(choice, f"worker {worker} unreachable", skip=worker)
+            self._retry_or_end(choice, f"worker {worker} unreachable", "unreachable", skip=worker)
 
     # Health ----------------------------------------------------------------------------------
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_INTERVAL)
             for info in self.pools.registry.expired(time.monotonic()):
-                self._fail_worker(info, f"worker {info.name} stopped answering")
+                self._fail_worker(info, f"worker {info.name} stopped answering", "unresponsive", dead=False)
 
     # Metrics ---------------------------------------------------------------------------------
     def metrics_snapshot(self) -> BackendMetrics:
         waiting = sum(1 for c in self._choices.values() if not c.started)
-        return self.pools.metrics(queue_length=waiting, in_flight=len(self._choices))
+        metrics = self.pools.metrics(queue_length=waiting, in_flight=len(self._choices))
+        metrics.migrations = self.migrations
+        return metrics
 
     def capacity(self) -> Capacity | None:
         return self.pools.capacity()

@@ -37,7 +37,12 @@ def build_gateway(args: GatewayArgs, keys: ControlKeys) -> tuple[Router, FastAPI
     path, _ = resolve_model(args.model)
     config = ModelConfig.from_file(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
-    router = Router(f"{args.host}:{control_port_of(args)}", keys, balancer=args.balancer)
+    router = Router(
+        f"{args.host}:{control_port_of(args)}",
+        keys,
+        balancer=args.balancer,
+        max_migrations=args.max_migrations,
+    )
     app = build_app(router, tokenizer, args, config.vocab_size)
     return router, app
 

@@ -121,6 +121,7 @@ class RequestRun:
                 include_stop_str=prepared.include_stop_str,
                 reasoning=make_reasoning_parser(parser, prepared.thinking),
                 tools=prepared.tool_format.parser() if prepared.tool_format is not None else None,
+                incremental=prepared.stream,
             )
             for _ in range(len(prepared.prompts) * self.n)
         ]

@@ -32,6 +32,7 @@ backend around the SwiGLU (``ops/experts.py``). The chosen functions live in the
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import logging
 from collections.abc import Callable, Mapping
@@ -47,6 +48,7 @@ from dsinfer.ops import indexer as torch_indexer
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import sampling as torch_sampling
 from dsinfer.ops import sparse_mla as torch_sparse_mla
+from dsinfer.ops.compile_ahead import compile_shared
 from dsinfer.ops.experts import grouped_experts
 from dsinfer.ops.signatures import (
     FusedExperts,
@@ -62,7 +64,18 @@ from dsinfer.ops.signatures import (
 
 logger = logging.getLogger("dsinfer.ops")
 
-__all__ = ["BACKENDS", "KERNELS", "TRITON_FEATURES", "Ops", "capability_unsupported", "select_ops"]
+__all__ = [
+    "BACKENDS",
+    "KERNELS",
+    "TRITON_FEATURES",
+    "Ops",
+    "capability_unsupported",
+    "compile_ahead",
+    "select_ops",
+]
+
+# the numba kernels' modules, slowest to compile first
+NUMBA_MODULES = {"mla": "dsinfer.ops.mla_cpu", "experts": "dsinfer.ops.experts_cpu"}
 
 KERNELS: tuple[str, ...] = ("gemm", "experts", "mla", "indexer", "sparse_mla", "gate", "sampling")
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -142,6 +155,19 @@ def _import(name: str) -> ModuleType | str:
         return importlib.import_module(name)
     except Exception as exc:  # a broken CUDA extension raises more than ImportError
         return f"import {name} failed: {type(exc).__name__}"
+
+
+def compile_ahead(ops: Ops) -> None:
+    """Compile the chosen numba kernels now (from numba's cache when it has them), sharing the
+    work with the machine's other processes (dsinfer/ops/compile_ahead.py). Other backends
+    compile on first call."""
+    kernels = {}
+    for kernel, name in NUMBA_MODULES.items():
+        if ops.backends.get(kernel) == "numba":
+            module = importlib.import_module(name)
+            where = hashlib.sha1(str(module.__file__).encode()).hexdigest()[:12]  # one lock per checkout
+            kernels[f"{kernel}-{where}"] = module.compile_ahead
+    compile_shared(kernels)
 
 
 def _gemm_impl(adapter: Any) -> Impl:

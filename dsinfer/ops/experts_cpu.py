@@ -19,15 +19,16 @@ import numpy as np
 import torch
 
 from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops.compile_ahead import c_array
 from dsinfer.ops.experts import grouped_experts
 
-__all__ = ["fused_experts"]
+__all__ = ["compile_ahead", "fused_experts"]
 
 _FASTMATH = {"reassoc", "contract", "nsz"}
 BLOCK = 4  # rows and output columns per register block
 
 
-@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=_FASTMATH)
 def _block(a, w, i, j, k_dim, out):
     """out[i..i+3, j..j+3] = a[i..i+3, :k_dim] @ w[j..j+3, :k_dim]^T."""
     c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = np.float32(0.0)
@@ -57,7 +58,7 @@ def _block(a, w, i, j, k_dim, out):
     out[i + 3, j], out[i + 3, j + 1], out[i + 3, j + 2], out[i + 3, j + 3] = c30, c31, c32, c33
 
 
-@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+@numba.njit(cache=True, fastmath=_FASTMATH)
 def _matmul_nt(a, w, out):
     """out = a @ w^T for a [M, K] with M a multiple of BLOCK and w [N, K]; output columns past the
     last whole block are plain dot products (a column's code never depends on M)."""
@@ -75,7 +76,7 @@ def _matmul_nt(a, w, out):
             out[i, j] = dot
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=True)
 def _widen(bits, out):
     """bf16 bits (uint16) -> float32, exactly."""
     out_bits = out.view(np.uint32)
@@ -128,6 +129,23 @@ def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typ
         _matmul_nt(h, down_w, y)
         for i in range(count):
             out[order[starts[s] + i]] = y[i]
+
+
+# the one signature :func:`fused_experts` calls the kernel with, float32 or bf16 weights
+_EXPERTS_SIGNATURE = (
+    c_array(numba.float32, 2),  # rows
+    c_array(numba.int64, 1),  # slots
+    c_array(numba.float32, 3),  # w13 (empty for bf16)
+    c_array(numba.uint16, 3),  # w13 bf16 bits (empty for float32)
+    c_array(numba.float32, 3),  # w2
+    c_array(numba.uint16, 3),  # w2 bits
+    c_array(numba.float32, 2),  # out
+)
+
+
+def compile_ahead() -> None:
+    """Compile (or load from numba's cache) the kernel for the signature every call uses."""
+    _experts.compile(_EXPERTS_SIGNATURE)
 
 
 def fused_experts(

@@ -124,6 +124,31 @@ class EPGroup(ABC):
         """Release communication buffers; called before the process group is destroyed."""
 
 
+class UnformedEPGroup(EPGroup):
+    """A rank's seat in a pool group it has not joined yet: a restarted rank loads the experts
+    of its rank ``rank`` of ``size`` before it rejoins its pool (elastic EP), then its engine
+    regroups onto the real group. Every collective raises until then."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} not in [0, {size})")
+        self.rank, self.size = rank, size
+
+    def _unformed(self) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank} of {self.size} has not joined its pool's group yet")
+
+    def dispatch(
+        self, x: torch.Tensor, dest_rank: torch.Tensor, local_slot: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        raise self._unformed()
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        raise self._unformed()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        raise self._unformed()
+
+
 class TorchEPGroup(EPGroup):
     """All-to-all over a torch.distributed process group (the default group when None)."""
 

@@ -29,6 +29,10 @@ class PoolArgs(BaseModel):
     threads_per_rank: int | None = None  # torch threads per rank; None = cores / local ranks
     max_restarts: int = 100  # launcher gives up after this many pool restarts
     restart_backoff: float = 1.0  # seconds before a restart (doubles, capped at 30)
+    elastic_ep: bool = True  # a rank of a one-node pool of several dies: the others serve on (else restart)
+    ep_timeout: float = (
+        10.0  # seconds a serving pool's collective waits for a peer (a hung one counts as dead)
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PoolArgs:
@@ -46,7 +50,7 @@ class PoolArgs(BaseModel):
             raise ValueError(f"node_rank must be in [0, {self.nnodes})")
         if self.nnodes > 1 and self.dist_init_addr is None:
             raise ValueError("dist_init_addr is required when nnodes > 1")
-        for name in ("kv_transfer_timeout", "kv_quarantine"):
+        for name in ("kv_transfer_timeout", "kv_quarantine", "ep_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         return self
@@ -55,15 +59,24 @@ class PoolArgs(BaseModel):
     def ranks_per_node(self) -> int:
         return self.pool_size // self.nnodes
 
+    @property
+    def elastic(self) -> bool:
+        """Whether a dead rank leaves the others serving (elastic EP): a one-node pool of several
+        ranks (a multi-node pool restarts whole: its nodes' launchers keep no common membership)."""
+        return self.elastic_ep and self.pool_size > 1 and self.nnodes == 1
+
 
 class RankArgs(BaseModel):
-    """One rank of a pool, started by the launcher with a fresh ``incarnation`` per pool start."""
+    """One rank of a pool, started by the launcher with a fresh ``incarnation`` per pool start
+    (and per restart of the rank alone, in an elastic pool)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pool: PoolArgs
     rank: int  # global rank in the pool
     local_rank: int
-    dist_init_addr: str  # resolved by the launcher
+    dist_init_addr: str  # resolved by the launcher (an elastic pool: the launcher's store)
     incarnation: str
+    pool_incarnation: str = ""  # the pool start's (its keys in the launcher's store); "" = incarnation
+    joining: bool = False  # restarted alone: rejoins its running pool (elastic EP)
     dist_store_file: str | None = None  # a pool on one node: torch's FileStore here, no TCPStore

@@ -11,6 +11,10 @@ Every socket speaks CURVE with the cluster's keys (dsinfer/base/control_auth.py)
 CURVE server behind this process's ZAP authenticator; the others are clients. A failed handshake
 with a gateway is logged (a different cluster secret), a successful one is reported by
 ``gateway_connected`` so that the rank registers at once with a gateway that (re)started.
+
+TokenDeltas are held per gateway until ``flush`` (the rank loop calls it once per iteration) and
+go as one TokenDeltas message per gateway; any other message to a gateway flushes them first, so
+a gateway sees every message in the order the rank sent it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,15 @@ from dsinfer.base.control_auth import (
     serve_curve,
     start_authenticator,
 )
-from dsinfer.base.protocol import Message, TokenDelta, WorkerRequest, decode, encode, heartbeat_identity
+from dsinfer.base.protocol import (
+    Message,
+    TokenDelta,
+    TokenDeltas,
+    WorkerRequest,
+    decode,
+    encode,
+    heartbeat_identity,
+)
 
 log = logging.getLogger("dsinfer.worker")
 
@@ -94,6 +106,7 @@ class WorkerChannel:
         self._peers: dict[str, zmq.Socket[bytes]] = {}
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self._deltas: dict[str, list[TokenDelta]] = {}  # gateway endpoint -> held deltas
         self._reconcile()
 
     # Gateways ------------------------------------------------------------------------------------
@@ -132,23 +145,40 @@ class WorkerChannel:
         return connected
 
     def send_gateway(self, message: msgspec.Struct) -> None:
-        """To the gateway that sent the request the message is about, else to every gateway."""
+        """To the gateway that sent the request the message is about, else to every gateway.
+        TokenDeltas wait for ``flush``."""
         request_id = getattr(message, "request_id", None)
         if request_id is None:
-            targets = list(self._gateways.items())
+            targets = list(self._gateways)
         else:
             endpoint = self._owner.get(request_id)
             if isinstance(message, TokenDelta) and (message.finish_reason or message.error):
                 self._owner.pop(request_id, None)
             if endpoint is None and len(self._gateways) == 1:
                 endpoint = next(iter(self._gateways))
-            gateway = self._gateways.get(endpoint) if endpoint is not None else None
-            if gateway is None:
+            if endpoint is None or endpoint not in self._gateways:
                 log.debug("no gateway for %s of %s; dropped", type(message).__name__, request_id)
                 return
-            targets = [(endpoint, gateway)]
+            if isinstance(message, TokenDelta):
+                self._deltas.setdefault(endpoint, []).append(message)
+                return
+            targets = [endpoint]
+        self.flush()
+        self._send(targets, message)
+
+    def flush(self) -> None:
+        """Send the held TokenDeltas, one TokenDeltas message per gateway."""
+        held, self._deltas = self._deltas, {}
+        for endpoint, deltas in held.items():
+            self._send([endpoint], TokenDeltas(deltas=deltas))
+
+    def _send(self, endpoints: list[str], message: msgspec.Struct) -> None:
         frame = encode(message)
-        for endpoint, gateway in targets:
+        for endpoint in endpoints:
+            gateway = self._gateways.get(endpoint)
+            if gateway is None:
+                log.debug("gateway %s is gone; dropped %s", endpoint, type(message).__name__)
+                continue
             try:
                 gateway.sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
@@ -255,6 +285,7 @@ class WorkerChannel:
         self._beat.start()
 
     def close(self) -> None:
+        self.flush()
         self._stop.set()
         if self._beat is not None:
             self._beat.join(timeout=5)

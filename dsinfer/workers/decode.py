@@ -5,8 +5,9 @@ KV permitting), then KVDestination tells the gateway where the prefill rank writ
 (sent by the prefill rank after its last write completed) joins the request to the running batch
 with its first token. Reserved pages of a transfer that ends any other way (abort, timeout, the
 prefill side giving up) go to quarantine: they return to the pool only when the prefill rank
-confirms no write can land (TransferAborted, or a late PrefillDone) or after ``quarantine``
-seconds, so a late write never lands in a page given to another request.
+confirms no write can land (TransferAborted, or a late PrefillDone), when the gateway reports
+the prefill rank dead (PeerDown), or after ``quarantine`` seconds, so a late write never lands
+in a page given to another request.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dsinfer.base.protocol import (
     DecodeAdmit,
     KVDestination,
     Message,
+    PeerDown,
     PrefillDone,
     TokenDelta,
     TransferAborted,
@@ -55,7 +57,7 @@ class DecodeWorker(RoleWorker):
         self.transfer_timeout, self.quarantine = transfer_timeout, quarantine
         self._queued: deque[_Incoming] = deque()  # waiting for seats or pages
         self._reserved: dict[str, _Incoming] = {}  # pages held, waiting for PrefillDone
-        self._quarantined: dict[str, tuple[list[int], float]] = {}  # pages, release time
+        self._quarantined: dict[str, tuple[list[int], float, str]] = {}  # pages, release time, prefill rank
 
     # Messages --------------------------------------------------------------------------------
     def handle(self, message: Message, now: float) -> None:
@@ -67,6 +69,8 @@ class DecodeWorker(RoleWorker):
             self._fenced(message.request_id)
         elif isinstance(message, Abort):
             self._abort(message.request_id, now)
+        elif isinstance(message, PeerDown):
+            self._peer_down(message.worker)
         else:
             log.warning("decode worker ignored %s", type(message).__name__)
 
@@ -75,7 +79,7 @@ class DecodeWorker(RoleWorker):
             return
         try:
             request = self.engine.new_remote_prefill(
-                msg.request_id, msg.prompt_token_ids, msg.params, msg.choice
+                msg.request_id, msg.prompt_token_ids, msg.params, msg.choice, msg.output_token_ids
             )
         except ValueError as e:
             self.fail(msg.request_id, str(e))
@@ -125,6 +129,15 @@ class DecodeWorker(RoleWorker):
             self.engine.release_pages(self.engine.cancel_remote_prefill(item.request))
             self.fail(request_id, f"prefill rank {item.msg.prefill_worker} aborted the KV transfer")
 
+    def _peer_down(self, prefill_worker: str) -> None:
+        """Every transfer from the dead prefill rank is fenced: its pages are free again."""
+        fenced = [rid for rid, held in self._quarantined.items() if held[2] == prefill_worker]
+        fenced += [rid for rid, item in self._reserved.items() if item.msg.prefill_worker == prefill_worker]
+        if fenced:
+            log.info("prefill rank %s is dead: %d transfers from it fenced", prefill_worker, len(fenced))
+        for request_id in fenced:
+            self._fenced(request_id)
+
     def _abort(self, request_id: str, now: float) -> None:
         for item in self._queued:
             if item.msg.request_id == request_id:
@@ -140,7 +153,7 @@ class DecodeWorker(RoleWorker):
     def _give_up(self, request_id: str, now: float) -> None:
         item = self._reserved.pop(request_id)
         pages = self.engine.cancel_remote_prefill(item.request)
-        self._quarantined[request_id] = (pages, now + self.quarantine)
+        self._quarantined[request_id] = (pages, now + self.quarantine, item.msg.prefill_worker)
         self.outbox.send_peer(item.msg.prefill_inbox, Abort(request_id=request_id))
 
     # Progress ----------------------------------------------------------------------------------
@@ -152,7 +165,7 @@ class DecodeWorker(RoleWorker):
                     request_id,
                     f"KV transfer from {item.msg.prefill_worker} timed out after {self.transfer_timeout:g} s",
                 )
-        for request_id, (pages, release_at) in list(self._quarantined.items()):
+        for request_id, (pages, release_at, _) in list(self._quarantined.items()):
             if now >= release_at:
                 log.info("quarantine of %s expired; %d pages released", request_id, len(pages))
                 del self._quarantined[request_id]

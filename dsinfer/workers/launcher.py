@@ -1,16 +1,25 @@
-"""The pool launcher: starts the local ranks of one pool, watches them and restarts the pool whole.
+"""The pool launcher: starts the local ranks of one pool, watches them and restarts them.
 
-A collective cannot lose a member, so any rank exit while the pool should be running (whatever
-its exit code) takes the pool down: the survivors are killed, the gateway is told (``PoolDown``)
-and, after a back-off, every rank starts again under a new incarnation. SIGTERM or SIGINT to
-the launcher drains instead: the ranks get SIGTERM, finish what they hold and exit. The
-back-off doubles up to 30 s; a pool that ran 60 s resets it and the count of restarts.
+Elastic pools (``PoolArgs.elastic``: several ranks on one node): the launcher hosts the pool's
+store (a torch.distributed TCPStore, dsinfer/workers/membership.py). When a rank exits while
+the pool serves, the launcher removes it from the membership, tells the gateway (``RankDown``:
+its choices move to other ranks) and, after a back-off, starts it again alone: it rejoins the
+pool (dsinfer/workers/elastic.py) while the others serve on. A rank that exits before every
+rank of the pool served once, or the last one, restarts the pool whole.
+
+Otherwise (one rank, several nodes, ``--no-elastic-ep``) a collective cannot lose a member, so
+any rank exit while the pool should be running (whatever its exit code) takes the pool down:
+the survivors are killed, the gateway is told (``PoolDown``) and, after a back-off, every rank
+starts again under a new incarnation. SIGTERM or SIGINT to the launcher drains instead: the
+ranks get SIGTERM, finish what they hold and exit. The back-off doubles up to 30 s; a pool that
+ran 60 s since its last restart resets it and the count of restarts.
 
 The ranks get the cluster secret in their environment (never on a command line, which any user
 can read), and the interface of the worker host for their libraries' listeners
-(dsinfer/workers/network.py). A pool on one node forms its torch.distributed group through a
-FileStore in a private directory of the launcher's instead of a TCPStore, which would listen on
-every interface.
+(dsinfer/workers/network.py). A pool on one node forms its torch.distributed group without a
+socket on any outside interface: an elastic pool through the launcher's store, which listens on
+loopback only; any other one-node pool through a FileStore in a private directory of the
+launcher's (torch's own TCPStore would listen on every interface).
 
 Children die with the launcher even when it is SIGKILLed: on Linux each child asks the kernel
 for SIGKILL on its parent's death (``PR_SET_PDEATHSIG``) between fork and exec. They also run in
@@ -31,16 +40,19 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 
+import msgspec
+import torch.distributed as dist
 import zmq
 
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
 from dsinfer.base.control_auth import connect_curve
-from dsinfer.base.protocol import PoolDown, encode, launcher_identity
+from dsinfer.base.protocol import PoolDown, RankDown, encode, launcher_identity, worker_name
 from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import gateway_endpoints
+from dsinfer.workers.membership import PoolStore, host_store
 from dsinfer.workers.network import rank_network_env
 
 log = logging.getLogger("dsinfer.launcher")
@@ -50,6 +62,7 @@ KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a pool is torn down
 MAX_BACKOFF = 30.0  # cap of the doubling restart back-off
 HEALTHY_RESET = 60.0  # a pool that ran this long resets the back-off and the restart count
 POOL_DOWN_LINGER_MS = 500  # how long an unsent PoolDown may delay the launcher
+STORE_TIMEOUT = 600.0  # seconds a client of the launcher's store waits for a key
 _PR_SET_PDEATHSIG = 1
 
 
@@ -134,8 +147,11 @@ class _Start:
     incarnation: str
     procs: list[subprocess.Popen[bytes]]  # index = local rank
     first_rank: int
-    started_at: float
-    store_dir: str | None = None  # the FileStore's private directory (a pool on one node)
+    dist_init_addr: str
+    store: PoolStore | None = None  # an elastic pool's membership
+    incarnations: list[str] = field(default_factory=list)  # each local rank's (a restarted one: its own)
+    restarting: dict[int, float] = field(default_factory=dict)  # local rank -> when it starts again
+    store_dir: str | None = None  # the FileStore's private directory (a one-node pool, not elastic)
 
     def cleanup(self) -> None:
         if self.store_dir is not None:
@@ -158,14 +174,18 @@ class PoolLauncher:
         self.kill_grace = kill_grace
         self.name = f"{pool.role} pool {pool.pool_id}"
         self.threads = threads_per_rank(pool)
+        self.restarts, self.backoff = 0, pool.restart_backoff
+        self._last_restart = time.monotonic()
+        self._store: dist.TCPStore | None = None  # hosted for the launcher's lifetime (elastic)
+        self._store_addr = ""
         self.secret = secret
         self.keys = ControlKeys.from_secret(secret)
         self.network_env = rank_network_env(pool.host, os.environ)
 
     def run(self, signals: StopSignals) -> int:
         """Restarts count since the pool last ran ``HEALTHY_RESET`` s; past ``max_restarts`` -> 1."""
-        restarts = 0
-        backoff = self.pool.restart_backoff
+        if self.pool.elastic:
+            self._store, self._store_addr = host_store(STORE_TIMEOUT)
         while True:
             start = self._start()
             try:
@@ -183,31 +203,89 @@ class PoolLauncher:
             log.warning("%s: %s; stopping incarnation %s", self.name, reason, start.incarnation)
             terminate(start.procs, self.kill_grace)
             start.cleanup()
-            self._send_pool_down(start.incarnation, reason)
-            if time.monotonic() - start.started_at >= HEALTHY_RESET:
-                restarts, backoff = 0, self.pool.restart_backoff
-            if restarts >= self.pool.max_restarts:
-                print(
-                    f"dsinfer: error: {self.name}: gave up after {restarts} restarts (last: {reason})",
-                    file=sys.stderr,
+            self._send(
+                PoolDown(
+                    role=self.pool.role, pool=self.pool.pool_id, incarnation=start.incarnation, reason=reason
                 )
+            )
+            for local, incarnation in enumerate(start.incarnations):
+                if incarnation != start.incarnation:  # restarted alone: registered under its own
+                    self._send(
+                        RankDown(worker=self._worker(start, local), incarnation=incarnation, reason=reason)
+                    )
+            backoff = self._next_backoff(reason)
+            if backoff is None:
                 return 1
-            restarts += 1
-            log.info("%s: restart %d/%d in %.1f s", self.name, restarts, self.pool.max_restarts, backoff)
+            log.info("%s: restart %d/%d in %.1f s", self.name, self.restarts, self.pool.max_restarts, backoff)
             if not self._sleep(backoff, signals):
                 log.info("%s: stopped during restart back-off", self.name)
                 return 0
-            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _next_backoff(self, reason: str) -> float | None:
+        """Count a restart (of the pool or of one rank); its back-off, None past ``max_restarts``."""
+        now = time.monotonic()
+        if now - self._last_restart >= HEALTHY_RESET:
+            self.restarts, self.backoff = 0, self.pool.restart_backoff
+        if self.restarts >= self.pool.max_restarts:
+            print(
+                f"dsinfer: error: {self.name}: gave up after {self.restarts} restarts (last: {reason})",
+                file=sys.stderr,
+            )
+            return None
+        self.restarts += 1
+        self._last_restart = now
+        backoff, self.backoff = self.backoff, min(self.backoff * 2, MAX_BACKOFF)
+        return backoff
+
+    def _worker(self, start: _Start, local: int) -> str:
+        return worker_name(self.pool.role, self.pool.pool_id, start.first_rank + local)
 
     def _start(self) -> _Start:
         pool = self.pool
         incarnation = uuid.uuid4().hex
         store_dir = None
-        if pool.dist_init_addr is None and pool.nnodes == 1:
+        if self._store is None and pool.dist_init_addr is None and pool.nnodes == 1:
             store_dir = tempfile.mkdtemp(prefix="dsinfer-pool-")  # mode 0700
-        dist_init_addr = pool.dist_init_addr or ""
-        resolved = pool.model_copy(
-            update={"threads_per_rank": self.threads, "dist_init_addr": dist_init_addr or None}
+        dist_init_addr = self._store_addr or pool.dist_init_addr or ""
+        start = _Start(incarnation, [], pool.node_rank * pool.ranks_per_node, dist_init_addr)
+        start.store_dir = store_dir
+        if self._store is not None:
+            start.store = PoolStore(self._store, incarnation)
+            start.store.start(pool.pool_size)
+        try:
+            for local in range(pool.ranks_per_node):
+                start.procs.append(self._spawn_rank(start, local, incarnation))
+                start.incarnations.append(incarnation)
+        except BaseException:
+            kill(start.procs)
+            start.cleanup()
+            raise
+        first, procs = start.first_rank, start.procs
+        log.info(
+            "%s: started incarnation %s: ranks %d-%d, pids %s, %d thread(s) per rank, dist-init %s",
+            self.name,
+            incarnation,
+            first,
+            first + len(procs) - 1,
+            ",".join(str(p.pid) for p in procs),
+            self.threads,
+            dist_init_addr or f"a FileStore in {store_dir}",
+        )
+        return start
+
+    def _spawn_rank(self, start: _Start, local: int, incarnation: str) -> subprocess.Popen[bytes]:
+        resolved = self.pool.model_copy(
+            update={"threads_per_rank": self.threads, "dist_init_addr": start.dist_init_addr or None}
+        )
+        args = RankArgs(
+            pool=resolved,
+            rank=start.first_rank + local,
+            local_rank=local,
+            dist_init_addr=start.dist_init_addr,
+            incarnation=incarnation,
+            pool_incarnation=start.incarnation,
+            joining=incarnation != start.incarnation,
+            dist_store_file=None if start.store_dir is None else os.path.join(start.store_dir, "store"),
         )
         threads = str(self.threads)
         env = {
@@ -217,46 +295,81 @@ class PoolLauncher:
             "OMP_NUM_THREADS": threads,
             "NUMBA_NUM_THREADS": threads,
         }
-        first = pool.node_rank * pool.ranks_per_node
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            for local in range(pool.ranks_per_node):
-                args = RankArgs(
-                    pool=resolved,
-                    rank=first + local,
-                    local_rank=local,
-                    dist_init_addr=dist_init_addr,
-                    incarnation=incarnation,
-                    dist_store_file=None if store_dir is None else os.path.join(store_dir, "store"),
-                )
-                cmd = [sys.executable, "-m", self.rank_module, "--args-json", args.model_dump_json()]
-                procs.append(spawn(cmd, env))
-        except BaseException:
-            kill(procs)
-            if store_dir is not None:
-                shutil.rmtree(store_dir, ignore_errors=True)
-            raise
-        log.info(
-            "%s: started incarnation %s: ranks %d-%d, pids %s, %d thread(s) per rank, dist-init %s",
-            self.name,
-            incarnation,
-            first,
-            first + len(procs) - 1,
-            ",".join(str(p.pid) for p in procs),
-            self.threads,
-            dist_init_addr or "a FileStore in " + str(store_dir),
-        )
-        return _Start(incarnation, procs, first, time.monotonic(), store_dir)
+        return spawn([sys.executable, "-m", self.rank_module, "--args-json", args.model_dump_json()], env)
 
     def _watch(self, start: _Start, signals: StopSignals) -> tuple[int, int] | None:
-        """Block until a rank exits (-> its rank and exit code) or a stop is requested (-> None)."""
+        """Block until the pool must restart whole (-> the rank that exited and its exit code) or
+        a stop is requested (-> None); in an elastic pool a dead rank is restarted alone."""
         while signals.requested is None:
             for local, proc in enumerate(start.procs):
                 code = proc.poll()
-                if code is not None:
+                if code is None or local in start.restarting:
+                    continue
+                if not self._can_shrink(start, local):
                     return start.first_rank + local, code
+                if not self._shrink(start, local, code):
+                    return start.first_rank + local, code
+            now = time.monotonic()
+            for local, at in list(start.restarting.items()):
+                if now >= at:
+                    del start.restarting[local]
+                    self._rejoin(start, local)
             time.sleep(POLL_INTERVAL)
         return None
+
+    # Elastic pools --------------------------------------------------------------------------------
+    def _can_shrink(self, start: _Start, local: int) -> bool:
+        """The pool serves on without the rank: every rank served once and another one lives."""
+        if start.store is None or not start.store.all_serving(self.pool.pool_size):
+            return False
+        return any(
+            p.poll() is None and i not in start.restarting for i, p in enumerate(start.procs) if i != local
+        )
+
+    def _shrink(self, start: _Start, local: int, code: int) -> bool:
+        """Take the dead rank out of the membership and rotation; start it again after a back-off.
+        False past ``max_restarts``."""
+        assert start.store is not None
+        rank = start.first_rank + local
+        while True:
+            members = start.store.members()
+            if rank not in members.ranks:
+                break
+            shrunk = start.store.change(members, tuple(r for r in members.ranks if r != rank))
+            if shrunk is not None:
+                members = shrunk
+                break
+        start.store.withdraw_join(rank)
+        reason = f"rank {rank} exited with code {code}"
+        self._send(
+            RankDown(worker=self._worker(start, local), incarnation=start.incarnations[local], reason=reason)
+        )
+        backoff = self._next_backoff(reason)
+        if backoff is None:
+            return False
+        start.restarting[local] = time.monotonic() + backoff
+        log.warning(
+            "%s: %s; ranks %s serve on (membership generation %d); rank %d restarts in %.1f s",
+            self.name,
+            reason,
+            ",".join(map(str, members.ranks)),
+            members.generation,
+            rank,
+            backoff,
+        )
+        return True
+
+    def _rejoin(self, start: _Start, local: int) -> None:
+        incarnation = uuid.uuid4().hex
+        start.procs[local] = self._spawn_rank(start, local, incarnation)
+        start.incarnations[local] = incarnation
+        log.info(
+            "%s: rank %d started again (pid %d, incarnation %s): it rejoins the pool",
+            self.name,
+            start.first_rank + local,
+            start.procs[local].pid,
+            incarnation,
+        )
 
     def _drain(self, start: _Start, signum: int | None) -> None:
         sig = signal.Signals(signum).name if signum else "stop"
@@ -288,10 +401,11 @@ class PoolLauncher:
             time.sleep(min(POLL_INTERVAL, left))
         return False
 
-    def _send_pool_down(self, incarnation: str, reason: str) -> None:
-        """Best effort, to every gateway: an absent one delays the launcher by at most the linger."""
+    def _send(self, struct: msgspec.Struct) -> None:
+        """PoolDown or RankDown to every gateway. Best effort: an absent one delays the launcher by
+        at most the linger."""
         pool = self.pool
-        message = encode(PoolDown(role=pool.role, pool=pool.pool_id, incarnation=incarnation, reason=reason))
+        message = encode(struct)
         identity = launcher_identity(pool.role, pool.pool_id, pool.node_rank).encode()
         # A context per message: no ZMQ I/O thread exists while the next ranks are forked.
         ctx = zmq.Context()
@@ -304,9 +418,16 @@ class PoolLauncher:
                 sock.connect(endpoint)
                 sock.send(message, zmq.NOBLOCK)
                 sock.close()
-            log.info("%s: PoolDown sent to the gateway at %s (best effort)", self.name, pool.gateway_addr)
+            log.info(
+                "%s: %s sent to the gateway at %s (best effort)",
+                self.name,
+                type(struct).__name__,
+                self.pool.gateway_addr,
+            )
         except zmq.ZMQError as e:
-            log.warning("%s: could not send PoolDown to %s: %s", self.name, self.pool.gateway_addr, e)
+            log.warning(
+                "%s: could not send %s to %s: %s", self.name, type(struct).__name__, self.pool.gateway_addr, e
+            )
         finally:
             ctx.term()
 

@@ -58,6 +58,7 @@ class PrefillWorker(RoleWorker):
         self.page_size = engine.page_size
         self.page_bytes = engine.kv_page_bytes
         self._out: dict[str, _Outgoing] = {}
+        self._planned: list[tuple[_Outgoing, list[int]]] = []  # the last step's new pages per request
 
     # Messages --------------------------------------------------------------------------------
     def handle(self, message: Message, now: float) -> None:
@@ -78,13 +79,18 @@ class PrefillWorker(RoleWorker):
         try:
             self.backend.connect(msg.decode_agent, msg.decode_transfer_metadata)
             self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, msg.params, first_choice=msg.choice, prefill_only=True
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                first_choice=msg.choice,
+                prefill_only=True,
+                output_token_ids=msg.output_token_ids,
             )
         except (ValueError, TransferError) as e:
             self.fail(msg.request_id, str(e))
             return
         first_page = dest.num_cached_tokens // self.page_size
-        expected = self.engine.pages_for(len(msg.prompt_token_ids)) - first_page
+        expected = self.engine.pages_for(len(msg.prompt_token_ids) + len(msg.output_token_ids)) - first_page
         if len(dest.pages) != expected:
             self.engine.abort_request(msg.request_id)
             self.fail(msg.request_id, f"decode gave {len(dest.pages)} pages for {expected} to send")
@@ -106,18 +112,27 @@ class PrefillWorker(RoleWorker):
             if out is not None and update.finished and update.finish_reason != "abort":
                 out.done, out.forward_done_at = update, time.time()
 
+    def step_interrupted(self) -> None:
+        """Pages the interrupted step was writing are written again, every layer, when the step
+        that computes them again runs (writes already posted land the same bytes)."""
+        for out, pages in self._planned:
+            out.sent.difference_update(pages)
+        self._planned = []
+
     def _plan_writes(self, work: list[ScheduledWork]) -> LayerHook | None:
         plan: list[tuple[_Outgoing, list[int], list[int]]] = []
+        self._planned = []
         for seq in work:
             out = self._out.get(seq.request_id)
             if out is None or out.aborted:
                 continue
-            last = seq.prompt_len if seq.end >= seq.prompt_len else seq.end
-            complete = -(-last // self.page_size) if last == seq.prompt_len else last // self.page_size
+            last = min(seq.end, seq.context_len)
+            complete = -(-last // self.page_size) if last == seq.context_len else last // self.page_size
             new = [p for p in range(out.first_page, complete) if p not in out.sent]
             if not new:
                 continue
             out.sent.update(new)
+            self._planned.append((out, new))
             src = [seq.pages[p] for p in new]
             dst = [out.msg.destination.pages[p - out.first_page] for p in new]
             plan.append((out, src, dst))

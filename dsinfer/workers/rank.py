@@ -8,6 +8,11 @@ collectives of a step always line up. When the whole pool is idle each rank bloc
 poll for up to ``IDLE_POLL_MS`` instead of spinning. SIGTERM drains: the rank refuses new
 requests, finishes what it holds, and the pool exits together once every rank is stopping and no
 rank is busy.
+
+In an elastic pool (``PoolArgs.elastic``: one node, several ranks) the group is formed and
+re-formed by ``ElasticPool`` (dsinfer/workers/elastic.py): a collective that fails because a
+peer died abandons the step and the survivors serve on in a new group; the agreed
+``pool_generation`` re-forms the pool with a restarted rank (``RankArgs.joining``).
 """
 
 from __future__ import annotations
@@ -37,13 +42,16 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.base.shape import expert_slots_per_rank
 from dsinfer.engine.engine import LLMEngine
-from dsinfer.parallel.ep import EPGroup
+from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
+from dsinfer.parallel.placement import ExpertPlacement
 from dsinfer.parallel.registry import make_ep_group
 from dsinfer.transfer.base import TransferBackend
 from dsinfer.transfer.registry import make_transfer_backend
 from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import WorkerChannel
 from dsinfer.workers.decode import DecodeWorker
+from dsinfer.workers.elastic import ElasticPool, PoolLost
+from dsinfer.workers.membership import Membership, PoolStore
 from dsinfer.workers.prefill import PrefillWorker
 from dsinfer.workers.role import ColocatedWorker, RoleWorker
 
@@ -52,7 +60,8 @@ log = logging.getLogger("dsinfer.worker")
 IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
 REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
-DIST_TIMEOUT = timedelta(minutes=10)
+DIST_TIMEOUT = timedelta(minutes=10)  # start-up: ranks warm up (compile) at their own pace
+REFORM_TIMEOUT = 300.0  # seconds the members of a re-forming pool wait for each other
 
 
 def rank_device(device: str, local_rank: int, gpus: int) -> str:
@@ -99,19 +108,47 @@ def build_role(
     return worker, transfer
 
 
-def _ep_group(pool: PoolArgs) -> EPGroup:
-    """The pool's expert-parallel group: DeepEP on NCCL when importable (``--ep-backend auto`` or
-    ``deepep``), else torch all-to-all."""
-    config = ModelConfig.from_file(resolve_model(pool.engine.model)[0] / "config.json")
+def _model_config(pool: PoolArgs) -> ModelConfig:
+    return ModelConfig.from_file(resolve_model(pool.engine.model)[0] / "config.json")
+
+
+def _ep_group(pool: PoolArgs, slots_per_rank: int) -> EPGroup:
+    """The pool's expert-parallel group over the default group: DeepEP on NCCL when importable
+    (``--ep-backend auto`` or ``deepep``), else torch all-to-all."""
+    config = _model_config(pool)
     return make_ep_group(
         hidden=config.hidden_size,
-        num_local_experts=expert_slots_per_rank(
-            config.n_routed_experts, pool.engine.num_redundant_experts, pool.pool_size
-        ),
+        num_local_experts=slots_per_rank,
         top_k=config.num_experts_per_tok,
         low_latency=pool.role == "decode",
         max_tokens_per_rank=pool.engine.decode_tokens_per_step(),
         prefer=pool.engine.ep_backend,
+    )
+
+
+def _initial_placement(pool: PoolArgs) -> ExpertPlacement:
+    """The placement the pool starts with (--placement, else the default layout)."""
+    if pool.engine.placement is not None:
+        return ExpertPlacement.load(pool.engine.placement)
+    engine = pool.engine
+    return ExpertPlacement.for_model(
+        _model_config(pool), pool.pool_size, engine.num_redundant_experts, int(engine.speculative_mtp)
+    )
+
+
+def _elastic_pool(args: RankArgs, backend: str) -> ElasticPool:
+    pool = args.pool
+    store = PoolStore.connect(
+        args.dist_init_addr, args.pool_incarnation or args.incarnation, DIST_TIMEOUT.total_seconds()
+    )
+    return ElasticPool(
+        args.rank,
+        store,
+        backend,
+        lambda slots: _ep_group(pool, slots),
+        initial=_initial_placement(pool),
+        step_timeout=pool.ep_timeout,
+        reform_timeout=REFORM_TIMEOUT,
     )
 
 
@@ -133,30 +170,57 @@ def run_rank(args: RankArgs) -> int:
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     control: dist.ProcessGroup | None = None
+    ep_group: EPGroup | None = None
+    elastic: ElasticPool | None = None
+    wanted: tuple[Membership, ExpertPlacement] | None = None  # a joining rank's target
     if pool.pool_size > 1:
         backend = process_group_backend(device)
-        dist.init_process_group(
-            backend,
-            init_method=dist_init_method(args),
-            rank=args.rank,
-            world_size=pool.pool_size,
-            timeout=DIST_TIMEOUT,
+        slots = expert_slots_per_rank(
+            _model_config(pool).n_routed_experts, pool.engine.num_redundant_experts, pool.pool_size
         )
-        if backend != "gloo":
-            control = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
-    stopping = False
+        if pool.elastic:
+            elastic = _elastic_pool(args, backend)
+            if args.joining:
+                wanted = elastic.target()
+                ep_group = UnformedEPGroup(wanted[0].index(args.rank), len(wanted[0].ranks))
+            else:
+                first = Membership(0, tuple(range(pool.pool_size)))
+                ep_group = elastic.form(first, slots, DIST_TIMEOUT.total_seconds())
+                control = elastic.control
+        else:
+            dist.init_process_group(
+                backend,
+                init_method=dist_init_method(args),
+                rank=args.rank,
+                world_size=pool.pool_size,
+                timeout=DIST_TIMEOUT,
+            )
+            if backend != "gloo":
+                control = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
+            ep_group = _ep_group(pool, slots)
+    engine_args = pool.engine.model_copy(update={"device": device})
+    if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
+        engine_args = engine_args.model_copy(update={"enforce_eager": True})
+    engine = LLMEngine(
+        engine_args,
+        ep_group=ep_group,
+        agreement_group=control,
+        placement=wanted[1] if wanted is not None else None,
+    )
+    if elastic is not None and wanted is not None:
+        elastic.join(engine, *wanted)  # kernels come compiled from the cache its first start left
+    else:
+        engine.warmup()  # compiles kernels before the gateway can route anything here
+        if elastic is not None:
+            elastic.serve()
+            elastic.store.mark_serving(args.rank)
+    stopping = False  # SIGTERM from here on drains (before: it ends the rank, which holds nothing yet)
 
     def on_sigterm(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    engine_args = pool.engine.model_copy(update={"device": device})
-    if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
-        engine_args = engine_args.model_copy(update={"enforce_eager": True})
-    ep_group = _ep_group(pool) if pool.pool_size > 1 else None
-    engine = LLMEngine(engine_args, ep_group=ep_group, agreement_group=control)
-    engine.warmup()  # compiles kernels before the gateway can route anything here
     channel = WorkerChannel(name, pool.gateway_addr, pool.host, keys)
     channel.start_heartbeat(Heartbeat(worker=name, incarnation=args.incarnation), HEARTBEAT_INTERVAL)
     role, transfer = build_role(args, engine, channel)
@@ -172,6 +236,7 @@ def run_rank(args: RankArgs) -> int:
         page_size=engine.page_size,
         max_model_len=engine.max_model_len,
         model=engine.model_identity,
+        rejoined=args.joining,
     )
     log.info(
         "rank %s up on %s (incarnation %s, %d threads, inbox %s)",
@@ -201,13 +266,29 @@ def run_rank(args: RankArgs) -> int:
                 transfer.progress()
             role.tick(time.monotonic())
             plan = engine.plan_step()
-            votes = dataclasses.replace(plan.votes, busy=role.busy(), not_stopping=not stopping)
-            agreed = engine.agree(votes)  # the pool's one collective outside the forward
-            pool_working = agreed.has_work
-            if agreed.stopping:
-                break
-            if agreed.has_work:
-                role.step(plan, agreed)
+            votes = dataclasses.replace(
+                plan.votes,
+                busy=role.busy(),
+                not_stopping=not stopping,
+                pool_generation=elastic.vote(time.monotonic()) if elastic is not None else 0,
+            )
+            try:
+                agreed = engine.agree(votes)  # the pool's one collective outside the forward
+                pool_working = agreed.has_work
+                if agreed.stopping:
+                    break
+                if elastic is not None and elastic.on_agreed(agreed, engine):
+                    continue  # re-formed: the step planned for the old group is planned again
+                if agreed.has_work:
+                    role.step(plan, agreed)
+            except RuntimeError as error:  # a peer died in a collective (gloo), or hung past --ep-timeout
+                if elastic is None:
+                    raise
+                role.step_interrupted()
+                elastic.recover(engine, error)
+                continue
+            finally:
+                channel.flush()  # this iteration's token deltas, one message
             if time.monotonic() - last_report >= HEARTBEAT_INTERVAL:
                 with_load = time.monotonic() - last_expert_load >= EXPERT_LOAD_INTERVAL
                 channel.send_gateway(role.load_report(with_expert_load=with_load))
@@ -240,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return run_rank(RankArgs.model_validate_json(ns.args_json))
+    except PoolLost as e:
+        log.error("rank leaves its pool: %s", e)
+        return 1
     except SecretError as e:
         print(f"dsinfer: error: {e}", file=sys.stderr)
         return 2

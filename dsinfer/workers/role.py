@@ -63,6 +63,10 @@ class RoleWorker(ABC):
         for update in self.engine.run_step(plan, agreed):
             self.outbox.send_gateway(update.delta())
 
+    def step_interrupted(self) -> None:  # noqa: B027 - roles without per-step state need none
+        """The step's collectives failed (a peer of the pool died): nothing of it was recorded,
+        the engine plans that work again."""
+
     def fail(self, request_id: str, error: str, retryable: bool = False) -> None:
         log.info("request %s failed: %s", request_id, error)
         self.outbox.send_gateway(TokenDelta(request_id=request_id, error=error, retryable=retryable))
@@ -99,7 +103,11 @@ class ColocatedWorker(RoleWorker):
                 return
             try:
                 self.engine.add_request(
-                    message.request_id, message.prompt_token_ids, message.params, first_choice=message.choice
+                    message.request_id,
+                    message.prompt_token_ids,
+                    message.params,
+                    first_choice=message.choice,
+                    output_token_ids=message.output_token_ids,
                 )
             except ValueError as e:
                 self.fail(message.request_id, str(e))

@@ -1,0 +1,404 @@
+r"""Time from a rank's kill -9 to the next delivered token: migration alone, elastic EP, and a
+whole-pool restart, for expert-parallel pools of 2 and 4 ranks.
+
+Each (mode, pool size) runs one all-in-one ``dsinfer serve`` of colocated pools (the built-in tiny
+model with dummy weights, float32, CPU, one torch thread per rank; colocated keeps the process
+count down: a decode rank of a PD pair recovers the same way, its continuation prefilled on a
+prefill rank instead):
+
+- ``restart`` (what dsinfer did before migration and elastic EP): one pool of N ranks,
+  ``--no-elastic-ep --max-migrations 0``: the pool restarts whole and the streams it held end
+  with an error; the next token is the first one of a new request, sent every 0.1 s after the
+  kill (each gets 503 until the restarted pool registers).
+- ``migration``: two pools of N ranks, ``--no-elastic-ep``: the killed rank's pool restarts
+  whole, and every stream it held moves to the other pool as a continuation.
+- ``elastic``: one pool of N ranks (elastic EP): the survivors re-form their group and serve on,
+  the killed rank's streams move to them as continuations, the rank restarts alone and rejoins.
+
+Per repeat, ``--streams`` streamed completions (``--prompt-len`` random token ids, up to
+``--output-len`` tokens, greedy, ``ignore_eos``, ``logprobs=0`` so each chunk says how many tokens
+it carries) run; once every stream decodes and ``--kill-after`` s more passed, rank 1 of pool 0
+gets SIGKILL. The streams the kill moved are those the gateway's log names as moved after the
+kill. Reported: kill to the next token of each moved stream, the first one computed after the
+move (tokens already on their way do not count; median and max; ``restart``: kill to the first
+token of a new request), the longest gap between tokens in the 10 s after the kill of the
+streams that stayed where they were (elastic: the survivors' stall while they re-form), the
+streams that ended in an error, and kill to the pool being whole again (the killed rank
+restarted, every rank healthy); the next repeat starts once it is. Per (mode, size): medians
+over the repeats. The load average is recorded at each kill: compare only numbers taken on a
+quiet machine (about 15 min there):
+
+    python benchmarks/rank_recovery.py --repeats 3 \
+        --out benchmarks/results/rank_recovery.json --markdown benchmarks/results/rank_recovery.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pd_serving import (
+    ServeProcess,
+    fetch_metrics,
+    git,
+    git_commit,
+    machine_info,
+    progress,
+    save_report,
+    serve,
+    wait_ready,
+)
+
+VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
+MODES = {
+    "restart": (1, ["--no-elastic-ep", "--max-migrations", "0"]),
+    "migration": (2, ["--no-elastic-ep"]),
+    "elastic": (1, []),
+}  # mode -> (pools, flags)
+# the gateway's line for each choice it moves (dsinfer/gateway/router.py)
+MOVED = re.compile(
+    r"(cmpl-[0-9a-f]+)/\d+(?:~\d+)?: .*; moving it as attempt \d+ after (\d+) delivered tokens"
+)
+STALL_WINDOW = 10.0  # s after the kill in which the unmoved streams' longest gap is taken
+
+
+@dataclass
+class Stream:
+    sent: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in the chunk)
+    error: str | None = None
+    request_id: str | None = None  # the completion's id, as the gateway's log names it
+
+
+def server_flags(args: argparse.Namespace, mode: str, size: int) -> list[str]:
+    pools, extra = MODES[mode]
+    return [
+        *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--device", "cpu", "--seed", "0"),
+        *("--colocated", "--decode-pools", str(pools), "--decode-pool-size", str(size)),
+        *("--threads-per-rank", "1", "--kv-cache-memory", args.kv_cache_memory, "--drain-timeout", "5"),
+        *("--max-num-seqs", str(max(args.streams, 8))),
+        *extra,
+    ]  # fmt: skip
+
+
+def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
+
+
+async def stream_one(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, out: Stream | None = None
+) -> Stream:
+    out = out or Stream(time.perf_counter())
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body(prompt, max_tokens)) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[len("data: ") :])
+                if "error" in chunk:
+                    out.error = str(chunk["error"])[:200]
+                out.request_id = out.request_id or chunk.get("id")
+                for choice in chunk.get("choices", []):
+                    tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
+                    if tokens:
+                        out.chunks.append((now, tokens))
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def first_new_token(
+    client: httpx.AsyncClient, url: str, prompt: list[int], deadline: float
+) -> float | None:
+    """perf_counter time of the first token of a new request, one sent every 0.1 s until one streams."""
+    while time.perf_counter() < deadline:
+        got = await stream_one(client, url, prompt, 2)
+        if got.chunks:
+            return got.chunks[0][0]
+        await asyncio.sleep(0.1)
+    return None
+
+
+def rank_pid(server_pid: int, pool: int, rank: int) -> int:
+    """The pid of colocated pool ``pool``'s rank ``rank`` under the server."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"dsinfer.workers.rank" not in argv or not _descends_from(int(proc.name), server_pid):
+                continue
+        except OSError:
+            continue
+        spec = json.loads(argv[argv.index(b"--args-json") + 1])
+        if spec["pool"]["pool_id"] == pool and spec["rank"] == rank:
+            return int(proc.name)
+    raise LookupError(f"no rank {rank} of pool {pool} under pid {server_pid}")
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    return False
+
+
+async def whole(client: httpx.AsyncClient, url: str, ranks: int) -> float:
+    """perf_counter time once the gateway, after it counted fewer, counts ``ranks`` healthy ranks
+    again (started at the kill, beside the streams)."""
+    deadline, seen_down = time.perf_counter() + 300.0, False
+    while time.perf_counter() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            workers = await fetch_metrics(client, url)
+            healthy = sum(1 for w, m in workers.items() if w != "gateway" and m.get("healthy") == 1)
+            if healthy < ranks:
+                seen_down = True
+            elif seen_down:
+                return time.perf_counter()
+        await asyncio.sleep(0.1)
+    raise TimeoutError("pool not whole again after 300 s")
+
+
+def moved_streams(log_path: Path, offset: int) -> dict[str, int]:
+    """Completion id -> tokens it had delivered when the gateway moved it, for the first move of
+    each that its log names after byte ``offset``."""
+    with log_path.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    moved: dict[str, int] = {}
+    for m in MOVED.finditer(text):
+        moved.setdefault(m.group(1), int(m.group(2)))
+    return moved
+
+
+def time_of_token(stream: Stream, index: int) -> float | None:
+    """When the chunk carrying output token ``index`` (0-based) arrived."""
+    seen = 0
+    for t, tokens in stream.chunks:
+        seen += tokens
+        if seen > index:
+            return t
+    return None
+
+
+def longest_gap(stream: Stream, start: float, end: float) -> float | None:
+    """The longest wait between tokens from ``start`` (from the stream's last token before it)
+    through ``end``."""
+    times = [t for t, _ in stream.chunks]
+    before = [t for t in times if t <= start]
+    window = [before[-1]] if before else []
+    window += [t for t in times if start < t <= end]
+    gaps = [b - a for a, b in itertools.pairwise(window)]
+    return max(gaps) if gaps else None
+
+
+async def one_kill(
+    url: str, server: ServeProcess, args: argparse.Namespace, mode: str, ranks: int, seed: int
+) -> dict[str, Any]:
+    assert server.process is not None
+    server_pid, rng = server.process.pid, random.Random(seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(args.prompt_len)]
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await wait_ready(client, url, ranks, 300.0)
+        streams = [Stream(time.perf_counter()) for _ in range(args.streams)]
+        tasks = [asyncio.create_task(stream_one(client, url, prompt(), args.output_len, s)) for s in streams]
+        deadline = time.perf_counter() + 300.0
+        while not all(len(s.chunks) >= 2 or s.error for s in streams):  # every stream decodes
+            if time.perf_counter() > deadline:
+                raise TimeoutError("streams did not start within 300 s")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(args.kill_after)
+        victim = rank_pid(server_pid, 0, 1)
+        load, log_offset = os.getloadavg()[0], server.log_path.stat().st_size
+        os.kill(victim, signal.SIGKILL)
+        killed = time.perf_counter()
+        back_again = asyncio.create_task(whole(client, url, ranks))
+        probe = None
+        if mode == "restart":
+            probe = await first_new_token(client, url, prompt(), killed + 300.0)
+        await asyncio.gather(*tasks)
+        back = await back_again
+    moved = moved_streams(server.log_path, log_offset)
+    recovered: list[float] = []  # kill to a moved stream's first token computed after the move
+    stalled: list[float] = []  # the unmoved streams' longest gaps after the kill
+    for s in streams:
+        if s.request_id in moved:
+            at = time_of_token(s, moved[s.request_id])
+            if at is not None:
+                recovered.append(at - killed)
+        elif probe is None and (gap := longest_gap(s, killed, killed + STALL_WINDOW)) is not None:
+            stalled.append(gap)
+    if probe is not None:
+        recovered = [probe - killed]
+    return {
+        "kill_to_token_median_s": statistics.median(recovered) if recovered else None,
+        "kill_to_token_max_s": max(recovered) if recovered else None,
+        "moved_streams": len(moved),
+        "others_max_gap_s": max(stalled) if stalled else None,
+        "failed_streams": sum(1 for s in streams if s.error),
+        "kill_to_whole_s": back - killed,
+        "load_at_kill": load,
+    }
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for key in sorted({(r["mode"], r["ep"]) for r in runs}, key=lambda k: (k[1], list(MODES).index(k[0]))):
+        mine = [r for r in runs if (r["mode"], r["ep"]) == key]
+
+        def med(name: str, mine: list[dict[str, Any]] = mine) -> float | None:
+            values = [r[name] for r in mine if r[name] is not None]
+            return statistics.median(values) if values else None
+
+        out[f"{key[0]} EP{key[1]}"] = {
+            "kill_to_token_median_s": med("kill_to_token_median_s"),
+            "kill_to_token_max_s": med("kill_to_token_max_s"),
+            "moved_streams": med("moved_streams"),
+            "others_max_gap_s": med("others_max_gap_s"),
+            "failed_streams": med("failed_streams"),
+            "kill_to_whole_s": med("kill_to_whole_s"),
+            "repeats": len(mine),
+        }
+    return out
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    a = report["args"]
+    lines = [
+        "# Kill -9 of a rank to the next delivered token (benchmarks/rank_recovery.py)",
+        "",
+        f"- date: {report['date']}",
+        "- machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()),
+        f"- commit: {report['commit']}",
+        f"- command: `{report['command']}`",
+        f"- workload: {a['streams']} streamed requests, {a['prompt_len']} prompt tokens, up to "
+        f"{a['output_len']} output tokens, greedy; rank 1 of pool 0 killed {a['kill_after']:g} s in; "
+        f"colocated pools, one torch thread per rank; {a['repeats']} repeat(s)",
+        f"- load average (1 min) at the kills: {min(r['load_at_kill'] for r in report['runs']):.2f} to "
+        f"{max(r['load_at_kill'] for r in report['runs']):.2f}",
+        "",
+        "| mode | kill to next token, median s | max s | streams moved | others' longest gap s "
+        "| streams failed | kill to pool whole again s | repeats |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key, row in report["summary"].items():
+        lines.append(
+            f"| {key} | {_s(row['kill_to_token_median_s'])} | {_s(row['kill_to_token_max_s'])} | "
+            f"{row['moved_streams']:g} | {_s(row['others_max_gap_s'])} | "
+            f"{row['failed_streams']:g} | {_s(row['kill_to_whole_s'])} | {row['repeats']} |"
+        )
+    lines += [
+        "",
+        "`restart`: kill to the first token of a new request (the streams of the killed pool fail); "
+        "`migration` and `elastic`: kill to the next token of each stream the gateway moved. "
+        "Others' longest gap: the longest wait between two tokens, in the 10 s after the kill, of "
+        "the streams that stayed on their rank (elastic: they wait while the survivors re-form).",
+        "",
+        "Runs (in order):",
+        "",
+        "| repeat | mode | EP | next token median / max s | moved | others' gap s | failed "
+        "| whole again s | load |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['repeat']} | {r['mode']} | {r['ep']} | {_s(r['kill_to_token_median_s'])} / "
+            f"{_s(r['kill_to_token_max_s'])} | {r['moved_streams']} | {_s(r['others_max_gap_s'])} | "
+            f"{r['failed_streams']} | "
+            f"{_s(r['kill_to_whole_s'])} | {r['load_at_kill']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--sizes", default="2,4", help="ranks per pool (EP sizes)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=400)
+    parser.add_argument("--kill-after", type=float, default=2.0, help="seconds after every stream decodes")
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="rank_recovery-") as tmp:
+        log_dir = args.log_dir or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for size in (int(s) for s in args.sizes.split(",")):
+            for mode in modes:
+                name = f"{mode}-ep{size}"
+                ranks = MODES[mode][0] * size
+                with serve(server_flags(args, mode, size), log_dir, name, 300.0) as server:
+                    for repeat in range(args.repeats):
+                        result = asyncio.run(
+                            one_kill(server.base_url, server, args, mode, ranks, args.seed + repeat)
+                        )
+                        progress(
+                            f"[{name} r{repeat}] next token {_s(result['kill_to_token_median_s'])} s "
+                            f"(max {_s(result['kill_to_token_max_s'])}), {result['failed_streams']} failed, "
+                            f"whole again {result['kill_to_whole_s']:.2f} s, load {result['load_at_kill']:.2f}"
+                        )
+                        runs.append({"repeat": repeat, "mode": mode, "ep": size, **result})
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "commit": git_commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+    save_report(report, markdown(report), args.out, args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    git("rev-parse", "HEAD")
+    sys.exit(main())
