@@ -19,6 +19,11 @@ perfect; an expert's load is split evenly over its replicas) for:
   rule picks, at most one replica of an expert per rank); ``dsinfer-1node``: the same with
   ``num_nodes=1`` (``dsinfer eplb`` without ``--num-nodes``: one node, i.e. pool-wide balancing).
 
+Beside the synthetic loads, the measured load of the built-in trained model (tiny-chat, the same
+pools as tiny): the tokens its router sent to each expert while ``dsinfer serve`` answered the
+held-out evaluation (``--measured-load``, the gateway's ``GET /expert_load`` file that
+benchmarks/accuracy.py saves; one row per role).
+
     /work/venv/bin/python benchmarks/eplb_balance.py \
         --out benchmarks/results/eplb_balance.json --markdown benchmarks/results/eplb_balance.md
 """
@@ -40,6 +45,7 @@ from pathlib import Path
 import torch
 
 from dsinfer.base.config import ModelConfig
+from dsinfer.base.expert_load import read_expert_load
 from dsinfer.base.presets import resolve_model
 from dsinfer.parallel.eplb import placement_from_load, rebalance_experts
 from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
@@ -61,6 +67,8 @@ SETUPS = (
     Setup("tiny", 4, 4, 2),
     Setup("tiny", 8, 8, 4),
 )
+MEASURED_SETUPS = (Setup("tiny-chat", 4, 4, 2), Setup("tiny-chat", 8, 8, 4))
+MEASURED_LOAD = Path(__file__).resolve().parent / "results" / "tiny_chat_expert_load.json"
 
 
 def synthetic_load(layers: list[int], experts: int, s: float, seed: int) -> dict[int, list[float]]:
@@ -122,10 +130,14 @@ def duplicates(ranks: list[list[int]]) -> int:
     return sum(len(set(h)) < len(h) for h in ranks)
 
 
-def run_setup(setup: Setup, s: float, seed: int) -> dict:
+def run_setup(
+    setup: Setup, s: float | str, seed: int, measured: dict[int, list[float]] | None = None
+) -> dict:
+    """One row: the synthetic load of Zipf exponent ``s``, or ``measured`` (``s`` then labels it)."""
     config = ModelConfig.from_file(resolve_model(setup.model)[0] / "config.json")
     layers, experts, groups = moe_layer_ids(config), config.n_routed_experts, config.n_group
-    load = synthetic_load(layers, experts, s, seed)
+    load = measured if measured is not None else synthetic_load(layers, experts, float(s), seed)
+    layers = [layer for layer in layers if layer in load]
     weight = torch.tensor([load[layer] for layer in layers], dtype=torch.float64)
     replicas = experts + setup.redundant
     per_layer: dict[str, list[list[list[int]]] | None] = {}
@@ -233,7 +245,8 @@ def markdown(doc: dict) -> str:
         f"- commit: {doc['machine']['commit']}",
         f"- command: `{doc['command']}`",
         "- load: synthetic Zipf-like per layer (expert of popularity rank k ~ 1/k^s x U(0.8, 1.2), "
-        f"popularity shuffled per layer), seed {doc['seed']}",
+        f"popularity shuffled per layer), seed {doc['seed']}; rows `measured`: tiny-chat's router on the "
+        f"held-out evaluation through `dsinfer serve` ({doc.get('measured_load') or 'not run'})",
         "- each cell: mean over layers / worst layer; `dup` = (layer, rank) pairs hosting one expert twice "
         "(DeepSeek's packing allows it, ExpertPlacement does not)",
         "",
@@ -279,14 +292,24 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="results JSON")
     parser.add_argument("--markdown", type=Path, default=None, help="results table (Markdown)")
+    parser.add_argument(
+        "--measured-load", type=Path, default=MEASURED_LOAD, help="expert-load statistics file of tiny-chat"
+    )
     args = parser.parse_args()
     rows = [run_setup(setup, float(s), args.seed) for setup in SETUPS for s in args.zipf.split(",")]
+    measured_from = None
+    if args.measured_load.is_file():
+        measured_from = os.path.relpath(args.measured_load, Path(__file__).resolve().parent.parent)
+        for role in ("prefill", "decode"):
+            load = read_expert_load(args.measured_load, role)
+            rows += [run_setup(setup, f"measured ({role})", args.seed, load) for setup in MEASURED_SETUPS]
     doc = {
         "benchmark": "eplb_balance",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(["python", *sys.argv]),
         "machine": machine(),
         "seed": args.seed,
+        "measured_load": measured_from,
         "rows": rows,
     }
     table = markdown(doc)

@@ -44,14 +44,21 @@ def generate_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_builtin_tiny_model() -> None:
-    first = generate_json("--prompt", "Hello, DeepSeek", "--max-tokens", "6")
+def test_builtin_random_tiny_model() -> None:
+    first = generate_json("--model", "tiny", "--prompt", "Hello, DeepSeek", "--max-tokens", "6")
     assert len(first["token_ids"]) == 6 and isinstance(first["text"], str)
     assert (
-        generate_json("--prompt", "Hello, DeepSeek", "--max-tokens", "6") == first
+        generate_json("--model", "tiny", "--prompt", "Hello, DeepSeek", "--max-tokens", "6") == first
     )  # dummy weights are seeded
-    plain = run_cli("generate", "--prompt", "Hello, DeepSeek", "--max-tokens", "6")
+    plain = run_cli("generate", "--model", "tiny", "--prompt", "Hello, DeepSeek", "--max-tokens", "6")
     assert plain.returncode == 0 and plain.stdout.strip() == first["text"].strip()
+
+
+def test_builtin_default_model_is_trained() -> None:
+    """The default model answers a chat-formatted question (the special tokens are parsed)."""
+    plain = run_cli("generate", "--prompt", "<｜User｜>What is 17 + 25?<｜Assistant｜>", "--max-tokens", "8")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.strip() == "42"
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ def test_dry_run_default_all_in_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert "http://127.0.0.1:8000/v1, control port a free port at start" in out
     assert f"prefill pool 0: 1 rank (EP1/DP1), rank 0, {threads} thread" in out
     assert f"decode pool 0: 1 rank (EP1/DP1), rank 0, {threads} thread" in out
-    assert "memory plan: model tiny, float32 on cpu" in out
+    assert "memory plan: model tiny-chat, float32 on cpu" in out
     assert "16 of 16 routed experts" in out and "pages" in out
 
 

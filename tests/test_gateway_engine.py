@@ -22,7 +22,7 @@ from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from tests.fixtures.engine_backend import EngineBackend, serve
 
-ENGINE = {"load_format": "dummy", "dtype": "float32", "kv_cache_memory": "64MiB"}
+ENGINE = {"model": "tiny", "load_format": "dummy", "dtype": "float32", "kv_cache_memory": "64MiB"}
 PROMPTS = ["Hello world", "The quick brown fox jumps", "1 2 3 4"]
 THINK_END = 5  # "</think>" in the tiny tokenizer
 
@@ -48,7 +48,9 @@ def backend(engine: LLMEngine) -> EngineBackend:
 
 def _app(backend: EngineBackend, **args: Any) -> Any:
     engine = backend.engine
-    return build_app(backend, engine.tokenizer, GatewayArgs(**args), engine.config.vocab_size)
+    return build_app(
+        backend, engine.tokenizer, GatewayArgs(**{"model": "tiny", **args}), engine.config.vocab_size
+    )
 
 
 @pytest.fixture(scope="module")

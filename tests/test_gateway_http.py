@@ -34,7 +34,7 @@ NI = [166, 127, 260]  # "你" as three byte-level tokens
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(resolve_model(None)[0])
+    return Tokenizer.from_dir(resolve_model("tiny")[0])
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -43,7 +43,7 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
 
 @contextmanager
 def _server(backend: ScriptedBackend, tokenizer: Tokenizer, **args: Any) -> Iterator[str]:
-    app = build_app(backend, tokenizer, GatewayArgs(**args), VOCAB)
+    app = build_app(backend, tokenizer, GatewayArgs(**{"model": "tiny", **args}), VOCAB)
     with serve(app) as url:
         yield url
 
@@ -472,7 +472,7 @@ def test_sampling_fields_reach_the_job(url: str, backend: ScriptedBackend) -> No
 
 
 def test_metrics_registry_is_per_app(backend: ScriptedBackend, tokenizer: Tokenizer) -> None:
-    apps = [build_app(backend, tokenizer, GatewayArgs(), VOCAB) for _ in range(2)]
+    apps = [build_app(backend, tokenizer, GatewayArgs(model="tiny"), VOCAB) for _ in range(2)]
     registries = [app.state.gateway.metrics.registry for app in apps]
     assert registries[0] is not registries[1]
     assert not any(m.name.startswith("dsinfer") for m in prometheus_client.REGISTRY.collect())

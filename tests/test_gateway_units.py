@@ -23,7 +23,7 @@ NI = [166, 127, 260]  # the three byte-level tokens of "你" (E4 BD A0) in the t
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(resolve_model(None)[0])
+    return Tokenizer.from_dir(resolve_model("tiny")[0])
 
 
 def _parse(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
@@ -136,7 +136,7 @@ def test_error_delta_ends_the_choice(tokenizer: Tokenizer) -> None:
 
 
 def test_gateway_args_validation(tmp_path: Path) -> None:
-    assert GatewayArgs().model_name() == "tiny"
+    assert GatewayArgs().model_name() == "tiny-chat"
     assert GatewayArgs(served_model_name="ds").model_name() == "ds"
     for bad in (
         {"reasoning_parser": "qwen"},

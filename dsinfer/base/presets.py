@@ -1,7 +1,8 @@
 """Model presets shipped with the package (configs/models/<name>/, installed as ``dsinfer.presets``).
 
-A preset is a checkpoint directory without weights: config.json and, for the built-in tiny
-model, a tokenizer. It runs with dummy weights.
+A preset is a checkpoint directory: ``tiny-chat`` (the default) is a trained model with its
+weights and tokenizer (scripts/train_tiny.py); the others are config.json only (``tiny`` with a
+tokenizer) and run with dummy weights.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-DEFAULT_MODEL = "tiny"
+DEFAULT_MODEL = "tiny-chat"
+RANDOM_MODEL = "tiny"  # the random-weight model of the same family, for tests and benchmarks
 
 
 def presets_dir() -> Path:
@@ -21,7 +23,7 @@ def preset_names() -> list[str]:
 
 
 def resolve_model(source: str | Path | None) -> tuple[Path, bool]:
-    """-> (checkpoint directory, whether it is a built-in preset). None means the tiny model."""
+    """-> (checkpoint directory, whether it is a built-in preset). None means DEFAULT_MODEL."""
     if source is None:
         source = DEFAULT_MODEL
     path = Path(source)

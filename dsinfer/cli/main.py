@@ -1,4 +1,4 @@
-"""The ``dsinfer`` command: ``dsinfer generate`` and ``dsinfer serve``."""
+"""The ``dsinfer`` command: ``generate``, ``serve``, ``eval``, ``eplb`` and ``plan``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dsinfer.base.config import ConfigError
 from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
 from dsinfer.cli.eplb import add_eplb_args
+from dsinfer.cli.eval import add_eval_args
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.plan import add_plan_args
 from dsinfer.cli.serve import add_serve_args
@@ -34,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="the OpenAI server: gateway, worker pools, or all-in-one", exit_on_error=False
     )
     add_serve_args(serve)
+    add_eval_args(
+        sub.add_parser(
+            "eval",
+            help="exact-match accuracy of the built-in tasks (offline or an endpoint)",
+            exit_on_error=False,
+        )
+    )
     add_eplb_args(
         sub.add_parser("eplb", help="expert placement from expert-load statistics", exit_on_error=False)
     )
@@ -60,6 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsinfer.cli.serve import run_serve
 
             return run_serve(args, argv)
+        if args.command == "eval":
+            from dsinfer.cli.eval import run_eval_command
+
+            return run_eval_command(args)
         if args.command == "eplb":
             from dsinfer.cli.eplb import run_eplb
 

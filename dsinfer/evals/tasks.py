@@ -1,0 +1,141 @@
+"""The built-in model's task family: chat questions with exact answers, drawn from a seeded generator.
+
+Each task writes a user message in free text and the assistant's answer is just the result:
+
+- ``add`` / ``sub``: "What is 123 + 456?" -> "579" (operands of 1 to 3 digits; a difference may be negative)
+- ``mul``: "What is 7 * 38?" -> "266" (a 1-digit by a 2-digit number, either order)
+- ``reverse``: "Reverse the word: planet" -> "tenalp" (1 to 10 lowercase letters)
+- ``sort``: "Sort the digits: 3 9 1 2" -> "1 2 3 9" (1 to 8 digits)
+- ``lookup``: "key: value" lines, then "What is the value of KEY?" -> the value. ``lookup`` holds
+  contexts of 256 to 512 tokens, ``lookup_1k`` of about 1,000 (``context_tokens`` in the built-in
+  model's tokenizer: a line "abcd: 123" is 10 tokens).
+
+The held-out set (``held_out``) is fixed by its own seed; training draws from another seed and
+skips every question whose ``key`` is held out (operand pairs count in either order), so what is
+evaluated was never trained on. Pure Python: the training script, ``dsinfer eval`` and the tests
+share it.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+from functools import cache
+
+TASKS = ("add", "sub", "mul", "reverse", "sort", "lookup", "lookup_1k")
+SHORT_TASKS = ("add", "sub", "mul", "reverse", "sort")
+HELD_OUT_SEED = 20_240_917
+HELD_OUT_SIZE = 200  # questions per task; evaluations take a prefix of it
+
+# Words the built-in tokenizer keeps whole; keys and words to reverse avoid them.
+TOKENIZER_WORDS = ("What", "Reverse", "Sort", " is", " the", " value", " of", " word", " digits")
+_RESERVED = {w.strip() for w in TOKENIZER_WORDS}
+KEY_LETTERS = 4
+LINE_TOKENS = 10  # "abcd: 123\n" in the built-in tokenizer
+LOOKUP_LINES = {"lookup": (26, 51), "lookup_1k": (100, 111)}  # [min, max) lines: 256-512 and ~1,000 tokens
+TRAIN_LOOKUP_LINES = (2, 112)
+
+
+@dataclass(frozen=True)
+class Question:
+    task: str
+    prompt: str  # the user message
+    answer: str  # the assistant's whole reply
+    key: str  # identity for the held-out split
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": self.prompt}]
+
+
+def _number(rng: random.Random, max_digits: int) -> int:
+    digits = rng.randint(1, max_digits)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _word(rng: random.Random, low: int, high: int) -> str:
+    while True:
+        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(low, high)))
+        if word not in _RESERVED:
+            return word
+
+
+def arithmetic(task: str, rng: random.Random) -> Question:
+    if task == "mul":
+        a, b = rng.randint(0, 9), rng.randint(10, 99)
+        if rng.random() < 0.5:
+            a, b = b, a
+        return Question(task, f"What is {a} * {b}?", str(a * b), f"mul:{min(a, b)}:{max(a, b)}")
+    a, b = _number(rng, 3), _number(rng, 3)
+    if task == "add":
+        return Question(task, f"What is {a} + {b}?", str(a + b), f"add:{min(a, b)}:{max(a, b)}")
+    return Question(task, f"What is {a} - {b}?", str(a - b), f"sub:{a}:{b}")
+
+
+def reverse(rng: random.Random) -> Question:
+    word = _word(rng, 1, 10)
+    return Question("reverse", f"Reverse the word: {word}", word[::-1], f"reverse:{word}")
+
+
+def sort_digits(rng: random.Random) -> Question:
+    digits = [str(rng.randint(0, 9)) for _ in range(rng.randint(1, 8))]
+    prompt = "Sort the digits: " + " ".join(digits)
+    return Question("sort", prompt, " ".join(sorted(digits)), f"sort:{''.join(digits)}")
+
+
+def lookup_context(rng: random.Random, num_lines: int) -> dict[str, str]:
+    """``num_lines`` distinct keys of KEY_LETTERS letters with 3-digit values, in order."""
+    table: dict[str, str] = {}
+    while len(table) < num_lines:
+        table.setdefault(_word(rng, KEY_LETTERS, KEY_LETTERS), str(rng.randint(100, 999)))
+    return table
+
+
+def lookup_question(key: str) -> str:
+    return f"What is the value of {key}?"
+
+
+def render_context(table: dict[str, str]) -> str:
+    return "".join(f"{k}: {v}\n" for k, v in table.items())
+
+
+def lookup(task: str, rng: random.Random) -> Question:
+    table = lookup_context(rng, rng.randrange(*LOOKUP_LINES[task]))
+    key = rng.choice(list(table))
+    prompt = render_context(table) + lookup_question(key)
+    return Question(task, prompt, table[key], f"{task}:{prompt}")
+
+
+def make_question(task: str, rng: random.Random) -> Question:
+    if task in ("add", "sub", "mul"):
+        return arithmetic(task, rng)
+    if task == "reverse":
+        return reverse(rng)
+    if task == "sort":
+        return sort_digits(rng)
+    if task in LOOKUP_LINES:
+        return lookup(task, rng)
+    raise ValueError(f"unknown task {task!r} (choose from {', '.join(TASKS)})")
+
+
+@cache
+def held_out(task: str) -> tuple[Question, ...]:
+    """The fixed held-out questions of ``task`` (HELD_OUT_SIZE, distinct keys)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r} (choose from {', '.join(TASKS)})")
+    rng = random.Random(f"{HELD_OUT_SEED}:{task}")
+    questions: dict[str, Question] = {}
+    while len(questions) < HELD_OUT_SIZE:
+        q = make_question(task, rng)
+        questions.setdefault(q.key, q)
+    return tuple(questions.values())
+
+
+@cache
+def held_out_keys() -> frozenset[str]:
+    return frozenset(q.key for task in TASKS for q in held_out(task))
+
+
+def score(question: Question, reply: str) -> bool:
+    """Exact match, ignoring whitespace at the ends."""
+    return reply.strip() == question.answer

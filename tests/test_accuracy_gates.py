@@ -1,0 +1,161 @@
+"""Accuracy gates: the built-in trained model (tiny-chat) answers a small held-out set of every task
+through each serving mode with the offline engine's accuracy and its very tokens (float32): the
+all-in-one PD server, a 2-rank EP pool with redundant experts and online EPLB, two-micro-batch
+overlap, MTP drafting, prefix-cache hits on the same long contexts, and the on-disk KV tier after
+a restart. The offline accuracy itself is gated too: a model that forgot its tasks fails here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsinfer import LLM
+from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
+from dsinfer.evals.runner import EndpointClient, EvalReport, OfflineClient, run_eval
+from dsinfer.evals.tasks import held_out
+from tests.fixtures.servers import Server, free_port, serve
+
+TASKS = ("add", "sub", "mul", "reverse", "sort", "lookup")
+LIMIT = 3  # held-out questions per task: 15 short ones and 3 contexts of 256-512 tokens
+ENGINE = {"dtype": "float32", "kv_cache_memory": "32MiB", "max_num_batched_tokens": 128}
+SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "128"]
+MIN_OFFLINE_ACCURACY = 0.9
+
+
+def _offline(**engine: object) -> LLM:
+    return LLM(DEFAULT_MODEL, **{**ENGINE, **engine})
+
+
+def _assert_same(report: EvalReport, reference: EvalReport) -> None:
+    assert report.accuracy() == reference.accuracy()
+    assert report.token_ids == reference.token_ids
+
+
+@pytest.fixture(scope="module")
+def reference() -> EvalReport:
+    llm = _offline(enable_prefix_caching=False)
+    report = run_eval(OfflineClient(llm), TASKS, LIMIT)
+    llm.engine.close()
+    return report
+
+
+def test_offline_accuracy(reference: EvalReport) -> None:
+    correct = sum(t.correct for t in reference.tasks)
+    total = sum(t.total for t in reference.tasks)
+    assert correct / total >= MIN_OFFLINE_ACCURACY, reference.table()
+    assert all(t.correct > 0 for t in reference.tasks), reference.table()
+
+
+def test_mtp_same_tokens_and_drafts_accepted(reference: EvalReport) -> None:
+    llm = _offline(speculative_mtp=True)
+    report = run_eval(OfflineClient(llm), TASKS, LIMIT)
+    llm.engine.close()
+    _assert_same(report, reference)
+    assert report.mtp is not None and report.mtp.drafts_proposed > 0
+    assert report.mtp.acceptance_rate >= 0.5, report.table()
+
+
+def test_prefix_cache_hits_on_the_same_long_contexts(reference: EvalReport) -> None:
+    llm = _offline()
+    client = OfflineClient(llm)
+    first = run_eval(client, ["lookup"], LIMIT)
+    assert llm.engine.kv.stats.memory_hit_tokens == 0
+    second = run_eval(client, ["lookup"], LIMIT)
+    context_tokens = sum(len(client.prompt_ids(q)) for q in held_out("lookup")[:LIMIT])
+    # every full page of each context (all but its last partial page) comes from the cache
+    assert llm.engine.kv.stats.memory_hit_tokens >= context_tokens - LIMIT * llm.engine.kv.page_size
+    llm.engine.close()
+    assert first.token_ids["lookup"] == second.token_ids["lookup"] == reference.token_ids["lookup"]
+    assert second.accuracy()["lookup"] == reference.accuracy()["lookup"]
+
+
+def test_disk_tier_after_a_restart(reference: EvalReport, tmp_path: Path) -> None:
+    first = _offline(kv_disk_cache_dir=str(tmp_path / "kv"))
+    run_eval(OfflineClient(first), ["lookup"], LIMIT)
+    first.engine.close()  # flushes the disk writes
+    restarted = _offline(kv_disk_cache_dir=str(tmp_path / "kv"))
+    report = run_eval(OfflineClient(restarted), ["lookup"], LIMIT)
+    assert restarted.engine.kv.stats.disk_hit_tokens > 0
+    restarted.engine.close()
+    assert report.token_ids["lookup"] == reference.token_ids["lookup"]
+    assert report.accuracy()["lookup"] == reference.accuracy()["lookup"]
+
+
+def test_two_micro_batch_overlap_in_a_two_rank_pool(reference: EvalReport, tmp_path: Path) -> None:
+    """Engine-level EP pool (tests.fixtures.ep_rank) with two micro-batches forced on every step."""
+    llm = _offline()
+    client = OfflineClient(llm)
+    questions = [q for task in TASKS for q in held_out(task)[:LIMIT]]
+    prompts = {f"q{i}": client.prompt_ids(q) for i, q in enumerate(questions)}
+    init, engine = (
+        f"tcp://127.0.0.1:{free_port()}",
+        {**ENGINE, "enable_overlap": True, "overlap_min_tokens": 0},
+    )
+    procs, outs = [], []
+    try:
+        for rank in range(2):
+            out = tmp_path / f"rank{rank}.json"
+            spec = {
+                "rank": rank,
+                "world": 2,
+                "init": init,
+                "model": str(resolve_model(DEFAULT_MODEL)[0]),
+                "engine": engine,
+                "prompts": {rid: p for i, (rid, p) in enumerate(prompts.items()) if i % 2 == rank},
+                "max_tokens": 24,
+                "out": str(out),
+            }
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.fixtures.ep_rank", json.dumps(spec)]))
+            outs.append(out)
+        for p in procs:
+            assert p.wait(timeout=240) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    results = [json.loads(o.read_text()) for o in outs]
+    assert all(
+        r["two_micro_batch_steps"]["prefill"] > 0 and r["two_micro_batch_steps"]["decode"] > 0
+        for r in results
+    )
+    eos = set(client.tokenizer.eos_token_ids)
+    tokens = {rid: [t for t in ids if t not in eos] for r in results for rid, ids in r["tokens"].items()}
+    expected = [ids for task in TASKS for ids in reference.token_ids[task]]
+    assert [tokens[f"q{i}"] for i in range(len(questions))] == expected
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def pd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serve(SERVE_FLAGS, tmp_path_factory.mktemp("gate_pd")) as server:
+        yield server
+
+
+def test_all_in_one_pd_server(pd_server: Server, reference: EvalReport) -> None:
+    report = run_eval(EndpointClient(pd_server.base_url, concurrency=8), TASKS, LIMIT)
+    _assert_same(report, reference)
+
+
+def test_ep_pool_with_redundant_experts_and_online_eplb(
+    reference: EvalReport, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    flags = [
+        *SERVE_FLAGS,
+        *("--prefill-pool-size", "2", "--decode-pool-size", "2", "--num-redundant-experts", "2"),
+        *("--eplb-interval", "4", "--eplb-min-gain", "0"),
+    ]
+    with serve(flags, tmp_path_factory.mktemp("gate_ep")) as server:
+        report = run_eval(EndpointClient(server.base_url, concurrency=8), TASKS, LIMIT)
+        deadline = time.monotonic() + 30
+        while "swapped to the new expert placement" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = server.log()
+    _assert_same(report, reference)
+    assert "swapped to the new expert placement" in log, log[-3000:]
