@@ -240,9 +240,9 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 # The parent: pools, statistics, report ---------------------------------------------------------
 def write_model(name: str, dest: Path) -> tuple[Path, dict[str, Any]]:
-    from dsinfer.base.presets import resolve_model
+    from dsinfer.base.presets import RANDOM_MODEL, resolve_model
 
-    preset, _ = resolve_model(None)
+    preset, _ = resolve_model(RANDOM_MODEL)
     config = json.loads((preset / "config.json").read_text())
     config.update(CONFIGS[name])
     path = dest / name

@@ -139,9 +139,9 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 # The parent: pools -----------------------------------------------------------------------------
 def write_model(dest: Path) -> tuple[Path, dict[str, Any]]:
-    from dsinfer.base.presets import resolve_model
+    from dsinfer.base.presets import RANDOM_MODEL, resolve_model
 
-    preset, _ = resolve_model(None)
+    preset, _ = resolve_model(RANDOM_MODEL)
     config = {**json.loads((preset / "config.json").read_text()), **MODEL}
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(config, indent=2))

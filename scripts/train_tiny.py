@@ -10,10 +10,18 @@ main model during training and gets copies of them when saved.
 
 Data: chat conversations rendered through the chat template (dsinfer.evals.tasks: arithmetic,
 reversal, sorting, key lookup over long contexts), loss on the assistant's replies only. A step
-is one batch of short conversations packed into rows plus one batch of lookup conversations (a
-context and several questions about it). The router's score-correction bias is balanced without
-an auxiliary loss, as DeepSeek-V3 does: after each step it moves by ``--bias-rate`` towards the
-experts that got fewer tokens than the mean.
+is one batch of rows packed with short conversations plus one batch of longer rows that each start
+with a lookup conversation (a context and several questions about it) and are filled up with short
+conversations. Packed conversations do not see each other: attention is causal within each
+conversation and its positions start at 0, as when it is served alone (without this, digits of
+the other questions in a row distract sorting and arithmetic: at equal steps a 2-layer model
+sorted 16% instead of 38% and reversed none instead of 8% of held-out questions). The router's
+score-correction bias is balanced without an auxiliary loss, as DeepSeek-V3 does: after each step
+it moves by ``--bias-rate`` towards the experts that got fewer tokens than the mean.
+
+Tokenizer: one token per byte (so per letter), a few whole words, the chat markers, and a digit's
+token tells its place in its number (ones, tens, hundreds, higher), so that the digits of a sum
+line up by token rather than by counting positions.
 
 Deterministic for a seed and thread count (model init from torch.manual_seed, data from one
 random.Random). Progress: one line per logging interval and per evaluation, which measures
@@ -32,18 +40,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+# OpenMP threads that spin while waiting lose their core to the other jobs on a shared machine:
+# 2 spinning threads ran at a tenth of 1 thread's tokens/s under a load of 15 on 2 cores. Set
+# before torch starts its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
@@ -78,6 +93,7 @@ from dsinfer.evals.tasks import (
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "configs" / "models" / "tiny-chat"
 MODEL_MAX_LENGTH = 2048
+SHORT_LOOKUP_LINES = (2, 9)  # [min, max) lines of the tables in short conversations
 
 # DeepSeek-V3's architecture at a small width. kv_lora_rank 512 and qk_rope_head_dim 64 are V3's
 # own latent sizes (the only ones vLLM's CPU MLA backends take); the rest is small.
@@ -139,25 +155,50 @@ def _byte_chars() -> dict[int, str]:
     return chars
 
 
+# A digit's token says its place in its number: ones, tens, hundreds, or higher (counted from the
+# right), so that a sum's digits line up by token rather than by counting positions. Each
+# (place, digit) is a private-use character the normalizer writes and the decoder turns back.
+DIGIT_PLACES = ("(?=[0-9]{3})", "(?=[0-9]{2}(?![0-9]))", "(?=[0-9](?![0-9]))", "(?![0-9])")
+
+
+def place_digit(place: int, digit: int) -> str:
+    return chr(0xE000 + 10 * place + digit)
+
+
 def build_tokenizer() -> Tokenizer:
     """Word-level over byte-level pieces: every byte is a token, plus TOKENIZER_WORDS (each only
-    where no letter follows it); the special tokens first (bos 0, eos 1), as in DeepSeek-V3."""
+    where no letter follows it) and the 40 place-value digits; the special tokens first (bos 0,
+    eos 1), as in DeepSeek-V3."""
     chars = _byte_chars()
-    as_bytes = {word: "".join(chars[b] for b in word.encode()) for word in TOKENIZER_WORDS}
+    digits = [place_digit(p, d) for p in range(len(DIGIT_PLACES)) for d in range(10)]
+    pieces = {piece: "".join(chars[b] for b in piece.encode()) for piece in (*TOKENIZER_WORDS, *digits)}
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     for b in range(256):
         vocab[chars[b]] = len(vocab)
-    for word in TOKENIZER_WORDS:
-        vocab[as_bytes[word]] = len(vocab)
+    for as_bytes in pieces.values():
+        vocab[as_bytes] = len(vocab)
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
-    words = "|".join(re.escape(as_bytes[w]) for w in TOKENIZER_WORDS)
+    tokenizer.normalizer = normalizers.Sequence(
+        [
+            normalizers.Replace(Regex(f"{d}{lookahead}"), place_digit(p, d))
+            for p, lookahead in enumerate(DIGIT_PLACES)
+            for d in range(10)
+        ]
+    )
+    words = "|".join(re.escape(pieces[w]) for w in TOKENIZER_WORDS)
+    places = "|".join(re.escape(pieces[d]) for d in digits)
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            pre_tokenizers.Split(Regex(f"(?:{words})(?![A-Za-z])|."), behavior="isolated"),
+            pre_tokenizers.Split(Regex(f"(?:{words})(?![A-Za-z])|{places}|."), behavior="isolated"),
         ]
     )
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.ByteLevel(),
+            *(decoders.Replace(place_digit(p, d), str(d)) for p in range(4) for d in range(10)),
+        ]
+    )
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1", special_tokens=[(BOS, 0)]
@@ -216,11 +257,19 @@ class TrainingData:
                 return q
 
     def short_conversation(self) -> tuple[list[int], list[bool]]:
-        """1 to 3 turns, each a task drawn with weights favouring the carries of add and sub."""
+        """1 to 3 turns, each a task drawn with weights favouring the carries of add and sub; a
+        lookup turn here brings a small table of its own (SHORT_LOOKUP_LINES), the cheap way to
+        learn retrieval (the long rows teach it at length)."""
         turns = self.rng.choices([1, 2, 3], weights=[2, 1, 1])[0]
-        tasks = self.rng.choices(SHORT_TASKS, weights=[3, 3, 2, 2, 2], k=turns)
-        qs = [self.question(t) for t in tasks]
+        tasks = self.rng.choices([*SHORT_TASKS, "lookup"], weights=[3, 3, 2, 2, 2, 2], k=turns)
+        qs = [self.short_lookup() if t == "lookup" else self.question(t) for t in tasks]
         return self.encoder.conversation([(q.prompt, q.answer) for q in qs])
+
+    def short_lookup(self) -> Question:
+        table = lookup_context(self.rng, self.rng.randrange(*SHORT_LOOKUP_LINES))
+        key = self.rng.choice(list(table))
+        prompt = render_context(table) + lookup_question(key)
+        return Question("lookup", prompt, table[key], f"lookup:{prompt}")
 
     def lookup_conversation(self) -> tuple[list[int], list[bool]]:
         """A context of "key: value" lines with a question, then up to 11 more questions on it."""
@@ -230,35 +279,67 @@ class TrainingData:
         turns += [(lookup_question(k), table[k]) for k in keys[1:]]
         return self.encoder.conversation(turns)
 
-    def short_batch(self, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rows`` rows of ``length`` tokens, each packed with whole short conversations."""
+    def rows(
+        self, rows: int, length: int, first: Callable[[], tuple[list[int], list[bool]]] | None = None
+    ) -> Batch:
+        """``rows`` rows of ``length`` tokens: each starts with ``first()`` when given (a lookup
+        conversation), then is filled with whole short conversations until the next does not fit."""
         ids = torch.full((rows, length), self.encoder.eos, dtype=torch.long)
-        mask = torch.zeros((rows, length), dtype=torch.bool)
+        reply = torch.zeros((rows, length), dtype=torch.bool)
+        conversation = torch.full((rows, length), -1, dtype=torch.long)
         for r in range(rows):
-            pos = 0
-            while True:
+            pos, index = 0, 0
+            conv, conv_mask = first() if first is not None else self.short_conversation()
+            while first is None and len(conv) > length:  # a rare 3-table conversation: draw again
                 conv, conv_mask = self.short_conversation()
-                if pos + len(conv) > length:
-                    break
+            while pos + len(conv) <= length:
                 ids[r, pos : pos + len(conv)] = torch.tensor(conv)
-                mask[r, pos : pos + len(conv)] = torch.tensor(conv_mask)
-                pos += len(conv)
-        return ids, mask
+                reply[r, pos : pos + len(conv)] = torch.tensor(conv_mask)
+                conversation[r, pos : pos + len(conv)] = index
+                pos, index = pos + len(conv), index + 1
+                conv, conv_mask = self.short_conversation()
+            if pos == 0:
+                raise ValueError(f"a conversation of {len(conv)} tokens does not fit a row of {length}")
+        return Batch(ids, reply, conversation)
 
-    def lookup_batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        convs = [self.lookup_conversation() for _ in range(rows)]
-        return pad([c for c, _ in convs], [m for _, m in convs], self.encoder.eos)
+
+@dataclass
+class Batch:
+    """Rows of packed conversations. Each conversation attends only to itself and its positions
+    start at 0, as when it is served alone."""
+
+    ids: torch.Tensor  # [B, T]
+    reply: torch.Tensor  # [B, T] bool: the assistant's reply tokens and their eos (the loss)
+    conversation: torch.Tensor  # [B, T]: which conversation of its row a token belongs to
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.numel()
+
+    def positions(self, conversation: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(conversation.shape[1]).expand_as(conversation)
+        first = torch.ones_like(conversation, dtype=torch.bool)
+        first[:, 1:] = conversation[:, 1:] != conversation[:, :-1]
+        start = torch.where(first, index, torch.zeros_like(index)).cummax(dim=1).values
+        return index - start
+
+    @staticmethod
+    def attention_mask(conversation: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, T] bool: causal within each conversation."""
+        length = conversation.shape[1]
+        same = conversation[:, :, None] == conversation[:, None, :]
+        return (same & torch.ones(length, length, dtype=torch.bool).tril())[:, None]
 
 
-def pad(seqs: list[list[int]], masks: list[list[bool]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded batch (padding is masked out of the loss and, being last, unseen by causal attention)."""
+def pad(seqs: list[list[int]], masks: list[list[bool]], pad_id: int) -> Batch:
+    """One conversation per row, right-padded (padding is out of the loss and, being last, unseen)."""
     length = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.bool)
+    reply = torch.zeros((len(seqs), length), dtype=torch.bool)
     for r, (s, m) in enumerate(zip(seqs, masks, strict=True)):
         ids[r, : len(s)] = torch.tensor(s)
-        mask[r, : len(m)] = torch.tensor(m)
-    return ids, mask
+        reply[r, : len(m)] = torch.tensor(m)
+    return Batch(ids, reply, torch.zeros_like(ids))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,14 +359,18 @@ class MTPModule(nn.Module):
         self.norm = DeepseekV3RMSNorm(hidden, eps)
 
     def forward(
-        self, main: DeepseekV3ForCausalLM, hidden: torch.Tensor, next_ids: torch.Tensor
+        self,
+        main: DeepseekV3ForCausalLM,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
     ) -> torch.Tensor:
-        """hidden [B, T, H] (final-normed, positions 0..T-1), next_ids [B, T] (tokens 1..T) -> logits [B, T, V]."""
+        """hidden [B, T, H] (final-normed, at ``positions``), next_ids [B, T] (the tokens after) -> logits [B, T, V]."""
         emb = main.model.embed_tokens(next_ids)
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
-        positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
         cos_sin = main.model.rotary_emb(x, positions)
-        y = self.layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        y = self.layer(x, attention_mask=attention_mask, position_ids=positions, position_embeddings=cos_sin)
         y = y[0] if isinstance(y, tuple) else y
         return main.lm_head(self.norm(y))
 
@@ -317,7 +402,9 @@ class MTPModule(nn.Module):
 
 def hf_config(vocab_size: int) -> DeepseekV3Config:
     keep = {k: v for k, v in ARCHITECTURE.items() if k not in ("architectures", "model_type")}
-    return DeepseekV3Config(**keep, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1)
+    config = DeepseekV3Config(**keep, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1)
+    config._attn_implementation = "sdpa"  # torch's fused CPU attention: 1.2-1.6x eager's tokens/s here
+    return config
 
 
 class LoadCounter:
@@ -358,20 +445,29 @@ class StepLoss:
 
 
 def losses(
-    model: DeepseekV3ForCausalLM, mtp: MTPModule, ids: torch.Tensor, mask: torch.Tensor
+    model: DeepseekV3ForCausalLM, mtp: MTPModule, batch: Batch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(main logits [B,T,V] at t predicting t+1, mtp logits [B,T-1,V] at t predicting t+2, main
     target mask [B,T-1], mtp target mask [B,T-2])."""
-    hidden = model.model(input_ids=ids).last_hidden_state
+    conversation = batch.conversation
+    positions = batch.positions(conversation)
+    hidden = model.model(
+        input_ids=batch.ids, attention_mask=batch.attention_mask(conversation), position_ids=positions
+    ).last_hidden_state
     logits = model.lm_head(hidden)
-    mtp_logits = mtp(model, hidden[:, :-1], ids[:, 1:])
-    return logits, mtp_logits, mask[:, 1:], mask[:, 2:]
+    mtp_logits = mtp(
+        model,
+        hidden[:, :-1],
+        batch.ids[:, 1:],
+        positions[:, :-1],
+        batch.attention_mask(conversation[:, :-1]),
+    )
+    return logits, mtp_logits, batch.reply[:, 1:], batch.reply[:, 2:]
 
 
-def batch_loss(
-    model: DeepseekV3ForCausalLM, mtp: MTPModule, ids: torch.Tensor, mask: torch.Tensor
-) -> StepLoss:
-    logits, mtp_logits, main_mask, mtp_mask = losses(model, mtp, ids, mask)
+def batch_loss(model: DeepseekV3ForCausalLM, mtp: MTPModule, batch: Batch) -> StepLoss:
+    logits, mtp_logits, main_mask, mtp_mask = losses(model, mtp, batch)
+    ids = batch.ids
     main = F.cross_entropy(logits[:, :-1][main_mask], ids[:, 1:][main_mask], reduction="sum")
     draft = F.cross_entropy(mtp_logits[:, :-1][mtp_mask], ids[:, 2:][mtp_mask], reduction="sum")
     return StepLoss(main, draft, int(main_mask.sum()))
@@ -379,7 +475,12 @@ def batch_loss(
 
 @torch.no_grad()
 def evaluate(
-    model: DeepseekV3ForCausalLM, mtp: MTPModule, encoder: Encoder, tasks: list[str], per_task: int
+    model: DeepseekV3ForCausalLM,
+    mtp: MTPModule,
+    encoder: Encoder,
+    tasks: list[str],
+    per_task: int,
+    bf16: bool,
 ) -> dict[str, tuple[float, float]]:
     """task -> (teacher-forced exact match, MTP draft hit rate on answer tokens) on held-out questions."""
     model.eval()
@@ -390,8 +491,10 @@ def evaluate(
         correct, hits, drafts = 0, 0, 0
         for start in range(0, len(convs), 16):
             chunk = convs[start : start + 16]
-            ids, mask = pad([c for c, _ in chunk], [m for _, m in chunk], encoder.eos)
-            logits, mtp_logits, main_mask, mtp_mask = losses(model, mtp, ids, mask)
+            batch = pad([c for c, _ in chunk], [m for _, m in chunk], encoder.eos)
+            ids = batch.ids
+            with autocast(bf16):
+                logits, mtp_logits, main_mask, mtp_mask = losses(model, mtp, batch)
             right = (logits[:, :-1].argmax(-1) == ids[:, 1:]) | ~main_mask
             correct += int(right.all(dim=1).sum())
             draft_right = mtp_logits[:, :-1].argmax(-1) == ids[:, 2:]
@@ -400,6 +503,12 @@ def evaluate(
         result[task] = (correct / len(convs), hits / max(drafts, 1))
     model.train()
     return result
+
+
+def autocast(bf16: bool) -> torch.autocast:
+    """bf16 matmuls (oneDNN, AMX where the CPU has it): about twice fp32's tokens/s here; weights,
+    optimizer state and the losses' reductions stay fp32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -434,7 +543,8 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
     total = sum(p.numel() for p in params)
     print(
         f"model: {total / 1e6:.2f}M parameters (MTP and its shared embedding/head included), vocab "
-        f"{config.vocab_size}, seed {args.seed}, {args.threads} thread(s), {args.steps} steps",
+        f"{config.vocab_size}, seed {args.seed}, {args.threads} thread(s), {args.steps} steps, "
+        f"{'bf16 autocast' if args.bf16 else 'fp32'}",
         flush=True,
     )
     start, tokens, window = time.monotonic(), 0, time.monotonic()
@@ -444,9 +554,10 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
         lr = learning_rate(step, args.steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        short = data.short_batch(args.short_rows, args.short_length)
-        long = data.lookup_batch(args.lookup_rows)
-        parts = [batch_loss(model, mtp, *batch) for batch in (short, long)]
+        short = data.rows(args.short_rows, args.short_length)
+        long = data.rows(args.lookup_rows, args.lookup_length, data.lookup_conversation)
+        with autocast(args.bf16):
+            parts = [batch_loss(model, mtp, batch) for batch in (short, long)]
         supervised = sum(p.tokens for p in parts)
         main = sum(p.main for p in parts) / supervised
         draft = sum(p.mtp for p in parts) / supervised
@@ -455,7 +566,7 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         imbalance = loads.balance(args.bias_rate)
-        step_tokens = short[0].numel() + long[0].numel()
+        step_tokens = short.num_tokens + long.num_tokens
         tokens += step_tokens
         window_tokens += step_tokens
         window_loss += main.item()
@@ -470,7 +581,7 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
             )
             window, window_tokens, window_loss, window_mtp = now, 0, 0.0, 0.0
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            result = evaluate(model, mtp, encoder, eval_tasks, args.eval_size)
+            result = evaluate(model, mtp, encoder, eval_tasks, args.eval_size, args.bf16)
             cells = " ".join(f"{t} {acc:.3f}/{hit:.2f}" for t, (acc, hit) in result.items())
             print(f"eval step {step + 1} exact/mtp-hit: {cells}", flush=True)
     print(f"trained {tokens} tokens in {time.monotonic() - start:.0f}s", flush=True)
@@ -520,20 +631,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (results depend on it bitwise)")
-    parser.add_argument("--steps", type=int, default=1600)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it bitwise)")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast (default on)"
+    )
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--mtp-weight", type=float, default=0.3)
     parser.add_argument("--bias-rate", type=float, default=5e-3)
-    parser.add_argument("--short-rows", type=int, default=16)
-    parser.add_argument("--short-length", type=int, default=256)
-    parser.add_argument("--lookup-rows", type=int, default=3)
+    parser.add_argument("--short-rows", type=int, default=12)
+    parser.add_argument("--short-length", type=int, default=192)
+    parser.add_argument("--lookup-rows", type=int, default=1)
+    parser.add_argument(
+        "--lookup-length",
+        type=int,
+        default=1280,
+        help="tokens per lookup row (a context and its questions, then short conversations)",
+    )
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument(
-        "--eval-size", type=int, default=64, help="held-out questions per task per evaluation"
+        "--eval-size", type=int, default=32, help="held-out questions per task per evaluation"
     )
     args = parser.parse_args()
     model, mtp, tokenizer = train(args)
