@@ -15,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from dsinfer.base.presets import resolve_model
+from dsinfer.base.presets import RANDOM_MODEL, resolve_model
 from dsinfer.base.protocol import GenerateRequest, LoadReport, Message, Register, TokenDelta, decode, encode
 from dsinfer.base.request_id import RequestKey, parse_request_id
 from dsinfer.base.tokenizer import Tokenizer
@@ -60,8 +60,8 @@ class FakeRank:
 def gateway() -> Iterator[tuple[str, str]]:
     control = f"127.0.0.1:{free_port()}"
     router = Router(control, KEYS)
-    tokenizer = Tokenizer.from_dir(resolve_model(None)[0])
-    app = build_app(router, tokenizer, GatewayArgs(), 4096)
+    tokenizer = Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
+    app = build_app(router, tokenizer, GatewayArgs(model=RANDOM_MODEL), 4096)
     with serve(app) as url:
         yield url, control
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from dsinfer.base.presets import presets_dir, resolve_model
+from dsinfer.base.presets import RANDOM_MODEL, presets_dir, resolve_model
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
@@ -46,7 +46,7 @@ TOOLS = [
 
 def _tokenizer(model: str, tmp: Path) -> Tokenizer:
     """The tiny tokenizer with ``model``'s chat template."""
-    tiny = resolve_model(None)[0]
+    tiny = resolve_model(RANDOM_MODEL)[0]
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, tmp / name)
     shutil.copy(presets_dir() / model / "chat_template.jinja", tmp / "chat_template.jinja")
@@ -141,7 +141,9 @@ def chat_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Sc
         lambda job: text_deltas([reply[:3], reply[3:]], n=job.params.n),
         capacity=Capacity(4096, 64, {"colocated": 1000}),  # what a registered pool would hold
     )
-    app = build_app(backend, tokenizer, GatewayArgs(reasoning_parser="deepseek-v3.1"), 4096)
+    app = build_app(
+        backend, tokenizer, GatewayArgs(model=RANDOM_MODEL, reasoning_parser="deepseek-v3.1"), 4096
+    )
     with serve(app) as url:
         yield url, backend
 
@@ -159,7 +161,7 @@ def test_chat_endpoint_thinking_kwarg(chat_url: tuple[str, ScriptedBackend]) -> 
     message = plain.choices[0].message
     assert getattr(message, "reasoning_content", None) is None
     assert message.content == "Let me think.</think>It is 2."  # not thinking: all of it is the answer
-    tokenizer = Tokenizer.from_dir(resolve_model(None)[0])
+    tokenizer = Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
     prompts = [tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False) for job in backend.submitted]
     assert prompts[0].endswith(f"{USER}1+1=?{ASSISTANT}<think>")
     assert prompts[1].endswith(f"{USER}1+1=?{ASSISTANT}</think>")

@@ -15,8 +15,8 @@ from dsinfer.base.config import ConfigError
 from dsinfer.base.tokenizer import TokenizerError
 from dsinfer.cli.engine_args import add_engine_args
 from dsinfer.cli.eplb import add_eplb_args
-from dsinfer.cli.eval import add_eval_args
 from dsinfer.cli.errors import UsageError
+from dsinfer.cli.eval import add_eval_args
 from dsinfer.cli.plan import add_plan_args
 from dsinfer.cli.serve import add_serve_args
 

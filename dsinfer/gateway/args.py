@@ -32,7 +32,7 @@ class GatewayArgs(BaseModel):
     max_migrations: int = 3  # times one choice may move to another rank (its rank died) before it fails
     max_n: int = 16  # largest n (choices per prompt) accepted
     balancer: str = "load"
-    model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
+    model: str | None = None  # checkpoint directory or preset; None = the built-in model (tiny-chat)
     # Idle HTTP connections close after this many seconds. A client (or a load balancer) that sends
     # on a connection just as the server closes it gets "disconnected without a response", so the
     # server should be the side that waits longer; uvicorn's own default is 5 s.
