@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,15 +145,20 @@ def vllm_version(python: str) -> str:
     return "not found"
 
 
+def _load(averages: Sequence[float]) -> str:
+    return "/".join(f"{a:.1f}" for a in averages)
+
+
 def markdown(runs: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
-    tasks = meta["tasks"]
+    tasks, machine = meta["tasks"], meta["machine"]
     lines = [
         "# Accuracy of the built-in trained model (tiny-chat), dsinfer and vLLM",
         "",
         f"- Command: `{meta['command']}`",
         f"- Held-out set: {meta['limit']} questions per task, seed {HELD_OUT_SEED} (dsinfer/evals/tasks.py); "
         f"greedy; dtype {meta['dtype']}; servers at {meta['concurrency']} concurrent chat completions",
-        f"- Machine: {meta['machine']}; load average at start {meta['load_start']}, at end {meta['load_end']}",
+        f"- Machine: {machine['online_cpus']} CPUs ({machine['cpu_model']}), {machine['mem_total_gib']} GiB; "
+        f"load average (1/5/15 min) at start {_load(meta['load_start'])}, at end {_load(meta['load_end'])}",
         f"- Versions: dsinfer {meta['commit']}, vLLM {meta['vllm']}, Python {meta['python']}",
         "",
         "| mode | "

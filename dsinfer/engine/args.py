@@ -40,7 +40,7 @@ def parse_size(value: int | str) -> int:
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = None  # checkpoint directory or preset; None = the built-in tiny model
+    model: str | None = None  # checkpoint directory or preset; None = the built-in model (tiny-chat)
     load_format: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"
