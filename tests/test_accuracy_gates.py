@@ -6,9 +6,6 @@ a restart. The offline accuracy itself is gated too: a model that forgot its tas
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +14,10 @@ import pytest
 
 from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
-from dsinfer.evals.runner import EndpointClient, EvalReport, OfflineClient, run_eval
+from dsinfer.evals.runner import MAX_ANSWER_TOKENS, EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import held_out
-from tests.fixtures.servers import Server, free_port, serve
+from tests.fixtures.servers import Server, serve
+from tests.test_ep import run_pool
 
 TASKS = ("add", "sub", "mul", "reverse", "sort", "lookup")
 LIMIT = 3  # held-out questions per task: 15 short ones and 3 contexts of 256-512 tokens
@@ -92,35 +90,9 @@ def test_two_micro_batch_overlap_in_a_two_rank_pool(reference: EvalReport, tmp_p
     llm = _offline()
     client = OfflineClient(llm)
     questions = [q for task in TASKS for q in held_out(task)[:LIMIT]]
-    prompts = {f"q{i}": client.prompt_ids(q) for i, q in enumerate(questions)}
-    init, engine = (
-        f"tcp://127.0.0.1:{free_port()}",
-        {**ENGINE, "enable_overlap": True, "overlap_min_tokens": 0},
-    )
-    procs, outs = [], []
-    try:
-        for rank in range(2):
-            out = tmp_path / f"rank{rank}.json"
-            spec = {
-                "rank": rank,
-                "world": 2,
-                "init": init,
-                "model": str(resolve_model(DEFAULT_MODEL)[0]),
-                "engine": engine,
-                "prompts": {rid: p for i, (rid, p) in enumerate(prompts.items()) if i % 2 == rank},
-                "max_tokens": 24,
-                "out": str(out),
-            }
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests.fixtures.ep_rank", json.dumps(spec)]))
-            outs.append(out)
-        for p in procs:
-            assert p.wait(timeout=240) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    results = [json.loads(o.read_text()) for o in outs]
+    prompts = [client.prompt_ids(q) for q in questions]
+    engine = {**ENGINE, "enable_overlap": True, "overlap_min_tokens": 0}
+    results = run_pool(resolve_model(DEFAULT_MODEL)[0], 2, tmp_path, prompts, MAX_ANSWER_TOKENS, **engine)
     assert all(
         r["two_micro_batch_steps"]["prefill"] > 0 and r["two_micro_batch_steps"]["decode"] > 0
         for r in results
@@ -128,7 +100,7 @@ def test_two_micro_batch_overlap_in_a_two_rank_pool(reference: EvalReport, tmp_p
     eos = set(client.tokenizer.eos_token_ids)
     tokens = {rid: [t for t in ids if t not in eos] for r in results for rid, ids in r["tokens"].items()}
     expected = [ids for task in TASKS for ids in reference.token_ids[task]]
-    assert [tokens[f"q{i}"] for i in range(len(questions))] == expected
+    assert [tokens[f"p{i}"] for i in range(len(questions))] == expected
     llm.engine.close()
 
 

@@ -33,7 +33,12 @@ def _prompts(count: int = 8) -> list[list[int]]:
 
 
 def run_pool(
-    ckpt: BuiltCheckpoint, world: int, tmp: Path, prompts: list[list[int]] | None = None, **engine: object
+    ckpt: BuiltCheckpoint | Path,
+    world: int,
+    tmp: Path,
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = MAX_TOKENS,
+    **engine: object,
 ) -> list[dict]:
     """Start ``world`` rank processes, ``prompts`` (default ``_prompts()``) dealt round-robin as
     p0, p1, ...; their results, rank by rank."""
@@ -47,10 +52,10 @@ def run_pool(
                 "rank": rank,
                 "world": world,
                 "init": init,
-                "model": str(ckpt.path),
+                "model": str(ckpt if isinstance(ckpt, Path) else ckpt.path),
                 "engine": {**ENGINE, **engine},
                 "prompts": {f"p{i}": p for i, p in enumerate(prompts) if i % world == rank},
-                "max_tokens": MAX_TOKENS,
+                "max_tokens": max_tokens,
                 "out": str(out),
             }
             procs.append(subprocess.Popen([sys.executable, "-m", "tests.fixtures.ep_rank", json.dumps(spec)]))

@@ -14,11 +14,12 @@ from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.evals.runner import OfflineClient, run_eval
-from dsinfer.evals.tasks import TASKS, TOKENIZER_WORDS, held_out
+from dsinfer.evals.tasks import TOKENIZER_WORDS, held_out
 from tests.fixtures.hf_reference import compare_tokens, hf_greedy_steps
 
 PATH = resolve_model(DEFAULT_MODEL)[0]
 PER_TASK = 2
+PARITY_TASKS = ("add", "sub", "mul", "reverse", "sort", "lookup")  # lookup_1k: same path, 3x longer
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,10 @@ def test_chat_template_gives_the_training_layout(tokenizer: Tokenizer) -> None:
 def test_transformers_greedy_answers_equal_dsinfer() -> None:
     llm = LLM(DEFAULT_MODEL, dtype="float32", kv_cache_memory="32MiB")
     client = OfflineClient(llm)
-    report = run_eval(client, TASKS, PER_TASK)
+    report = run_eval(client, PARITY_TASKS, PER_TASK)
     hf = DeepseekV3ForCausalLM.from_pretrained(PATH, dtype=torch.float32).eval()
     eos = client.tokenizer.eos_token_ids
-    for task in TASKS:
+    for task in PARITY_TASKS:
         for q, ours in zip(held_out(task)[:PER_TASK], report.token_ids[task], strict=True):
             ref, ref_logits = hf_greedy_steps(hf, client.prompt_ids(q), len(ours) + 1, eos)
             compare_tokens(ref, [*ours, *eos], ref_logits)
