@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.engine.llm import LLM
-from dsinfer.evals.tasks import Question, held_out, score
+from dsinfer.evals.tasks import Question, held_out, score, well_formed
 
 MAX_ANSWER_TOKENS = 24  # the longest answer (8 sorted digits) is 15 tokens, plus eos
 
@@ -160,6 +160,7 @@ class TaskResult:
     total: int
     mean_prompt_tokens: float
     wrong: list[dict[str, str]] = field(default_factory=list)  # first few: prompt tail, expected, got
+    well_formed: int = 0  # replies of the answer's form, right or wrong (tasks.well_formed)
 
     @property
     def accuracy(self) -> float:
@@ -191,9 +192,13 @@ class EvalReport:
         return out
 
     def table(self) -> str:
-        lines = ["| task | exact match | questions | mean prompt tokens |", "|---|---|---|---|"]
+        lines = [
+            "| task | exact match | questions | well-formed | mean prompt tokens |",
+            "|---|---|---|---|---|",
+        ]
         lines += [
-            f"| {t.task} | {t.accuracy:.1%} | {t.correct}/{t.total} | {t.mean_prompt_tokens:.0f} |"
+            f"| {t.task} | {t.accuracy:.1%} | {t.correct}/{t.total} | {t.well_formed}/{t.total} | "
+            f"{t.mean_prompt_tokens:.0f} |"
             for t in self.tasks
         ]
         lines.append("")
@@ -225,8 +230,9 @@ def run_eval(client: Client, tasks: Sequence[str], limit: int, keep_wrong: int =
             if not score(q, r.text)
         ]
         prompt_tokens = sum(r.prompt_tokens for _, r in pairs) / max(len(pairs), 1)
+        formed = sum(well_formed(q, r.text) for q, r in pairs)
         results.append(
-            TaskResult(task, len(pairs) - len(wrong), len(pairs), prompt_tokens, wrong[:keep_wrong])
+            TaskResult(task, len(pairs) - len(wrong), len(pairs), prompt_tokens, wrong[:keep_wrong], formed)
         )
         token_ids[task] = [r.token_ids for _, r in pairs]
     output_tokens = sum(len(r.token_ids) for r in replies)

@@ -19,6 +19,7 @@ share it.
 from __future__ import annotations
 
 import random
+import re
 import string
 from dataclasses import dataclass
 from functools import cache
@@ -139,3 +140,23 @@ def held_out_keys() -> frozenset[str]:
 def score(question: Question, reply: str) -> bool:
     """Exact match, ignoring whitespace at the ends."""
     return reply.strip() == question.answer
+
+
+_FORMS = {
+    "add": r"-?[0-9]+",
+    "sub": r"-?[0-9]+",
+    "mul": r"[0-9]+",
+    "reverse": r"[a-z]+",
+    "sort": r"[0-9]( [0-9])*",
+    "lookup": r"[0-9]{3}",
+    "lookup_1k": r"[0-9]{3}",
+}
+
+
+def well_formed(question: Question, reply: str) -> bool:
+    """The reply has the answer's form, right or wrong: a number for arithmetic, a 3-digit value for
+    a lookup, a lowercase word of the same length for reversal, as many spaced digits for sorting."""
+    text = reply.strip()
+    if re.fullmatch(_FORMS[question.task], text) is None:
+        return False
+    return question.task not in ("reverse", "sort") or len(text) == len(question.answer)
