@@ -271,13 +271,18 @@ class TrainingData:
         prompt = render_context(table) + lookup_question(key)
         return Question("lookup", prompt, table[key], f"lookup:{prompt}")
 
-    def lookup_conversation(self) -> tuple[list[int], list[bool]]:
-        """A context of "key: value" lines with a question, then up to 11 more questions on it."""
+    def lookup_conversation(self, max_tokens: int) -> tuple[list[int], list[bool]]:
+        """A context of "key: value" lines with a question, then up to 11 more questions on it (as
+        many as fit ``max_tokens``)."""
         table = lookup_context(self.rng, self.rng.randrange(*TRAIN_LOOKUP_LINES))
         keys = self.rng.choices(list(table), k=1 + self.rng.randint(0, 11))
         turns = [(render_context(table) + lookup_question(keys[0]), table[keys[0]])]
         turns += [(lookup_question(k), table[k]) for k in keys[1:]]
-        return self.encoder.conversation(turns)
+        ids, mask = self.encoder.conversation(turns)
+        while len(ids) > max_tokens and len(turns) > 1:
+            turns.pop()
+            ids, mask = self.encoder.conversation(turns)
+        return ids, mask
 
     def rows(
         self, rows: int, length: int, first: Callable[[], tuple[list[int], list[bool]]] | None = None
@@ -555,7 +560,9 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
         for group in optimizer.param_groups:
             group["lr"] = lr
         short = data.rows(args.short_rows, args.short_length)
-        long = data.rows(args.lookup_rows, args.lookup_length, data.lookup_conversation)
+        long = data.rows(
+            args.lookup_rows, args.lookup_length, lambda: data.lookup_conversation(args.lookup_length)
+        )
         with autocast(args.bf16):
             parts = [batch_loss(model, mtp, batch) for batch in (short, long)]
         supervised = sum(p.tokens for p in parts)
