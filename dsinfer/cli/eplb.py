@@ -29,7 +29,9 @@ def add_eplb_args(parser: argparse.ArgumentParser) -> None:
         help="nodes of the pool: when n_group divides by it, each node keeps whole expert groups and "
         "their replicas (DeepSeek's hierarchical policy); default 1, pool-wide balancing",
     )
-    parser.add_argument("--model", default=None, help="checkpoint directory or preset name (default: tiny-chat)")
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory or preset name (default: tiny-chat)"
+    )
     parser.add_argument(
         "-o", "--output", required=True, metavar="FILE", help="placement file to write (JSON)"
     )
