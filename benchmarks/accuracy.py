@@ -43,6 +43,7 @@ from pd_serving import ServeProcess, free_port, machine_info
 
 from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
+from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL
 from dsinfer.evals.runner import EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import HELD_OUT_SEED, HELD_OUT_SIZE, TASKS
 
@@ -127,10 +128,24 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, scratch: Path) ->
     with running(argv, env, scratch / f"{mode}.log", mode, timeout) as server:
         report = evaluate_endpoint(server.base_url, args)
         if mode == "dsinfer-serve" and args.expert_load_out is not None:
-            with urllib.request.urlopen(f"{server.base_url}/expert_load", timeout=30) as response:
-                args.expert_load_out.write_bytes(response.read())
+            args.expert_load_out.write_text(json.dumps(reported_expert_load(server.base_url)) + "\n")
             progress(f"[{mode}] wrote the router's expert load to {args.expert_load_out}")
         return report
+
+
+def reported_expert_load(base_url: str) -> dict[str, Any]:
+    """GET /expert_load once the ranks' counts have reached the gateway (they come with a load
+    report every EXPERT_LOAD_INTERVAL seconds, so right after a short run they are still zero)."""
+    deadline = time.monotonic() + 4 * EXPERT_LOAD_INTERVAL
+    while True:
+        with urllib.request.urlopen(f"{base_url}/expert_load", timeout=30) as response:
+            doc = json.loads(response.read())
+        counted = any(
+            any(c > 0 for c in counts) for role in doc["roles"].values() for counts in role.values()
+        )
+        if counted or time.monotonic() > deadline:
+            return doc
+        time.sleep(1.0)
 
 
 def vllm_version(python: str) -> str:
