@@ -20,7 +20,7 @@ import zmq
 
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys, SecretError, load_secret
 from dsinfer.base.control_auth import HandshakeLog
-from dsinfer.base.presets import resolve_model
+from dsinfer.base.presets import RANDOM_MODEL, resolve_model
 from dsinfer.base.protocol import (
     Abort,
     GenerateRequest,
@@ -67,8 +67,8 @@ def _wait(condition: object, what: str, timeout: float = TIMEOUT) -> None:
 def gateway() -> Iterator[tuple[str, str, Router]]:
     control = f"127.0.0.1:{free_port()}"
     router = Router(control, KEYS)
-    tokenizer = Tokenizer.from_dir(resolve_model(None)[0])
-    with serve(build_app(router, tokenizer, GatewayArgs(), 4096)) as url:
+    tokenizer = Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
+    with serve(build_app(router, tokenizer, GatewayArgs(model=RANDOM_MODEL), 4096)) as url:
         yield url, control, router
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsinfer.base.presets import resolve_model
+from dsinfer.base.presets import RANDOM_MODEL, resolve_model
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
@@ -30,7 +30,7 @@ VOCAB = 4096
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(resolve_model(None)[0])
+    return Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
 
 
 def _script(job: Job) -> list[Step]:
