@@ -33,6 +33,7 @@ import pytest
 import zmq
 
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
+from dsinfer.base.presets import RANDOM_MODEL
 from dsinfer.base.protocol import LoadReport, PoolDown, Register, encode
 from tests.fixtures.control import TEST_SECRET, PlayedRank, curve_dealer
 from tests.fixtures.servers import Server, free_port, serve
@@ -61,7 +62,8 @@ def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]
     log_path = tmp_path / "gateway.log"
     env = {**os.environ, SECRET_ENV: TEST_SECRET, "PYTHONUNBUFFERED": "1"}
     with log_path.open("wb") as log:
-        argv = ["serve", "--role", "gateway", "--port", str(port), "--control-port", str(control_port)]
+        argv = ["serve", "--role", "gateway", "--model", RANDOM_MODEL, "--port", str(port)]
+        argv += ["--control-port", str(control_port)]
         proc = subprocess.Popen(
             [sys.executable, "-m", "dsinfer.cli.main", *argv, *flags],
             stdout=log,
