@@ -52,7 +52,7 @@ def server(
     """``dsinfer serve`` until ready (/ready), stopped with its whole process group on exit."""
     port = free_port()
     args = [
-        *("--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "32MiB"),
+        *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "32MiB"),
         *("--max-model-len", str(max_model_len), "--max-n", "4", "--api-key", API_KEY),
         *(["--colocated"] if mode == "colocated" else []),
         *(["--served-model-name", served_model_name] if served_model_name else []),

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dsinfer.base.presets import resolve_model
+from dsinfer.base.presets import RANDOM_MODEL, resolve_model
 from dsinfer.base.protocol import TokenDelta, TokenDeltas, decode, encode
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.choice import ChoiceState
@@ -15,7 +15,7 @@ from dsinfer.gateway.choice import ChoiceState
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_dir(resolve_model(None)[0])
+    return Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
 
 
 def test_token_deltas_round_trip() -> None:
