@@ -128,8 +128,11 @@ def _kill_and_check(
     if when_streaming:
         wait_started(streams, timeout=120)
         assert all(s.result is None for s in streams), "streams ended before the kill: make them longer"
-    else:
-        time.sleep(0.3)
+    else:  # every stream dispatched (the prefills and their KV writes under way), none ended
+        deadline = time.monotonic() + 60
+        while _in_flight(server) < STREAMS:
+            assert time.monotonic() < deadline, "the streams never reached the pools"
+            time.sleep(0.02)
     os.kill(before[0], signal.SIGKILL)
     join_streams(streams, timeout=180)
     assert [s.result for s in streams] == [("ok", "length")] * STREAMS, [s.result for s in streams]
@@ -152,6 +155,12 @@ def _kill_and_check(
         assert time.monotonic() < deadline, f"restarted {role} pool 0 got no request"
         time.sleep(0.5)
     _wait_kv_free(server)
+
+
+def _in_flight(server: Server) -> float:
+    """Worker requests the gateway dispatched and has not seen end."""
+    found = re.search(r"^dsinfer_in_flight_requests (\S+)$", server.metrics(), re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def _migrations(server: Server, *, streaming: bool) -> float:
