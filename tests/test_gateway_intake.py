@@ -191,3 +191,29 @@ def test_draining_gateway_answers_503_with_retry_after(app_and_url: tuple[Any, s
         assert httpx.get(f"{url}/health").status_code == 200  # alive all the same
     finally:
         app.state.gateway.draining = False
+
+
+def test_a_burst_of_short_requests_waits_for_the_tokenizer_up_to_the_queue_limit() -> None:
+    """64 clients at once is an ordinary burst (the serving benchmark's): every short request
+    waits for a tokenizer thread, and only past --max-queued-requests is one refused with 429."""
+    import asyncio
+    import threading
+
+    from dsinfer.gateway.errors import APIError
+    from dsinfer.gateway.intake import Preparer
+
+    async def burst() -> tuple[list[int], APIError]:
+        preparer = Preparer(2, max_waiting=100)
+        release = threading.Event()
+        tasks = [asyncio.create_task(preparer.run(lambda i=i: release.wait(30) and i, 100)) for i in range(100)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as refused:
+            await preparer.run(lambda: 0, 100)
+        release.set()
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        preparer.close()
+        return done, refused.value
+
+    done, refused = asyncio.run(burst())
+    assert done == list(range(100))
+    assert refused.status == 429 and "100 requests are waiting to be tokenized" in refused.message

@@ -104,7 +104,7 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
     if args.chat_template is not None:
         tokenizer = with_chat_template(tokenizer, args.chat_template)
     metrics = GatewayMetrics(backend.metrics_snapshot)
-    preparer = Preparer(args.tokenizer_pool_size())
+    preparer = Preparer(args.tokenizer_pool_size(), args.max_queued_requests)
     ctx = GatewayContext(
         backend, tokenizer, args, args.model_name(), vocab_size, metrics, preparer, tokenizer.max_token_chars
     )

@@ -19,7 +19,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dsinfer.gateway.errors import APIError, overloaded, payload_too_large
 
-MAX_WAITING_PER_THREAD = 16  # requests waiting for a tokenizer thread, per thread, before 429
 LARGE_BODY = 256 * 1024  # bytes: a body over this (a prompt of ~64K tokens or more) is "large"
 MAX_WAITING_LARGE = 2  # large requests waiting per place, before 429
 RETRY_AFTER = 1.0
@@ -76,16 +75,14 @@ class Preparer:
     """``threads`` threads (at least 2) prepare requests. A large body (over ``LARGE_BODY``) holds
     one of ``threads - 1`` places while it waits for and uses a thread, so one thread is always
     there for the others: a short request never waits behind a multi-MB prompt being tokenized.
-    Too many waiting (large ones: ``MAX_WAITING_LARGE`` per place; others:
-    ``MAX_WAITING_PER_THREAD`` per thread) -> 429."""
+    Too many waiting -> 429: large ones past ``MAX_WAITING_LARGE`` per place; others past
+    ``max_waiting`` (the gateway's ``--max-queued-requests``: a burst of short requests is a queue
+    like any other, and each takes a thread for a millisecond or so)."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, max_waiting: int) -> None:
         self.threads = max(2, threads)
         self._large = asyncio.Semaphore(self.threads - 1)
-        self._limits = {
-            True: (self.threads - 1) * (1 + MAX_WAITING_LARGE),
-            False: self.threads * MAX_WAITING_PER_THREAD,
-        }
+        self._limits = {True: (self.threads - 1) * (1 + MAX_WAITING_LARGE), False: max_waiting}
         self.pending = {True: 0, False: 0}  # large?, -> requests waiting or being prepared
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenize")
 
