@@ -10,6 +10,8 @@ output tokens it has not seen (``GrammarMatcher.sync``). So whatever appended th
 follows: this rank's own sampling, the first token a PD prefill rank sampled (the decode rank's
 matcher replays it at its first step), a preempted sequence recomputed, or a continuation that
 arrives with tokens already delivered (request migration: a fresh matcher replays them all).
+The masks are computed on a background thread while the step's forward runs (``start`` before
+the forward, ``apply`` after it), so they take cores the forward leaves idle.
 An MTP draft is checked against the mask: its verification row is masked with the state after
 the draft (llguidance computes both masks), and a draft outside the grammar is never accepted,
 because the target's own row cannot sample it.
@@ -25,6 +27,8 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -95,6 +99,19 @@ class GrammarCache:
         return GrammarMatcher(self.compiled(grammar).deep_copy())
 
 
+@dataclass
+class PendingMask:
+    """A step's token bitmask ``[rows, words]``, being filled by ``done`` (None: already filled)."""
+
+    bitmask: torch.Tensor
+    done: Future[None] | None
+
+    def result(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.result()
+        return self.bitmask
+
+
 class LogitConstraints:
     """Applies grammars and ``min_tokens`` to a step's sampling rows."""
 
@@ -102,6 +119,7 @@ class LogitConstraints:
         self.grammars = GrammarCache(tokenizer, vocab_size, eos_ids)
         self.vocab_size = vocab_size
         self._executor: llguidance.LLExecutor | None = None
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
     def check(self, grammar: str | None) -> None:
         """Compile (and cache) a request's grammar; ValueError naming the problem."""
@@ -114,13 +132,14 @@ class LogitConstraints:
             self._executor = llguidance.LLExecutor(num_threads=min(8, os.cpu_count() or 1))
         return self._executor
 
-    def apply(self, seqs: list[Sequence], offsets: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """``logits [rows, V]``: row r samples output position ``len(output) + offsets[r]`` of
-        ``seqs[r]`` (offset 1: the row after the sequence's MTP draft)."""
-        logits = self._min_tokens(seqs, offsets, logits)
+    def start(self, seqs: list[Sequence], offsets: list[int]) -> PendingMask | None:
+        """Begin the grammar masks of a step's sampling rows (see ``apply``) on a background thread,
+        so they are computed while the forward runs; None when no row has a grammar. The masks
+        depend only on each sequence's output and MTP draft, which the step does not change
+        before it samples."""
         constrained = [r for r, seq in enumerate(seqs) if seq.params.grammar is not None]
         if not constrained:
-            return logits
+            return None
         bitmask = torch.full((len(seqs), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         plain: list[tuple[llguidance.LLMatcher, int]] = []
         drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
@@ -143,11 +162,33 @@ class LogitConstraints:
             else:
                 plain.append((state.matcher, r))
         size = (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
-        if plain:
-            self.executor.unsafe_compute_mask_ptr(plain, *size)
-        if drafted:
-            self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
-        return apply_token_bitmask(logits, bitmask)  # unconstrained rows allow every token
+
+        def compute() -> None:  # llguidance releases the GIL while it fills the rows
+            if plain:
+                self.executor.unsafe_compute_mask_ptr(plain, *size)
+            if drafted:
+                self.executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *size)
+
+        if not plain and not drafted:
+            return PendingMask(bitmask, None)
+        return PendingMask(bitmask, self._background.submit(compute))
+
+    def apply(
+        self,
+        seqs: list[Sequence],
+        offsets: list[int],
+        logits: torch.Tensor,
+        pending: PendingMask | None = None,
+    ) -> torch.Tensor:
+        """``logits [rows, V]``: row r samples output position ``len(output) + offsets[r]`` of
+        ``seqs[r]`` (offset 1: the row after the sequence's MTP draft). ``pending``: what
+        ``start`` returned for these rows before the forward (computed here when not given)."""
+        logits = self._min_tokens(seqs, offsets, logits)
+        if pending is None:
+            pending = self.start(seqs, offsets)
+        if pending is None:
+            return logits
+        return apply_token_bitmask(logits, pending.result())  # unconstrained rows allow every token
 
     def _min_tokens(self, seqs: list[Sequence], offsets: list[int], logits: torch.Tensor) -> torch.Tensor:
         rows, cols = [], []

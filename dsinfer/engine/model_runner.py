@@ -38,11 +38,12 @@ from dsinfer.base.trace import COMPUTE, Tracer
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.args import EngineArgs
-from dsinfer.engine.constraints import LogitConstraints
+from dsinfer.engine.constraints import LogitConstraints, PendingMask
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_unsupported_reason
 from dsinfer.engine.forward import attention_load, balanced_split, build_forward_batch
 from dsinfer.engine.mtp import MTPProposer
 from dsinfer.engine.scheduler import ScheduledBatch, ScheduledSeq, StepResult
+from dsinfer.engine.sequence import Sequence
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.overlap import DECODE, PREFILL, MicroBatch, forward_two
@@ -167,6 +168,8 @@ class ModelRunner:
                 self._forward_two(batch, order, None)
                 self.model.idle_forward(decoder_layers=False)
             return []
+        samplers = [i for i, s in enumerate(batch.seqs) if s.samples]
+        masks = self._start_masks([batch.seqs[i] for i in samplers])
         graph_rows = self._graph_rows(batch, after_layer) if order is None else None
         all_logits: torch.Tensor | None = None  # a graph step computes every row's logits
         if graph_rows is not None:
@@ -177,12 +180,11 @@ class ModelRunner:
             hidden = self._forward_two(batch, order, after_layer)
         ends = [n - 1 for n in itertools.accumulate(s.num_new for s in batch.seqs)]
         results = [StepResult() for _ in batch.seqs]
-        samplers = [i for i, s in enumerate(batch.seqs) if s.samples]
         if samplers:
             rows = [r for i in samplers for r in range(ends[i] - batch.seqs[i].num_draft, ends[i] + 1)]
             index = torch.tensor(rows, device=self.device)
             logits = all_logits[index] if all_logits is not None else self.model.compute_logits(hidden[index])
-            samples = iter(self._sample([batch.seqs[i] for i in samplers], logits))
+            samples = iter(self._sample([batch.seqs[i] for i in samplers], logits, masks))
             for i in samplers:
                 item, result = batch.seqs[i], results[i]
                 result.tokens.append(next(samples))
@@ -266,10 +268,17 @@ class ModelRunner:
             self.device,
         )
 
-    def _sample(self, items: list[ScheduledSeq], logits: torch.Tensor) -> list[Sample]:
+    def _start_masks(self, items: list[ScheduledSeq]) -> PendingMask | None:
+        """The grammar masks of the step's sampling rows, begun before the forward."""
+        if self.constraints is None or not any(item.seq.params.grammar is not None for item in items):
+            return None
+        return self.constraints.start(*_sampling_rows(items))
+
+    def _sample(
+        self, items: list[ScheduledSeq], logits: torch.Tensor, masks: PendingMask | None = None
+    ) -> list[Sample]:
         """Rows: for each sequence its position(s) to sample, in order (the draft's last)."""
-        seqs = [item.seq for item in items for _ in range(1 + item.num_draft)]
-        offsets = [j for item in items for j in range(1 + item.num_draft)]
+        seqs, offsets = _sampling_rows(items)
         params = [seq.params for seq in seqs]
         raw = logits
         if any(p.uses_penalties for p in params):
@@ -290,7 +299,7 @@ class ModelRunner:
         if any(p.logit_bias for p in params):
             logits = _apply_logit_bias(logits, params)
         if self.constraints is not None:
-            logits = self.constraints.apply(seqs, offsets, logits)
+            logits = self.constraints.apply(seqs, offsets, logits, masks)
         sampling = SamplingTensors.from_params(
             params,
             seed=[seq.seed for seq in seqs],
@@ -343,6 +352,13 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     logits = logits.clone()
     logits[rows, cols] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
     return logits
+
+
+def _sampling_rows(items: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
+    """Each sampling row's sequence and output offset (1: the row after its MTP draft)."""
+    seqs = [item.seq for item in items for _ in range(1 + item.num_draft)]
+    offsets = [j for item in items for j in range(1 + item.num_draft)]
+    return seqs, offsets
 
 
 def _step_tokens(item: ScheduledSeq) -> list[int]:
