@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["Membership", "PoolStore", "host_store"]
+__all__ = ["Membership", "PoolStore", "bound_store", "host_store"]
 
 POLL = 0.02  # seconds between reads of a key another process is about to write
 
@@ -48,26 +48,34 @@ class Membership:
 
 
 def host_store(timeout: float) -> tuple[dist.TCPStore, str]:
-    """The launcher's store and its address (HOST:PORT). It listens on loopback only (an elastic
-    pool is on one node): the socket is bound here and handed over, since torch's TCPStore would
-    bind every interface, where any host could rewrite the pool's membership."""
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """The launcher's store and its address (HOST:PORT), on loopback only (an elastic pool is on
+    one node)."""
+    store, port = bound_store("127.0.0.1", 0, timeout)
+    return store, f"127.0.0.1:{port}"
+
+
+def bound_store(host: str, port: int, timeout: float) -> tuple[dist.TCPStore, int]:
+    """A master TCPStore that listens on ``host``'s address only (port 0: a free one) -> (store,
+    port). The socket is bound here and handed over: torch's TCPStore alone binds every
+    interface, where any host could write the rendezvous's keys."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind(("127.0.0.1", 0))
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
         listener.listen(128)
         port = listener.getsockname()[1]
     except OSError:
         listener.close()
         raise
     store = dist.TCPStore(
-        "127.0.0.1",
+        host,
         port,
         is_master=True,
         wait_for_workers=False,
         timeout=timedelta(seconds=timeout),
         master_listen_fd=listener.detach(),  # the store serves on this descriptor from now on
     )
-    return store, f"127.0.0.1:{port}"
+    return store, port
 
 
 class PoolStore:

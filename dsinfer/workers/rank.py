@@ -22,9 +22,11 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,7 @@ from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import WorkerChannel
 from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.elastic import ElasticPool, PoolLost
-from dsinfer.workers.membership import Membership, PoolStore
+from dsinfer.workers.membership import Membership, PoolStore, bound_store
 from dsinfer.workers.prefill import PrefillWorker
 from dsinfer.workers.role import ColocatedWorker, RoleWorker
 
@@ -61,6 +63,7 @@ IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
 REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
 DIST_TIMEOUT = timedelta(minutes=10)  # start-up: ranks warm up (compile) at their own pace
+RESOLVE_TIMEOUT = 120.0  # seconds rank 0 waits for --dist-init-addr's name to resolve
 REFORM_TIMEOUT = 300.0  # seconds the members of a re-forming pool wait for each other
 
 
@@ -152,12 +155,30 @@ def _elastic_pool(args: RankArgs, backend: str) -> ElasticPool:
     )
 
 
-def dist_init_method(args: RankArgs) -> str:
-    """A FileStore in the launcher's private directory for a pool on one node (no listening
-    socket: torch's TCPStore binds every interface), else rank 0's TCPStore."""
+def rendezvous(args: RankArgs) -> dict[str, Any]:
+    """How the pool's ranks meet (``init_process_group`` keywords): a FileStore in the launcher's
+    private directory for a pool on one node, else rank 0's TCPStore at ``dist_init_addr``,
+    listening on that address only."""
     if args.dist_store_file is not None:
-        return f"file://{args.dist_store_file}"
-    return f"tcp://{args.dist_init_addr}"
+        return {"init_method": f"file://{args.dist_store_file}"}
+    host, port = args.dist_init_addr.rsplit(":", 1)
+    host = host.strip("[]")
+    if args.rank != 0:
+        return {"store": dist.TCPStore(host, int(port), is_master=False, timeout=DIST_TIMEOUT)}
+    deadline = time.monotonic() + RESOLVE_TIMEOUT
+    while True:
+        try:
+            return {"store": bound_store(host, int(port), DIST_TIMEOUT.total_seconds())[0]}
+        except socket.gaierror as e:  # a pod's DNS name may appear a little after the pod starts
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"--dist-init-addr {args.dist_init_addr}: {e.strerror or e}") from None
+            log.info("--dist-init-addr %s does not resolve yet (%s); retrying", args.dist_init_addr, e)
+            time.sleep(1.0)
+        except OSError as e:
+            raise RuntimeError(
+                f"rank 0 cannot listen on --dist-init-addr {args.dist_init_addr}: {e.strerror or e} "
+                "(it must be an address of the pool's first node)"
+            ) from None
 
 
 def run_rank(args: RankArgs) -> int:
@@ -190,7 +211,7 @@ def run_rank(args: RankArgs) -> int:
         else:
             dist.init_process_group(
                 backend,
-                init_method=dist_init_method(args),
+                **rendezvous(args),
                 rank=args.rank,
                 world_size=pool.pool_size,
                 timeout=DIST_TIMEOUT,
