@@ -39,7 +39,9 @@ from dsinfer.base.protocol import (
     HEARTBEAT_INTERVAL,
     Deregister,
     Heartbeat,
+    Message,
     Register,
+    WorkerRequest,
     worker_name,
 )
 from dsinfer.base.shape import expert_slots_per_rank
@@ -61,10 +63,24 @@ log = logging.getLogger("dsinfer.worker")
 
 IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
+BURST_GAP_MS = 2  # an idle rank's new requests: the burst has ended after this long without one
+BURST_WINDOW_MS = 50  # at most this long spent gathering a burst
 REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
 DIST_TIMEOUT = timedelta(minutes=10)  # start-up: ranks warm up (compile) at their own pace
 RESOLVE_TIMEOUT = 120.0  # seconds rank 0 waits for --dist-init-addr's name to resolve
 REFORM_TIMEOUT = 300.0  # seconds the members of a re-forming pool wait for each other
+
+
+def _rest_of_burst(channel: WorkerChannel) -> list[Message]:
+    """An idle rank that just got requests takes the rest of their burst before its first step:
+    messages until the inbox stays quiet for ``BURST_GAP_MS`` (at most ``BURST_WINDOW_MS``). A
+    burst of clients then starts in one prefill, and the gateway, which shares the cores, hands
+    it over before the forward takes them."""
+    messages: list[Message] = []
+    deadline = time.monotonic() + BURST_WINDOW_MS / 1000
+    while time.monotonic() < deadline and (more := channel.receive(BURST_GAP_MS)):
+        messages += more
+    return messages
 
 
 def rank_device(device: str, local_rank: int, gpus: int) -> str:
@@ -277,7 +293,11 @@ def run_rank(args: RankArgs) -> int:
                 last_register = now
             # while the pool works, nobody makes the others wait in the next all-reduce
             timeout = 0 if role.has_work() or pool_working else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
-            for message in channel.receive(timeout):
+            idle = timeout != 0
+            messages = channel.receive(timeout)
+            if idle and any(isinstance(m, WorkerRequest) for m in messages):
+                messages += _rest_of_burst(channel)
+            for message in messages:
                 role.handle(message, time.monotonic())
             if stopping and not role.draining:
                 role.draining = True
