@@ -63,7 +63,7 @@ log = logging.getLogger("dsinfer.worker")
 
 IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
-BURST_GAP_MS = 2  # an idle rank's new requests: the burst has ended after this long without one
+BURST_GAP_MS = 5  # an idle rank's new requests: the burst has ended after this long without one
 BURST_WINDOW_MS = 50  # at most this long spent gathering a burst
 REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
 DIST_TIMEOUT = timedelta(minutes=10)  # start-up: ranks warm up (compile) at their own pace
