@@ -205,7 +205,9 @@ def test_a_burst_of_short_requests_waits_for_the_tokenizer_up_to_the_queue_limit
     async def burst() -> tuple[list[int], APIError]:
         preparer = Preparer(2, max_waiting=100)
         release = threading.Event()
-        tasks = [asyncio.create_task(preparer.run(lambda i=i: release.wait(30) and i, 100)) for i in range(100)]
+        tasks = [
+            asyncio.create_task(preparer.run(lambda i=i: release.wait(30) and i, 100)) for i in range(100)
+        ]
         await asyncio.sleep(0.05)
         with pytest.raises(APIError) as refused:
             await preparer.run(lambda: 0, 100)
