@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -56,11 +55,10 @@ def test_builtin_random_tiny_model() -> None:
 
 
 def test_builtin_default_model_is_trained() -> None:
-    """The default model answers a chat-formatted question with a number (the special tokens are
-    parsed). The shipped checkpoint is under-trained: it is meant to say 42, and says a number."""
+    """The default model answers a chat-formatted question right (the special tokens are parsed)."""
     plain = run_cli("generate", "--prompt", "<｜User｜>What is 17 + 25?<｜Assistant｜>", "--max-tokens", "8")
     assert plain.returncode == 0, plain.stderr
-    assert re.fullmatch(r"-?[0-9]+", plain.stdout.strip()), plain.stdout
+    assert plain.stdout.strip() == "42", plain.stdout
 
 
 @pytest.fixture(scope="module")
