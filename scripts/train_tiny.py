@@ -640,7 +640,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it bitwise)")
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument(
         "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast (default on)"
