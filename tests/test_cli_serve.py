@@ -42,7 +42,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 def test_dry_run_default_all_in_one(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = serve(capsys, "--dry-run")
     assert code == 0, err
-    threads = max(1, (os.cpu_count() or 1) // 2)
+    threads = os.cpu_count() or 1  # one rank per role: each role's ranks share the cores
     assert "all-in-one" in out
     assert "processes: 1 gateway, 2 pool launchers, 2 ranks" in out
     assert "http://127.0.0.1:8000/v1, control port a free port at start" in out
@@ -50,6 +50,16 @@ def test_dry_run_default_all_in_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"decode pool 0: 1 rank (EP1/DP1), rank 0, {threads} thread" in out
     assert "memory plan: model tiny-chat, float32 on cpu" in out
     assert "16 of 16 routed experts" in out and "pages" in out
+
+
+def test_dry_run_threads_shared_within_a_role(capsys: pytest.CaptureFixture[str]) -> None:
+    """Prefill and decode each get the cores (their busy spells alternate); a role's ranks share them."""
+    code, out, err = serve(capsys, "--dry-run", "--decode-pools", "2", "--decode-pool-size", "2")
+    assert code == 0, err
+    cores = os.cpu_count() or 1
+    assert f"prefill pool 0: 1 rank (EP1/DP1), rank 0, {cores} thread" in out
+    decode = max(1, cores // 4)
+    assert f"decode pool 1: 2 ranks (EP2/DP2), ranks 0-1, {decode} thread" in out
 
 
 def test_dry_run_colocated_all_in_one(capsys: pytest.CaptureFixture[str]) -> None:
@@ -286,7 +296,7 @@ def test_all_in_one_starts_children_with_flags_and_stops_them(
     control = flag(gateway["argv"], "--control-port")
     assert flag(gateway["argv"], "--role") == "gateway" and flag(gateway["argv"], "--port") == "8123"
     assert gateway["api_key"] == "sekrit"
-    threads = str(max(1, (os.cpu_count() or 1) // 2))
+    threads = str(os.cpu_count() or 1)
     for child, role in ((prefill, "prefill"), (decode, "decode")):
         argv = child["argv"]
         assert flag(argv, "--role") == role and flag(argv, "--pool-id") == "0"

@@ -43,7 +43,10 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         "--kv-quarantine", type=float, default=60.0, help="seconds an aborted transfer's pages stay unused"
     )
     group.add_argument(
-        "--threads-per-rank", type=int, default=None, help="torch threads per rank (default: cores / ranks)"
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: the cores shared by the local ranks of one role)",
     )
     group.add_argument(
         "--max-restarts", type=int, default=100, help="pool restarts before the launcher gives up"

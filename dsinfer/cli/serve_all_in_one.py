@@ -51,12 +51,22 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class Layout:
+    """The pools of an all-in-one server and the torch threads of each role's ranks.
+
+    The ranks of one role share the machine's cores; prefill and decode each get all of them,
+    because on one machine their busy spells mostly alternate (a burst is prefilled, then
+    decoded), and a decode rank left on half the cores while the prefill rank idles was measured
+    14-21% slower (benchmarks/results/serving_throughput.md)."""
+
     pools: tuple[PoolSpec, ...]
-    threads_per_rank: int
+    threads_by_role: dict[str, int]
 
     @property
     def num_ranks(self) -> int:
         return sum(p.size for p in self.pools)
+
+    def threads_per_rank(self, role: str) -> int:
+        return self.threads_by_role[role]
 
 
 def layout_of(args: argparse.Namespace) -> Layout:
@@ -68,8 +78,10 @@ def layout_of(args: argparse.Namespace) -> Layout:
     else:
         pools = tuple(PoolSpec("prefill", i, args.prefill_pool_size) for i in range(args.prefill_pools))
         pools += tuple(PoolSpec("decode", i, args.decode_pool_size) for i in range(args.decode_pools))
-    ranks = sum(p.size for p in pools)
-    threads = args.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+    threads: dict[str, int] = {}
+    for role in {p.role for p in pools}:
+        ranks = sum(p.size for p in pools if p.role == role)
+        threads[role] = args.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
     return Layout(pools, threads)
 
 
@@ -88,7 +100,7 @@ def pool_args_of(args: argparse.Namespace, layout: Layout, gateway_addr: str) ->
             pool_id=spec.pool_id,
             pool_size=spec.size,
             gateway_addr=gateway_addr,
-            threads_per_rank=layout.threads_per_rank,
+            threads_per_rank=layout.threads_per_rank(spec.role),
         )
         for spec in layout.pools
     ]
@@ -143,7 +155,7 @@ def children_of(
     gateway_addr = f"{connect_host(args.host)}:{control_port}"
     for spec in layout.pools:
         own = ["--role", spec.role, "--pool-id", str(spec.pool_id), "--pool-size", str(spec.size)]
-        own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_per_rank)]
+        own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_per_rank(spec.role))]
         children.append(Child(spec.name, [*base, *own, *engine, *pool_flags], env))
     return children
 

@@ -17,11 +17,13 @@ import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dsinfer.base.sampling_params import SamplingParams
-from dsinfer.engine.llm import LLM
 from dsinfer.evals.tasks import Question, held_out, score, well_formed
+
+if TYPE_CHECKING:  # the engine (torch and its kernels) loads only when an offline client is made
+    from dsinfer.engine.llm import LLM
 
 MAX_ANSWER_TOKENS = 24  # the longest answer (8 sorted digits) is 15 tokens, plus eos
 

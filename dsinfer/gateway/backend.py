@@ -1,19 +1,20 @@
 """What the HTTP layer needs from whatever runs the requests (the router over worker pools).
 
-``submit`` returns at once with a ``JobStream`` or raises: ``Overloaded`` (-> 429 with
-Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). Iterating the stream
-yields ``(choice, TokenDelta)`` pairs, every choice ending with one delta that has
-``finish_reason`` or ``error`` set; the stream ends after the last choice ended. ``abort``
-(idempotent) ends every unfinished choice (or the one given) with finish_reason "abort" and frees
-what the workers hold; the HTTP layer calls it when the client disconnects, at the request's
-deadline, and for a choice it ended itself on a stop string. ``capacity`` says what the
-registered pools can hold, so that a request none of them could serve is refused with a 400
-before it is submitted.
+``submit(job, sink)`` returns at once with a ``JobHandle`` or raises: ``Overloaded`` (-> 429 with
+Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). The backend hands each
+``(choice, TokenDelta)`` to ``sink``, on the gateway's event loop and in order, every choice
+ending with one delta that has ``finish_reason`` or ``error`` set and nothing after it. The sink
+only queues (it is called from the backend's message handler, once per token of every running
+choice: no await and no timer per token). ``abort`` (idempotent) ends every unfinished choice
+(or the one given) with finish_reason "abort" and frees what the workers hold; the HTTP layer
+calls it when the client disconnects, at the request's deadline, and for a choice it ended itself
+on a stop string. ``capacity`` says what the registered pools can hold, so that a request none of
+them could serve is refused with a 400 before it is submitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,9 +44,10 @@ class Job:
     arrival_time: float = 0.0  # time.monotonic() at the HTTP layer
 
 
-class JobStream(Protocol):
-    def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]: ...
+DeltaSink = Callable[[int, TokenDelta], None]  # (choice, delta), called on the gateway's event loop
 
+
+class JobHandle(Protocol):
     async def abort(self, choice: int | None = None) -> None: ...
 
 
@@ -77,7 +79,7 @@ class Capacity:
 
 
 class Backend(Protocol):
-    def submit(self, job: Job) -> JobStream: ...
+    def submit(self, job: Job, sink: DeltaSink) -> JobHandle: ...
 
     async def start(self) -> None: ...
 

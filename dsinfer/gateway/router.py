@@ -35,7 +35,6 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
 
 import msgspec
 
@@ -62,7 +61,7 @@ from dsinfer.base.protocol import (
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.gateway.authorize import RefusalLog, refusal
-from dsinfer.gateway.backend import BackendMetrics, Capacity, Job, MigrationStats, Unavailable
+from dsinfer.gateway.backend import BackendMetrics, Capacity, DeltaSink, Job, MigrationStats, Unavailable
 from dsinfer.gateway.control import ControlSocket
 from dsinfer.gateway.pools import Pools
 from dsinfer.gateway.registry import WorkerInfo
@@ -76,7 +75,7 @@ MAX_ORPHANS = 4096  # unknown request ids answered with Abort, remembered to ans
 
 @dataclasses.dataclass(eq=False)
 class _Choice:
-    stream: RouterStream
+    stream: RouterJob
     index: int  # among the job's n choices (the sampler's key)
     key: RequestKey  # its current attempt's id
     request: WorkerRequest = dataclasses.field(init=False)  # its current attempt
@@ -95,27 +94,23 @@ class _Choice:
         return worker == self.decode_worker or (worker == self.prefill_worker and not self.started)
 
 
-class RouterStream:
-    """One job's choices as (choice, TokenDelta) pairs; ends after the last choice ended."""
+class RouterJob:
+    """One job's choices: hands their (choice, TokenDelta) pairs to the HTTP layer's sink, nothing
+    after a choice's final delta."""
 
-    def __init__(self, router: Router, job: Job, params: SamplingParams, route: RouteRequest) -> None:
-        self.router, self.job = router, job
+    def __init__(
+        self, router: Router, job: Job, sink: DeltaSink, params: SamplingParams, route: RouteRequest
+    ) -> None:
+        self.router, self.job, self.sink = router, job, sink
         self.params, self.route = params, route  # what every choice's worker request carries
         self.choices: list[_Choice] = []
-        self._queue: asyncio.Queue[tuple[int, TokenDelta]] = asyncio.Queue()
-        self._open = job.params.n
 
     def put(self, choice: _Choice, delta: TokenDelta) -> None:
         if choice.finished:
             return
         if delta.finish_reason is not None or delta.error is not None:
             choice.finished = True
-            self._open -= 1
-        self._queue.put_nowait((choice.index, delta))
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, TokenDelta]]:
-        while self._open > 0 or not self._queue.empty():
-            yield await self._queue.get()
+        self.sink(choice.index, delta)
 
     async def abort(self, choice: int | None = None) -> None:
         for c in self.choices:
@@ -163,13 +158,13 @@ class Router:
         await self.control.stop()
 
     # Submission ------------------------------------------------------------------------------
-    def submit(self, job: Job) -> RouterStream:
+    def submit(self, job: Job, sink: DeltaSink) -> RouterJob:
         if not self.pools.ready():
             raise Unavailable("no healthy worker: need a prefill and a decode rank, or a colocated one")
         seed = job.params.seed if job.params.seed is not None else self._random.getrandbits(63)
         params = dataclasses.replace(job.params, n=1, seed=seed, stop=[])  # the gateway owns stop strings
         route = self.pools.route_request(job.request_id, job.prompt_token_ids, job.params.max_tokens)
-        stream = RouterStream(self, job, params, route)
+        stream = RouterJob(self, job, sink, params, route)
         for i in range(job.params.n):
             key = RequestKey(f"{job.request_id}@{self.instance}", job.first_choice + i)
             choice = _Choice(stream, i, key)

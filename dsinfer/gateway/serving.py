@@ -4,16 +4,17 @@ A request becomes one ``Job`` per prompt (each with ``params.n`` choices); its c
 numbered ``prompt_index * n + choice`` as OpenAI numbers them (the jobs' ``first_choice``).
 Admission is one limit, ``--max-queued-requests``: while that many choices are queued (dispatched
 with no first token yet: the backend's ``queue_length``), a new request gets 429. The
-request has one deadline (arrival + ``--request-timeout``): ``RequestRun.updates`` merges the
-jobs' streams into ``(index, ChoiceUpdate)`` pairs until every choice ended, and raises
-``RequestTimeout`` at it. A choice that the gateway ends on a stop string is aborted at its
-workers at once. ``close`` aborts what is still running (client gone, timeout, error) and records
-the request's metrics.
+request has one deadline (arrival + ``--request-timeout``): the backend hands every job's deltas
+to one queue of the run, and ``RequestRun.updates`` turns them into ``(index, ChoiceUpdate)``
+pairs until every choice ended, raising ``RequestTimeout`` at the deadline. A choice that the
+gateway ends on a stop string is aborted at its workers at once. ``close`` aborts what is still
+running (client gone, timeout, error) and records the request's metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,7 +26,7 @@ from starlette.requests import Request
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.args import GatewayArgs
-from dsinfer.gateway.backend import Backend, BackendMetrics, Job, JobStream, Overloaded, Unavailable
+from dsinfer.gateway.backend import Backend, BackendMetrics, Job, JobHandle, Overloaded, Unavailable
 from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
 from dsinfer.gateway.errors import overloaded, server_error, unavailable
 from dsinfer.gateway.intake import Preparer
@@ -125,12 +126,13 @@ class RequestRun:
             )
             for _ in range(len(prepared.prompts) * self.n)
         ]
-        self.streams: list[JobStream] = []
-        self._tasks: list[asyncio.Task[None]] = []
+        self.jobs: list[JobHandle] = []
+        self._deltas: asyncio.Queue[tuple[int, int, TokenDelta | None]] = asyncio.Queue()  # None: deadline
         self._aborted: set[int] = set()
         self.first_token_time: float | None = None
         self.outcome = "ok"
         self._closed = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
         ctx.metrics.http_in_flight.inc()
 
     def start(self) -> None:
@@ -154,7 +156,7 @@ class RequestRun:
                     first_choice=index * self.n,
                     arrival_time=self.arrival,
                 )
-                self.streams.append(ctx.backend.submit(job))
+                self.jobs.append(ctx.backend.submit(job, functools.partial(self._on_delta, index)))
         except Overloaded as e:
             self.outcome = "overloaded"
             raise overloaded(str(e) or "the server is overloaded", e.retry_after) from None
@@ -164,43 +166,34 @@ class RequestRun:
         log.debug(
             "%s: %d job(s), n=%d, %d prompt tokens",
             self.request_id,
-            len(self.streams),
+            len(self.jobs),
             self.n,
             self.prompt_tokens,
         )
 
+    def _on_delta(self, job: int, choice: int, delta: TokenDelta) -> None:
+        self._deltas.put_nowait((job, choice, delta))
+
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
-        queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, s, queue)) for i, s in enumerate(self.streams)]
-        open_jobs = len(self.streams)
-        while open_jobs:
-            remaining = self.deadline - time.monotonic()
-            try:
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                kind, job, item = await asyncio.wait_for(queue.get(), remaining)
-            except asyncio.TimeoutError:
+        # one timer for the whole request, not one per awaited delta (a timed wait per token was
+        # the largest part of the gateway's work per token); (-1, -1, None) marks the deadline
+        timeout = (-1, -1, None)
+        self._deadline_timer = asyncio.get_running_loop().call_later(
+            max(0.0, self.deadline - time.monotonic()), self._deltas.put_nowait, timeout
+        )
+        while not self.finished:
+            job, choice, delta = await self._deltas.get()
+            if delta is None:
                 self.outcome = "timeout"
                 await self.abort()
-                raise RequestTimeout(f"request timed out after {self.ctx.args.request_timeout:g} s") from None
-            if kind == "delta":
-                choice, delta = item
-                update = self._apply(job, choice, delta)
-                if update is None:
-                    continue
-                if self.choices[update[0]].stopped_by_string and update[1].finished:
-                    await self.streams[job].abort(choice)  # the workers may still be generating it
-                yield update
+                raise RequestTimeout(f"request timed out after {self.ctx.args.request_timeout:g} s")
+            update = self._apply(job, choice, delta)
+            if update is None:
                 continue
-            open_jobs -= 1
-            reason = (
-                f"backend error: {item}"
-                if kind == "error"
-                else "the backend ended the job before all its choices finished"
-            )
-            for index in range(job * self.n, (job + 1) * self.n):
-                if not self.choices[index].finished:
-                    yield index, self.choices[index].update(TokenDelta(request_id="", error=reason))
+            if self.choices[update[0]].stopped_by_string and update[1].finished:
+                await self.jobs[job].abort(choice)  # the workers may still be generating it
+            yield update
+        self._deadline_timer.cancel()
 
     async def complete(self) -> None:
         """Read every update into the choices' states; a failed choice aborts the run and raises a
@@ -226,41 +219,31 @@ class RequestRun:
             self.outcome = "error"
         return index, update
 
-    async def _pump(self, job: int, stream: JobStream, queue: asyncio.Queue[tuple[str, int, Any]]) -> None:
-        try:
-            async for choice, delta in stream:
-                queue.put_nowait(("delta", job, (choice, delta)))
-        except Exception as e:
-            log.exception("%s: job stream %d failed", self.request_id, job)
-            queue.put_nowait(("error", job, e))
-            return
-        queue.put_nowait(("end", job, None))
-
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
     async def abort(self) -> None:
         """Abort every job that still has an unfinished choice (each job once)."""
-        for job, stream in enumerate(self.streams):
+        for job, handle in enumerate(self.jobs):
             if job in self._aborted:
                 continue
             if any(not c.finished for c in self.choices[job * self.n : (job + 1) * self.n]):
                 self._aborted.add(job)
                 try:
-                    await stream.abort()
+                    await handle.abort()
                 except Exception:
                     log.exception("%s: abort of job %d failed", self.request_id, job)
 
     async def close(self) -> None:
-        """Abort what still runs, stop reading the streams, record metrics (once)."""
+        """Abort what still runs, stop the deadline's timer, record metrics (once)."""
         if self._closed:
             return
         self._closed = True
         if not self.finished:
             await self.abort()
-        for task in self._tasks:
-            task.cancel()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         self.ctx.active_ids.discard(self.request_id)
         self.ctx.metrics.http_in_flight.dec()
         self._record()

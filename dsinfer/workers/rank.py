@@ -293,7 +293,7 @@ def run_rank(args: RankArgs) -> int:
                 last_register = now
             # while the pool works, nobody makes the others wait in the next all-reduce
             timeout = 0 if role.has_work() or pool_working else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
-            idle = timeout != 0
+            idle = timeout == IDLE_POLL_MS  # not when only transfers or timers are pending
             messages = channel.receive(timeout)
             if idle and any(isinstance(m, WorkerRequest) for m in messages):
                 messages += _rest_of_burst(channel)
