@@ -26,7 +26,7 @@ from dsinfer.cli.errors import UsageError
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
 from dsinfer.cli.serve import POOL_ONLY, actions_of
-from dsinfer.workers.args import PoolArgs
+from dsinfer.workers.args import PoolArgs, shared_cores
 from dsinfer.workers.launcher import KILL_GRACE, POLL_INTERVAL, StopSignals, free_port, spawn, terminate
 
 log = logging.getLogger("dsinfer.serve")
@@ -65,9 +65,6 @@ class Layout:
     def num_ranks(self) -> int:
         return sum(p.size for p in self.pools)
 
-    def threads_per_rank(self, role: str) -> int:
-        return self.threads_by_role[role]
-
 
 def layout_of(args: argparse.Namespace) -> Layout:
     for flag in ("prefill_pool_size", "decode_pool_size", "prefill_pools", "decode_pools"):
@@ -81,7 +78,7 @@ def layout_of(args: argparse.Namespace) -> Layout:
     threads: dict[str, int] = {}
     for role in {p.role for p in pools}:
         ranks = sum(p.size for p in pools if p.role == role)
-        threads[role] = args.threads_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+        threads[role] = args.threads_per_rank or shared_cores(ranks)
     return Layout(pools, threads)
 
 
@@ -100,7 +97,7 @@ def pool_args_of(args: argparse.Namespace, layout: Layout, gateway_addr: str) ->
             pool_id=spec.pool_id,
             pool_size=spec.size,
             gateway_addr=gateway_addr,
-            threads_per_rank=layout.threads_per_rank(spec.role),
+            threads_per_rank=layout.threads_by_role[spec.role],
         )
         for spec in layout.pools
     ]
@@ -155,7 +152,7 @@ def children_of(
     gateway_addr = f"{connect_host(args.host)}:{control_port}"
     for spec in layout.pools:
         own = ["--role", spec.role, "--pool-id", str(spec.pool_id), "--pool-size", str(spec.size)]
-        own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_per_rank(spec.role))]
+        own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_by_role[spec.role])]
         children.append(Child(spec.name, [*base, *own, *engine, *pool_flags], env))
     return children
 

@@ -23,7 +23,6 @@ from dsinfer.engine.args import EngineArgs
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 from dsinfer.workers.args import PoolArgs
-from dsinfer.workers.launcher import threads_per_rank
 
 if TYPE_CHECKING:
     from dsinfer.cli.serve_all_in_one import Layout
@@ -133,7 +132,7 @@ def _ranks(first: int, count: int) -> str:
 
 
 def _threads(pool: PoolArgs) -> str:
-    threads = _plural(threads_per_rank(pool), "thread")
+    threads = _plural(pool.threads, "thread")
     if pool.threads_per_rank is not None:
         return f"{threads} per rank"
     return f"{threads} per rank ({os.cpu_count()} cores here / {pool.ranks_per_node} local ranks)"

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from dsinfer.base.config import TRANSFER_BACKENDS
 from dsinfer.base.protocol import ROLES
 from dsinfer.engine.args import EngineArgs
+
+
+def shared_cores(ranks: int) -> int:
+    """Torch threads of each of ``ranks`` ranks that share this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 class PoolArgs(BaseModel):
@@ -58,6 +65,11 @@ class PoolArgs(BaseModel):
     @property
     def ranks_per_node(self) -> int:
         return self.pool_size // self.nnodes
+
+    @property
+    def threads(self) -> int:
+        """--threads-per-rank, else this machine's cores shared by the pool's local ranks."""
+        return self.threads_per_rank or shared_cores(self.ranks_per_node)
 
     @property
     def elastic(self) -> bool:

@@ -114,11 +114,6 @@ def kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
         proc.wait()
 
 
-def threads_per_rank(pool: PoolArgs) -> int:
-    """--threads-per-rank, else this machine's cores shared by the pool's local ranks."""
-    return pool.threads_per_rank or max(1, (os.cpu_count() or 1) // pool.ranks_per_node)
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (another process may still take it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -173,7 +168,7 @@ class PoolLauncher:
         self.drain_timeout = drain_timeout
         self.kill_grace = kill_grace
         self.name = f"{pool.role} pool {pool.pool_id}"
-        self.threads = threads_per_rank(pool)
+        self.threads = pool.threads
         self.restarts, self.backoff = 0, pool.restart_backoff
         self._last_restart = time.monotonic()
         self._store: dist.TCPStore | None = None  # hosted for the launcher's lifetime (elastic)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import socket
 import sys
@@ -200,7 +199,7 @@ def rendezvous(args: RankArgs) -> dict[str, Any]:
 def run_rank(args: RankArgs) -> int:
     pool = args.pool
     keys = ControlKeys.from_env()  # before the model loads: a missing secret fails at once
-    threads = pool.threads_per_rank or max(1, (os.cpu_count() or 1) // pool.ranks_per_node)
+    threads = pool.threads
     torch.set_num_threads(threads)
     name = worker_name(pool.role, pool.pool_id, args.rank)
     device = rank_device(pool.engine.device, args.local_rank, torch.cuda.device_count())
