@@ -1,7 +1,7 @@
 """Two-micro-batch overlap in EP pools: the same greedy tokens as one micro-batch and as the single
 process engine, with two micro-batches forced in prefill and decode steps on every rank; the
-ranks' Chrome traces follow DeepSeek's published per-layer orders, and one micro-batch's
-dispatch/combine is in flight while the other computes."""
+ranks' Chrome traces follow DeepSeek's published per-layer orders, and each micro-batch's
+dispatch/combine is posted before a chunk of the other and awaited after it."""
 
 from __future__ import annotations
 
@@ -91,11 +91,7 @@ def test_four_ranks_same_tokens_with_redundant_experts_and_mtp(
     assert all(r["free_pages_ok"] for r in results)
 
 
-def _overlaps(a: dict, b: dict) -> float:
-    return max(0.0, min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"]))
-
-
-def test_traces_follow_the_published_orders_and_hide_comm(
+def test_traces_follow_the_published_orders_with_comm_in_flight_across_chunks(
     tiny_ckpt: BuiltCheckpoint, traced: tuple[list[dict], Path]
 ) -> None:
     _, trace_dir = traced
@@ -107,7 +103,7 @@ def test_traces_follow_the_published_orders_and_hide_comm(
     for path in files:
         events = load_trace(path)
         assert {e["pid"] for e in events} == {int(path.name.split("-")[1].removeprefix("rank"))}
-        seen, hidden, total = set(), {"prefill": 0, "decode": 0}, {"prefill": 0, "decode": 0}
+        seen, spanned, total = set(), {"prefill": 0, "decode": 0}, {"prefill": 0, "decode": 0}
         for step in sorted({e["args"]["step"] for e in events}):
             in_step = [e for e in events if e["args"]["step"] == step]
             chunks = sorted((e for e in in_step if e["cat"] == "chunk"), key=lambda e: e["ts"])
@@ -121,17 +117,19 @@ def test_traces_follow_the_published_orders_and_hide_comm(
             assert all(e["tid"] == "comm" for e in comms)
             # every MoE layer's dispatch and combine of each micro-batch, traced once
             assert len(comms) == 2 * 2 * num_moe
+            waits = {e["name"].removeprefix("wait "): e for e in in_step if e["cat"] == "wait"}
             for comm in comms:
                 others = [c for c in chunks if c["args"]["mb"] != comm["args"]["mb"]]
                 if comm["ts"] > max(c["ts"] for c in others):
                     continue  # posted after the other micro-batch's last chunk (the epilogue)
                 total[order] += 1
-                hidden[order] += any(_overlaps(comm, c) > 0 for c in others)
+                # the schedule runs a whole chunk of the other micro-batch between posting a
+                # transfer and waiting for it; how much of the transfer that hides is timing,
+                # measured by benchmarks/overlap.py
+                waited = waits[comm["name"]]["ts"]
+                spanned[order] += any(comm["ts"] <= c["ts"] and c["ts"] + c["dur"] <= waited for c in others)
         assert seen == {"prefill", "decode"}
-        # one micro-batch's transfers are in flight while the other computes (a transfer that
-        # completes before the other's next chunk starts has nothing to hide under)
-        assert all(hidden[order] > 0 for order in seen), (hidden, total)
-        assert sum(hidden.values()) >= 0.5 * sum(total.values()), (hidden, total)
+        assert spanned == total and all(total[order] > 0 for order in seen), (spanned, total)
 
 
 def _fresh_batch(lens: list[int], first_page: int, page_size: int) -> tuple[torch.Tensor, ForwardBatch]:
