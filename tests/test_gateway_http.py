@@ -23,6 +23,7 @@ from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Capacity, Job, Overloaded, Unavailable
+from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
 from tests.fixtures.engine_backend import ScriptedBackend, Step, serve, text_deltas
 
 MAX_MODEL_LEN = 64
@@ -273,6 +274,27 @@ def test_worker_error(url: str, scripted: Callable[..., None], tokenizer: Tokeni
     assert "rank 3 died" in error["message"]
     with pytest.raises(openai.APIError, match="rank 3 died"):
         list(_client(url).completions.create(model="tiny", prompt="hi", stream=True))
+
+
+def test_failure_folding_a_delta_fails_only_its_request(
+    url: str, scripted: Callable[..., None], tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend's sink folds each delta into its choice; what raises there ends that request
+    with a 500 (not the backend's message handler), and the next request is served."""
+    poison = _ids(tokenizer, "par")
+    fold = ChoiceState.update
+
+    def update(state: ChoiceState, delta: TokenDelta) -> ChoiceUpdate:
+        if delta.token_ids == poison:
+            raise RuntimeError("cannot fold this delta")
+        return fold(state, delta)
+
+    monkeypatch.setattr(ChoiceState, "update", update)
+    scripted(lambda job: text_deltas([_ids(tokenizer, "ok"), poison, _ids(tokenizer, "ok")]))
+    _check_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}), 500)
+    scripted(lambda job: text_deltas([_ids(tokenizer, "ok"), _ids(tokenizer, "ok")]))
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "okok", response.text
 
 
 def test_auth(backend: ScriptedBackend, tokenizer: Tokenizer, scripted: Callable[..., None]) -> None:

@@ -4,8 +4,8 @@
 Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). The backend hands each
 ``(choice, TokenDelta)`` to ``sink``, on the gateway's event loop and in order, every choice
 ending with one delta that has ``finish_reason`` or ``error`` set and nothing after it. The sink
-only queues (it is called from the backend's message handler, once per token of every running
-choice: no await and no timer per token). ``abort`` (idempotent) ends every unfinished choice
+must not block or raise (it is called from the backend's message handler, once per token of every
+running choice: no await and no timer per token). ``abort`` (idempotent) ends every unfinished choice
 (or the one given) with finish_reason "abort" and frees what the workers hold; the HTTP layer
 calls it when the client disconnects, at the request's deadline, and for a choice it ended itself
 on a stop string. ``capacity`` says what the registered pools can hold, so that a request none of

@@ -4,9 +4,10 @@ A request becomes one ``Job`` per prompt (each with ``params.n`` choices); its c
 numbered ``prompt_index * n + choice`` as OpenAI numbers them (the jobs' ``first_choice``).
 Admission is one limit, ``--max-queued-requests``: while that many choices are queued (dispatched
 with no first token yet: the backend's ``queue_length``), a new request gets 429. The
-request has one deadline (arrival + ``--request-timeout``): the backend hands every job's deltas
-to one queue of the run, and ``RequestRun.updates`` turns them into ``(index, ChoiceUpdate)``
-pairs until every choice ended, raising ``RequestTimeout`` at the deadline. A choice that the
+request has one deadline (arrival + ``--request-timeout``): the backend hands every job's deltas to the
+run's sink, which folds each into its choice's state and queues the ``(index, ChoiceUpdate)``
+pairs that ``RequestRun.updates`` yields until every choice ended, raising ``RequestTimeout`` at
+the deadline (``complete``, a whole response, queues only the choices' last updates). A choice that the
 gateway ends on a stop string is aborted at its workers at once. ``close`` aborts what is still
 running (client gone, timeout, error) and records the request's metrics.
 """
@@ -127,7 +128,12 @@ class RequestRun:
             for _ in range(len(prepared.prompts) * self.n)
         ]
         self.jobs: list[JobHandle] = []
-        self._deltas: asyncio.Queue[tuple[int, int, TokenDelta | None]] = asyncio.Queue()  # None: deadline
+        # what wakes the request: (job, choice, index, update) pairs, the deadline (None) or an
+        # exception raised while folding a delta in
+        self._wakes: asyncio.Queue[tuple[int, int, int, ChoiceUpdate] | BaseException | None] = (
+            asyncio.Queue()
+        )
+        self._endings_only = False  # set by complete(): a whole response wakes only as choices end
         self._aborted: set[int] = set()
         self.first_token_time: float | None = None
         self.outcome = "ok"
@@ -172,32 +178,43 @@ class RequestRun:
         )
 
     def _on_delta(self, job: int, choice: int, delta: TokenDelta) -> None:
-        self._deltas.put_nowait((job, choice, delta))
+        """The backend's sink: folds the delta into its choice at once and wakes the request only
+        when it has something to send (every update of a stream; a choice's end for a whole
+        response, so that it is woken once per choice, not once per token)."""
+        try:
+            applied = self._apply(job, choice, delta)
+        except Exception as e:  # raised in the request, not in the backend's message handler
+            self._wakes.put_nowait(e)
+            return
+        if applied is not None and (not self._endings_only or applied[1].finished):
+            self._wakes.put_nowait((job, choice, *applied))
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
         # one timer for the whole request, not one per awaited delta (a timed wait per token was
-        # the largest part of the gateway's work per token); (-1, -1, None) marks the deadline
-        timeout = (-1, -1, None)
+        # the largest part of the gateway's work per token)
         self._deadline_timer = asyncio.get_running_loop().call_later(
-            max(0.0, self.deadline - time.monotonic()), self._deltas.put_nowait, timeout
+            max(0.0, self.deadline - time.monotonic()), self._wakes.put_nowait, None
         )
-        while not self.finished:
-            job, choice, delta = await self._deltas.get()
-            if delta is None:
+        while not (self.finished and self._wakes.empty()):
+            wake = await self._wakes.get()
+            if wake is None:
+                if self.finished:
+                    continue  # the deadline came after the last choice ended
                 self.outcome = "timeout"
                 await self.abort()
                 raise RequestTimeout(f"request timed out after {self.ctx.args.request_timeout:g} s")
-            update = self._apply(job, choice, delta)
-            if update is None:
-                continue
-            if self.choices[update[0]].stopped_by_string and update[1].finished:
+            if isinstance(wake, BaseException):
+                raise wake
+            job, choice, index, update = wake
+            if self.choices[index].stopped_by_string and update.finished:
                 await self.jobs[job].abort(choice)  # the workers may still be generating it
-            yield update
+            yield index, update
         self._deadline_timer.cancel()
 
     async def complete(self) -> None:
         """Read every update into the choices' states; a failed choice aborts the run and raises a
         500 APIError."""
+        self._endings_only = True
         async for _, update in self.updates():
             if update.error is not None:
                 await self.abort()
