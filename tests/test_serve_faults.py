@@ -22,7 +22,14 @@ import pytest
 from dsinfer import LLM
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
-from tests.fixtures.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_started
+from tests.fixtures.streams import (
+    TokenStream,
+    join_streams,
+    mixed_specs,
+    offline_tokens,
+    start_streams,
+    wait_started,
+)
 
 FLAGS = [
     "--dtype", "float32",
@@ -128,11 +135,8 @@ def _kill_and_check(
     if when_streaming:
         wait_started(streams, timeout=120)
         assert all(s.result is None for s in streams), "streams ended before the kill: make them longer"
-    else:  # every stream dispatched (the prefills and their KV writes under way), none ended
-        deadline = time.monotonic() + 60
-        while _in_flight(server) < STREAMS:
-            assert time.monotonic() < deadline, "the streams never reached the pools"
-            time.sleep(0.02)
+    else:
+        _wait_dispatched(server, streams, timeout=120)
     os.kill(before[0], signal.SIGKILL)
     join_streams(streams, timeout=180)
     assert [s.result for s in streams] == [("ok", "length")] * STREAMS, [s.result for s in streams]
@@ -155,6 +159,30 @@ def _kill_and_check(
         assert time.monotonic() < deadline, f"restarted {role} pool 0 got no request"
         time.sleep(0.5)
     _wait_kv_free(server)
+
+
+def _wait_dispatched(server: Server, streams: list[TokenStream], timeout: float) -> None:
+    """Until every stream reached the pools (the prefills and their KV writes under way): each is
+    in flight at the gateway or already ended well (on a loaded machine the first ones may finish
+    before the last arrive; the kill then cuts the others). A stream that fails, or a deadline
+    passed, fails the test with what the gateway saw and the end of the server's log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        in_flight = _in_flight(server)
+        ended = [s.result for s in streams if s.result is not None]
+        failed = [r for r in ended if r[0] != "ok"]
+        assert not failed, f"streams failed before the kill: {failed}\n{_log_tail(server)}"
+        if in_flight + len(ended) >= len(streams) and in_flight > 0:
+            return
+        assert time.monotonic() < deadline, (
+            f"after {timeout:.0f} s only {in_flight:.0f} of {len(streams)} streams in flight and "
+            f"{len(ended)} ended; healthy workers {sorted(_healthy_workers(server))}\n{_log_tail(server)}"
+        )
+        time.sleep(0.02)
+
+
+def _log_tail(server: Server, lines: int = 40) -> str:
+    return "server log, last lines:\n" + "\n".join(server.log().splitlines()[-lines:])
 
 
 def _in_flight(server: Server) -> float:
