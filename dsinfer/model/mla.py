@@ -58,12 +58,14 @@ class MLA(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, self.rope_dim, config.rope_interleave)
         self.indexer = Indexer(config, ops) if config.is_sparse else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, C], set by prepare_absorbed()
-        self.w_uv: torch.Tensor | None = None  # [H, v, C]
+        self.w_uv_t: torch.Tensor | None = None  # [H, C, v]
 
     def prepare_absorbed(self, dtype: torch.dtype) -> None:
-        """Split kv_b_proj per head for the absorbed path (after weights are loaded)."""
+        """Split kv_b_proj per head for the absorbed path (after weights are loaded), each half laid
+        out as the batched GEMM reads it: a strided view would be copied by every step's bmm on CPU."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, -1)
-        self.w_uk, self.w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        self.w_uk = w[:, : self.nope_dim].contiguous()
+        self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
         return self.attend(*self.project(x, batch, kv_cache), batch, kv_cache)
@@ -209,11 +211,11 @@ class MLA(nn.Module):
         batch: ForwardBatch,
         kv_cache: LayerCache,
     ) -> torch.Tensor:
-        assert self.w_uk is not None and self.w_uv is not None, "prepare_absorbed() was not called"
+        assert self.w_uk is not None and self.w_uv_t is not None, "prepare_absorbed() was not called"
         num_tokens, first = q_nope.shape[0], batch.num_decompressed
         if num_tokens == 0:
             return q_nope.new_empty(0, self.num_heads, self.v_dim)
-        q_latent = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # thd,hdc->thc
         q = torch.cat([q_latent, q_pe], dim=-1).view(
             batch.num_absorbed, -1, self.num_heads, q_pe.shape[-1] + q_latent.shape[-1]
         )
@@ -239,5 +241,7 @@ class MLA(nn.Module):
                 head_dim_v=self.kv_lora_rank,
                 softmax_scale=self.softmax_scale,
             )
-        o_latent = o_latent.reshape(num_tokens, self.num_heads, self.kv_lora_rank).to(q_nope.dtype)
-        return torch.einsum("thc,hvc->thv", o_latent, self.w_uv)
+        # one copy converts the dtype and puts heads first, the layout bmm takes as it is
+        o_heads = q_nope.new_empty(self.num_heads, num_tokens, self.kv_lora_rank)
+        o_heads.copy_(o_latent.reshape(num_tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1))
+        return torch.bmm(o_heads, self.w_uv_t).transpose(0, 1)  # thc,hcv->thv
