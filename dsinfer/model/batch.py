@@ -17,8 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dsinfer.model.layers import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -53,18 +57,18 @@ class ForwardBatch:
     cache_seqlens: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None  # bool [T]: False on padding rows (no expert load, no experts)
     masked_moe: bool = False  # routed experts in the masked layout (graph-safe; no host sync)
-    _rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _rope: dict[tuple[torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
-    def rope_cos_sin(
-        self,
-        compute: Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]],
-        dtype: torch.dtype,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of ``positions``, computed by the first layer that asks and reused by the others
-        (every layer of a model shares one RoPE configuration)."""
-        if dtype not in self._rope:
-            self._rope[dtype] = compute(self.positions, dtype)
-        return self._rope[dtype]
+    def rope_cos_sin(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotary.cos_sin`` of ``positions``, computed by the first layer that asks and reused by
+        the others: every layer of a model shares one RoPE configuration, in one layout per
+        ``interleaved`` (V3.2's MLA rotates pairs, its indexer halves)."""
+        key = (dtype, rotary.interleaved)
+        if key not in self._rope:
+            self._rope[key] = rotary.cos_sin(self.positions, dtype)
+        return self._rope[key]
 
     def __post_init__(self) -> None:
         if len(self.q_lens) != len(self.kv_lens):

@@ -66,7 +66,7 @@ class Indexer(nn.Module):
         self, x: torch.Tensor, q_lora: torch.Tensor, batch: ForwardBatch, key_cache: torch.Tensor
     ) -> IndexerQuery:
         """The step's queries and weights; the new tokens' keys go into ``key_cache``."""
-        cos_sin = batch.rope_cos_sin(self.rotary.cos_sin, x.dtype)
+        cos_sin = batch.rope_cos_sin(self.rotary, x.dtype)
         q = self._rope(self.wq_b(q_lora).view(-1, self.n_heads, self.head_dim), cos_sin)
         k = self._rope(self.k_norm(self.wk(x)), cos_sin)
         weights = self.weights_proj(x).float() * self.weight_scale

@@ -135,19 +135,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", yarn_inv_freq(rope, dim).to("cpu"), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, dim/2] of the positions, YaRN's attention factor applied."""
+        """cos and sin of the positions, YaRN's attention factor applied: [T, dim/2], one per pair;
+        interleaved, [T, dim]: each pair's cos twice and its sin as (-sin, +sin), so that ``forward``
+        is two products and a sum, bit for bit the rotation written out pair by pair."""
         angles = positions.float()[:, None] * self.inv_freq
-        return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(
-            dtype
-        )
+        cos, sin = angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+        if self.interleaved:
+            cos, sin = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return cos.to(dtype), sin.to(dtype)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [T, ..., dim] rotated by ``cos_sin(positions)``."""
         cos, sin = cos_sin
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if self.interleaved:  # pair (a, b) -> (a cos - b sin, b cos + a sin)
+            return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * sin
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

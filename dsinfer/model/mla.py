@@ -80,7 +80,7 @@ class MLA(nn.Module):
             q = self.q_b_proj(q_lora)
         q = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        cos_sin = batch.rope_cos_sin(self.rotary.cos_sin, q.dtype)
+        cos_sin = batch.rope_cos_sin(self.rotary, q.dtype)
         q_pe = self.rotary(q_pe, cos_sin)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(k_pe, cos_sin)], dim=-1)
