@@ -28,6 +28,7 @@ from tests.fixtures.streams import (
     mixed_specs,
     offline_tokens,
     start_streams,
+    wait_before_kill,
     wait_streaming,
 )
 
@@ -161,23 +162,18 @@ def _kill_and_check(
 
 
 def _wait_dispatched(server: Server, streams: list[TokenStream], timeout: float) -> None:
-    """Until every stream reached the pools (the prefills and their KV writes under way): each is
-    in flight at the gateway or already ended well (on a loaded machine the first ones may finish
-    before the last arrive; the kill then cuts the others). A stream that fails, or a deadline
-    passed, fails the test with what the gateway saw and the end of the server's log."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """``wait_before_kill`` until every stream reached the pools (the prefills and their KV writes
+    under way): each in flight at the gateway or already ended well, one at least in flight."""
+
+    def dispatched() -> bool:
         in_flight = _in_flight(server)
-        ended = [s.result for s in streams if s.result is not None]
-        failed = [r for r in ended if r[0] != "ok"]
-        assert not failed, f"streams failed before the kill: {failed}\n{_log_tail(server)}"
-        if in_flight + len(ended) >= len(streams) and in_flight > 0:
-            return
-        assert time.monotonic() < deadline, (
-            f"after {timeout:.0f} s only {in_flight:.0f} of {len(streams)} streams in flight and "
-            f"{len(ended)} ended; healthy workers {sorted(_healthy_workers(server))}\n{_log_tail(server)}"
-        )
-        time.sleep(0.02)
+        return in_flight > 0 and in_flight + sum(s.result is not None for s in streams) >= len(streams)
+
+    def context() -> str:
+        healthy = sorted(_healthy_workers(server))
+        return f"{_in_flight(server):.0f} in flight at the gateway; healthy workers {healthy}\n{_log_tail(server)}"
+
+    wait_before_kill(streams, dispatched, timeout, context)
 
 
 def _log_tail(server: Server, lines: int = 40) -> str:
