@@ -61,3 +61,19 @@ def test_directory_without_weights_is_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="load_format 'pt' unknown"):
         load_model(tmp_path, OPS, load_format="pt")
     assert load_model(tmp_path, OPS, load_format="dummy").load_format == "dummy"
+
+
+def test_bf16_load_packs_every_dense_linear_with_the_same_results() -> None:
+    from dsinfer.model.layers import Linear
+
+    if OPS.pack_linear_weight(torch.zeros(1, 1, dtype=torch.bfloat16)) is None:
+        pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
+    model = load_model("tiny", OPS, dtype=torch.bfloat16).model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    gen = torch.Generator().manual_seed(0)
+    for m in linears:
+        x = torch.randn(5, m.in_features, generator=gen).bfloat16()
+        assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))
+    fp32 = load_model("tiny", OPS, dtype=torch.float32).model
+    assert all(m.packed is None for m in fp32.modules() if isinstance(m, Linear))

@@ -145,6 +145,25 @@ def test_high_precision_linear_is_f_linear(ops: Ops) -> None:
     torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_packed_bf16_linear_is_f_linear_bit_for_bit(ops: Ops, rows: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(576, 128, generator=gen).bfloat16()
+    packed = ops.pack_linear_weight(w)
+    if packed is None:
+        pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
+    x = torch.randn(rows, 256, generator=gen).bfloat16()[:, ::2]  # strided, as a split's half is
+    assert torch.equal(ops.linear(x, packed), F.linear(x, w))
+    x3 = torch.randn(2, 3, 128, generator=gen).bfloat16()
+    assert torch.equal(ops.linear(x3, packed), F.linear(x3, w))
+
+
+def test_pack_linear_weight_only_bf16_on_cpu(ops: Ops) -> None:
+    assert ops.pack_linear_weight(torch.randn(8, 16)) is None
+    fp8 = quantize_weight_128x128(torch.randn(128, 128))[0]
+    assert ops.pack_linear_weight(fp8) is None
+
+
 def _grouped_weights(gen: torch.Generator, groups: int, n: int, k: int, fp8: bool):
     b_hp = torch.randn(groups, n, k, generator=gen)
     if not fp8:

@@ -21,6 +21,7 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
 
     impls: list[tuple[str, type, Callable[..., Any]]] = [
         ("torch linear", signatures.Linear, gemm.linear),
+        ("torch pack_linear_weight", signatures.PackLinearWeight, gemm.pack_linear_weight),
         ("torch grouped_gemm_contiguous", signatures.GroupedGemmContiguous, gemm.grouped_gemm_contiguous),
         ("torch grouped_gemm_masked", signatures.GroupedGemmMasked, gemm.grouped_gemm_masked),
         ("torch mla_decode", signatures.MlaDecode, mla.mla_decode),
@@ -77,6 +78,7 @@ def test_every_ops_field_is_typed_by_a_protocol() -> None:
 
     kernels = {f for f, t in Ops.__annotations__.items() if t in signatures.__all__}
     assert kernels == {
-        "linear", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts", "mla_decode", "moe_gate", "sample",
+        "linear", "pack_linear_weight", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts",
+        "mla_decode", "moe_gate", "sample",
         "indexer_topk", "sparse_mla_decode",
     }  # fmt: skip

@@ -206,10 +206,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.config.num_hidden_layers + len(self.mtp_layers)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Derive what the loaded weights imply (absorbed MLA weights)."""
+        """Derive what the loaded weights imply (absorbed MLA weights, packed GEMM weights)."""
         for module in self.modules():
             if isinstance(module, MLA):
                 module.prepare_absorbed(dtype)
+            elif isinstance(module, Linear):
+                module.pack()
 
     @torch.inference_mode()
     def forward(

@@ -51,7 +51,9 @@ class Linear(nn.Module):
     """y = x W^T through ``ops.linear``: the single GEMM dispatch point of the model.
 
     The weight is high precision, or FP8 e4m3 with ``weight_scale_inv`` holding one fp32 scale per
-    128x128 block (DeepSeek's checkpoint format); which one is decided by the loader.
+    128x128 block (DeepSeek's checkpoint format); which one is decided by the loader. After loading,
+    ``pack`` may add ``packed``: the weight in the layout ``ops.linear`` runs fastest (a second copy;
+    used for activations of its dtype, ``weight`` for the others).
     """
 
     def __init__(self, in_features: int, out_features: int, ops: Ops, bias: bool = False) -> None:
@@ -60,6 +62,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight_scale_inv: nn.Parameter | None = None
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Derive ``packed`` from the loaded high-precision weight, where the backend has a form."""
+        if self.weight_scale_inv is None:
+            self.packed = self.ops.pack_linear_weight(self.weight)
 
     def make_fp8(self) -> None:
         """Switch to FP8 storage (called by the loader before copying an FP8 checkpoint in)."""
@@ -72,7 +80,8 @@ class Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ops.linear(x, self.weight, self.weight_scale_inv)
+        packed = self.packed is not None and x.dtype == self.packed.dtype
+        y = self.ops.linear(x, self.packed if packed else self.weight, self.weight_scale_inv)
         return y + self.bias if self.bias is not None else y
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:

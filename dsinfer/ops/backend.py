@@ -2,17 +2,17 @@
 
 Every kernel family has an ordered list of candidate backends, best first:
 
-==========  ===========================================  ==========================
+==========  ===========================================  ==============================================
 kernel      candidates                                   Ops functions
-==========  ===========================================  ==========================
-gemm        deepgemm, triton, torch                      linear, grouped_gemm_*
+==========  ===========================================  ==============================================
+gemm        deepgemm, triton, torch                      linear, pack_linear_weight, grouped_gemm_*
 experts     numba, grouped                               fused_experts
 mla         flashmla, triton, numba, torch               mla_decode
 indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
 gate        triton, torch                                moe_gate
 sampling    triton, torch                                sample
-==========  ===========================================  ==========================
+==========  ===========================================  ==============================================
 
 A candidate is probed lazily and only at selection: ``deepgemm``/``flashmla`` need a CUDA device
 of compute capability 9.0 (the adapters pass DeepGEMM's SM90 fp32 scales, SM100 wants UE8M0;
@@ -58,6 +58,7 @@ from dsinfer.ops.signatures import (
     Linear,
     MlaDecode,
     MoeGate,
+    PackLinearWeight,
     Sample,
     SparseMlaDecode,
 )
@@ -113,6 +114,7 @@ class Ops:
     """The kernel entry points chosen for one device; the model calls only these."""
 
     linear: Linear  # signatures and contracts: dsinfer/ops/signatures.py
+    pack_linear_weight: PackLinearWeight  # a weight in the form ``linear`` runs fastest, or None
     grouped_gemm_contiguous: GroupedGemmContiguous
     grouped_gemm_masked: GroupedGemmMasked
     fused_experts: FusedExperts
@@ -136,6 +138,7 @@ def _torch_impl(kernel: str) -> Impl:
     if kernel == "gemm":
         return {
             "linear": torch_gemm.linear,
+            "pack_linear_weight": torch_gemm.pack_linear_weight,
             "grouped_gemm_contiguous": torch_gemm.grouped_gemm_contiguous,
             "grouped_gemm_masked": torch_gemm.grouped_gemm_masked,
         }
@@ -173,6 +176,7 @@ def compile_ahead(ops: Ops) -> None:
 def _gemm_impl(adapter: Any) -> Impl:
     return {
         "linear": adapter.linear,
+        "pack_linear_weight": torch_gemm.pack_linear_weight,  # CPU-only: None on a GPU
         "grouped_gemm_contiguous": adapter.grouped_gemm_contiguous,
         "grouped_gemm_masked": adapter.grouped_gemm_masked,
     }

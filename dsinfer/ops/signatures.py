@@ -22,6 +22,7 @@ __all__ = [
     "Linear",
     "MlaDecode",
     "MoeGate",
+    "PackLinearWeight",
     "Sample",
     "SparseMlaDecode",
 ]
@@ -31,6 +32,12 @@ class Linear(Protocol):
     """Block-FP8 (or plain) ``x @ weight^T``: :func:`dsinfer.ops.gemm.linear`."""
 
     __call__ = staticmethod(gemm.linear)
+
+
+class PackLinearWeight(Protocol):
+    """A weight pre-packed for :class:`Linear`, or None: :func:`dsinfer.ops.gemm.pack_linear_weight`."""
+
+    __call__ = staticmethod(gemm.pack_linear_weight)
 
 
 class GroupedGemmContiguous(Protocol):
