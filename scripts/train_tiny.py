@@ -12,7 +12,7 @@ Data: chat conversations rendered through the chat template (dsinfer.evals.tasks
 reversal, sorting, key lookup over long contexts), loss on the assistant's replies only. A step
 is one batch of rows packed with short conversations plus one batch of longer rows that each start
 with a lookup conversation (a context and several questions about it) and are filled up with short
-conversations. With ``--lookup-first-steps N`` the first N steps are a curriculum: every
+conversations (``--lookup-rows``, 0 for none). With ``--lookup-first-steps N`` the first N steps are a curriculum: every
 conversation is a lookup, so that the copy from the context forms before the mix shares the
 gradient with the other tasks. Packed conversations do not see each other: attention is causal
 within each conversation and its positions start at 0, as when it is served alone (without this,
@@ -569,15 +569,18 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
         for group in optimizer.param_groups:
             group["lr"] = lr
         lookup_first = step < args.lookup_first_steps
-        short = data.rows(args.short_rows, args.short_length, lookup_only=lookup_first)
-        long = data.rows(
-            args.lookup_rows,
-            args.lookup_length,
-            lambda: data.lookup_conversation(args.lookup_length),
-            lookup_only=lookup_first,
-        )
+        batches = [data.rows(args.short_rows, args.short_length, lookup_only=lookup_first)]
+        if args.lookup_rows > 0:
+            batches.append(
+                data.rows(
+                    args.lookup_rows,
+                    args.lookup_length,
+                    lambda: data.lookup_conversation(args.lookup_length),
+                    lookup_only=lookup_first,
+                )
+            )
         with autocast(args.bf16):
-            parts = [batch_loss(model, mtp, batch) for batch in (short, long)]
+            parts = [batch_loss(model, mtp, batch) for batch in batches]
         supervised = sum(p.tokens for p in parts)
         main = sum(p.main for p in parts) / supervised
         draft = sum(p.mtp for p in parts) / supervised
@@ -586,7 +589,7 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         imbalance = loads.balance(args.bias_rate)
-        step_tokens = short.num_tokens + long.num_tokens
+        step_tokens = sum(batch.num_tokens for batch in batches)
         tokens += step_tokens
         window_tokens += step_tokens
         window_loss += main.item()
@@ -663,7 +666,9 @@ def main() -> None:
     parser.add_argument("--bias-rate", type=float, default=5e-3)
     parser.add_argument("--short-rows", type=int, default=12)
     parser.add_argument("--short-length", type=int, default=192)
-    parser.add_argument("--lookup-rows", type=int, default=1)
+    parser.add_argument(
+        "--lookup-rows", type=int, default=1, help="rows per step that start with a long lookup (0: none)"
+    )
     parser.add_argument(
         "--lookup-length",
         type=int,
