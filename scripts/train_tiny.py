@@ -12,9 +12,9 @@ Data: chat conversations rendered through the chat template (dsinfer.evals.tasks
 reversal, sorting, key lookup over long contexts), loss on the assistant's replies only. A step
 is one batch of rows packed with short conversations plus one batch of longer rows that each start
 with a lookup conversation (a context and several questions about it) and are filled up with short
-conversations (``--lookup-rows``, 0 for none). With ``--lookup-first-steps N`` the first N steps are a curriculum: every
-conversation is a lookup, so that the copy from the context forms before the mix shares the
-gradient with the other tasks. Packed conversations do not see each other: attention is causal
+conversations (``--lookup-rows`` of them, 0 for none). With ``--lookup-first-steps N`` the first N
+steps are a curriculum: every conversation is a lookup, so that the copy from the context forms
+before the mix shares the gradient with the other tasks. Packed conversations do not see each other: attention is causal
 within each conversation and its positions start at 0, as when it is served alone (without this,
 digits of the other questions in a row distract sorting and arithmetic: at equal steps a 2-layer
 model sorted 16% instead of 38% and reversed none instead of 8% of held-out questions). The router's
