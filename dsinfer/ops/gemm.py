@@ -36,9 +36,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [n, k] reordered once into oneDNN's blocked layout, or None where that does not
     pay: only bf16 weights on a CPU whose oneDNN has bf16 kernels. A bf16 ``F.linear`` on CPU runs
     the same oneDNN kernel but reorders the weight at every call; the packed weight skips that,
-    with bit-identical results (here 15-35% less time per GEMM of 64 rows, 4-5% of a bf16 decode
-    step of the tiny preset). :func:`linear` takes it in place of the plain weight, for bf16
-    activations only."""
+    with bit-identical results (here 15-35% less time per GEMM of 64 rows, 2-4.5% more bf16
+    tokens/s of the offline engine on the tiny preset: benchmarks/packed_linear.py). :func:`linear`
+    takes it in place of the plain weight, for bf16 activations only."""
     cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
     if not (
         cpu_bf16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
