@@ -96,6 +96,8 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "configs" / "models" / "tiny-chat"
 MODEL_MAX_LENGTH = 2048
 SHORT_LOOKUP_LINES = (2, 9)  # [min, max) lines of the tables in short conversations
+MIX_TASKS = (*SHORT_TASKS, "lookup")  # the tasks of short conversations, in --task-weights order
+DEFAULT_TASK_WEIGHTS = (3, 3, 2, 2, 2, 2)  # favouring the carries of add and sub
 
 # DeepSeek-V3's architecture at a small width. kv_lora_rank 512 and qk_rope_head_dim 64 are V3's
 # own latent sizes (the only ones vLLM's CPU MLA backends take); the rest is small.
@@ -247,10 +249,17 @@ class Encoder:
 class TrainingData:
     """Seeded stream of conversations over the task mix; held-out questions are never drawn."""
 
-    def __init__(self, encoder: Encoder, seed: int) -> None:
+    def __init__(
+        self, encoder: Encoder, seed: int, task_weights: tuple[int, ...] = DEFAULT_TASK_WEIGHTS
+    ) -> None:
+        if len(task_weights) != len(MIX_TASKS) or min(task_weights) < 0 or sum(task_weights) == 0:
+            raise ValueError(
+                f"task weights {task_weights}: expected {len(MIX_TASKS)} non-negative, not all 0"
+            )
         self.encoder = encoder
         self.rng = random.Random(seed)
         self.excluded = held_out_keys()
+        self.task_weights = task_weights
 
     def question(self, task: str) -> Question:
         while True:
@@ -259,14 +268,14 @@ class TrainingData:
                 return q
 
     def short_conversation(self, lookup_only: bool = False) -> tuple[list[int], list[bool]]:
-        """1 to 3 turns, each a task drawn with weights favouring the carries of add and sub (or
-        each a lookup when ``lookup_only``); a lookup turn here brings a small table of its own
+        """1 to 3 turns, each a task of MIX_TASKS drawn with ``task_weights`` (or each a lookup
+        when ``lookup_only``); a lookup turn here brings a small table of its own
         (SHORT_LOOKUP_LINES), the cheap way to learn retrieval (the long rows teach it at length)."""
         turns = self.rng.choices([1, 2, 3], weights=[2, 1, 1])[0]
         if lookup_only:
             tasks = ["lookup"] * turns
         else:
-            tasks = self.rng.choices([*SHORT_TASKS, "lookup"], weights=[3, 3, 2, 2, 2, 2], k=turns)
+            tasks = self.rng.choices(MIX_TASKS, weights=self.task_weights, k=turns)
         qs = [self.short_lookup() if t == "lookup" else self.question(t) for t in tasks]
         return self.encoder.conversation([(q.prompt, q.answer) for q in qs])
 
@@ -553,7 +562,7 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
     )
     gates = [m for n, m in [*model.named_modules(), *mtp.named_modules()] if n.endswith("mlp.gate")]
     loads = LoadCounter(gates, config.n_routed_experts)
-    data = TrainingData(encoder, args.seed)
+    data = TrainingData(encoder, args.seed, args.task_weights)
     total = sum(p.numel() for p in params)
     print(
         f"model: {total / 1e6:.2f}M parameters (MTP and its shared embedding/head included), vocab "
@@ -681,6 +690,13 @@ def main() -> None:
         default=0,
         help="a curriculum: the first N steps train on lookups only (the copy from the context forms "
         "on them before the task mix; in the mix alone it never started)",
+    )
+    parser.add_argument(
+        "--task-weights",
+        type=lambda text: tuple(int(w) for w in text.split(",")),
+        default=DEFAULT_TASK_WEIGHTS,
+        help=f"comma-separated draw weights of {', '.join(MIX_TASKS)} in short conversations "
+        f"(default {','.join(map(str, DEFAULT_TASK_WEIGHTS))})",
     )
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=100)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV3ForCausalLM
@@ -59,3 +60,19 @@ def test_same_seed_same_checkpoint(tmp_path: Path) -> None:
     assert {mtp + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight")} <= a.keys()
     model = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
     assert model.config.kv_lora_rank == 512 and model.config.num_nextn_predict_layers == 1
+
+
+def test_task_weights_choose_the_mix() -> None:
+    from scripts.train_tiny import ASSISTANT, USER, Encoder, TrainingData, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    data = TrainingData(Encoder(tokenizer), seed=0, task_weights=(0, 0, 0, 0, 1, 0))
+    prompts = []
+    for _ in range(20):
+        ids, _ = data.short_conversation()
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        prompts += [turn.split(ASSISTANT)[0] for turn in text.split(USER)[1:]]
+    assert len(prompts) >= 20 and all(p.startswith("Sort the digits: ") for p in prompts), prompts
+    for bad in ((1, 1), (0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 1, -1)):
+        with pytest.raises(ValueError, match="task weights"):
+            TrainingData(Encoder(tokenizer), seed=0, task_weights=bad)
