@@ -15,12 +15,13 @@ lookup turn brings its own table of 2-8 lines), plus, with ``--lookup-rows N`` (
 longer rows that each start with a lookup over a long context and several questions about it and
 are filled up with short conversations. The default recipe leaves the long rows out and weights
 the arithmetic up: within an hour's steps the lookup is not learnt either way (benchmarks/results/
-tiny_chat_training.md), and without the long rows a step takes 0.6-0.75 s instead of ~1 s. With ``--lookup-first-steps N`` the first N
-steps are a curriculum: every conversation is a lookup, so that the copy from the context forms
-before the mix shares the gradient with the other tasks. Packed conversations do not see each other: attention is causal
-within each conversation and its positions start at 0, as when it is served alone (without this,
-digits of the other questions in a row distract sorting and arithmetic: at equal steps a 2-layer
-model sorted 16% instead of 38% and reversed none instead of 8% of held-out questions). The router's
+tiny_chat_training.md), and without the long rows a step takes 0.6-0.75 s instead of ~1 s. With
+``--lookup-first-steps N`` the first N steps are a curriculum: every conversation is a lookup, so
+that the copy from the context forms before the mix shares the gradient with the other tasks.
+Packed conversations do not see each other: attention is causal within each conversation and its
+positions start at 0, as when it is served alone (without this, digits of the other questions in a
+row distract sorting and arithmetic: at equal steps a 2-layer model sorted 16% instead of 38% and
+reversed none instead of 8% of held-out questions). The router's
 score-correction bias is balanced without an auxiliary loss, as DeepSeek-V3 does: after each step
 it moves by ``--bias-rate`` towards the experts that got fewer tokens than the mean.
 
@@ -663,6 +664,16 @@ def save(model: DeepseekV3ForCausalLM, mtp: MTPModule, tokenizer: Tokenizer, out
     print(f"wrote {out} ({len(stored)} tensors, model.safetensors {size / 2**20:.1f} MiB)", flush=True)
 
 
+def task_weights_arg(text: str) -> tuple[int, ...]:
+    """``--task-weights``: one non-negative integer per task of MIX_TASKS, comma-separated."""
+    weights = tuple(int(w) for w in text.split(","))
+    if len(weights) != len(MIX_TASKS) or min(weights) < 0 or sum(weights) == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected {len(MIX_TASKS)} non-negative integers, not all 0"
+        )
+    return weights
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -697,7 +708,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--task-weights",
-        type=lambda text: tuple(int(w) for w in text.split(",")),
+        type=task_weights_arg,
         default=DEFAULT_TASK_WEIGHTS,
         help=f"comma-separated draw weights of {', '.join(MIX_TASKS)} in short conversations "
         f"(default {','.join(map(str, DEFAULT_TASK_WEIGHTS))})",

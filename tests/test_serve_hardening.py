@@ -288,12 +288,14 @@ def test_forged_workers_without_the_secret_change_nothing(all_in_one: Server) ->
             for down in downs:
                 forger.send(encode(down))
         _wait(lambda: "refused a connection to" in all_in_one.log(), "the refused handshakes' log line")
-        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        # the built-in model's answer shows the real pools served it (to a bare "Hello" it may
+        # answer nothing but its end of sequence)
+        body = {"prompt": "<｜User｜>What is 17 + 25?<｜Assistant｜>", "max_tokens": 4, "temperature": 0}
         with httpx.Client(timeout=TIMEOUT) as client:
             for _ in range(6):
                 response = client.post(f"{all_in_one.base_url}/v1/completions", json=body)
                 assert response.status_code == 200, response.text
-                assert response.json()["choices"][0]["text"]
+                assert response.json()["choices"][0]["text"] == "42", response.text
             metrics = all_in_one.metrics()
         assert 'worker="decode/1/0"' not in metrics
         assert 'dsinfer_worker_healthy{role="decode",worker="decode/0/0"} 1.0' in metrics, metrics
