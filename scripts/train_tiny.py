@@ -251,16 +251,21 @@ class Encoder:
         return ids, mask
 
 
+def task_weights_problem(weights: tuple[int, ...]) -> str | None:
+    """What is wrong with draw weights for MIX_TASKS, or None."""
+    if len(weights) != len(MIX_TASKS) or min(weights) < 0 or sum(weights) == 0:
+        return f"task weights {weights}: expected {len(MIX_TASKS)} non-negative integers, not all 0"
+    return None
+
+
 class TrainingData:
     """Seeded stream of conversations over the task mix; held-out questions are never drawn."""
 
     def __init__(
         self, encoder: Encoder, seed: int, task_weights: tuple[int, ...] = DEFAULT_TASK_WEIGHTS
     ) -> None:
-        if len(task_weights) != len(MIX_TASKS) or min(task_weights) < 0 or sum(task_weights) == 0:
-            raise ValueError(
-                f"task weights {task_weights}: expected {len(MIX_TASKS)} non-negative, not all 0"
-            )
+        if (problem := task_weights_problem(task_weights)) is not None:
+            raise ValueError(problem)
         self.encoder = encoder
         self.rng = random.Random(seed)
         self.excluded = held_out_keys()
@@ -667,10 +672,8 @@ def save(model: DeepseekV3ForCausalLM, mtp: MTPModule, tokenizer: Tokenizer, out
 def task_weights_arg(text: str) -> tuple[int, ...]:
     """``--task-weights``: one non-negative integer per task of MIX_TASKS, comma-separated."""
     weights = tuple(int(w) for w in text.split(","))
-    if len(weights) != len(MIX_TASKS) or min(weights) < 0 or sum(weights) == 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected {len(MIX_TASKS)} non-negative integers, not all 0"
-        )
+    if (problem := task_weights_problem(weights)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return weights
 
 
