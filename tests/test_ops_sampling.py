@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsinfer.ops import Ops, SamplingTensors, compute_logprobs, select_ops
-from dsinfer.ops.sampling import hash_uniform
+from dsinfer.ops.sampling import hash_uniform, unit_interval
 
 M32 = 0xFFFFFFFF
 
@@ -38,7 +38,7 @@ def _py_uniform(seed: int, choice: int, position: int, v: int, draw: int = 0) ->
     h = _absorb(h, position)
     h = _absorb(h, draw)
     bits = _mix32(_absorb(h, v) ^ 0x5851F42D)
-    return ((bits >> 8) + 0.5) / (1 << 24)
+    return ((bits >> 9) + 0.5) / (1 << 23)
 
 
 def test_hash_matches_pure_python() -> None:
@@ -49,6 +49,28 @@ def test_hash_matches_pure_python() -> None:
         ref = torch.tensor([[_py_uniform(*key, v, draw) for v in range(9)] for key in keys])
         torch.testing.assert_close(u, ref, rtol=0, atol=0)
         assert (u > 0).all() and (u < 1).all()
+
+
+def test_uniforms_stay_inside_the_unit_interval() -> None:
+    """The extreme words map strictly inside (0, 1), so the Gumbel noise is finite."""
+    bits = torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64)
+    u = unit_interval(bits)
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_a_masked_token_is_never_drawn(ops: Ops) -> None:
+    """At (seed 7, position 63746) token 35's hash word is 0xFFFFFFxx, whose uniform rounded to
+    exactly 1.0 when it was taken from 24 bits: infinite noise, NaN next to a -inf logit, and
+    argmax drew the masked token 35 instead of the only allowed one (a grammar-forced tool call
+    then ended without its call)."""
+    logits = torch.full((1, 64), float("-inf"))
+    logits[0, 3] = 0.4
+    params = SamplingTensors.from_lists([1.0], seed=[7], position=[63746])
+    assert int(ops.sample(logits, params)[0]) == 3
+    logits = torch.zeros(1, 64)
+    logits[0, 35] = -1e4  # finite but hopeless: the noise must not lift it
+    assert int(ops.sample(logits, params)[0]) != 35
 
 
 def test_greedy_is_argmax(ops: Ops) -> None:

@@ -156,19 +156,30 @@ def _row_key(seed: torch.Tensor, choice: torch.Tensor, position: torch.Tensor, d
     return _absorb(h, torch.full_like(h, draw))
 
 
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit words -> fp32 uniforms strictly inside (0, 1): the top 23 bits plus a half, over 2^23.
+
+    Every value ``k + 0.5`` with ``k < 2^23`` is exact in fp32, so ``u`` lies in [2^-24, 1 - 2^-24].
+    (With 24 bits, ``2^24 - 0.5`` rounds to ``2^24`` and ``u`` is exactly 1: its Gumbel noise is
+    +inf, which wins the argmax over every finite logit, and next to a -inf (filtered or
+    grammar-masked) logit makes NaN, which argmax also picks: with a 129K vocabulary that drew a
+    disallowed token in about 1 of 130 sampled positions.)"""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
 def hash_uniform(
     seed: torch.Tensor, choice: torch.Tensor, position: torch.Tensor, vocab_size: int, draw: int = 0
 ) -> torch.Tensor:
     """Uniforms in (0, 1), fp32 ``[B, vocab_size]``, a pure function of (seed, choice, position, draw, v)."""
     key = _row_key(seed, choice, position, draw)  # [B]
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=key.device)
-    bits = _mix32(_absorb(key[:, None], vocab[None, :]) ^ 0x5851F42D)
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit_interval(_mix32(_absorb(key[:, None], vocab[None, :]) ^ 0x5851F42D))
 
 
 def gumbel_noise(
     seed: torch.Tensor, choice: torch.Tensor, position: torch.Tensor, vocab_size: int, draw: int = 0
 ) -> torch.Tensor:
+    """Finite Gumbel noise (at most about 16.6): a disallowed token's -inf logit stays -inf."""
     return -torch.log(-torch.log(hash_uniform(seed, choice, position, vocab_size, draw)))
 
 
