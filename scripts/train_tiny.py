@@ -103,6 +103,7 @@ MODEL_MAX_LENGTH = 2048
 SHORT_LOOKUP_LINES = (2, 9)  # [min, max) lines of the tables in short conversations
 MIX_TASKS = (*SHORT_TASKS, "lookup")  # the tasks of short conversations, in --task-weights order
 DEFAULT_TASK_WEIGHTS = (4, 4, 4, 2, 2, 1)  # the arithmetic first; the lookup is not learnt in budget
+DEFAULT_WIDE_MUL_SHARE = 0.0  # of multiplications drawn with a 3-digit operand (wide_multiplication)
 
 # DeepSeek-V3's architecture at a small width. kv_lora_rank 512 and qk_rope_head_dim 64 are V3's
 # own latent sizes (the only ones vLLM's CPU MLA backends take); the rest is small.
@@ -258,20 +259,41 @@ def task_weights_problem(weights: tuple[int, ...]) -> str | None:
     return None
 
 
+def wide_multiplication(rng: random.Random) -> Question:
+    """A 1-digit by 3-digit product, either order: training only (the task is 1-digit by
+    2-digit). The 2-digit task has 900 distinct pairs, 700 of them trainable, few enough to
+    memorize (the checkpoint of 2026-11-25 answered 200/200 trained pairs and 142/200 held-out
+    ones); products with a 3-digit operand share its per-digit products and carries but are too
+    many to memorize."""
+    a, b = rng.randint(0, 9), rng.randint(100, 999)
+    if rng.random() < 0.5:
+        a, b = b, a
+    return Question("mul", f"What is {a} * {b}?", str(a * b), f"mul:{min(a, b)}:{max(a, b)}")
+
+
 class TrainingData:
     """Seeded stream of conversations over the task mix; held-out questions are never drawn."""
 
     def __init__(
-        self, encoder: Encoder, seed: int, task_weights: tuple[int, ...] = DEFAULT_TASK_WEIGHTS
+        self,
+        encoder: Encoder,
+        seed: int,
+        task_weights: tuple[int, ...] = DEFAULT_TASK_WEIGHTS,
+        wide_mul_share: float = DEFAULT_WIDE_MUL_SHARE,
     ) -> None:
         if (problem := task_weights_problem(task_weights)) is not None:
             raise ValueError(problem)
+        if not 0.0 <= wide_mul_share <= 1.0:
+            raise ValueError(f"wide_mul_share {wide_mul_share}: expected a fraction in [0, 1]")
         self.encoder = encoder
         self.rng = random.Random(seed)
         self.excluded = held_out_keys()
         self.task_weights = task_weights
+        self.wide_mul_share = wide_mul_share
 
     def question(self, task: str) -> Question:
+        if task == "mul" and self.wide_mul_share > 0 and self.rng.random() < self.wide_mul_share:
+            return wide_multiplication(self.rng)
         while True:
             q = make_question(task, self.rng)
             if q.key not in self.excluded:
@@ -572,7 +594,7 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
     )
     gates = [m for n, m in [*model.named_modules(), *mtp.named_modules()] if n.endswith("mlp.gate")]
     loads = LoadCounter(gates, config.n_routed_experts)
-    data = TrainingData(encoder, args.seed, args.task_weights)
+    data = TrainingData(encoder, args.seed, args.task_weights, args.wide_mul_share)
     total = sum(p.numel() for p in params)
     print(
         f"model: {total / 1e6:.2f}M parameters (MTP and its shared embedding/head included), vocab "
@@ -715,6 +737,13 @@ def main() -> None:
         default=DEFAULT_TASK_WEIGHTS,
         help=f"comma-separated draw weights of {', '.join(MIX_TASKS)} in short conversations "
         f"(default {','.join(map(str, DEFAULT_TASK_WEIGHTS))})",
+    )
+    parser.add_argument(
+        "--wide-mul-share",
+        type=float,
+        default=DEFAULT_WIDE_MUL_SHARE,
+        help="fraction of the multiplications drawn as 1-digit by 3-digit products (training only: "
+        "against memorizing the 2-digit task's 700 trainable pairs)",
     )
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument(

@@ -76,3 +76,27 @@ def test_task_weights_choose_the_mix() -> None:
     for bad in ((1, 1), (0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 1, -1)):
         with pytest.raises(ValueError, match="task weights"):
             TrainingData(Encoder(tokenizer), seed=0, task_weights=bad)
+
+
+def test_wide_multiplication_share() -> None:
+    """--wide-mul-share draws that fraction of the products with a 3-digit operand (training only);
+    the 2-digit ones still skip the held-out pairs."""
+    from dsinfer.evals.tasks import held_out_keys
+    from scripts.train_tiny import Encoder, TrainingData, build_tokenizer
+
+    encoder = Encoder(build_tokenizer())
+
+    def widths(share: float) -> list[int]:
+        data = TrainingData(encoder, seed=0, wide_mul_share=share)
+        questions = [data.question("mul") for _ in range(200)]
+        assert not {q.key for q in questions if len(q.key.split(":")[2]) == 2} & held_out_keys()
+        for q in questions:
+            a, b = q.prompt.removeprefix("What is ").removesuffix("?").split(" * ")
+            assert int(q.answer) == int(a) * int(b)
+        return [len(q.key.split(":")[2]) for q in questions]
+
+    assert set(widths(0.0)) == {2}
+    assert set(widths(1.0)) == {3}
+    assert 60 < widths(0.5).count(3) < 140
+    with pytest.raises(ValueError, match="wide_mul_share"):
+        TrainingData(encoder, seed=0, wide_mul_share=1.5)
