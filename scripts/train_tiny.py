@@ -264,7 +264,8 @@ def wide_multiplication(rng: random.Random) -> Question:
     2-digit). The 2-digit task has 900 distinct pairs, 700 of them trainable, few enough to
     memorize (the checkpoint of 2026-11-25 answered 200/200 trained pairs and 142/200 held-out
     ones); products with a 3-digit operand share its per-digit products and carries but are too
-    many to memorize."""
+    many to memorize. Tried at 0.5: less memorized, no better on the held-out products
+    (benchmarks/results/tiny_chat_training.md)."""
     a, b = rng.randint(0, 9), rng.randint(100, 999)
     if rng.random() < 0.5:
         a, b = b, a
