@@ -147,6 +147,23 @@ def test_grammar_accepts_a_call_and_parses(name: str) -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"tz": "CET"})]
 
 
+def test_kimi_call_index_is_bounded() -> None:
+    """A forced Kimi call's index has at most MAX_INDEX_DIGITS digits: the call always gets to its
+    arguments, whatever the sampled digits."""
+    from dsinfer.gateway.tool_parsers.kimi import MAX_INDEX_DIGITS
+
+    fmt = tool_format("kimi-k2")
+    tools = [ToolSpec("get_time", {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}})]
+    grammar = llguidance.grammar_from("lark", fmt.grammar(tools, parallel=False, token_id=lambda text: None))
+    tokenizer = llguidance.LLTokenizer(_byte_tokenizer_json())
+    head = fmt.section_begin + fmt.call_begin + "functions.get_time:"
+    longest = llguidance.LLMatcher(tokenizer, grammar)
+    assert longest.consume_tokens(list((head + "9" * MAX_INDEX_DIGITS + fmt.args_begin).encode()))
+    longer = llguidance.LLMatcher(tokenizer, grammar)
+    assert longer.consume_tokens(list((head + "9" * MAX_INDEX_DIGITS).encode()))
+    assert not longer.consume_token(ord("9"))
+
+
 def _byte_tokenizer_json() -> str:
     """A tokenizer whose 256 tokens are the bytes (GPT-2's byte -> character map), plus eos."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

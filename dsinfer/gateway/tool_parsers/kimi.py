@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from dsinfer.gateway.tool_parsers.base import ToolFormat, ToolSpec
 
+MAX_INDEX_DIGITS = 5  # call indices up to 99,999 in one conversation
+
 
 class KimiK2Format(ToolFormat):
     name = "kimi-k2"
@@ -29,7 +31,9 @@ class KimiK2Format(ToolFormat):
         return name.removeprefix("functions."), call_id
 
     def header_for(self, tool: ToolSpec, text: Callable[[str], str]) -> str:
-        return f"{text(f'functions.{tool.name}:')} /[0-9]+/"
+        # The index counts the conversation's calls; bounded, so that a forced call cannot spend
+        # max_tokens on digits (a sampled random-weight model did, and never reached its arguments).
+        return f"{text(f'functions.{tool.name}:')} /[0-9]{{1,{MAX_INDEX_DIGITS}}}/"
 
 
 KIMI_K2 = KimiK2Format()
