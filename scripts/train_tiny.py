@@ -94,6 +94,7 @@ from dsinfer.evals.tasks import (
     lookup_context,
     lookup_question,
     make_question,
+    multiplication,
     render_context,
 )
 
@@ -266,10 +267,7 @@ def wide_multiplication(rng: random.Random) -> Question:
     ones); products with a 3-digit operand share its per-digit products and carries but are too
     many to memorize. Tried at 0.5: less memorized, no better on the held-out products
     (benchmarks/results/tiny_chat_training.md)."""
-    a, b = rng.randint(0, 9), rng.randint(100, 999)
-    if rng.random() < 0.5:
-        a, b = b, a
-    return Question("mul", f"What is {a} * {b}?", str(a * b), f"mul:{min(a, b)}:{max(a, b)}")
+    return multiplication(rng, 100, 999)
 
 
 class TrainingData:

@@ -61,12 +61,17 @@ def _word(rng: random.Random, low: int, high: int) -> str:
             return word
 
 
+def multiplication(rng: random.Random, low: int = 10, high: int = 99) -> Question:
+    """A 1-digit number times one in [low, high], either order (the task: 2 digits)."""
+    a, b = rng.randint(0, 9), rng.randint(low, high)
+    if rng.random() < 0.5:
+        a, b = b, a
+    return Question("mul", f"What is {a} * {b}?", str(a * b), f"mul:{min(a, b)}:{max(a, b)}")
+
+
 def arithmetic(task: str, rng: random.Random) -> Question:
     if task == "mul":
-        a, b = rng.randint(0, 9), rng.randint(10, 99)
-        if rng.random() < 0.5:
-            a, b = b, a
-        return Question(task, f"What is {a} * {b}?", str(a * b), f"mul:{min(a, b)}:{max(a, b)}")
+        return multiplication(rng)
     a, b = _number(rng, 3), _number(rng, 3)
     if task == "add":
         return Question(task, f"What is {a} + {b}?", str(a + b), f"add:{min(a, b)}:{max(a, b)}")
