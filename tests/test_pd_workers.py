@@ -47,9 +47,9 @@ class Harness:
 
     def __init__(self, engines: list[LLMEngine], backends: list[TransferBackend]) -> None:
         self.engines, self.backends = engines, backends
-        self.prefill = PrefillWorker(engines[0], self, "prefill/0/0", "p0", backends[0])
+        self.prefill = PrefillWorker(engines[0], self, "prefill/0/0", "p0", backends[0], quarantine=30.0)
         self.decode = DecodeWorker(
-            engines[1], self, "decode/0/0", "d0", transfer_timeout=30.0, quarantine=30.0
+            engines[1], self, "decode/0/0", "d0", inbox=DECODE_INBOX, transfer_timeout=30.0, quarantine=30.0
         )
         self.inboxes = {PREFILL_INBOX: self.prefill, DECODE_INBOX: self.decode}
         self.to_gateway: list[object] = []
@@ -268,6 +268,27 @@ def test_abort_mid_transfer_frees_both_sides(harness: Harness) -> None:
         harness.cycle()
     harness.abort("gone")
     harness.settle()
+    assert harness.all_pages_free()
+
+
+def test_abort_before_the_prefill_rank_got_it_fences_at_once(harness: Harness) -> None:
+    """A client gone between the decode rank's reservation and the PrefillRequest: the prefill
+    rank answers the decode rank's abort with the fence at once (the pages do not wait out the
+    30 s quarantine), and refuses the request if it still comes (no write into freed pages)."""
+    harness.held.add("early")
+    harness.admit("early", list(range(20, 90)), SamplingParams(temperature=0, max_tokens=4))
+    dest = None
+    while dest is None:
+        pending = [m for m in harness.to_gateway if isinstance(m, KVDestination)]
+        dest = pending[0] if pending else None
+        harness.cycle()
+    harness.abort("early")
+    harness.settle(timeout=5.0)
+    assert harness.all_pages_free()
+    harness._prefill(dest)  # the gateway's PrefillRequest, overtaken by the abort
+    refused = [d for d in harness.cycle() if d.request_id == "early"]
+    assert refused and refused[-1].error is not None and "aborted before" in refused[-1].error
+    assert not harness.prefill.busy() and not harness.engines[0].has_request("early")
     assert harness.all_pages_free()
 
 

@@ -200,7 +200,13 @@ class PrefillRequest(WorkerRequest, kw_only=True):
 
 
 class Abort(_Message, kw_only=True):
+    """Drop the request. ``fence_to``: set by a decode rank that gave up a reserved transfer (to
+    its own inbox): the prefill rank answers TransferAborted there once no write of the request
+    can land, at once when the request never reached it (it then refuses the request should it
+    still come), so the decode rank's pages do not wait out its quarantine."""
+
     request_id: str
+    fence_to: str = ""
 
 
 class PeerDown(_Message, kw_only=True):

@@ -40,7 +40,10 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-timeout", type=float, default=30.0, help="seconds decode waits for a prefill's KV"
     )
     group.add_argument(
-        "--kv-quarantine", type=float, default=60.0, help="seconds an aborted transfer's pages stay unused"
+        "--kv-quarantine",
+        type=float,
+        default=60.0,
+        help="seconds an aborted transfer's pages stay unused (decode); how long a request fenced before it arrived is refused (prefill)",
     )
     group.add_argument(
         "--threads-per-rank",

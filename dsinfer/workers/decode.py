@@ -5,7 +5,8 @@ KV permitting), then KVDestination tells the gateway where the prefill rank writ
 (sent by the prefill rank after its last write completed) joins the request to the running batch
 with its first token. Reserved pages of a transfer that ends any other way (abort, timeout, the
 prefill side giving up) go to quarantine: they return to the pool only when the prefill rank
-confirms no write can land (TransferAborted, or a late PrefillDone), when the gateway reports
+confirms no write can land (TransferAborted, which it sends at once for a request it never got,
+or a late PrefillDone), when the gateway reports
 the prefill rank dead (PeerDown), or after ``quarantine`` seconds, so a late write never lands
 in a page given to another request.
 """
@@ -50,10 +51,12 @@ class DecodeWorker(RoleWorker):
         worker: str,
         incarnation: str,
         *,
+        inbox: str,
         transfer_timeout: float,
         quarantine: float,
     ) -> None:
         super().__init__(engine, outbox, worker, incarnation)
+        self.inbox = inbox  # where prefill ranks send this rank's fences
         self.transfer_timeout, self.quarantine = transfer_timeout, quarantine
         self._queued: deque[_Incoming] = deque()  # waiting for seats or pages
         self._reserved: dict[str, _Incoming] = {}  # pages held, waiting for PrefillDone
@@ -154,7 +157,7 @@ class DecodeWorker(RoleWorker):
         item = self._reserved.pop(request_id)
         pages = self.engine.cancel_remote_prefill(item.request)
         self._quarantined[request_id] = (pages, now + self.quarantine, item.msg.prefill_worker)
-        self.outbox.send_peer(item.msg.prefill_inbox, Abort(request_id=request_id))
+        self.outbox.send_peer(item.msg.prefill_inbox, Abort(request_id=request_id, fence_to=self.inbox))
 
     # Progress ----------------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -8,7 +8,10 @@ first layers run while later layers compute. Pages being read by a write hold an
 reference (they cannot be evicted or reused) until that write is done. When the first token is
 known and every write is done, PrefillDone goes to the decode rank: it is the fence after which
 the decode side may read the pages. An abort stops scheduling, waits for the writes in flight,
-then sends TransferAborted (the fence for an aborted transfer).
+then sends TransferAborted (the fence for an aborted transfer). An abort from a decode rank
+(``Abort.fence_to``) of a request this rank never got is answered with TransferAborted at once, and
+the request is refused should it still arrive within ``quarantine`` seconds (the gateway's
+PrefillRequest and the decode rank's Abort travel different sockets, in either order).
 """
 
 from __future__ import annotations
@@ -51,9 +54,18 @@ class PrefillWorker(RoleWorker):
     role = "prefill"
 
     def __init__(
-        self, engine: LLMEngine, outbox: Outbox, worker: str, incarnation: str, transfer: TransferBackend
+        self,
+        engine: LLMEngine,
+        outbox: Outbox,
+        worker: str,
+        incarnation: str,
+        transfer: TransferBackend,
+        *,
+        quarantine: float,
     ) -> None:
         super().__init__(engine, outbox, worker, incarnation)
+        self.quarantine = quarantine
+        self._fenced_unseen: dict[str, float] = {}  # fenced before it arrived -> when to forget it (in order)
         self.backend = transfer
         self.page_size = engine.page_size
         self.page_bytes = engine.kv_page_bytes
@@ -65,12 +77,15 @@ class PrefillWorker(RoleWorker):
         if isinstance(message, PrefillRequest):
             self._start(message)
         elif isinstance(message, Abort):
-            self._abort(message.request_id)
+            self._abort(message, now)
         else:
             log.warning("prefill worker ignored %s", type(message).__name__)
 
     def _start(self, msg: PrefillRequest) -> None:
         if self.refuse_if_draining(msg):
+            return
+        if msg.request_id in self._fenced_unseen:
+            self.fail(msg.request_id, "aborted before it reached this prefill rank")
             return
         dest = msg.destination
         if dest.num_cached_tokens % self.page_size:
@@ -97,9 +112,13 @@ class PrefillWorker(RoleWorker):
             return
         self._out[msg.request_id] = _Outgoing(msg, first_page)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, abort: Abort, now: float) -> None:
+        request_id = abort.request_id
         out = self._out.get(request_id)
         if out is None:
+            if abort.fence_to:  # nothing of it is or will be written: fence at once
+                self._fenced_unseen[request_id] = now + self.quarantine
+                self.outbox.send_peer(abort.fence_to, TransferAborted(request_id=request_id))
             return
         out.aborted = True
         if self.engine.has_request(request_id):
@@ -158,6 +177,8 @@ class PrefillWorker(RoleWorker):
 
     # Progress ----------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
+        while self._fenced_unseen and now >= next(iter(self._fenced_unseen.values())):  # oldest first
+            del self._fenced_unseen[next(iter(self._fenced_unseen))]
         for request_id in list(self._out):
             out = self._out[request_id]
             self._poll(out)

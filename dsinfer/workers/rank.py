@@ -114,12 +114,16 @@ def build_role(
     transfer = make_transfer_backend(pool.transfer_backend, f"{name}@{args.incarnation}", host=pool.host)
     transfer.register_pool(engine.kv_regions())
     if pool.role == "prefill":
-        return PrefillWorker(engine, channel, name, args.incarnation, transfer), transfer
+        worker = PrefillWorker(
+            engine, channel, name, args.incarnation, transfer, quarantine=pool.kv_quarantine
+        )
+        return worker, transfer
     worker = DecodeWorker(
         engine,
         channel,
         name,
         args.incarnation,
+        inbox=channel.inbox_addr,
         transfer_timeout=pool.kv_transfer_timeout,
         quarantine=pool.kv_quarantine,
     )
