@@ -66,6 +66,20 @@ def gateway() -> Iterator[tuple[str, str]]:
         yield url, control
 
 
+@pytest.fixture()
+def one_rank(gateway: tuple[str, str]) -> Iterator[tuple[str, str, zmq.Context, FakeRank]]:
+    """The gateway with one colocated rank registered and ready: (url, control, context, rank)."""
+    url, control = gateway
+    ctx = zmq.Context()
+    try:
+        rank = FakeRank(ctx, control, "colocated/0/0")
+        rank.announce()
+        _wait(lambda: _healthy(url))
+        yield url, control, ctx, rank
+    finally:
+        ctx.destroy(linger=0)
+
+
 def _wait(condition: object, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
@@ -78,69 +92,57 @@ def _healthy(url: str) -> bool:
 
 
 def test_rank_with_other_limits_is_refused_once(
-    gateway: tuple[str, str], caplog: pytest.LogCaptureFixture
+    one_rank: tuple[str, str, zmq.Context, FakeRank], caplog: pytest.LogCaptureFixture
 ) -> None:
-    url, control = gateway
-    ctx = zmq.Context()
-    try:
-        first = FakeRank(ctx, control, "colocated/0/0")
-        first.announce()
-        _wait(lambda: _healthy(url))
-        caplog.set_level(logging.INFO, logger="dsinfer.gateway")
-        smaller = FakeRank(ctx, control, "colocated/1/0", max_model_len=128)
-        other_page = FakeRank(ctx, control, "colocated/2/0", page_size=32)
-        other_model = FakeRank(ctx, control, "colocated/3/0", model="cd" * 32)
-        for _ in range(3):  # ranks register again every few seconds: one line each all the same
-            for rank in (smaller, other_page, other_model):
-                rank.announce()
-        _wait(lambda: sum("refused" in r.getMessage() for r in caplog.records) >= 3)
-        time.sleep(0.3)
-        refusals = sorted(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
-        assert refusals == [
-            "refused colocated/1/0: its max_model_len is 128, the registered pools' is 256",
-            "refused colocated/2/0: its page_size is 32, the registered pools' is 64",
-            f"refused colocated/3/0: it serves another model ({'cd' * 6}, not {'ab' * 6})",
-        ]
-        assert 'worker="colocated/1/0"' not in httpx.get(f"{url}/metrics").text
-        models = httpx.get(f"{url}/v1/models").json()
-        assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN  # the registered ranks' limit
-    finally:
-        ctx.destroy(linger=0)
+    url, control, ctx, _ = one_rank
+    caplog.set_level(logging.INFO, logger="dsinfer.gateway")
+    smaller = FakeRank(ctx, control, "colocated/1/0", max_model_len=128)
+    other_page = FakeRank(ctx, control, "colocated/2/0", page_size=32)
+    other_model = FakeRank(ctx, control, "colocated/3/0", model="cd" * 32)
+    for _ in range(3):  # ranks register again every few seconds: one line each all the same
+        for rank in (smaller, other_page, other_model):
+            rank.announce()
+    _wait(lambda: sum("refused" in r.getMessage() for r in caplog.records) >= 3)
+    time.sleep(0.3)
+    refusals = sorted(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
+    assert refusals == [
+        "refused colocated/1/0: its max_model_len is 128, the registered pools' is 256",
+        "refused colocated/2/0: its page_size is 32, the registered pools' is 64",
+        f"refused colocated/3/0: it serves another model ({'cd' * 6}, not {'ab' * 6})",
+    ]
+    assert 'worker="colocated/1/0"' not in httpx.get(f"{url}/metrics").text
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN  # the registered ranks' limit
 
 
-def test_request_no_rank_can_hold_gets_400_and_never_reaches_a_rank(gateway: tuple[str, str]) -> None:
-    url, control = gateway
-    ctx = zmq.Context()
-    try:
-        rank = FakeRank(ctx, control, "colocated/0/0")
-        rank.announce()
-        _wait(lambda: _healthy(url))
-        too_long = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(2, 2 + MAX_MODEL_LEN))})
-        assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
-        # fits the context length (256), not the KV of any rank (2 pages of 64 tokens)
-        no_kv = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(2, 52)), "max_tokens": 100})
-        assert no_kv.status_code == 400, no_kv.text
-        error = no_kv.json()["error"]
-        assert error["code"] == "kv_capacity_exceeded" and error["param"] == "max_tokens"
-        assert "needs 3 KV pages of 64 tokens" in error["message"], error["message"]
-        assert rank.receive(timeout=0.5) is None  # nothing reached the rank
+def test_request_no_rank_can_hold_gets_400_and_never_reaches_a_rank(
+    one_rank: tuple[str, str, zmq.Context, FakeRank],
+) -> None:
+    url, _, _, rank = one_rank
+    too_long = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(2, 2 + MAX_MODEL_LEN))})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    # fits the context length (256), not the KV of any rank (2 pages of 64 tokens)
+    no_kv = httpx.post(f"{url}/v1/completions", json={"prompt": list(range(2, 52)), "max_tokens": 100})
+    assert no_kv.status_code == 400, no_kv.text
+    error = no_kv.json()["error"]
+    assert error["code"] == "kv_capacity_exceeded" and error["param"] == "max_tokens"
+    assert "needs 3 KV pages of 64 tokens" in error["message"], error["message"]
+    assert rank.receive(timeout=0.5) is None  # nothing reached the rank
 
-        with httpx.Client(timeout=30) as client:
-            fits = {"prompt": list(range(2, 52)), "max_tokens": 50, "stop": ["x"], "n": 2}
-            pending = client.build_request("POST", f"{url}/v1/completions", json=fits)
-            result: list[httpx.Response] = []
-            thread = threading.Thread(target=lambda: result.append(client.send(pending)))
-            thread.start()
-            requests = [rank.receive(timeout=10) for _ in range(2)]
-            for choice, request in enumerate(requests):
-                assert isinstance(request, GenerateRequest)
-                key = parse_request_id(request.request_id)
-                assert key == RequestKey(key.request, choice, 0) and key.request.startswith("cmpl-")
-                assert request.choice == choice and request.params.n == 1
-                assert request.params.seed is not None and request.params.stop == []  # the gateway owns stops
-                rank.send(TokenDelta(request_id=request.request_id, token_ids=[7], finish_reason="length"))
-            thread.join(30)
-        assert result and result[0].status_code == 200, result
-        assert requests[0].params.seed == requests[1].params.seed  # n choices share one seed
-    finally:
-        ctx.destroy(linger=0)
+    with httpx.Client(timeout=30) as client:
+        fits = {"prompt": list(range(2, 52)), "max_tokens": 50, "stop": ["x"], "n": 2}
+        pending = client.build_request("POST", f"{url}/v1/completions", json=fits)
+        result: list[httpx.Response] = []
+        thread = threading.Thread(target=lambda: result.append(client.send(pending)))
+        thread.start()
+        requests = [rank.receive(timeout=10) for _ in range(2)]
+        for choice, request in enumerate(requests):
+            assert isinstance(request, GenerateRequest)
+            key = parse_request_id(request.request_id)
+            assert key == RequestKey(key.request, choice, 0) and key.request.startswith("cmpl-")
+            assert request.choice == choice and request.params.n == 1
+            assert request.params.seed is not None and request.params.stop == []  # the gateway owns stops
+            rank.send(TokenDelta(request_id=request.request_id, token_ids=[7], finish_reason="length"))
+        thread.join(30)
+    assert result and result[0].status_code == 200, result
+    assert requests[0].params.seed == requests[1].params.seed  # n choices share one seed

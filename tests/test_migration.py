@@ -26,6 +26,7 @@ from dsinfer.engine.engine import LLMEngine
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.test_gateway_router import FakeRank, _healthy, _wait
 from tests.test_gateway_router import gateway as gateway
+from tests.test_gateway_router import one_rank as one_rank
 from tests.test_pd_workers import ENGINE, make_harness
 
 PROMPTS = [list(range(7, 7 + n)) for n in (5, 130)]
@@ -232,3 +233,37 @@ def test_router_ends_a_choice_past_max_migrations(two_ranks: tuple[str, FakeRank
     client.join(10)
     assert result and result[0].status_code == 500
     assert "already moved 3 times (--max-migrations)" in result[0].json()["error"]["message"]
+
+
+def test_router_parks_a_choice_while_its_only_pool_restarts(
+    one_rank: tuple[str, str, zmq.Context, FakeRank],
+) -> None:
+    """The only pool goes down under a running choice: the choice waits (no error to the client)
+    and goes out as a continuation when the pool's new incarnation registers; meanwhile a new
+    request gets 503 (retry), not a 400 saying it is too large for the pools that are up."""
+    url, _, _, rank = one_rank
+    result: list[httpx.Response] = []
+    body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    client = threading.Thread(
+        target=lambda: result.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+    )
+    client.start()
+    first = _request(rank)
+    rank.send(TokenDelta(request_id=first.request_id, token_ids=[60], num_prompt_tokens=3))
+    time.sleep(0.2)
+    rank.send(PoolDown(role="colocated", pool=0, incarnation="i1", reason="rank 0 exited with code -9"))
+    _wait(lambda: not _healthy(url))
+    during = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+    assert during.status_code == 503, during.text
+    time.sleep(0.3)
+    assert client.is_alive() and not result  # parked, not failed
+    rank.register = msgspec.structs.replace(rank.register, incarnation="i2")
+    rank.announce()
+    moved = _request(rank)
+    assert parse_request_id(moved.request_id).attempt == 1 and moved.output_token_ids == [60]
+    rank.send(TokenDelta(request_id=moved.request_id, token_ids=[61, 62, 63], finish_reason="length"))
+    client.join(10)
+    assert result and result[0].status_code == 200, result
+    assert result[0].json()["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "dsinfer_in_flight_requests 0.0" in metrics

@@ -61,7 +61,8 @@ class Capacity:
 
     def refusal(self, prompt_len: int, max_tokens: int | None) -> str | None:
         """Why no registered rank can hold the request (as the engines' own check would say), or
-        None. ``max_tokens`` None: up to the context length."""
+        None, also when no colocated rank nor a prefill and a decode rank is up to judge by (the
+        router then refuses it as unavailable). ``max_tokens`` None: up to the context length."""
         generated = min(max_tokens or self.max_model_len, self.max_model_len - prompt_len)
         needed = -(-(prompt_len + generated) // self.page_size)
         prefill_needed = -(-(prompt_len + 1) // self.page_size)
@@ -71,6 +72,8 @@ class Capacity:
 
         if holds("colocated", needed) or (holds("decode", needed) and holds("prefill", prefill_needed)):
             return None
+        if "colocated" not in self.kv_pages and not {"prefill", "decode"} <= self.kv_pages.keys():
+            return None  # no whole topology is up (a pool restarting): the router answers 503
         largest = max(self.kv_pages.values(), default=0)
         return (
             f"the request needs {needed} KV pages of {self.page_size} tokens ({prompt_len} prompt + "

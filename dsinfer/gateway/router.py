@@ -13,7 +13,8 @@ protocol).
 
 Migration: a choice whose rank dies, stops answering or refuses it (draining) is dispatched
 again, as its next attempt (``_retry_or_end``, the one place a choice moves between ranks), at
-most ``max_migrations`` times. The router keeps the token ids each choice delivered; a choice
+most ``max_migrations`` times; while no pool is ready (the only one restarting) it is parked and
+goes out when one is, or ends at the request's deadline. The router keeps the token ids each choice delivered; a choice
 that already streamed moves as a continuation (``WorkerRequest.output_token_ids``): the new
 ranks prefill the prompt and those tokens, and the counter-based sampler, keyed by the output
 position, goes on with the tokens the undisturbed choice would have had. Tokens of the old
@@ -133,6 +134,7 @@ class Router:
         self.max_migrations = max_migrations
         self.migrations = MigrationStats()
         self._choices: dict[str, _Choice] = {}  # worker request id -> choice
+        self._parked: dict[_Choice, str] = {}  # moved while no pool was ready -> why it moved
         self._refusals = RefusalLog()
         self._orphans: set[str] = set()  # unknown request ids already answered with Abort
         self.instance = secrets.token_hex(4)  # in every worker request id this gateway sends
@@ -146,7 +148,7 @@ class Router:
 
     def end_all(self, reason: str) -> None:
         """End every running choice with ``reason`` as its error (its ranks are told Abort)."""
-        for choice in list(self._choices.values()):
+        for choice in [*self._choices.values(), *self._parked]:
             self.end_choice(choice, TokenDelta(request_id=choice.request.request_id, error=reason))
 
     async def stop(self) -> None:
@@ -207,6 +209,7 @@ class Router:
         """Deliver the choice's last delta and tell its ranks to drop it."""
         if choice.finished:
             return
+        self._parked.pop(choice, None)
         self._forget(choice)
         for worker in choice.workers:
             self.control.send(worker, Abort(request_id=choice.request.request_id))
@@ -233,7 +236,7 @@ class Router:
         ``max_migrations`` times, past its deadline or with no rank left to take it."""
         old_id = choice.request.request_id
         late = time.monotonic() >= choice.stream.job.deadline  # the HTTP layer times it out anyway
-        if choice.key.attempt >= self.max_migrations or late or not self.pools.ready():
+        if choice.key.attempt >= self.max_migrations or late:
             if choice.key.attempt >= self.max_migrations:
                 reason = f"{reason}; the choice already moved {choice.key.attempt} times (--max-migrations)"
             self.end_choice(choice, TokenDelta(request_id=old_id, error=reason))
@@ -245,6 +248,16 @@ class Router:
         choice.key = choice.key.next_attempt()
         choice.started, choice.moved_at = False, time.monotonic()
         self.migrations.moved(cause, streaming=bool(choice.output))
+        if not self.pools.ready():
+            log.info(
+                "%s: %s; attempt %d waits for a pool to serve again (until the request's deadline)",
+                old_id,
+                reason,
+                choice.key.attempt,
+            )
+            choice.decode_worker, choice.prefill_worker = "", None
+            self._parked[choice] = reason
+            return
         log.info(
             "%s: %s; moving it as attempt %d after %d delivered tokens (%s)",
             old_id,
@@ -254,6 +267,21 @@ class Router:
             cause,
         )
         self._dispatch(choice)
+
+    def _dispatch_parked(self) -> None:
+        """Parked choices go out once a pool serves again."""
+        if not self._parked or not self.pools.ready():
+            return
+        parked, self._parked = self._parked, {}
+        for choice in parked:
+            log.info("%s: dispatched again once a pool was ready", format_request_id(choice.key))
+            self._dispatch(choice)
+
+    def _end_overdue_parked(self, now: float) -> None:
+        for choice, reason in list(self._parked.items()):
+            if now >= choice.stream.job.deadline:
+                error = f"{reason}; no pool could serve it again before the request's deadline"
+                self.end_choice(choice, TokenDelta(request_id=format_request_id(choice.key), error=error))
 
     # Incoming --------------------------------------------------------------------------------
     def _on_message(self, sender: str, message: Message) -> None:
@@ -296,6 +324,7 @@ class Router:
                 self._fail_worker(info, f"worker {message.worker} died ({message.reason})", "rank_died")
         if isinstance(message, Register | Deregister | PoolDown | RankDown):
             self.pools.announce_readiness()
+            self._dispatch_parked()
 
     def _on_delta(self, sender: str, delta: TokenDelta) -> None:
         choice = self._choices.get(delta.request_id)
@@ -366,13 +395,15 @@ class Router:
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(MONITOR_INTERVAL)
-            for info in self.pools.registry.expired(time.monotonic()):
+            now = time.monotonic()
+            for info in self.pools.registry.expired(now):
                 self._fail_worker(info, f"worker {info.name} stopped answering", "unresponsive", dead=False)
+            self._end_overdue_parked(now)
 
     # Metrics ---------------------------------------------------------------------------------
     def metrics_snapshot(self) -> BackendMetrics:
-        waiting = sum(1 for c in self._choices.values() if not c.started)
-        metrics = self.pools.metrics(queue_length=waiting, in_flight=len(self._choices))
+        waiting = sum(1 for c in self._choices.values() if not c.started) + len(self._parked)
+        metrics = self.pools.metrics(queue_length=waiting, in_flight=len(self._choices) + len(self._parked))
         metrics.migrations = self.migrations
         return metrics
 
