@@ -43,7 +43,8 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         "--kv-quarantine",
         type=float,
         default=60.0,
-        help="seconds an aborted transfer's pages stay unused (decode); how long a request fenced before it arrived is refused (prefill)",
+        help="seconds an aborted transfer's pages stay unused (decode), or a request fenced before it "
+        "arrived is refused (prefill)",
     )
     group.add_argument(
         "--threads-per-rank",

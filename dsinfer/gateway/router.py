@@ -14,10 +14,11 @@ protocol).
 Migration: a choice whose rank dies, stops answering or refuses it (draining) is dispatched
 again, as its next attempt (``_retry_or_end``, the one place a choice moves between ranks), at
 most ``max_migrations`` times; while no pool is ready (the only one restarting) it is parked and
-goes out when one is, or ends at the request's deadline. The router keeps the token ids each choice delivered; a choice
-that already streamed moves as a continuation (``WorkerRequest.output_token_ids``): the new
-ranks prefill the prompt and those tokens, and the counter-based sampler, keyed by the output
-position, goes on with the tokens the undisturbed choice would have had. Tokens of the old
+goes out when one is, or ends at the request's deadline. The router keeps the token ids each
+choice delivered; a choice that already streamed moves as a continuation
+(``WorkerRequest.output_token_ids``): the new ranks prefill the prompt and those tokens, and the
+counter-based sampler, keyed by the output position, goes on with the tokens the undisturbed
+choice would have had. Tokens of the old
 attempt that arrive late carry its old id and are dropped, so the stream has no duplicate and
 no gap. Stop strings stay the gateway's (the HTTP layer's choice state runs on).
 
@@ -233,7 +234,8 @@ class Router:
     def _retry_or_end(self, choice: _Choice, reason: str, cause: str, skip: str | None = None) -> None:
         """Dispatch the choice again as its next attempt, a continuation of the tokens it
         delivered (the old ranks drop the old attempt), or end it with ``reason`` once it moved
-        ``max_migrations`` times, past its deadline or with no rank left to take it."""
+        ``max_migrations`` times or past its deadline. With no pool ready it is parked until one
+        is (``_dispatch_parked``) or its deadline passes (``_end_overdue_parked``)."""
         old_id = choice.request.request_id
         late = time.monotonic() >= choice.stream.job.deadline  # the HTTP layer times it out anyway
         if choice.key.attempt >= self.max_migrations or late:
