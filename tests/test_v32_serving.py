@@ -42,9 +42,11 @@ def _prompts() -> list[list[int]]:
 
 
 def _long_prompt() -> list[int]:
-    """600 tokens whose reference (and its greedy continuation) has no indexer near-tie: seed 7 is
-    the first such one (most random 600-token prompts have one somewhere)."""
-    return _prompt(LONG, seed=7)
+    """600 tokens whose reference (and its greedy continuation) has no indexer near-tie. Most random
+    600-token prompts have one somewhere; seed 66's narrowest top-k gap is 2.6x the near-tie
+    margin, the widest of seeds 7-79 (seed 7's was 0.997x on a Xeon with AMX, 1.0x elsewhere: its
+    verdict flipped with the CPU's rounding)."""
+    return _prompt(LONG, seed=66)
 
 
 def _shared_prefix_prompts() -> list[list[int]]:
