@@ -6,6 +6,7 @@ request with its seed set, no stop strings, and the id format_request_id writes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -56,10 +57,11 @@ class FakeRank:
         return None
 
 
-@pytest.fixture()
-def gateway() -> Iterator[tuple[str, str]]:
+@contextlib.contextmanager
+def running_gateway(heartbeat_timeout: float | None = None) -> Iterator[tuple[str, str]]:
+    """The app over a router on a free control port: (url, control address)."""
     control = f"127.0.0.1:{free_port()}"
-    router = Router(control, KEYS)
+    router = Router(control, KEYS, heartbeat_timeout=heartbeat_timeout)
     tokenizer = Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
     app = build_app(router, tokenizer, GatewayArgs(model=RANDOM_MODEL), 4096)
     with serve(app) as url:
@@ -67,17 +69,31 @@ def gateway() -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture()
-def one_rank(gateway: tuple[str, str]) -> Iterator[tuple[str, str, zmq.Context, FakeRank]]:
-    """The gateway with one colocated rank registered and ready: (url, control, context, rank)."""
-    url, control = gateway
-    ctx = zmq.Context()
-    try:
+def gateway() -> Iterator[tuple[str, str]]:
+    with running_gateway() as addresses:
+        yield addresses
+
+
+@contextlib.contextmanager
+def gateway_with_rank(
+    gateway: tuple[str, str] | None = None, heartbeat_timeout: float | None = None
+) -> Iterator[tuple[str, str, zmq.Context, FakeRank]]:
+    """One colocated rank registered and ready behind ``gateway`` (a new one when None):
+    (url, control, context, rank)."""
+    with contextlib.ExitStack() as stack:
+        url, control = gateway or stack.enter_context(running_gateway(heartbeat_timeout))
+        ctx = zmq.Context()
+        stack.callback(ctx.destroy, linger=0)
         rank = FakeRank(ctx, control, "colocated/0/0")
         rank.announce()
         _wait(lambda: _healthy(url))
         yield url, control, ctx, rank
-    finally:
-        ctx.destroy(linger=0)
+
+
+@pytest.fixture()
+def one_rank(gateway: tuple[str, str]) -> Iterator[tuple[str, str, zmq.Context, FakeRank]]:
+    with gateway_with_rank(gateway) as setup:
+        yield setup
 
 
 def _wait(condition: object, timeout: float = 10.0) -> None:

@@ -19,12 +19,12 @@ import pytest
 import zmq
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.base.protocol import GenerateRequest, PoolDown, TokenDelta
+from dsinfer.base.protocol import GenerateRequest, LoadReport, PoolDown, TokenDelta
 from dsinfer.base.request_id import RequestKey, parse_request_id
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.engine import LLMEngine
 from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.test_gateway_router import FakeRank, _healthy, _wait
+from tests.test_gateway_router import FakeRank, _healthy, _wait, gateway_with_rank
 from tests.test_gateway_router import gateway as gateway
 from tests.test_gateway_router import one_rank as one_rank
 from tests.test_pd_workers import ENGINE, make_harness
@@ -127,6 +127,17 @@ def test_pd_continuation_gives_the_undisturbed_tokens(tiny_ckpt: BuiltCheckpoint
 def _stream(url: str, body: dict[str, object], out: list[str]) -> None:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
         out.extend(line for line in response.iter_lines() if line.startswith("data: "))
+
+
+def _completion_in_background(
+    url: str, body: dict[str, object]
+) -> tuple[threading.Thread, list[httpx.Response]]:
+    result: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: result.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+    )
+    client.start()
+    return client, result
 
 
 def _request(rank: FakeRank, timeout: float = 10.0) -> GenerateRequest:
@@ -242,12 +253,8 @@ def test_router_parks_a_choice_while_its_only_pool_restarts(
     and goes out as a continuation when the pool's new incarnation registers; meanwhile a new
     request gets 503 (retry), not a 400 saying it is too large for the pools that are up."""
     url, _, _, rank = one_rank
-    result: list[httpx.Response] = []
     body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
-    client = threading.Thread(
-        target=lambda: result.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
-    )
-    client.start()
+    client, result = _completion_in_background(url, body)
     first = _request(rank)
     rank.send(TokenDelta(request_id=first.request_id, token_ids=[60], num_prompt_tokens=3))
     time.sleep(0.2)
@@ -267,3 +274,22 @@ def test_router_parks_a_choice_while_its_only_pool_restarts(
     assert result[0].json()["usage"]["completion_tokens"] == 4
     metrics = httpx.get(f"{url}/metrics").text
     assert "dsinfer_in_flight_requests 0.0" in metrics
+
+
+def test_router_parked_choice_goes_out_when_its_rank_answers_again() -> None:
+    """The only rank stops answering (heartbeats stop): its choice is parked, not failed; when it
+    is heard from again (a load report), the choice goes out to it again as the next attempt."""
+    with gateway_with_rank(heartbeat_timeout=0.5) as (url, _, _, rank):
+        client, result = _completion_in_background(
+            url, {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        )
+        first = _request(rank)
+        _wait(lambda: not _healthy(url))  # no heartbeat for 0.5 s: out of rotation, the choice parked
+        time.sleep(0.3)
+        assert client.is_alive() and not result
+        rank.send(LoadReport(worker=rank.worker, incarnation="i1", kv_pages_total=2))
+        moved = _request(rank)
+        assert parse_request_id(moved.request_id) == parse_request_id(first.request_id).next_attempt()
+        rank.send(TokenDelta(request_id=moved.request_id, token_ids=[61, 62], finish_reason="length"))
+        client.join(10)
+        assert result and result[0].status_code == 200, result

@@ -324,7 +324,8 @@ class Router:
                 self.pools.event(info.role, info.register.pool, "rank_died")
                 log.warning("worker %s died, its pool serves on: %s", message.worker, message.reason)
                 self._fail_worker(info, f"worker {message.worker} died ({message.reason})", "rank_died")
-        if isinstance(message, Register | Deregister | PoolDown | RankDown):
+        # a rank back by heartbeat or report (unresponsive, unreachable or draining before) counts too
+        if isinstance(message, Register | Deregister | PoolDown | RankDown | Heartbeat | LoadReport):
             self.pools.announce_readiness()
             self._dispatch_parked()
 
