@@ -90,7 +90,7 @@ class _Choice:
 
     @property
     def workers(self) -> list[str]:
-        return [w for w in (self.prefill_worker, self.decode_worker) if w is not None]
+        return [w for w in (self.prefill_worker, self.decode_worker) if w]  # none while parked
 
     def depends_on(self, worker: str) -> bool:
         return worker == self.decode_worker or (worker == self.prefill_worker and not self.started)
