@@ -7,12 +7,11 @@ product per 128-wide K block, scaled by the 1x128 activation and 128x128 weight 
   skipped (not written), as in DeepGEMM. DeepGEMM needs every expert segment padded to 128 rows;
   here a row tile may hold several experts (unpadded, even unsorted rows), each computed only for
   its own rows, so sorted unpadded segments cost at most one extra tile product per boundary.
-  Its tile is smaller than the dense kernel's (:func:`contiguous_tile_config`): the per-expert loop
-  is not software-pipelined, and at 64x128 with 4 warps an offline compile for sm_90a spills
-  (255 registers and an 832-byte stack frame; 928 B on sm_100, 1000 B on sm_89). Fewer pipeline
-  stages change nothing there (the loop has none); 32x64 tiles with 8 warps bring the frame to
-  16 B (0 B on sm_89), 16x64 to none. The kit's ``triton-compile`` stage (scripts/gpu-check)
-  reports these figures for every kernel configuration the ops launch.
+  Its tile (:func:`contiguous_tile_config`) comes from the H100 sweep of 2026-11-26: at 2048 rows
+  (256 per expert) 64x128 with 4 warps runs 2.4-2.6x faster than the 32x64, 8-warp tile chosen
+  before any GPU to avoid spills (241 against 632 us for w13), although its build spills (an
+  832-byte stack frame for sm_90a with Triton 3.9); at 256 rows 32x128 with 4 warps is the fastest.
+  The kit's ``triton-compile`` stage (scripts/gpu-check) reports the frames of every configuration.
 - Masked (decode, DeepEP low-latency layout): ``A [G, max_m, k]`` and only the first
   ``masked_m[g]`` rows of group ``g`` are computed and written; tiles past them exit at once.
 """
@@ -29,11 +28,11 @@ __all__ = ["contiguous_tile_config", "m_grouped_fp8_gemm_nt_contiguous", "m_grou
 
 
 def contiguous_tile_config(m: int, n: int) -> dict[str, int]:
-    """Launch parameters of the contiguous kernel: the dense tile capped at 32x64, 8 warps (see
-    the module docstring for the register figures behind it; untuned for speed)."""
-    cfg = tile_config(m, n)
-    cfg.update(BLOCK_M=min(cfg["BLOCK_M"], 32), BLOCK_N=min(cfg["BLOCK_N"], 64), num_warps=8)
-    return cfg
+    """Launch parameters of the contiguous kernel for ``m`` rows in all (see the module docstring):
+    64-row tiles from 1024 rows, 32 below, 128 columns, 4 warps."""
+    block_m = 64 if m >= 1024 else min(max(triton.next_power_of_2(max(m, 1)), 16), 32)
+    block_n = min(max(triton.next_power_of_2(max(n, 1)), 16), 128)
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
@@ -139,12 +138,14 @@ def m_grouped_fp8_gemm_nt_contiguous(
     b: tuple[torch.Tensor, torch.Tensor],
     d: torch.Tensor,
     m_indices: torch.Tensor,
+    tile: dict[str, int] | None = None,
 ) -> None:
     """DeepGEMM's contiguous grouped GEMM: ``d[i] = (A[i] * sa[i]) @ (B[g] * sb[g])^T``, ``g = m_indices[i]``.
 
     ``a = (A fp8 [m_sum, k], sa fp32 [m_sum, ceil(k/128)])``, ``b = (B fp8 [G, n, k], sb fp32
     [G, ceil(n/128), ceil(k/128)])``, ``d`` bf16 or fp32 ``[m_sum, n]``, ``m_indices`` int ``[m_sum]``.
-    Rows whose index is -1 (or not an expert of ``B``) are left untouched.
+    Rows whose index is -1 (or not an expert of ``B``) are left untouched. ``tile`` replaces
+    :func:`contiguous_tile_config`'s launch parameters (tuning).
     """
     check_operands(a, b, d, "m_grouped_fp8_gemm_nt_contiguous")
     (qa, sa), (qb, sb) = a, b
@@ -156,7 +157,7 @@ def m_grouped_fp8_gemm_nt_contiguous(
         )
     if m == 0 or n == 0 or num_groups == 0:
         return
-    cfg = contiguous_tile_config(m, n)
+    cfg = tile or contiguous_tile_config(m, n)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _contiguous_kernel[grid](
         qa, sa, qb, sb, d, m_indices, m, n, k, num_groups,
@@ -173,13 +174,15 @@ def m_grouped_fp8_gemm_nt_masked(
     d: torch.Tensor,
     masked_m: torch.Tensor,
     expected_m: int,
+    tile: dict[str, int] | None = None,
 ) -> None:
     """DeepGEMM's masked grouped GEMM: ``d[g, :masked_m[g]] = (A[g] * sa[g]) @ (B[g] * sb[g])^T`` rows.
 
     ``a = (A fp8 [G, max_m, k], sa fp32 [G, max_m, ceil(k/128)])``, ``b = (B fp8 [G, n, k], sb fp32
     [G, ceil(n/128), ceil(k/128)])``, ``d`` bf16 or fp32 ``[G, max_m, n]``, ``masked_m`` int ``[G]``
     (read on the device, no host sync). Rows at or past ``masked_m[g]`` are left untouched.
-    ``expected_m`` (a host-side hint of the typical ``masked_m``) picks the row tile.
+    ``expected_m`` (a host-side hint of the typical ``masked_m``) picks the row tile; ``tile``
+    replaces the launch parameters (tuning).
     """
     check_operands(a, b, d, "m_grouped_fp8_gemm_nt_masked")
     (qa, sa), (qb, sb) = a, b
@@ -196,7 +199,7 @@ def m_grouped_fp8_gemm_nt_masked(
         )
     if num_groups == 0 or m_max == 0 or n == 0:
         return
-    cfg = tile_config(min(max(int(expected_m), 1), m_max), n)
+    cfg = tile or tile_config(min(max(int(expected_m), 1), m_max), n)
     grid = (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), num_groups)
     _masked_kernel[grid](
         qa, sa, qb, sb, d, masked_m, m_max, n, k,

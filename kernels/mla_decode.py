@@ -36,7 +36,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split costs more in the combine than it saves
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 2
+# H100 sweep, B128 x 4K, 16 heads: 6 splits 258 us, 3 splits 293 us (the kit's run: 5 splits, 279 us)
+PROGRAMS_PER_SM = 4
 CPU_SMS = 8  # what the split heuristic assumes when there is no CUDA device (the interpreter)
 
 
@@ -197,12 +198,16 @@ def _mla_decode_combine_kernel(
 def default_launch(rows: int, compute: torch.dtype) -> tuple[int, int, int, int]:
     """``(block_m, block_n, num_warps, num_stages)`` for ``rows = s_q * h_q`` query rows.
 
-    Chosen without a GPU: the largest tiles whose sm_90 build (Triton 3.9, D = 576, DV = 512)
-    spills no registers per ptxas; block sizes and stages are to be tuned on an H800/H100.
+    The largest tiles whose sm_90 build (Triton 3.9, D = 576, DV = 512) spills no registers per
+    ptxas; warps from the H100 sweep of 2026-11-26 (benchmarks/results/gpu_h100_2026-11-26/): one 16-row block
+    runs best with 4 warps (258 us at B128 x 4K, 16 heads, against 299 us with 8). Blocks of more
+    rows keep 8 warps (not measured yet).
     """
     if compute == torch.float32:
         return 16, 16, 8, 2
-    return (16 if rows <= 16 else 32), 32, 8, 2
+    if rows <= 16:
+        return 16, 32, 4, 2
+    return 32, 32, 8, 2
 
 
 # Triton decides when a kernel is decorated: TRITON_INTERPRET=1 at import gives interpreted kernels.

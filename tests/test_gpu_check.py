@@ -67,3 +67,19 @@ def test_stage_selection_and_budgets(tmp_path: Path) -> None:
         parse_args(["--out", "x", "--stages", "nope"])
     with pytest.raises(ValueError, match="unknown stage"):
         _budgets("nope=3")
+
+
+def test_env_stage_checks_every_dependency() -> None:
+    """The env stage fails fast on a package dsinfer needs (a GPU run once lost two stages to a
+    missing llguidance): every dependency in pyproject.toml is among the imports it checks."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    from scripts.gpukit.stage_env import IMPORT_NAMES, NEEDED, TRANSFER
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    checked = {name for name, _ in NEEDED} | set(TRANSFER)
+    for dep in deps:
+        dist = Requirement(dep).name.lower()
+        module = IMPORT_NAMES.get(dist, dist.replace("-", "_"))
+        assert module in checked, f"{dist} ({module}) is not checked by the env stage"

@@ -153,7 +153,7 @@ def _check_split_heuristic() -> None:
     assert choose_num_splits(1, 4, 32768, 132, 32) == MAX_SPLITS  # one long sequence: split wide
     assert choose_num_splits(1, 4, 4096, 132, 32) == 16  # capped at 256 keys per split
     assert choose_num_splits(256, 4, 32768, 132, 32) == 1  # the batch alone fills the GPU
-    assert choose_num_splits(16, 4, 32768, 132, 32) == 5
+    assert choose_num_splits(16, 4, 32768, 132, 32) == 9
     assert choose_num_splits(1, 1, 200, 132, 32) == 1  # short context: one split
 
 

@@ -264,6 +264,7 @@ def make_plan(args: argparse.Namespace, v3: V3) -> Plan:
         for heads in (16, v3.heads)
         for batch in (64, 128)
         for s_q in (1, 2)
+        if batch in args.mla_batches and s_q in args.mla_s_q and heads in args.mla_heads
     ]
     projections = projection_shapes(v3)
     if quick:
@@ -467,6 +468,12 @@ class Timer:
             "max_us": 1e3 * ms[-1],
             "iters": iters,
         }
+
+
+# max |diff| / max |ref| of the bf16 outputs of FP8 GEMMs. Hopper's FP8 tensor cores accumulate each
+# 128-wide K block in reduced precision before the fp32 scaling (DeepGEMM's promotion point), which
+# leaves about two bf16 ulps at the largest outputs (1.02-1.07% measured on an H100): the adapters' 2%.
+GEMM_TOL = 2e-2
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -774,7 +781,7 @@ def bench_gemm(
         res["check"] = {
             "rel_err": err,
             "ops_rel_err": rel_err(adapter.linear(x, w, ws), ref),
-            "ok": err <= 1e-2,
+            "ok": err <= GEMM_TOL,
         }
         del ref
     if not args.no_torch:
@@ -851,7 +858,7 @@ def bench_grouped(
         kernel()
         expected = pick(ref())
         err = rel_err(pick(d), expected)
-        res["check"] = {"rel_err": err, "ops_rel_err": rel_err(pick(ops()), expected), "ok": err <= 1e-2}
+        res["check"] = {"rel_err": err, "ops_rel_err": rel_err(pick(ops()), expected), "ok": err <= GEMM_TOL}
         del expected
     if not args.no_torch:
         res["torch"] = timer(ref)
@@ -1077,6 +1084,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sweep-mla", action="store_true", help="also time MLA launch parameters around the defaults"
     )
+    p.add_argument("--mla-batches", default="64,128", help="MLA batch sizes to run (default 64,128)")
+    p.add_argument("--mla-s-q", default="1,2", help="MLA query tokens per sequence to run (default 1,2)")
+    p.add_argument("--mla-heads", default="16,128", help="MLA query heads to run (default 16,128)")
     p.add_argument("--list", action="store_true", help="print the planned cases and exit (no GPU needed)")
     p.add_argument(
         "--device",
@@ -1087,6 +1097,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="interpreter-sized shapes (with --device cpu)")
     args = p.parse_args(argv)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    args.mla_batches = {int(b) for b in args.mla_batches.split(",")}
+    args.mla_s_q = {int(b) for b in args.mla_s_q.split(",")}
+    args.mla_heads = {int(b) for b in args.mla_heads.split(",")}
     unknown = [s for s in args.only if s not in SECTIONS]
     if unknown:
         p.error(f"unknown section {unknown[0]!r}; choose from {','.join(SECTIONS)}")

@@ -1,7 +1,10 @@
 """Stage ``triton-compile``: registers and stack frame (where spills land) of the block-FP8 GEMM
 kernels at the configurations the ops launch, from an ahead-of-time compile with Triton's own
 ptxas and cuobjdump: for this GPU's architecture on a GPU, for sm_90 (Hopper) anywhere else, so
-the figures exist before a GPU does. A frame over ``SPILL_LIMIT`` bytes fails the stage."""
+the figures exist before a GPU does. The stage fails when a configuration does not compile. A
+stack frame is reported, not judged: on the first H100 run (Triton 3.6) the fastest dense tile at
+4096 rows, 64x128 with 4 warps, had a 1,384-byte frame (benchmarks/results/gpu_h100_2026-11-26/); speed is
+judged by the kernels stage and benchmarks/kernels/sweep_gemm.py."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from typing import Any
 
 from scripts.gpukit.common import StageContext, StageResult
 
-SPILL_LIMIT = 256  # bytes of stack frame accepted (the dense kernel's 64x128 tile has 144 on sm_90a)
 ROWS = (1, 16, 64, 256, 4096)  # per expert (grouped) or per GEMM (dense)
 N = (576, 4096, 7168)  # V3's kv_a_proj_with_mqa, expert w13 (gate + up), hidden
 
@@ -89,15 +91,19 @@ def run(ctx: StageContext, result: StageResult) -> None:
                 }
                 source = ASTSource(kernel, _signature(kernel, constexprs), constexprs)
                 options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-                compiled = triton.compile(source, target=target, options=options)
+                try:
+                    compiled = triton.compile(source, target=target, options=options)
+                except Exception as exc:  # any compiler error fails this configuration
+                    result.check(f"{key}: compiles", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+                    continue
                 configs[key] = _usage(compiled.asm["cubin"], cuobjdump)
+                result.check(f"{key}: compiles", True, str(configs[key]))
     result.figures["target"] = f"sm_{arch}" + ("a" if arch == 90 else "")
     result.figures["kernels"] = configs
+    if not configs:
+        result.summary = "no configuration compiled"
+        return
     worst = max(configs.items(), key=lambda kv: kv[1]["stack_bytes"])
-    for key, usage in configs.items():
-        result.check(
-            f"{key}: stack frame <= {SPILL_LIMIT} B", usage["stack_bytes"] <= SPILL_LIMIT, str(usage)
-        )
     result.summary = (
         f"{len(configs)} GEMM configurations for {result.figures['target']}; largest stack frame "
         f"{worst[1]['stack_bytes']} B ({worst[0]}, {worst[1]['registers']} registers)"

@@ -27,6 +27,12 @@ NEEDED = (  # import name -> what needs it
     ("fastapi", "dsinfer gateway"),
     ("uvicorn", "dsinfer gateway"),
     ("prometheus_client", "dsinfer gateway"),
+    ("llguidance", "dsinfer constrained decoding"),
+    ("cryptography", "dsinfer control plane"),
+    ("psutil", "dsinfer workers"),
+    ("numpy", "dsinfer"),
+    ("dsinfer.engine.llm", "stages parity, server, v3-engine (the engine with all its imports)"),
+    ("dsinfer.gateway.app", "stage server"),
     ("triton", "dsinfer kernels"),
     ("pytest", "stage gpu-tests"),
     ("transformers", "stages gpu-tests, parity"),
@@ -34,6 +40,11 @@ NEEDED = (  # import name -> what needs it
     ("httpx", "stage server"),
 )
 TRANSFER = ("nixl_cu13", "nixl_cu12")  # dsinfer's NIXL backend imports one of these
+IMPORT_NAMES = {
+    "pyyaml": "yaml",
+    "pyzmq": "zmq",
+    "prometheus-client": "prometheus_client",
+}  # distribution -> module
 
 
 def _command(argv: list[str]) -> str | None:

@@ -5,10 +5,17 @@ through the offline engine, against transformers' float32 greedy loop on the CPU
   below 2e-4 x S): the engine on the CPU in float32, on the GPU in float32 eager
   (``enforce_eager``), eager with MTP speculative decoding (same tokens by design), and with its
   decode steps replayed from CUDA graphs (on an explicit ``cuda:0``, as ``--device cuda:N`` runs);
-- statistical: the GPU in bfloat16, and an FP8 checkpoint whose GEMMs run in FP8 on the GPU
-  (dequantized to float32 on the CPU): the share of each sequence generated before its first
-  difference, prompts whose first token agrees, and the first token's logprob error over the top 5
-  (relative to S). The thresholds are this kit's, not the project's policy.
+- statistical: the GPU in bfloat16 against transformers: the share of each sequence generated
+  before its first difference, prompts whose first token agrees, and the first token's logprob
+  error over the top 5 (relative to S). The thresholds are this kit's, not the project's policy.
+- FP8: a checkpoint whose GEMMs run in FP8 on the GPU (activations quantized 1x128, as DeepSeek's
+  inference does) is judged against the engine's own FP8 path on the CPU (weights kept FP8, the
+  torch GEMMs quantizing activations the same way), by the same share-of-sequence and first-token
+  figures. Its figures against transformers (the dequantized model, activations unquantized) are
+  reported, not judged: on the first H100 run the GPU gave prefix 0.095, first token 0.714, logprob
+  error 0.088 S in float32, and the CPU FP8 path gives 0.119, 0.714 and 0.080 S on the same
+  prompts, so activation quantization on a random model's flat logits, not the GPU, accounts for
+  them.
 
 Under ``--cpu-smoke`` the "GPU" runs are CPU runs (CUDA graphs: the same static-buffer callable,
 not captured).
@@ -97,6 +104,61 @@ def _statistical(result: StageResult, mode: str, stats: dict[str, float]) -> Non
     )
 
 
+def _make_fp8_kept(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) -> Any:
+    """``_make`` with the checkpoint's FP8 weights kept FP8 on any device (on a CPU the loader
+    dequantizes them otherwise; on CUDA it keeps them anyway): the torch GEMMs then quantize
+    activations 1x128 as the GPU kernels do."""
+    import dataclasses
+    from unittest import mock
+
+    import dsinfer.engine.engine as engine_module
+
+    select = engine_module.select_ops
+
+    def keep_fp8(device: Any, prefer: str | None = None) -> Any:
+        return dataclasses.replace(select(device, prefer), supports_fp8_gemm=True)
+
+    with mock.patch.object(engine_module, "select_ops", keep_fp8):
+        return _make(path, ctx, graphs=graphs, **kwargs)
+
+
+def _agreement(expected: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    prefix = []
+    for a, b in zip(expected, got, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+        prefix.append(same / len(a))
+    first = [float(a[:1] == b[:1]) for a, b in zip(expected, got, strict=True)]
+    return {
+        "prefix_agreement": round(sum(prefix) / len(prefix), 3),
+        "first_token_agreement": round(sum(first) / len(first), 3),
+    }
+
+
+def _fp8(
+    result: StageResult, path: str, ctx: StageContext, prompts: list[list[int]], max_new: int, ref: Any
+) -> None:
+    """The FP8 checkpoint on the GPU in float32 and bfloat16 against the CPU's FP8 path (judged)
+    and against transformers (reported)."""
+    llm = _make_fp8_kept(path, ctx, graphs=False, device="cpu", dtype="float32")
+    cpu = [list(o.token_ids) for o in _generate(llm, prompts, max_new)]
+    llm.engine.close()
+    for dtype in ("float32",) if ctx.cpu_smoke else ("float32", "bfloat16"):
+        mode = f"fp8 checkpoint {ctx.device} {dtype}"
+        llm = _make_fp8_kept(path, ctx, graphs=True, device=ctx.device, dtype=dtype)
+        result.figures[f"{mode}: backends"] = dict(llm.engine.ops.backends)
+        outs = _generate(llm, prompts, max_new, logprobs=5)
+        llm.engine.close()
+        result.figures[f"{mode} vs transformers (reported)"] = _statistics(ref, outs)
+        stats = _agreement(cpu, [list(o.token_ids) for o in outs])
+        result.figures[f"{mode} vs the CPU FP8 path"] = stats
+        result.check(
+            f"{mode}: close to the CPU FP8 path",
+            stats["prefix_agreement"] >= MIN_PREFIX_AGREEMENT
+            and stats["first_token_agreement"] >= MIN_FIRST_TOKEN_AGREEMENT,
+            f"need prefix >= {MIN_PREFIX_AGREEMENT}, first token >= {MIN_FIRST_TOKEN_AGREEMENT}",
+        )
+
+
 def run(ctx: StageContext, result: StageResult) -> None:
     import torch
 
@@ -113,37 +175,35 @@ def run(ctx: StageContext, result: StageResult) -> None:
         ckpt = build_checkpoint(ctx.out / name.replace(" ", "_"), overrides, fp8=fp8, bias_scale=0.5)
         ref = [hf_greedy_steps(ckpt.hf_model, p, max_new, ()) for p in prompts]
         path = str(ckpt.path)
-        if not fp8:
-            if not ctx.cpu_smoke:  # under the smoke run the "GPU" eager run below is this one
-                cpu = _make(path, ctx, graphs=False, device="cpu", dtype="float32")
-                _exact(result, "cpu float32", ref, [o.token_ids for o in _generate(cpu, prompts, max_new)])
-                cpu.engine.close()
-            for graphs, mtp in ((False, False), (False, True), (True, False)):
-                mode = f"{gpu} float32 " + ("graphs" if graphs else "eager") + (" MTP" if mtp else "")
-                device = f"{gpu}:0" if graphs and gpu == "cuda" else gpu
-                llm = _make(path, ctx, graphs=graphs, device=device, dtype="float32", speculative_mtp=mtp)
-                _exact(result, mode, ref, [o.token_ids for o in _generate(llm, prompts, max_new)])
-                runner = llm.engine.runner.decode_graphs
-                if graphs:
-                    replays = sum(runner.steps.values()) if runner is not None else 0
-                    result.figures[f"{mode}: decode steps from graphs"] = replays
-                    result.check(f"{mode}: decode steps ran through the graph runner", replays > 0)
-                llm.engine.close()
-            dtype = "bfloat16"
-        else:
-            dtype = "float32" if ctx.cpu_smoke else "bfloat16"
-        llm = _make(path, ctx, graphs=True, device=gpu, dtype=dtype)
-        result.figures[f"{name} {gpu} {dtype}: backends"] = dict(llm.engine.ops.backends)
-        _statistical(
-            result, f"{name} {gpu} {dtype}", _statistics(ref, _generate(llm, prompts, max_new, logprobs=5))
-        )
+        if fp8:
+            _fp8(result, path, ctx, prompts, max_new, ref)
+            continue
+        if not ctx.cpu_smoke:  # under the smoke run the "GPU" eager run below is this one
+            cpu = _make(path, ctx, graphs=False, device="cpu", dtype="float32")
+            _exact(result, "cpu float32", ref, [o.token_ids for o in _generate(cpu, prompts, max_new)])
+            cpu.engine.close()
+        for graphs, mtp in ((False, False), (False, True), (True, False)):
+            mode = f"{gpu} float32 " + ("graphs" if graphs else "eager") + (" MTP" if mtp else "")
+            device = f"{gpu}:0" if graphs and gpu == "cuda" else gpu
+            llm = _make(path, ctx, graphs=graphs, device=device, dtype="float32", speculative_mtp=mtp)
+            _exact(result, mode, ref, [o.token_ids for o in _generate(llm, prompts, max_new)])
+            runner = llm.engine.runner.decode_graphs
+            if graphs:
+                replays = sum(runner.steps.values()) if runner is not None else 0
+                result.figures[f"{mode}: decode steps from graphs"] = replays
+                result.check(f"{mode}: decode steps ran through the graph runner", replays > 0)
+            llm.engine.close()
+        llm = _make(path, ctx, graphs=True, device=gpu, dtype="bfloat16")
+        result.figures[f"{name} {gpu} bfloat16: backends"] = dict(llm.engine.ops.backends)
+        stats = _statistics(ref, _generate(llm, prompts, max_new, logprobs=5))
+        _statistical(result, f"{name} {gpu} bfloat16", stats)
         llm.engine.close()
     exact = [c for c in result.checks if "transformers" in c.name]
     result.summary = (
         f"{sum(c.ok for c in exact)}/{len(exact)} exact modes equal to transformers; "
         + "; ".join(
-            f"{k}: prefix {v['prefix_agreement']}, first-logprob err {v['first_logprob_error_over_S']} S"
+            f"{k}: prefix {v['prefix_agreement']}, first token {v['first_token_agreement']}"
             for k, v in result.figures.items()
-            if isinstance(v, dict) and "prefix_agreement" in v
+            if isinstance(v, dict) and "prefix_agreement" in v and "(reported)" not in k
         )
     )
