@@ -291,6 +291,17 @@ def check_adapter_runs_the_kernels() -> None:
     rows_bound = torch.cat([bound(a[:6], 0), bound(a[6:], 2)])
     _assert_gemm_close(y, ref, rows_bound, k, "adapter grouped contiguous", True)
 
+    unaligned = DeepGemmAdapter(kernels, m_alignment=1)  # what select_ops builds over dsinfer.kernels
+    m_indices = torch.tensor([2, 0, -1, 2, 0, 0, -1, 2, 1, 0], dtype=torch.int32)  # unsorted, -1 rows
+    a = torch.randn(10, k, generator=gen)
+    with launches(grouped_gemm._contiguous_kernel) as calls:
+        y = unaligned.grouped_gemm_contiguous(a, qb, sb, m_indices)
+    _expect(len(calls) == 1, "the unaligned grouped_gemm_contiguous did not run the kernel")
+    ref = torch_gemm.grouped_gemm_contiguous(a, qb, sb, m_indices)
+    _expect(bool((y[m_indices < 0] == 0).all()), "rows with index -1 are not zero")
+    rows_bound = torch.cat([bound(a[i : i + 1], max(int(e), 0)) for i, e in enumerate(m_indices)])
+    _assert_gemm_close(y, ref, rows_bound, k, "adapter grouped contiguous, unaligned", True)
+
     a = torch.randn(groups, 8, k, generator=gen)
     masked_m = torch.tensor([3, 0, 8], dtype=torch.int32)
     with launches(grouped_gemm._masked_kernel) as calls:

@@ -132,7 +132,10 @@ class DeepGemmAdapter:
     ``m_alignment``: the row multiple of each expert segment in the contiguous layout, and of the
     rows per group of the masked layout. None asks the module
     (``get_mk_alignment_for_contiguous_layout`` / ``get_m_alignment_...``), else DeepGEMM's
-    documented 128; dsinfer.kernels' Triton GEMMs mask partial tiles and take any row count (1).
+    documented 128; dsinfer.kernels' Triton GEMMs mask partial tiles and take any row count (1):
+    then the contiguous layout is passed as it is (unsorted rows, -1 rows), with no padding, no
+    host sync and no gather (on the H100 the padding path cost about 1 ms around a 0.1-0.26 ms
+    kernel, benchmarks/results/gpu_h100_2026-11-26/run4_kernels.md).
 
     The masked padding matters: DeepGEMM's SM90 masked kernel stores whole BLOCK_M-row tiles per
     group without checking ``m % BLOCK_M``, so with ``[G, m, k]`` operands whose ``m`` is not a
@@ -182,6 +185,11 @@ class DeepGemmAdapter:
     ) -> torch.Tensor:
         if not self._native(b, b_scale) or a.shape[0] == 0:
             return torch_gemm.grouped_gemm_contiguous(a, b, b_scale, m_indices)
+        if self.m_alignment == 1:  # rows in any order, -1 rows skipped: no layout, no host sync
+            q, s = self._quantize(a)
+            out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
+            self._contiguous((q, s), (b, b_scale), out, m_indices.to(torch.int32))
+            return out.to(a.dtype)
         # pad every expert's segment to the kernel's alignment, run, and drop the padding again
         layout = contiguous_padding(m_indices, self.m_alignment)
         if layout.num_rows == 0:
