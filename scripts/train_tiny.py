@@ -8,16 +8,22 @@ model's final-normed hidden state at position t and the embedding of token t+1 a
 t+2 with its own loss (weight ``--mtp-weight``); it shares the embedding and output head with the
 main model during training and gets copies of them when saved.
 
-Data: chat conversations rendered through the chat template (dsinfer.evals.tasks: arithmetic,
-reversal, sorting, key lookup), loss on the assistant's replies only. A step is one batch of rows
-packed with short conversations of 1-3 turns, each turn a task drawn with ``--task-weights`` (a
-lookup turn brings its own table of 2-8 lines), plus, with ``--lookup-rows N`` (default none), N
-longer rows that each start with a lookup over a long context and several questions about it and
-are filled up with short conversations. The default recipe leaves the long rows out and weights
-the arithmetic up: within an hour's steps the lookup is not learnt either way (benchmarks/results/
-tiny_chat_training.md), and without the long rows a step takes 0.6-0.75 s instead of ~1 s. With
-``--lookup-first-steps N`` the first N steps are a curriculum: every conversation is a lookup, so
-that the copy from the context forms before the mix shares the gradient with the other tasks.
+Data, in three phases (benchmarks/results/tiny_chat_training.md tells why):
+
+1. ``--induction-steps``: copy sequences, a random run of letters and digits followed by itself
+   with no delimiter (loss on the second run). Only an induction head predicts it (find the current
+   token earlier, copy what followed it); it forms within a few hundred steps here, where the
+   lookup alone never formed one in 140,000 lookups.
+2. ``--table-steps``: table conversations only: "Repeat the lines." of a small table (the reply is
+   its lines shuffled: every token after a line's first letter is a copy by key, dense targets in
+   the lookup's own format) or lookups in it. The copy moves into the lookup's format.
+3. The task mix: chat conversations rendered through the chat template (dsinfer.evals.tasks:
+   arithmetic, reversal, sorting, key lookup, and the training-only "lines"), loss on the
+   assistant's replies only. A step is one batch of rows packed with short conversations of 1-3
+   turns, each turn a task drawn with ``--task-weights`` (a lookup or lines turn brings its own
+   table of 2-8 lines), plus ``--lookup-rows`` rows of one lookup conversation each over a large
+   table (up to 111 lines, as many as fit ``--lookup-length``) with up to 12 questions.
+
 Packed conversations do not see each other: attention is causal within each conversation and its
 positions start at 0, as when it is served alone (without this, digits of the other questions in a
 row distract sorting and arithmetic: at equal steps a 2-layer model sorted 16% instead of 38% and
@@ -40,6 +46,7 @@ config.json, model.safetensors (the MTP layer as model.layers.<num_hidden_layers
 generation_config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja.
 
 Usage: python scripts/train_tiny.py [--out DIR] [--steps N] [--seed S] [--threads T]
+(the shipped checkpoint: ``OMP_WAIT_POLICY=ACTIVE python scripts/train_tiny.py`` on a quiet machine)
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import math
 import os
 import random
 import re
+import string
 import sys
 import tempfile
 import time
@@ -58,8 +66,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # OpenMP threads that spin while waiting lose their core to the other jobs on a shared machine:
-# 2 spinning threads ran at a tenth of 1 thread's tokens/s under a load of 15 on 2 cores. Set
-# before torch starts its OpenMP runtime.
+# 2 spinning threads ran at a tenth of 1 thread's tokens/s under a load of 15 on 2 cores. On a
+# quiet machine spinning is faster (a step of the recipe 0.87 s against 1.2 s passive): the
+# recipe's run sets OMP_WAIT_POLICY=ACTIVE, which this keeps. Set before torch starts OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
@@ -67,7 +76,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from torch import nn
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import AttentionInterface, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,6 +94,7 @@ from make_tiny_tokenizer import (
 )
 
 from dsinfer.evals.tasks import (
+    LINE_TOKENS,
     SHORT_TASKS,
     TASKS,
     TOKENIZER_WORDS,
@@ -102,9 +113,20 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "configs" / "models" / "tiny-chat"
 MODEL_MAX_LENGTH = 2048
 SHORT_LOOKUP_LINES = (2, 9)  # [min, max) lines of the tables in short conversations
-MIX_TASKS = (*SHORT_TASKS, "lookup")  # the tasks of short conversations, in --task-weights order
-DEFAULT_TASK_WEIGHTS = (4, 4, 4, 2, 2, 1)  # the arithmetic first; the lookup is not learnt in budget
+# The tasks of short conversations, in --task-weights order; "lines" (repeat a small table's lines
+# in a shuffled order) is training only: a dense copy in the lookup's own format.
+MIX_TASKS = (*SHORT_TASKS, "lookup", "lines")
+DEFAULT_TASK_WEIGHTS = (4, 4, 4, 2, 2, 1, 1)
 DEFAULT_WIDE_MUL_SHARE = 0.0  # of multiplications drawn with a 3-digit operand (wide_multiplication)
+DEFAULT_LOOKUP_ROWS = 1  # per step, each one lookup conversation of up to --lookup-length tokens
+DEFAULT_INDUCTION_STEPS = 500  # steps of copy sequences first
+DEFAULT_TABLE_STEPS = 200  # then steps of table conversations (TABLE_LINES_SHARE of them "lines")
+TABLE_LINES_SHARE = 0.7
+LINES_TABLE = (3, 9)  # [min, max) lines of a "lines" turn's table
+COPY_ALPHABET = string.ascii_lowercase + string.digits
+COPY_RUN = (8, 40)  # characters of a copy sequence's random run
+# Tokens of a lookup conversation besides its table's lines (bos, markers, question, reply).
+LOOKUP_OVERHEAD = 40
 
 # DeepSeek-V3's architecture at a small width. kv_lora_rank 512 and qk_rope_head_dim 64 are V3's
 # own latent sizes (the only ones vLLM's CPU MLA backends take); the rest is small.
@@ -298,17 +320,35 @@ class TrainingData:
             if q.key not in self.excluded:
                 return q
 
-    def short_conversation(self, lookup_only: bool = False) -> tuple[list[int], list[bool]]:
-        """1 to 3 turns, each a task of MIX_TASKS drawn with ``task_weights`` (or each a lookup
-        when ``lookup_only``); a lookup turn here brings a small table of its own
-        (SHORT_LOOKUP_LINES), the cheap way to learn retrieval (the long rows teach it at length)."""
+    def short_conversation(self) -> tuple[list[int], list[bool]]:
+        """1 to 3 turns, each a task of MIX_TASKS drawn with ``task_weights``; a lookup turn here
+        brings a small table of its own (SHORT_LOOKUP_LINES), the long rows bring large ones."""
         turns = self.rng.choices([1, 2, 3], weights=[2, 1, 1])[0]
-        if lookup_only:
-            tasks = ["lookup"] * turns
-        else:
-            tasks = self.rng.choices(MIX_TASKS, weights=self.task_weights, k=turns)
-        qs = [self.short_lookup() if t == "lookup" else self.question(t) for t in tasks]
+        tasks = self.rng.choices(MIX_TASKS, weights=self.task_weights, k=turns)
+        makers = {"lookup": self.short_lookup, "lines": self.repeat_lines}
+        qs = [makers[t]() if t in makers else self.question(t) for t in tasks]
         return self.encoder.conversation([(q.prompt, q.answer) for q in qs])
+
+    def table_conversation(self) -> tuple[list[int], list[bool]]:
+        """A "lines" turn (TABLE_LINES_SHARE of them) or 1 to 4 lookups on one small table."""
+        if self.rng.random() < TABLE_LINES_SHARE:
+            q = self.repeat_lines()
+            return self.encoder.conversation([(q.prompt, q.answer)])
+        table = lookup_context(self.rng, self.rng.randrange(*SHORT_LOOKUP_LINES))
+        keys = self.rng.choices(list(table), k=self.rng.randint(1, 4))
+        turns = [(render_context(table) + lookup_question(keys[0]), table[keys[0]])]
+        return self.encoder.conversation(turns + [(lookup_question(k), table[k]) for k in keys[1:]])
+
+    def repeat_lines(self) -> Question:
+        """A small table, then "Repeat the lines."; the reply is its lines in a shuffled order. Each
+        reply token after a line's first letter is a copy from the context by the retrieval the
+        lookup needs (the key's next letters, then its value): dense targets where a lookup has 3."""
+        table = lookup_context(self.rng, self.rng.randrange(*LINES_TABLE))
+        lines = list(table.items())
+        self.rng.shuffle(lines)
+        return Question(
+            "lines", render_context(table) + "Repeat the lines.", render_context(dict(lines)), "lines"
+        )
 
     def short_lookup(self) -> Question:
         table = lookup_context(self.rng, self.rng.randrange(*SHORT_LOOKUP_LINES))
@@ -316,10 +356,24 @@ class TrainingData:
         prompt = render_context(table) + lookup_question(key)
         return Question("lookup", prompt, table[key], f"lookup:{prompt}")
 
+    def copy_sequence(self) -> tuple[list[int], list[bool]]:
+        """bos, a random run of letters and digits (COPY_RUN characters), then the same tokens again,
+        with no delimiter between them: the second run can be predicted only by finding the current
+        token earlier and copying what followed it (an induction head). Loss on the second run
+        from its second token (nothing tells where it starts)."""
+        length = self.rng.randint(*COPY_RUN)
+        run = self.encoder.text("".join(self.rng.choice(COPY_ALPHABET) for _ in range(length)))
+        return [self.encoder.bos, *run, *run], [False] * (len(run) + 2) + [True] * (len(run) - 1)
+
     def lookup_conversation(self, max_tokens: int) -> tuple[list[int], list[bool]]:
         """A context of "key: value" lines with a question, then up to 11 more questions on it (as
-        many as fit ``max_tokens``)."""
-        table = lookup_context(self.rng, self.rng.randrange(*TRAIN_LOOKUP_LINES))
+        many as fit ``max_tokens``; the table has at most as many lines as fit with one question)."""
+        most = min(TRAIN_LOOKUP_LINES[1], (max_tokens - LOOKUP_OVERHEAD) // LINE_TOKENS + 1)
+        if most <= TRAIN_LOOKUP_LINES[0]:
+            raise ValueError(
+                f"lookup rows of {max_tokens} tokens hold no table of {TRAIN_LOOKUP_LINES[0]} lines"
+            )
+        table = lookup_context(self.rng, self.rng.randrange(TRAIN_LOOKUP_LINES[0], most))
         keys = self.rng.choices(list(table), k=1 + self.rng.randint(0, 11))
         turns = [(render_context(table) + lookup_question(keys[0]), table[keys[0]])]
         turns += [(lookup_question(k), table[k]) for k in keys[1:]]
@@ -329,31 +383,36 @@ class TrainingData:
             ids, mask = self.encoder.conversation(turns)
         return ids, mask
 
+    def lookup_rows(self, rows: int, max_tokens: int) -> Batch:
+        """``rows`` lookup conversations (lookup_conversation), one per row, padded to the longest:
+        a row is as long as its table, not ``max_tokens``."""
+        conversations = [self.lookup_conversation(max_tokens) for _ in range(rows)]
+        return pad([ids for ids, _ in conversations], [mask for _, mask in conversations], self.encoder.eos)
+
     def rows(
-        self,
-        rows: int,
-        length: int,
-        first: Callable[[], tuple[list[int], list[bool]]] | None = None,
-        lookup_only: bool = False,
+        self, rows: int, length: int, fill: Callable[[], tuple[list[int], list[bool]]] | None = None
     ) -> Batch:
-        """``rows`` rows of ``length`` tokens: each starts with ``first()`` when given (a lookup
-        conversation), then is filled with whole short conversations until the next does not fit."""
+        """``rows`` rows of ``length`` tokens, each filled with whole sequences of ``fill()`` (by
+        default short conversations) until the next does not fit."""
+        fill = fill or self.short_conversation
         ids = torch.full((rows, length), self.encoder.eos, dtype=torch.long)
         reply = torch.zeros((rows, length), dtype=torch.bool)
         conversation = torch.full((rows, length), -1, dtype=torch.long)
         for r in range(rows):
             pos, index = 0, 0
-            conv, conv_mask = first() if first is not None else self.short_conversation(lookup_only)
-            while first is None and len(conv) > length:  # a rare 3-table conversation: draw again
-                conv, conv_mask = self.short_conversation(lookup_only)
+            conv, conv_mask = fill()
+            for _ in range(100):  # a rare 3-table conversation: draw again
+                if len(conv) <= length:
+                    break
+                conv, conv_mask = fill()
+            else:
+                raise ValueError(f"conversations of {len(conv)} tokens do not fit rows of {length}")
             while pos + len(conv) <= length:
                 ids[r, pos : pos + len(conv)] = torch.tensor(conv)
                 reply[r, pos : pos + len(conv)] = torch.tensor(conv_mask)
                 conversation[r, pos : pos + len(conv)] = index
                 pos, index = pos + len(conv), index + 1
-                conv, conv_mask = self.short_conversation(lookup_only)
-            if pos == 0:
-                raise ValueError(f"a conversation of {len(conv)} tokens does not fit a row of {length}")
+                conv, conv_mask = fill()
         return Batch(ids, reply, conversation)
 
 
@@ -454,10 +513,31 @@ class MTPModule(nn.Module):
         return out
 
 
+PADDED_SDPA = "sdpa_padded_values"
+
+
+def padded_sdpa(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with the values zero-padded to the query/key head size (32 ->
+    96): torch takes its fused CPU kernel only for equal head sizes and otherwise its math path,
+    which holds every [T, T] score (1.3-2x slower a step, 2x slower on 1k-token rows here). The
+    padded output columns are zeros and dropped."""
+    padded = F.pad(value, (0, query.shape[-1] - value.shape[-1]))
+    out, weights = sdpa_attention_forward(module, query, key, padded, attention_mask, **kwargs)
+    return out[..., : value.shape[-1]], weights
+
+
 def hf_config(vocab_size: int) -> DeepseekV3Config:
     keep = {k: v for k, v in ARCHITECTURE.items() if k not in ("architectures", "model_type")}
     config = DeepseekV3Config(**keep, vocab_size=vocab_size, bos_token_id=0, eos_token_id=1)
-    config._attn_implementation = "sdpa"  # torch's fused CPU attention: 1.2-1.6x eager's tokens/s here
+    AttentionInterface.register(PADDED_SDPA, padded_sdpa)  # transformers' extension point, idempotent
+    config._attn_implementation = PADDED_SDPA
     return config
 
 
@@ -608,17 +688,14 @@ def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, T
         lr = learning_rate(step, args.steps, args.lr, args.warmup)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        lookup_first = step < args.lookup_first_steps
-        batches = [data.rows(args.short_rows, args.short_length, lookup_only=lookup_first)]
-        if args.lookup_rows > 0:
-            batches.append(
-                data.rows(
-                    args.lookup_rows,
-                    args.lookup_length,
-                    lambda: data.lookup_conversation(args.lookup_length),
-                    lookup_only=lookup_first,
-                )
-            )
+        if step < args.induction_steps:
+            batches = [data.rows(args.short_rows, args.short_length, fill=data.copy_sequence)]
+        elif step < args.induction_steps + args.table_steps:
+            batches = [data.rows(args.short_rows, args.short_length, fill=data.table_conversation)]
+        else:
+            batches = [data.rows(args.short_rows, args.short_length)]
+            if args.lookup_rows > 0:
+                batches.append(data.lookup_rows(args.lookup_rows, args.lookup_length))
         with autocast(args.bf16):
             parts = [batch_loss(model, mtp, batch) for batch in batches]
         supervised = sum(p.tokens for p in parts)
@@ -703,7 +780,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it bitwise)")
-    parser.add_argument("--steps", type=int, default=4700)
+    parser.add_argument("--steps", type=int, default=4200)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument(
@@ -715,20 +792,30 @@ def main() -> None:
     parser.add_argument("--short-rows", type=int, default=19)
     parser.add_argument("--short-length", type=int, default=192)
     parser.add_argument(
-        "--lookup-rows", type=int, default=0, help="rows per step that start with a long lookup (0: none)"
+        "--lookup-rows",
+        type=int,
+        default=DEFAULT_LOOKUP_ROWS,
+        help="rows per step that each hold one lookup conversation with a large table (0: none)",
     )
     parser.add_argument(
         "--lookup-length",
         type=int,
         default=1280,
-        help="tokens per lookup row (a context and its questions, then short conversations)",
+        help="most tokens of a lookup row (its table has as many lines as fit, up to 111)",
     )
     parser.add_argument(
-        "--lookup-first-steps",
+        "--induction-steps",
         type=int,
-        default=0,
-        help="a curriculum: the first N steps train on lookups only (the copy from the context forms "
-        "on them before the task mix; in the mix alone it never started)",
+        default=DEFAULT_INDUCTION_STEPS,
+        help="the first N steps fill the short rows with copy sequences (a random run of letters and "
+        "digits, then itself again): they form the induction heads the lookup needs",
+    )
+    parser.add_argument(
+        "--table-steps",
+        type=int,
+        default=DEFAULT_TABLE_STEPS,
+        help="then N steps of table conversations only (repeat a table's lines, or look keys up in it): "
+        "the copy moves into the lookup's format; the task mix follows",
     )
     parser.add_argument(
         "--task-weights",
@@ -748,7 +835,7 @@ def main() -> None:
     parser.add_argument(
         "--eval-every",
         type=int,
-        default=200,
+        default=300,
         help="steps between held-out evaluations (their forwards count in the next router-bias update)",
     )
     parser.add_argument(

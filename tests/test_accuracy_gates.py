@@ -3,10 +3,11 @@ through each serving mode with the offline engine's accuracy and its very tokens
 all-in-one PD server, a 2-rank EP pool with redundant experts and online EPLB, two-micro-batch
 overlap, MTP drafting, prefix-cache hits on the same long contexts, and the on-disk KV tier after
 a restart. The offline answers are gated on exact match where the committed checkpoint is strong
-(reverse and sort: every answer right; README, "The built-in model": 100% and 95.5% on 200 held-out
-questions) and on a floor where it is not (arithmetic: 97.5/94/71% on 200 each, 7 of 9 here), plus
-the answer's form: every arithmetic and lookup reply is a number (tasks.well_formed), which a
-random-weight or broken model fails. MTP drafts are accepted at about the measured rate (87% here)."""
+(addition, subtraction, reversal, sorting and the lookup: every answer right; README, "The built-in
+model": 99/96.5/100/100/99.5% on 200 held-out questions) and on a floor where it is not
+(multiplication: 56% on 200, 1 of 3 here), plus the answer's form: every arithmetic and lookup
+reply is a number (tasks.well_formed), which a random-weight or broken model fails. MTP drafts are
+accepted at about the measured rate (94.7% here)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ LIMIT = 3  # held-out questions per task: 15 short ones and 3 contexts of 256-51
 ENGINE = {"dtype": "float32", "kv_cache_memory": "32MiB", "max_num_batched_tokens": 128}
 SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-num-batched-tokens", "128"]
 NUMERIC_TASKS = ("add", "sub", "mul", "lookup")
-EXACT_TASKS = ("reverse", "sort")  # every held-out answer right on this set
-MIN_ARITHMETIC_CORRECT = 5  # of 9 (add, sub, mul); the committed checkpoint gets 7
-MIN_MTP_ACCEPTANCE = 0.6  # the committed checkpoint: 34 of 39 drafts (87.2%) on this set, float32
+EXACT_TASKS = ("add", "sub", "reverse", "sort", "lookup")  # every held-out answer right on this set
+MIN_MUL_CORRECT = 1  # of 3; the committed checkpoint gets 1 (a random-weight model 0)
+MIN_MTP_ACCEPTANCE = 0.8  # the committed checkpoint: 36 of 38 drafts (94.7%) on this set, float32
 
 
 def _offline(**engine: object) -> LLM:
@@ -60,8 +61,7 @@ def test_offline_answers_are_right(reference: EvalReport) -> None:
     assert all(by_task[task].correct == by_task[task].total == LIMIT for task in EXACT_TASKS), (
         reference.table()
     )
-    arithmetic = sum(by_task[task].correct for task in ("add", "sub", "mul"))
-    assert arithmetic >= MIN_ARITHMETIC_CORRECT, reference.table()
+    assert by_task["mul"].correct >= MIN_MUL_CORRECT, reference.table()
 
 
 def test_mtp_same_tokens_and_drafts_accepted(reference: EvalReport) -> None:

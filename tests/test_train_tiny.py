@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from transformers import DeepseekV3ForCausalLM
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_tiny.py"
-SHORT_RUN = [
-    *("--steps", "2", "--seed", "3", "--threads", "1", "--warmup", "1"),
-    *("--short-rows", "2", "--lookup-rows", "1", "--log-every", "1", "--eval-every", "2", "--eval-size", "1"),
+SHORT_RUN = [  # one step of each phase: copy sequences, table conversations, the task mix
+    *("--steps", "3", "--seed", "3", "--threads", "1", "--warmup", "1", "--induction-steps", "1"),
+    *("--table-steps", "1", "--short-rows", "2", "--lookup-rows", "1", "--lookup-length", "640"),
+    *("--log-every", "1", "--eval-every", "3", "--eval-size", "1"),
 ]
 
 
@@ -51,7 +52,7 @@ def test_same_seed_same_checkpoint(tmp_path: Path) -> None:
         ]
         for log in logs
     ]
-    assert progress[0] == progress[1] and any(line.startswith("eval step 2") for line in progress[0])
+    assert progress[0] == progress[1] and any(line.startswith("eval step 3") for line in progress[0])
     a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -66,14 +67,14 @@ def test_task_weights_choose_the_mix() -> None:
     from scripts.train_tiny import ASSISTANT, USER, Encoder, TrainingData, build_tokenizer
 
     tokenizer = build_tokenizer()
-    data = TrainingData(Encoder(tokenizer), seed=0, task_weights=(0, 0, 0, 0, 1, 0))
+    data = TrainingData(Encoder(tokenizer), seed=0, task_weights=(0, 0, 0, 0, 1, 0, 0))
     prompts = []
     for _ in range(20):
         ids, _ = data.short_conversation()
         text = tokenizer.decode(ids, skip_special_tokens=False)
         prompts += [turn.split(ASSISTANT)[0] for turn in text.split(USER)[1:]]
     assert len(prompts) >= 20 and all(p.startswith("Sort the digits: ") for p in prompts), prompts
-    for bad in ((1, 1), (0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 1, -1)):
+    for bad in ((1, 1), (0, 0, 0, 0, 0, 0, 0), (1, 1, 1, 1, 1, 1, -1)):
         with pytest.raises(ValueError, match="task weights"):
             TrainingData(Encoder(tokenizer), seed=0, task_weights=bad)
 
@@ -100,3 +101,81 @@ def test_wide_multiplication_share() -> None:
     assert 60 < widths(0.5).count(3) < 140
     with pytest.raises(ValueError, match="wide_mul_share"):
         TrainingData(encoder, seed=0, wide_mul_share=1.5)
+
+
+def test_copy_sequences_repeat_a_random_run() -> None:
+    """A copy sequence is bos, a run, the same run again; the loss is on the second run but its
+    first token (nothing tells where the repeat starts)."""
+    from scripts.train_tiny import COPY_RUN, Encoder, TrainingData, build_tokenizer
+
+    encoder = Encoder(build_tokenizer())
+    data = TrainingData(encoder, seed=0)
+    lengths = set()
+    for _ in range(50):
+        ids, mask = data.copy_sequence()
+        run = (len(ids) - 1) // 2
+        assert len(ids) == len(mask) == 2 * run + 1 and ids[0] == encoder.bos
+        assert ids[1 : run + 1] == ids[run + 1 :]
+        assert mask == [False] * (run + 2) + [True] * (run - 1)
+        text = encoder.tokenizer.decode(ids[1 : run + 1])
+        assert text.isalnum() and text.lower() == text
+        lengths.add(len(text))
+    assert COPY_RUN[0] <= min(lengths) < max(lengths) <= COPY_RUN[1]
+
+
+def test_repeat_lines_and_table_conversations() -> None:
+    """A "lines" reply holds the table's lines, each once, in another order; a table conversation
+    is such a turn or lookups whose replies are the asked keys' values."""
+    from scripts.train_tiny import ASSISTANT, EOS, USER, Encoder, TrainingData, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    data = TrainingData(Encoder(tokenizer), seed=0)
+    reordered = 0
+    for _ in range(50):
+        q = data.repeat_lines()
+        table, instruction = q.prompt.rsplit("\n", 1)
+        assert instruction == "Repeat the lines."
+        assert sorted(q.answer.splitlines()) == sorted(table.splitlines())
+        reordered += q.answer.splitlines() != table.splitlines()
+    assert reordered > 30
+    kinds = set()
+    for _ in range(50):
+        ids, mask = data.table_conversation()
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        turns = [turn.split(ASSISTANT) for turn in text.split(USER)[1:]]
+        table = dict(line.split(": ") for line in turns[0][0].splitlines()[:-1])
+        for prompt, reply in turns:
+            reply = reply.removesuffix(EOS)
+            if prompt.endswith("Repeat the lines."):
+                kinds.add("lines")
+                assert dict(line.split(": ") for line in reply.splitlines()) == table
+            else:
+                kinds.add("lookup")
+                assert reply == table[prompt.removesuffix("?").rsplit(" ", 1)[1]]
+        replies = tokenizer.decode(
+            [t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False
+        )
+        assert replies == "".join(reply for _, reply in turns)
+    assert kinds == {"lines", "lookup"}
+
+
+def test_lookup_rows_bound_the_table() -> None:
+    """A lookup row holds one conversation whose table has as many lines as fit its most tokens
+    with one question (up to 111); rows are padded to the longest, the padding out of the loss."""
+    from scripts.train_tiny import Encoder, TrainingData, build_tokenizer
+
+    encoder = Encoder(build_tokenizer())
+    data = TrainingData(encoder, seed=0)
+    for length in (120, 640):
+        assert all(len(data.lookup_conversation(length)[0]) <= length for _ in range(100))
+    with pytest.raises(ValueError, match="hold no table"):
+        data.lookup_conversation(50)
+    lines = [encoder.tokenizer.decode(data.lookup_conversation(1280)[0]).count("\n") for _ in range(200)]
+    assert min(lines) < 20 and 100 <= max(lines) <= 111
+    batch = data.lookup_rows(3, 1280)
+    assert batch.ids.shape[0] == 3 and batch.ids.shape[1] <= 1280
+    lengths = (batch.ids != encoder.eos).sum(dim=1) + batch.reply.logical_and(batch.ids == encoder.eos).sum(
+        dim=1
+    )
+    assert int(lengths.max()) == batch.ids.shape[1]
+    assert (batch.conversation == 0).all()
