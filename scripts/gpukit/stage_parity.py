@@ -68,28 +68,31 @@ def _exact(result: StageResult, mode: str, ref: list[tuple[list[int], Any]], got
     result.check(f"{mode}: tokens = transformers float32", not failures, "; ".join(failures))
 
 
+def _agreement(expected: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    prefix = []
+    for a, b in zip(expected, got, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+        prefix.append(same / len(a))
+    first = [float(a[:1] == b[:1]) for a, b in zip(expected, got, strict=True)]
+    return {
+        "prefix_agreement": round(sum(prefix) / len(prefix), 3),
+        "first_token_agreement": round(sum(first) / len(first), 3),
+    }
+
+
 def _statistics(ref: list[tuple[list[int], Any]], outs: list[Any]) -> dict[str, float]:
     import torch
 
-    prefix, first, errors = [], [], []
-    for (ref_tokens, ref_logits), out in zip(ref, outs, strict=True):
-        tokens = list(out.token_ids)
-        same = next(
-            (i for i, (a, b) in enumerate(zip(ref_tokens, tokens, strict=False)) if a != b), len(ref_tokens)
-        )
-        prefix.append(same / len(ref_tokens))
-        first.append(float(tokens[:1] == ref_tokens[:1]))
+    errors = []
+    for (_, ref_logits), out in zip(ref, outs, strict=True):
         ref_lp = torch.log_softmax(ref_logits[0].float(), dim=-1)
         scale = float(ref_logits[0].abs().max())
         got = out.logprobs[0] if out.logprobs else {}
         errors.append(
             max((abs(lp - float(ref_lp[t])) for t, lp in got.items()), default=float("inf")) / scale
         )
-    return {
-        "prefix_agreement": round(sum(prefix) / len(prefix), 3),
-        "first_token_agreement": round(sum(first) / len(first), 3),
-        "first_logprob_error_over_S": round(max(errors), 5),
-    }
+    tokens = _agreement([list(r[0]) for r in ref], [list(o.token_ids) for o in outs])
+    return {**tokens, "first_logprob_error_over_S": round(max(errors), 5)}
 
 
 def _statistical(result: StageResult, mode: str, stats: dict[str, float]) -> None:
@@ -120,18 +123,6 @@ def _make_fp8_kept(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) ->
 
     with mock.patch.object(engine_module, "select_ops", keep_fp8):
         return _make(path, ctx, graphs=graphs, **kwargs)
-
-
-def _agreement(expected: list[list[int]], got: list[list[int]]) -> dict[str, float]:
-    prefix = []
-    for a, b in zip(expected, got, strict=True):
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
-        prefix.append(same / len(a))
-    first = [float(a[:1] == b[:1]) for a, b in zip(expected, got, strict=True)]
-    return {
-        "prefix_agreement": round(sum(prefix) / len(prefix), 3),
-        "first_token_agreement": round(sum(first) / len(first), 3),
-    }
 
 
 def _fp8(
