@@ -36,7 +36,7 @@ token tells its place in its number (ones, tens, hundreds, higher), so that the 
 line up by token rather than by counting positions.
 
 Deterministic for a seed and thread count (model init from torch.manual_seed, data from one
-random.Random) and ``--eval-every`` (an evaluation's forwards count in the router loads of the
+random.Random, torch's deterministic kernels) and ``--eval-every`` (an evaluation's forwards count in the router loads of the
 next bias update). Progress: one line per logging interval and per evaluation, which measures
 held-out exact match by teacher forcing (every answer token and the closing eos the argmax:
 the same as a greedy answer) and the MTP draft's hit rate on the answers.
@@ -654,6 +654,10 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, Tokenizer]:
     torch.set_num_threads(args.threads)
+    # The MoE backward (transformers' expert loop: index_put_ with accumulate into the hidden
+    # states' gradient) sums in a thread-dependent order on CPU: without this, two runs with 2
+    # threads differ from the second step on. The deterministic kernels cost no measurable time here.
+    torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
     encoder = Encoder(tokenizer)

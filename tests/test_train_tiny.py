@@ -16,7 +16,7 @@ from transformers import DeepseekV3ForCausalLM
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_tiny.py"
 SHORT_RUN = [  # one step of each phase: copy sequences, table conversations, the task mix
-    *("--steps", "3", "--seed", "3", "--threads", "1", "--warmup", "1", "--induction-steps", "1"),
+    *("--steps", "3", "--seed", "3", "--threads", "2", "--warmup", "1", "--induction-steps", "1"),
     *("--table-steps", "1", "--short-rows", "2", "--lookup-rows", "1", "--lookup-length", "640"),
     *("--log-every", "1", "--eval-every", "3", "--eval-size", "1"),
 ]
