@@ -36,10 +36,10 @@ token tells its place in its number (ones, tens, hundreds, higher), so that the 
 line up by token rather than by counting positions.
 
 Deterministic for a seed and thread count (model init from torch.manual_seed, data from one
-random.Random, torch's deterministic kernels) and ``--eval-every`` (an evaluation's forwards count in the router loads of the
-next bias update). Progress: one line per logging interval and per evaluation, which measures
-held-out exact match by teacher forcing (every answer token and the closing eos the argmax:
-the same as a greedy answer) and the MTP draft's hit rate on the answers.
+random.Random, torch's deterministic kernels) and ``--eval-every`` (an evaluation's forwards
+count in the router loads of the next bias update). Progress: one line per logging interval and
+per evaluation, which measures held-out exact match by teacher forcing (every answer token and the
+closing eos the argmax: the same as a greedy answer) and the MTP draft's hit rate on the answers.
 
 Writes the checkpoint in DeepSeek's Hugging Face layout, in bf16 (the router bias stays fp32):
 config.json, model.safetensors (the MTP layer as model.layers.<num_hidden_layers>.*),
