@@ -654,9 +654,9 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 def train(args: argparse.Namespace) -> tuple[DeepseekV3ForCausalLM, MTPModule, Tokenizer]:
     torch.set_num_threads(args.threads)
-    # The MoE backward (transformers' expert loop: index_put_ with accumulate into the hidden
-    # states' gradient) sums in a thread-dependent order on CPU: without this, two runs with 2
-    # threads differ from the second step on. The deterministic kernels cost no measurable time here.
+    # Without this, two runs with 2 threads differ from the second step on: the gradient into the
+    # MoE layers' input (the backward of transformers' expert loop, which gathers each expert's
+    # tokens) sums in a thread-dependent order on CPU. No measurable cost here.
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
