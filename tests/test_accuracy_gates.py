@@ -2,7 +2,8 @@
 through each serving mode with the offline engine's accuracy and its very tokens (float32): the
 all-in-one PD server, a 2-rank EP pool with redundant experts and online EPLB, two-micro-batch
 overlap, MTP drafting, prefix-cache hits on the same long contexts, and the on-disk KV tier after
-a restart. The offline answers are gated on exact match where the committed checkpoint is strong
+a restart; and the checkpoint copied into DeepSeek's FP8 block format, dequantized on load or
+kept FP8. The offline answers are gated on exact match where the committed checkpoint is strong
 (addition, subtraction, reversal, sorting and the lookup: every answer right; README, "The built-in
 model": 99/96.5/100/100/99.5% on 200 held-out questions) and on a floor where it is not
 (multiplication: 56% on 200, 1 of 3 here), plus the answer's form: every arithmetic and lookup
@@ -11,16 +12,19 @@ accepted at about the measured rate (94.7% here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+import dsinfer.engine.engine as engine_module
 from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
 from dsinfer.evals.runner import MAX_ANSWER_TOKENS, EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import held_out
+from tests.fixtures.checkpoints import fp8_copy
 from tests.fixtures.servers import Server, serve
 from tests.test_ep import run_pool
 
@@ -116,6 +120,33 @@ def test_two_micro_batch_overlap_in_a_two_rank_pool(reference: EvalReport, tmp_p
     expected = [ids for task in TASKS for ids in reference.token_ids[task]]
     assert [tokens[f"p{i}"] for i in range(len(questions))] == expected
     llm.engine.close()
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["dequantized", "kept-fp8"])
+def test_fp8_checkpoint_answers_right(
+    reference: EvalReport, kept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The built-in model in DeepSeek's FP8 block format: dequantized on load, as a CPU loads it,
+    and with its weights kept FP8 (activations quantized 1x128 per token, as the GPU kernels do),
+    it answers this set as right as the bf16 checkpoint does."""
+    fp8 = fp8_copy(resolve_model(DEFAULT_MODEL)[0], tmp_path / "fp8")
+    if kept:
+        select = engine_module.select_ops
+        monkeypatch.setattr(
+            engine_module,
+            "select_ops",
+            lambda *a, **k: dataclasses.replace(select(*a, **k), supports_fp8_gemm=True),
+        )
+    llm = LLM(str(fp8), **ENGINE)
+    fp8_weights = [
+        m for m in llm.engine.runner.model.modules() if getattr(m, "weight_scale_inv", None) is not None
+    ]
+    report = run_eval(OfflineClient(llm), TASKS, LIMIT)
+    llm.engine.close()
+    assert bool(fp8_weights) == kept
+    by_task = {t.task: t for t in report.tasks}
+    assert all(by_task[task].correct == LIMIT for task in EXACT_TASKS), report.table()
+    assert by_task["mul"].correct >= MIN_MUL_CORRECT, report.table()
 
 
 @pytest.fixture(scope="module")

@@ -262,7 +262,7 @@ def check_adapter_runs_the_kernels() -> None:
     from dsinfer.kernels import fp8_gemm, grouped_gemm
 
     from dsinfer.ops import gemm as torch_gemm
-    from dsinfer.ops.external import DeepGemmAdapter
+    from dsinfer.ops.external import DeepGemmAdapter, triton_gemm_adapter
     from dsinfer.ops.fp8 import quantize_activation_1x128
 
     gen = torch.Generator().manual_seed(GEN_SEED + 5)
@@ -291,7 +291,7 @@ def check_adapter_runs_the_kernels() -> None:
     rows_bound = torch.cat([bound(a[:6], 0), bound(a[6:], 2)])
     _assert_gemm_close(y, ref, rows_bound, k, "adapter grouped contiguous", True)
 
-    unaligned = DeepGemmAdapter(kernels, m_alignment=1)  # what select_ops builds over dsinfer.kernels
+    unaligned = triton_gemm_adapter(kernels)  # what select_ops builds over dsinfer.kernels
     m_indices = torch.tensor([2, 0, -1, 2, 0, 0, -1, 2, 1, 0], dtype=torch.int32)  # unsorted, -1 rows
     a = torch.randn(10, k, generator=gen)
     with launches(grouped_gemm._contiguous_kernel) as calls:

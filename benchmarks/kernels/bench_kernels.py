@@ -1237,10 +1237,10 @@ def main(argv: list[str] | None = None) -> int:
         log(msg)
         errors.append({"section": "gemm", "case": "all", "error": msg})
 
-    from dsinfer.ops.external import DeepGemmAdapter
+    from dsinfer.ops.external import triton_gemm_adapter
 
     # The Ops GEMM entry points over dsinfer.kernels: what select_ops builds for the 'triton' backend.
-    adapter = DeepGemmAdapter(kernels)
+    adapter = triton_gemm_adapter(kernels)
     sections: list[tuple[str, str, list[Any], Callable[[Any], dict[str, Any]]]] = [
         ("mla", "mla", plan.mla, lambda c: bench_mla(c, v3, kernels, ceil, timer, args)),
         (

@@ -217,10 +217,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if kernel == "gemm":
             if torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
                 return "fp8 tensor cores need compute capability 8.9 or newer"
-            from dsinfer.ops.external import DeepGemmAdapter
+            from dsinfer.ops.external import triton_gemm_adapter
 
-            # the Triton grouped GEMM takes unpadded expert segments (no DeepGEMM alignment)
-            return _gemm_impl(DeepGemmAdapter(module, m_alignment=1))
+            return _gemm_impl(triton_gemm_adapter(module))
         if kernel == "indexer":  # the kernel computes the logits; the top-k is torch's
             return {"indexer_topk": torch_indexer.indexer_topk_with(module.indexer_logits)}
         return {name: getattr(module, name) for name in _torch_impl(kernel)}

@@ -221,6 +221,14 @@ class DeepGemmAdapter:
         return out[:, :m].to(a.dtype)
 
 
+def triton_gemm_adapter(module: ModuleType) -> DeepGemmAdapter:
+    """The GEMM adapter over dsinfer.kernels, as ``select_ops`` builds it for the 'triton' backend:
+    its grouped GEMMs take unpadded, even unsorted expert rows (alignment 1), so the contiguous
+    layout needs no padding. Benchmarks and the GPU kit build it here too, so that what they time
+    is what the model runs (the first H100 run timed the 128-row padding path instead)."""
+    return DeepGemmAdapter(module, m_alignment=1)
+
+
 def _module_alignment(module: ModuleType) -> int:
     for name in _ALIGNMENT_FUNCTIONS:
         if hasattr(module, name):

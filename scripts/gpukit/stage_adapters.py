@@ -130,10 +130,10 @@ def run(ctx: StageContext, result: StageResult) -> None:
     import torch
 
     from dsinfer.ops.backend import capability_unsupported
-    from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
+    from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter, triton_gemm_adapter
 
     device = torch.device(ctx.device)
-    _gemm_checks(result, "triton", DeepGemmAdapter(kernels, m_alignment=1), device, ctx.cpu_smoke)
+    _gemm_checks(result, "triton", triton_gemm_adapter(kernels), device, ctx.cpu_smoke)
     _mla_checks(result, "triton", kernels.mla_decode, device, ctx.cpu_smoke)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     present = []

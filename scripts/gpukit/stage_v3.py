@@ -11,6 +11,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from scripts.gpukit.common import ROOT, StageContext, StageResult
 
@@ -32,8 +33,38 @@ def reduced_checkpoint(directory: Path, config: Path, layers: int, dense: int) -
     return directory
 
 
-def run(ctx: StageContext, result: StageResult) -> None:
+def _prompts(vocab: int, batch: int, prompt_len: int) -> list[list[int]]:
     import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(2, min(vocab, 4096), (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+
+def _round(
+    engine: Any, tag: str, prompts: list[list[int]], params: Any, device: str, deadline: float
+) -> tuple[float, list[float], bool]:
+    """Prefill ``prompts`` and decode them to the end: (prefill seconds, decode step ms, finished)."""
+    import torch
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    started: set[str] = set()
+    prefill_s, decode_ms = 0.0, []
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        updates = engine.step_updates()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if len(started) < len(prompts):
+            prefill_s += dt
+            started.update(u.request_id for u in updates if u.new_token_ids)
+        else:
+            decode_ms.append(dt * 1e3)
+    return prefill_s, decode_ms, not engine.has_unfinished_requests()
+
+
+def run(ctx: StageContext, result: StageResult) -> None:
 
     from dsinfer import SamplingParams
     from dsinfer.engine.args import EngineArgs
@@ -60,29 +91,18 @@ def run(ctx: StageContext, result: StageResult) -> None:
     result.figures["load_s"] = round(time.monotonic() - start, 1)
     result.figures["backends"] = dict(engine.ops.backends)
     result.figures["cuda_graphs"] = engine.runner.decode_graphs is not None
-    vocab = engine.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    prompts = _prompts(engine.config.vocab_size, batch, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(
-            f"r{i}", torch.randint(2, min(vocab, 4096), (prompt_len,), generator=gen).tolist(), params
-        )
-    started: set[str] = set()
-    prefill_s, decode_ms = 0.0, []
     deadline = ctx.deadline()
-    while engine.has_unfinished_requests() and time.monotonic() < deadline:
-        t0 = time.perf_counter()
-        updates = engine.step_updates()
-        if ctx.device == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if len(started) < batch:
-            prefill_s += dt
-            started.update(u.request_id for u in updates if u.new_token_ids)
-        else:
-            decode_ms.append(dt * 1e3)
-    finished = not engine.has_unfinished_requests()
+    # Round 1 pays for Triton's compilation of every kernel at these shapes (the second H100 run:
+    # 8,201 tok/s of prefill cold, 30,376 warm); round 2, the same batch, is the one reported.
+    first = _round(engine, "warm-up", prompts, params, ctx.device, deadline)
+    prefill_s, decode_ms, finished = _round(engine, "timed", prompts, params, ctx.device, deadline)
+    finished = finished and first[2]
     engine.close()
+    result.figures["first_round_prefill_tokens_per_s"] = (
+        round(batch * prompt_len / first[0]) if first[0] else None
+    )
     f = result.figures
     f["batch"], f["prompt_tokens"], f["new_tokens"], f["layers"] = batch, prompt_len, new_tokens, layers
     f["prefill_s"] = round(prefill_s, 3)

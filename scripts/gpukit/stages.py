@@ -33,7 +33,8 @@ STAGES: tuple[Stage, ...] = (
         300,
         120,
         "tokens of a tiny model: transformers float32 = engine CPU = GPU float32 with and without "
-        "CUDA graphs; GPU bf16 and the FP8 checkpoint compared statistically",
+        "CUDA graphs; GPU bf16 and the FP8 checkpoint compared statistically; the trained model in "
+        "FP8 answers as the CPU FP8 path does",
     ),
     Stage(
         "adapters",
@@ -57,7 +58,7 @@ STAGES: tuple[Stage, ...] = (
         360,
         120,
         "reduced-depth full-width DeepSeek-V3 (FP8 dummy weights): prefill and decode through the "
-        "engine, step times",
+        "engine, step times (a warm-up round first)",
     ),
     Stage(
         "v3-graphs",
