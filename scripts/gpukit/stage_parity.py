@@ -139,8 +139,8 @@ def _make_fp8_kept(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) ->
 def _fp8(
     result: StageResult, path: str, ctx: StageContext, prompts: list[list[int]], max_new: int, ref: Any
 ) -> None:
-    """The FP8 checkpoint on the GPU in float32 and bfloat16 against the CPU's FP8 path in the same
-    dtype (judged) and against transformers (reported)."""
+    """The random FP8 checkpoint on the GPU against the CPU's FP8 path (float32: judged; bfloat16:
+    reported against the CPU in both dtypes) and against transformers (reported)."""
     dtypes = ("float32",) if ctx.cpu_smoke else ("float32", "bfloat16")
     cpu: dict[str, list[list[int]]] = {}
     for dtype in dtypes:

@@ -65,7 +65,6 @@ def _round(
 
 
 def run(ctx: StageContext, result: StageResult) -> None:
-
     from dsinfer import SamplingParams
     from dsinfer.engine.args import EngineArgs
     from dsinfer.engine.engine import LLMEngine
@@ -94,8 +93,8 @@ def run(ctx: StageContext, result: StageResult) -> None:
     prompts = _prompts(engine.config.vocab_size, batch, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     deadline = ctx.deadline()
-    # Round 1 pays for Triton's compilation of every kernel at these shapes (the second H100 run:
-    # 8,201 tok/s of prefill cold, 30,376 warm); round 2, the same batch, is the one reported.
+    # Round 1 pays for Triton's compilation of every kernel at these shapes (H100 run 6 of
+    # 2026-11-26: 8,201 tok/s of prefill cold, 30,376 warm); round 2, the same batch, is the one reported.
     first = _round(engine, "warm-up", prompts, params, ctx.device, deadline)
     prefill_s, decode_ms, finished = _round(engine, "timed", prompts, params, ctx.device, deadline)
     finished = finished and first[2]
