@@ -12,19 +12,18 @@ accepted at about the measured rate (94.7% here)."""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import dsinfer.engine.engine as engine_module
 from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
 from dsinfer.evals.runner import MAX_ANSWER_TOKENS, EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import held_out
-from tests.fixtures.checkpoints import fp8_copy
+from tests.fixtures.checkpoints import fp8_copy, fp8_weights_kept
 from tests.fixtures.servers import Server, serve
 from tests.test_ep import run_pool
 
@@ -123,21 +122,13 @@ def test_two_micro_batch_overlap_in_a_two_rank_pool(reference: EvalReport, tmp_p
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["dequantized", "kept-fp8"])
-def test_fp8_checkpoint_answers_right(
-    reference: EvalReport, kept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fp8_checkpoint_answers_right(reference: EvalReport, kept: bool, tmp_path: Path) -> None:
     """The built-in model in DeepSeek's FP8 block format: dequantized on load, as a CPU loads it,
     and with its weights kept FP8 (activations quantized 1x128 per token, as the GPU kernels do),
     it answers this set as right as the bf16 checkpoint does."""
     fp8 = fp8_copy(resolve_model(DEFAULT_MODEL)[0], tmp_path / "fp8")
-    if kept:
-        select = engine_module.select_ops
-        monkeypatch.setattr(
-            engine_module,
-            "select_ops",
-            lambda *a, **k: dataclasses.replace(select(*a, **k), supports_fp8_gemm=True),
-        )
-    llm = LLM(str(fp8), **ENGINE)
+    with fp8_weights_kept() if kept else contextlib.nullcontext():
+        llm = LLM(str(fp8), **ENGINE)
     fp8_weights = [
         m for m in llm.engine.runner.model.modules() if getattr(m, "weight_scale_inv", None) is not None
     ]

@@ -119,20 +119,11 @@ def _statistical(result: StageResult, mode: str, stats: dict[str, float]) -> Non
 
 
 def _make_fp8_kept(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) -> Any:
-    """``_make`` with the checkpoint's FP8 weights kept FP8 on any device (on a CPU the loader
-    dequantizes them otherwise; on CUDA it keeps them anyway): the torch GEMMs then quantize
-    activations 1x128 as the GPU kernels do."""
-    import dataclasses
-    from unittest import mock
+    """``_make`` with the checkpoint's FP8 weights kept FP8 on any device (on CUDA the loader keeps
+    them anyway; on a CPU the torch GEMMs then quantize activations 1x128 as the GPU kernels do)."""
+    from tests.fixtures.checkpoints import fp8_weights_kept
 
-    import dsinfer.engine.engine as engine_module
-
-    select = engine_module.select_ops
-
-    def keep_fp8(device: Any, prefer: str | None = None) -> Any:
-        return dataclasses.replace(select(device, prefer), supports_fp8_gemm=True)
-
-    with mock.patch.object(engine_module, "select_ops", keep_fp8):
+    with fp8_weights_kept():
         return _make(path, ctx, graphs=graphs, **kwargs)
 
 
