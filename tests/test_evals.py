@@ -13,7 +13,17 @@ import pytest
 
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
 from dsinfer.base.tokenizer import Tokenizer
-from dsinfer.evals.tasks import TASKS, Question, held_out, held_out_keys, make_question, score, well_formed
+from dsinfer.evals.tasks import (
+    TASKS,
+    Question,
+    final_answer,
+    held_out,
+    held_out_keys,
+    long_multiplication,
+    make_question,
+    score,
+    well_formed,
+)
 
 
 def test_held_out_set_is_fixed_and_distinct() -> None:
@@ -42,6 +52,30 @@ def test_score_and_form() -> None:
     assert well_formed(r, "cbb") and not well_formed(r, "cb") and not well_formed(r, "c b")
     a = Question("sub", "What is 3 - 5?", "-2", "sub:3:5")
     assert well_formed(a, "-7") and not well_formed(a, "x")
+
+
+def test_multiplication_thinks_by_place() -> None:
+    """The steps are right for every product of the task (either order) and for wider operands."""
+    assert long_multiplication(7, 38) == "7 * 30 = 210\n7 * 8 = 56\n210 + 56 = 266"
+    assert long_multiplication(38, 7) == "30 * 7 = 210\n8 * 7 = 56\n210 + 56 = 266"
+    assert long_multiplication(3, 405).splitlines()[-1] == "1200 + 0 + 15 = 1215"
+    for a in range(10):
+        for b in range(10, 100):
+            *steps, total = long_multiplication(a, b).splitlines()
+            factors = [line.split(" = ")[0].split(" * ") for line in steps]
+            products = [int(x) * int(y) for x, y in factors]
+            assert all(int(x) == a for x, _ in factors) and sum(int(y) for _, y in factors) == b
+            assert [int(line.split(" = ")[1]) for line in steps] == products
+            assert total == " + ".join(map(str, products)) + f" = {a * b}"
+    q = held_out("mul")[0]
+    assert q.reply == f"<think>{q.reasoning}</think>{q.answer}" and q.reasoning
+
+
+def test_score_reads_the_answer_after_thinking() -> None:
+    q = Question("mul", "What is 7 * 38?", "266", "mul:7:38", long_multiplication(7, 38))
+    assert score(q, q.reply) and score(q, " 266") and well_formed(q, "<think>x</think>265")
+    assert not score(q, "<think>7 * 30 = 210\n7 * 8 = 56\n210 + 56 = 266")  # cut off while thinking
+    assert final_answer("<think>a</think> 12 ") == "12" and final_answer("<think>266") == ""
 
 
 def _eval(*args: str) -> subprocess.CompletedProcess[str]:

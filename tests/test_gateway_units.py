@@ -26,8 +26,8 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_dir(resolve_model("tiny")[0])
 
 
-def _parse(pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
-    parser = DeepSeekR1ReasoningParser()
+def _parse(pieces: list[str], forced: bool = True) -> tuple[str, str, list[tuple[str, str]]]:
+    parser = DeepSeekR1ReasoningParser(forced)
     out = [parser.feed(p) for p in pieces] + [parser.flush()]
     return "".join(r for r, _ in out), "".join(c for _, c in out), out
 
@@ -50,6 +50,24 @@ def test_r1_parser_every_split(text: str, reasoning: str, content: str) -> None:
     for cut in range(len(text) + 1):
         assert _parse([text[:cut], text[cut:]])[:2] == (reasoning, content), cut
     assert _parse(list(text))[:2] == (reasoning, content)
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("<think>7 * 8 = 56</think>56", "7 * 8 = 56", "56"),
+        ("42", "", "42"),
+        ("<thin", "", "<thin"),
+        ("4</think>2", "", "4</think>2"),
+        ("<think>cut off", "cut off", ""),
+        ("", "", ""),
+    ],
+)
+def test_think_optional_parser_every_split(text: str, reasoning: str, content: str) -> None:
+    """think-optional (the built-in model's): only a reply that opens with <think> thinks."""
+    for cut in range(len(text) + 1):
+        assert _parse([text[:cut], text[cut:]], forced=False)[:2] == (reasoning, content), cut
+    assert _parse(list(text), forced=False)[:2] == (reasoning, content)
 
 
 def test_r1_parser_streams_as_it_goes() -> None:
@@ -183,6 +201,7 @@ def test_gateway_flags(tmp_path: Path) -> None:
         balancer="round_robin",
     )
     defaults = gateway_args_from(parser.parse_args([]))
-    assert defaults.port == 8000 and defaults.max_n == 16 and defaults.reasoning_parser is None
+    assert defaults.port == 8000 and defaults.max_n == 16 and defaults.reasoning_parser == "think-optional"
+    assert gateway_args_from(parser.parse_args(["--reasoning-parser", "none"])).reasoning_parser is None
     with pytest.raises(ValidationError):
         gateway_args_from(parser.parse_args(["--max-n", "0"]))

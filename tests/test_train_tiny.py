@@ -105,6 +105,29 @@ def test_wide_multiplication_share() -> None:
         TrainingData(encoder, seed=0, wide_mul_share=1.5)
 
 
+def test_thinking_is_learnt_in_the_last_turn_and_dropped_from_history() -> None:
+    """A multiplication's reply thinks; as a history turn it is rendered as the chat template
+    renders it (the answer only) and left out of the loss."""
+    from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
+    from dsinfer.base.tokenizer import Tokenizer
+    from dsinfer.evals.tasks import held_out
+    from scripts.train_tiny import Encoder, build_tokenizer
+
+    encoder = Encoder(build_tokenizer())
+    mul, add = held_out("mul")[0], held_out("add")[0]
+    think = encoder.tokenizer.token_to_id("<think>")
+    ids, mask = encoder.conversation([(add.prompt, add.reply), (mul.prompt, mul.reply)])
+    assert think in ids and mask[ids.index(think)]
+    ids, mask = encoder.conversation([(mul.prompt, mul.reply), (add.prompt, add.reply)])
+    assert think not in ids
+    second = ids.index(encoder.user, 2)  # the second turn
+    assert not any(mask[:second]) and sum(mask) == len(encoder.text(add.answer)) + 1
+    served = Tokenizer.from_dir(resolve_model(DEFAULT_MODEL)[0])
+    history = [*mul.messages(), {"role": "assistant", "content": mul.reply}, *add.messages()]
+    prompt = served.apply_chat_template(history, add_generation_prompt=True)
+    assert served.encode(prompt, add_special_tokens=False) == ids[: ids.index(encoder.assistant, second) + 1]
+
+
 def test_copy_sequences_repeat_a_random_run() -> None:
     """A copy sequence is bos, a run, the same run again; the loss is on the second run but its
     first token (nothing tells where the repeat starts)."""

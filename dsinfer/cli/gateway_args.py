@@ -36,9 +36,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="return thinking as reasoning_content",
+        default="think-optional",
+        choices=[*REASONING_PARSERS, "none"],
+        help="return thinking as reasoning_content (default: %(default)s: a reply that opens with "
+        "<think> thinks until </think>, as the built-in model thinks through a multiplication; "
+        "deepseek-r1 for R1, whose template opens the thinking in the prompt; none: no split)",
     )
     group.add_argument(
         "--tool-call-parser",
@@ -108,4 +110,6 @@ def _size(text: str) -> int:
 def gateway_args_from(args: argparse.Namespace, **overrides: Any) -> GatewayArgs:
     """GatewayArgs from parsed flags; pydantic's ValueError names a bad value."""
     fields = {name: getattr(args, name) for name in GatewayArgs.model_fields if hasattr(args, name)}
+    if fields.get("reasoning_parser") == "none":
+        fields["reasoning_parser"] = None
     return GatewayArgs(**{**fields, **overrides})

@@ -25,7 +25,7 @@ from dsinfer.evals.tasks import Question, held_out, score, well_formed
 if TYPE_CHECKING:  # the engine (torch and its kernels) loads only when an offline client is made
     from dsinfer.engine.llm import LLM
 
-MAX_ANSWER_TOKENS = 24  # the longest answer (8 sorted digits) is 15 tokens, plus eos
+MAX_ANSWER_TOKENS = 64  # the longest reply (a multiplication thought through) is about 45 tokens, plus eos
 
 
 @dataclass

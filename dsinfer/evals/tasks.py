@@ -3,7 +3,9 @@
 Each task writes a user message in free text and the assistant's answer is just the result:
 
 - ``add`` / ``sub``: "What is 123 + 456?" -> "579" (operands of 1 to 3 digits; a difference may be negative)
-- ``mul``: "What is 7 * 38?" -> "266" (a 1-digit by a 2-digit number, either order)
+- ``mul``: "What is 7 * 38?" -> "266" (a 1-digit by a 2-digit number, either order), worked out
+  first in a thinking block as DeepSeek-R1 does (``Question.reasoning``: "7 * 30 = 210", "7 * 8 =
+  56", "210 + 56 = 266"); the answer after ``</think>`` is still just the result
 - ``reverse``: "Reverse the word: planet" -> "tenalp" (1 to 10 lowercase letters)
 - ``sort``: "Sort the digits: 3 9 1 2" -> "1 2 3 9" (1 to 8 digits)
 - ``lookup``: "key: value" lines, then "What is the value of KEY?" -> the value. ``lookup`` holds
@@ -38,15 +40,24 @@ LOOKUP_LINES = {"lookup": (26, 51), "lookup_1k": (100, 111)}  # [min, max) lines
 TRAIN_LOOKUP_LINES = (2, 112)
 
 
+THINK, END_THINK = "<think>", "</think>"
+
+
 @dataclass(frozen=True)
 class Question:
     task: str
     prompt: str  # the user message
-    answer: str  # the assistant's whole reply
+    answer: str  # the result: the reply's content (after any thinking)
     key: str  # identity for the held-out split
+    reasoning: str = ""  # worked steps the reply thinks through before the answer, or none
 
     def messages(self) -> list[dict[str, str]]:
         return [{"role": "user", "content": self.prompt}]
+
+    @property
+    def reply(self) -> str:
+        """The assistant's whole reply as the model writes it: thinking (if any), then the answer."""
+        return f"{THINK}{self.reasoning}{END_THINK}{self.answer}" if self.reasoning else self.answer
 
 
 def _number(rng: random.Random, max_digits: int) -> int:
@@ -61,12 +72,27 @@ def _word(rng: random.Random, low: int, high: int) -> str:
             return word
 
 
+def long_multiplication(a: int, b: int) -> str:
+    """The steps of ``a * b`` by place (one operand of 1 digit): one line per place of the longer
+    operand, "7 * 30 = 210" and "7 * 8 = 56" for 7 * 38, then their sum "210 + 56 = 266". Each
+    step is a product of single digits (every one of them occurs in trained questions) or an
+    addition (the ``add`` task), so an unseen product composes from trained pieces."""
+    first = a >= 10
+    digits = str(a if first else b)
+    parts = [int(d) * 10 ** (len(digits) - 1 - i) for i, d in enumerate(digits)]
+    factor = b if first else a
+    lines = [f"{p} * {factor}" if first else f"{factor} * {p}" for p in parts]
+    steps = [f"{line} = {p * factor}" for line, p in zip(lines, parts, strict=True)]
+    return "\n".join([*steps, " + ".join(str(p * factor) for p in parts) + f" = {a * b}"])
+
+
 def multiplication(rng: random.Random, low: int = 10, high: int = 99) -> Question:
     """A 1-digit number times one in [low, high], either order (the task: 2 digits)."""
     a, b = rng.randint(0, 9), rng.randint(low, high)
     if rng.random() < 0.5:
         a, b = b, a
-    return Question("mul", f"What is {a} * {b}?", str(a * b), f"mul:{min(a, b)}:{max(a, b)}")
+    key = f"mul:{min(a, b)}:{max(a, b)}"
+    return Question("mul", f"What is {a} * {b}?", str(a * b), key, long_multiplication(a, b))
 
 
 def arithmetic(task: str, rng: random.Random) -> Question:
@@ -142,9 +168,17 @@ def held_out_keys() -> frozenset[str]:
     return frozenset(q.key for task in TASKS for q in held_out(task))
 
 
+def final_answer(reply: str) -> str:
+    """The reply's content: what follows ``</think>`` when it thought first (a server with a
+    reasoning parser has already split it off), whitespace at the ends dropped."""
+    if END_THINK in reply:
+        return reply.rpartition(END_THINK)[2].strip()
+    return "" if reply.lstrip().startswith(THINK) else reply.strip()  # cut off while thinking: none
+
+
 def score(question: Question, reply: str) -> bool:
-    """Exact match, ignoring whitespace at the ends."""
-    return reply.strip() == question.answer
+    """Exact match of the reply's content (``final_answer``)."""
+    return final_answer(reply) == question.answer
 
 
 _FORMS = {
@@ -161,7 +195,7 @@ _FORMS = {
 def well_formed(question: Question, reply: str) -> bool:
     """The reply has the answer's form, right or wrong: a number for arithmetic, a 3-digit value for
     a lookup, a lowercase word of the same length for reversal, as many spaced digits for sorting."""
-    text = reply.strip()
+    text = final_answer(reply)
     if re.fullmatch(_FORMS[question.task], text) is None:
         return False
     return question.task not in ("reverse", "sort") or len(text) == len(question.answer)

@@ -24,7 +24,7 @@ class GatewayArgs(BaseModel):
     served_model_name: str | None = None  # None = the model directory's name
     chat_template: Path | None = None  # a Jinja file replacing the checkpoint's chat template
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
-    reasoning_parser: str | None = None  # deepseek-r1, deepseek-v3.1/v3.2: thinking -> reasoning_content
+    reasoning_parser: str | None = "think-optional"  # or deepseek-r1, deepseek-v3.1/v3.2; None: no split
     tool_call_parser: str = "deepseek-v3"  # the format tool calls are read and constrained in
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
     max_queued_requests: int = 1024  # while this many choices wait for a first token, new requests get 429

@@ -30,12 +30,18 @@ class DeepSeekR1ReasoningParser:
     R1 chat templates end the prompt with ``<think>\\n``, so the output usually starts inside
     the thinking without an opening tag; an opening ``<think>`` at the very start is dropped.
     Output without ``</think>`` is all thinking (the model was cut off before it answered).
+
+    ``forced=False`` (``think-optional``): a reply thinks only when it opens with ``<think>``,
+    otherwise it is all answer, as the built-in model replies (it thinks through a
+    multiplication and answers the other tasks at once); SGLang's and vLLM's ``qwen3`` parser
+    behaves so.
     """
 
     START = "<think>"
     END = "</think>"
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = True) -> None:
+        self._forced = forced
         self._at_start = True
         self._thinking = True
         self._held = ""
@@ -48,6 +54,8 @@ class DeepSeekR1ReasoningParser:
                 self._held = buf
                 return "", ""
             self._at_start = False
+            if not self._forced and not buf.startswith(self.START):
+                self._thinking = False
             buf = buf.removeprefix(self.START)
         if not self._thinking:
             return "", buf
@@ -63,6 +71,8 @@ class DeepSeekR1ReasoningParser:
 
     def flush(self) -> tuple[str, str]:
         held, self._held = self._held, ""
+        if self._at_start and not self._forced:
+            self._thinking = False
         self._at_start = False
         return (held, "") if self._thinking else ("", held)
 
@@ -83,7 +93,7 @@ class DeepSeekV3ReasoningParser:
         return ("", "") if self._thinking is None else self._thinking.flush()
 
 
-PARSERS = ("deepseek-r1", "deepseek-v3.1", "deepseek-v3.2")
+PARSERS = ("think-optional", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2")
 
 
 def make_reasoning_parser(name: str | None, thinking: bool = False) -> ReasoningParser | None:
@@ -92,6 +102,8 @@ def make_reasoning_parser(name: str | None, thinking: bool = False) -> Reasoning
         return None
     if name == "deepseek-r1":
         return DeepSeekR1ReasoningParser()
+    if name == "think-optional":
+        return DeepSeekR1ReasoningParser(forced=False)
     if name in ("deepseek-v3.1", "deepseek-v3.2"):
         return DeepSeekV3ReasoningParser(thinking)
     raise ValueError(f"unknown reasoning parser {name!r} (choose from {', '.join(PARSERS)})")
