@@ -91,7 +91,6 @@ from make_tiny_tokenizer import (
     ASSISTANT,
     BOS,
     CHAT_TEMPLATE,
-    END_THINK,
     EOS,
     SKIPPED_ON_DECODE,
     SPECIAL_TOKENS,
@@ -101,12 +100,14 @@ from make_tiny_tokenizer import (
 )
 
 from dsinfer.evals.tasks import (
+    END_THINK,
     LINE_TOKENS,
     SHORT_TASKS,
     TASKS,
     TOKENIZER_WORDS,
     TRAIN_LOOKUP_LINES,
     Question,
+    final_answer,
     held_out,
     held_out_keys,
     lookup_context,
@@ -279,7 +280,7 @@ class Encoder:
         for i, (prompt, reply) in enumerate(turns):
             head = [self.user, *self.text(prompt), self.assistant]
             learnt = i == len(turns) - 1 or END_THINK not in reply
-            tail = [*self.text(reply if learnt else reply.rpartition(END_THINK)[2]), self.eos]
+            tail = [*self.text(reply if learnt else final_answer(reply)), self.eos]
             ids += head + tail
             mask += [False] * len(head) + [learnt] * len(tail)
         return ids, mask

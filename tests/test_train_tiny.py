@@ -111,7 +111,7 @@ def test_thinking_is_learnt_in_the_last_turn_and_dropped_from_history() -> None:
     from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
     from dsinfer.base.tokenizer import Tokenizer
     from dsinfer.evals.tasks import held_out
-    from scripts.train_tiny import Encoder, build_tokenizer
+    from scripts.train_tiny import Encoder, TrainingData, build_tokenizer
 
     encoder = Encoder(build_tokenizer())
     mul, add = held_out("mul")[0], held_out("add")[0]
@@ -122,6 +122,9 @@ def test_thinking_is_learnt_in_the_last_turn_and_dropped_from_history() -> None:
     assert think not in ids
     second = ids.index(encoder.user, 2)  # the second turn
     assert not any(mask[:second]) and sum(mask) == len(encoder.text(add.answer)) + 1
+    lines = TrainingData(encoder, seed=0).repeat_lines()  # a reply ending in a newline, no thinking
+    _, lines_mask = encoder.conversation([(lines.prompt, lines.reply), (add.prompt, add.reply)])
+    assert sum(lines_mask) == len(encoder.text(lines.reply)) + len(encoder.text(add.answer)) + 2
     served = Tokenizer.from_dir(resolve_model(DEFAULT_MODEL)[0])
     history = [*mul.messages(), {"role": "assistant", "content": mul.reply}, *add.messages()]
     prompt = served.apply_chat_template(history, add_generation_prompt=True)

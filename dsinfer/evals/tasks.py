@@ -77,13 +77,12 @@ def long_multiplication(a: int, b: int) -> str:
     operand, "7 * 30 = 210" and "7 * 8 = 56" for 7 * 38, then their sum "210 + 56 = 266". Each
     step is a product of single digits (every one of them occurs in trained questions) or an
     addition (the ``add`` task), so an unseen product composes from trained pieces."""
-    first = a >= 10
-    digits = str(a if first else b)
-    parts = [int(d) * 10 ** (len(digits) - 1 - i) for i, d in enumerate(digits)]
-    factor = b if first else a
-    lines = [f"{p} * {factor}" if first else f"{factor} * {p}" for p in parts]
-    steps = [f"{line} = {p * factor}" for line, p in zip(lines, parts, strict=True)]
-    return "\n".join([*steps, " + ".join(str(p * factor) for p in parts) + f" = {a * b}"])
+    wide, digit = (a, b) if a >= 10 else (b, a)
+    places = len(str(wide))
+    parts = [int(d) * 10 ** (places - 1 - i) for i, d in enumerate(str(wide))]
+    steps = [f"{p} * {digit}" if a >= 10 else f"{digit} * {p}" for p in parts]
+    lines = [f"{step} = {p * digit}" for step, p in zip(steps, parts, strict=True)]
+    return "\n".join([*lines, " + ".join(str(p * digit) for p in parts) + f" = {a * b}"])
 
 
 def multiplication(rng: random.Random, low: int = 10, high: int = 99) -> Question:
