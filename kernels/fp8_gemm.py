@@ -125,7 +125,11 @@ def _scaled_dot(
     BLOCK_N: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``(A*sa) @ (B*sb)^T``; rows outside ``row_mask`` give 0."""
+    """fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``(A*sa) @ (B*sb)^T``; rows outside ``row_mask`` give 0.
+
+    With ``BLOCK_N <= 128`` (every tile :func:`tile_config` picks) a tile's columns lie in one
+    128-row block of B, so B's scale is one scalar per K step: the promotion is one multiply-add
+    per element with the per-row factor ``sa * sb``, not two multiplies and an add."""
     offs_k = tl.arange(0, _BLOCK_K)
     col_mask = offs_n < N
     rows64 = offs_m.to(tl.int64)
@@ -133,7 +137,11 @@ def _scaled_dot(
     a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + cols64[None, :] * stride_bn + offs_k[:, None] * stride_bk
     sa_ptrs = sa_ptr + rows64 * stride_sam
-    sb_ptrs = sb_ptr + (offs_n // _BLOCK_K) * stride_sbn
+    ONE_SB: tl.constexpr = BLOCK_N <= _BLOCK_K
+    if ONE_SB:
+        sb_ptrs = sb_ptr + (tl.min(offs_n, 0) // _BLOCK_K) * stride_sbn
+    else:
+        sb_ptrs = sb_ptr + (offs_n // _BLOCK_K) * stride_sbn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, _BLOCK_K)):
         if EVEN_K:
@@ -144,8 +152,11 @@ def _scaled_dot(
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=col_mask[None, :] & k_ok[:, None], other=0.0)
         sa = tl.load(sa_ptrs + kb * stride_sak, mask=row_mask, other=0.0)
-        sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_mask, other=0.0)
-        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        if ONE_SB:
+            acc += tl.dot(a, b) * (sa * tl.load(sb_ptrs + kb * stride_sbk))[:, None]
+        else:
+            sb = tl.load(sb_ptrs + kb * stride_sbk, mask=col_mask, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         a_ptrs += _BLOCK_K * stride_ak
         b_ptrs += _BLOCK_K * stride_bk
     return acc

@@ -25,11 +25,22 @@ dots, not TF32).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["choose_num_splits", "default_launch", "mla_decode", "mla_decode_split_kv"]
+from .mla_decode_tma import launch_tma, tma_unsupported
+
+__all__ = [
+    "MlaLaunch",
+    "choose_num_splits",
+    "default_launch",
+    "mla_decode",
+    "mla_decode_split_kv",
+    "pointer_fallback",
+]
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,6 +49,9 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split costs more in the combine than it
 MAX_SPLITS = 64
 # H100 sweep, B128 x 4K, 16 heads: 6 splits 258 us, 3 splits 293 us (the kit's run: 5 splits, 279 us)
 PROGRAMS_PER_SM = 4
+# The TMA kernel holds ~148 KB of shared memory and 244-252 registers x 256 threads: one program
+# per SM at a time, so two per SM is already two waves (not measured yet)
+TMA_PROGRAMS_PER_SM = 2
 CPU_SMS = 8  # what the split heuristic assumes when there is no CUDA device (the interpreter)
 
 
@@ -76,13 +90,14 @@ def _mla_decode_split_kernel(
 ):
     """One (sequence, row block, split): online softmax over the split's keys.
 
-    SPLIT: write fp32 partials ``out [B, rows, splits, DV]`` (normalised) and ``lse [B, rows,
-    splits]`` (natural log, -inf when the split saw no key); otherwise the final ``out [B, rows,
+    SPLIT: write partials ``out [B, rows, splits, DV]`` (normalised, in out_ptr's dtype: bf16 for
+    16-bit inputs, fp32 otherwise) and ``lse [B, rows, splits]`` (fp32, natural log, -inf when the
+    split saw no key); otherwise the final ``out [B, rows,
     DV]`` in out_ptr's dtype and ``lse [B, h_q, s_q]`` (+inf for an empty row). Operands are
     rounded to COMPUTE, then converted to DOT for the products (see ``_dot_dtype``).
     """
-    b = tl.program_id(0)
-    row_block = tl.program_id(1)
+    row_block = tl.program_id(0)  # fastest: a sequence's row blocks run together and share its KV in L2
+    b = tl.program_id(1)
     split = tl.program_id(2)
     seqlen = tl.load(lens_ptr + b)
 
@@ -141,7 +156,11 @@ def _mla_decode_split_kernel(
     lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # ln 2: back to natural log
     if SPLIT:
         part = (b * rows + offs_m).to(tl.int64) * num_splits + split
-        tl.store(out_ptr + part[:, None] * DV + offs_dv[None, :], out, mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(
+            out_ptr + part[:, None] * DV + offs_dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & dv_ok[None, :],
+        )
         tl.store(lse_ptr + part, tl.where(seen, lse, float("-inf")), mask=row_ok)
     else:
         final = (b * rows + offs_m).to(tl.int64) * DV
@@ -183,7 +202,7 @@ def _mla_decode_combine_kernel(
     acc = tl.zeros([BLOCK_DV], tl.float32)
     for s in range(num_splits):
         weight = tl.exp(tl.load(part_lse_ptr + base + s) - lse_ref)
-        part = tl.load(part_out_ptr + (base + s) * DV + offs_dv, mask=dv_ok, other=0.0)
+        part = tl.load(part_out_ptr + (base + s) * DV + offs_dv, mask=dv_ok, other=0.0).to(tl.float32)
         acc += weight * part
         total += weight
     seen = total > 0.0
@@ -195,30 +214,58 @@ def _mla_decode_combine_kernel(
     tl.store(lse_ptr + (b * h_q + row % h_q).to(tl.int64) * s_q + row // h_q, lse)
 
 
-def default_launch(rows: int, compute: torch.dtype) -> tuple[int, int, int, int]:
-    """``(block_m, block_n, num_warps, num_stages)`` for ``rows = s_q * h_q`` query rows.
+class MlaLaunch(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    kernel: str  # "tma" (mla_decode_tma.py: Hopper) or "pointer" (this module's, any GPU)
+    dv_parts: int  # output-channel parts per row block (the TMA kernel's; 1 for the pointer kernel)
 
-    The largest tiles whose sm_90 build (Triton 3.9, D = 576, DV = 512) spills no registers per
-    ptxas; warps from the H100 sweep of 2026-11-26 (benchmarks/results/gpu_h100_2026-11-26/): one 16-row block
-    runs best with 4 warps (258 us at B128 x 4K, 16 heads, against 299 us with 8). Blocks of more
-    rows keep 8 warps (not measured yet).
+
+def default_launch(rows: int, compute: torch.dtype) -> MlaLaunch:
+    """The launch for ``rows = s_q * h_q`` query rows computed in ``compute``.
+
+    16-bit inputs with more than 16 rows (V3's 128 heads; 16 heads x 2 tokens) take the TMA kernel
+    in 64-row blocks with 8 warps and two channel halves: the configuration that compiles to
+    wgmma without spilling (sm_90a, Triton 3.6 and 3.9; mla_decode_tma.py says why). Where it
+    cannot run (:func:`tma_unsupported`), :func:`pointer_fallback` gives the pointer kernel's
+    32-row blocks. One 16-row block stays on the pointer kernel with 4 warps: memory-bound, it
+    runs at 258 us at B128 x 4K, 16 heads on the H100 (benchmarks/results/gpu_h100_2026-11-26/),
+    against 299 us with 8 warps. float32 uses 16 x 16 tiles (IEEE fp32 dots, no wgmma).
     """
     if compute == torch.float32:
-        return 16, 16, 8, 2
+        return MlaLaunch(16, 16, 8, 2, "pointer", 1)
     if rows <= 16:
-        return 16, 32, 4, 2
-    return 32, 32, 8, 2
+        return MlaLaunch(16, 32, 4, 2, "pointer", 1)
+    return MlaLaunch(64, 32, 8, 2, "tma", 2)
+
+
+def pointer_fallback(launch: MlaLaunch) -> MlaLaunch:
+    """The pointer kernel's launch where the TMA kernel cannot run: 64-row blocks spill there, so
+    32-row blocks (mma.sync; no spill)."""
+    if launch.kernel == "pointer":
+        return launch
+    return MlaLaunch(min(launch.block_m, 32), launch.block_n, 8, launch.num_stages, "pointer", 1)
 
 
 # Triton decides when a kernel is decorated: TRITON_INTERPRET=1 at import gives interpreted kernels.
 _INTERPRETED = not isinstance(_mla_decode_split_kernel, triton.runtime.jit.JITFunction)
 
 
-def choose_num_splits(batch: int, row_blocks: int, max_keys: int, num_sms: int, block_n: int) -> int:
-    """KV splits per sequence: enough programs for ``PROGRAMS_PER_SM`` per SM, at least
-    ``MIN_KEYS_PER_SPLIT`` keys (rounded to tiles) per split, at most ``MAX_SPLITS``."""
+def choose_num_splits(
+    batch: int,
+    row_blocks: int,
+    max_keys: int,
+    num_sms: int,
+    block_n: int,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+) -> int:
+    """KV splits per sequence: enough programs for ``programs_per_sm`` per SM, at least
+    ``MIN_KEYS_PER_SPLIT`` keys (rounded to tiles) per split, at most ``MAX_SPLITS``.
+    ``row_blocks``: the programs per sequence and split (the TMA kernel's channel parts count)."""
     programs = max(1, batch * row_blocks)
-    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    wanted = -(-programs_per_sm * num_sms // programs)
     min_tiles = max(1, MIN_KEYS_PER_SPLIT // block_n)
     by_length = -(-max_keys // block_n) // min_tiles
     return max(1, min(wanted, by_length, MAX_SPLITS))
@@ -267,9 +314,13 @@ def mla_decode_split_kv(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kernel: str | None = None,
+    dv_parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mla_decode` with its launch parameters exposed; None takes :func:`default_launch`
-    and :func:`choose_num_splits`. ``block_m`` and ``block_n`` are powers of two, at least 16."""
+    (with :func:`pointer_fallback` where the TMA kernel cannot run) and :func:`choose_num_splits`.
+    ``block_m`` and ``block_n`` are powers of two, at least 16; ``kernel`` "tma" raises where the
+    TMA kernel cannot take the inputs."""
     bsz, s_q, h_q, dim = q.shape
     num_blocks, page_size, h_kv, dim_k = k_cache.shape
     if h_kv != 1:
@@ -278,55 +329,120 @@ def mla_decode_split_kv(
         raise ValueError(f"q head dim {dim} != k_cache head dim {dim_k}")
     if not 0 < head_dim_v <= dim:
         raise ValueError(f"head_dim_v must be in (0, {dim}], got {head_dim_v}")
+    if kernel not in (None, "tma", "pointer"):
+        raise ValueError(f"kernel must be 'tma' or 'pointer', got {kernel!r}")
     compute = _compute_dtype(q, k_cache)
     rows = s_q * h_q
-    defaults = default_launch(rows, compute)
-    block_m = block_m or defaults[0]
-    block_n = block_n or defaults[1]
-    num_warps = num_warps or defaults[2]
-    num_stages = num_stages or defaults[3]
-    for name, value in (("block_m", block_m), ("block_n", block_n)):
+    launch = default_launch(rows, compute)
+    if kernel is not None:
+        launch = launch._replace(kernel=kernel, dv_parts=launch.dv_parts if kernel == "tma" else 1)
+    launch = launch._replace(
+        block_m=block_m or launch.block_m,
+        block_n=block_n or launch.block_n,
+        num_warps=num_warps or launch.num_warps,
+        num_stages=num_stages or launch.num_stages,
+        dv_parts=dv_parts or launch.dv_parts,
+    )
+    for name in ("block_m", "block_n"):
+        value = getattr(launch, name)
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     device = q.device
     if bsz == 0 or s_q == 0 or h_q == 0 or num_blocks == 0 or block_table.shape[1] == 0:
         out = torch.zeros(bsz, s_q, h_q, head_dim_v, dtype=q.dtype, device=device)
         return out, torch.full((bsz, h_q, s_q), float("inf"), dtype=torch.float32, device=device)
-    out = torch.empty(bsz, s_q, h_q, head_dim_v, dtype=q.dtype, device=device)  # every row is written
-    lse = torch.empty(bsz, h_q, s_q, dtype=torch.float32, device=device)
-
-    row_blocks = -(-rows // block_m)
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            bsz, row_blocks, block_table.shape[1] * page_size, _sm_count(device), block_n
-        )
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     q = q.to(compute)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if k_cache.stride(-1) != 1:
         raise ValueError("k_cache channels must be contiguous")
+    if launch.kernel == "tma":
+        why = tma_unsupported(q, k_cache, head_dim_v, launch.block_n, launch.dv_parts)
+        if why is not None and kernel == "tma":
+            raise ValueError(f"the TMA kernel cannot run: {why}")
+        if why is not None:
+            launch = pointer_fallback(launch)
+    out = torch.empty(bsz, s_q, h_q, head_dim_v, dtype=q.dtype, device=device)  # every row is written
+    lse = torch.empty(bsz, h_q, s_q, dtype=torch.float32, device=device)
+
+    row_blocks = -(-rows // launch.block_m)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            bsz,
+            row_blocks * launch.dv_parts,
+            block_table.shape[1] * page_size,
+            _sm_count(device),
+            launch.block_n,
+            TMA_PROGRAMS_PER_SM if launch.kernel == "tma" else PROGRAMS_PER_SM,
+        )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     table = block_table.to(device=device, dtype=torch.int32)
     if table.stride(1) != 1:
         table = table.contiguous()
     lens = cache_seqlens.to(device=device, dtype=torch.int32).contiguous()
-    dpe = dim - head_dim_v
     dot = _dot_dtype(compute)
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(bsz, rows, num_splits, head_dim_v, dtype=torch.float32, device=device)
+    if split:  # partials in the inputs' 16-bit type (half the traffic of fp32), fp32 for fp32
+        part_dtype = torch.float32 if compute == torch.float32 else compute
+        part_out = torch.empty(bsz, rows, num_splits, head_dim_v, dtype=part_dtype, device=device)
         part_lse = torch.empty(bsz, rows, num_splits, dtype=torch.float32, device=device)
     else:
         part_out, part_lse = out, lse
     block_dv = max(16, triton.next_power_of_2(head_dim_v))
-    _mla_decode_split_kernel[(bsz, row_blocks, num_splits)](
+    if launch.kernel == "tma":
+        launch_tma(
+            q,
+            k_cache,
+            table,
+            lens,
+            part_out,
+            part_lse,
+            head_dim_v=head_dim_v,
+            scale_log2=softmax_scale * _LOG2E,
+            causal=bool(causal),
+            num_splits=num_splits,
+            block_m=launch.block_m,
+            block_n=launch.block_n,
+            dv_parts=launch.dv_parts,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages,
+            dot=_tl_dtype(dot),
+        )
+    else:
+        _launch_pointer(q, k_cache, table, lens, part_out, part_lse, head_dim_v, softmax_scale, causal,
+                        num_splits, launch, compute, dot)  # fmt: skip
+    if split:
+        _mla_decode_combine_kernel[(bsz, rows)](
+            part_out, part_lse, out, lse, num_splits, rows, h_q, s_q, DV=head_dim_v, BLOCK_DV=block_dv
+        )
+    return out, lse
+
+
+def _launch_pointer(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    launch: MlaLaunch,
+    compute: torch.dtype,
+    dot: torch.dtype,
+) -> None:
+    bsz, s_q, h_q, dim = q.shape
+    rows, dpe = s_q * h_q, dim - head_dim_v
+    _mla_decode_split_kernel[(-(-rows // launch.block_m), bsz, num_splits)](
         q,
         k_cache,
         table,
         lens,
-        part_out,
-        part_lse,
+        out,
+        lse,
         softmax_scale * _LOG2E,
         num_splits,
         rows,
@@ -341,24 +457,19 @@ def mla_decode_split_kv(
         table.stride(0),
         DV=head_dim_v,
         DPE=dpe,
-        BLOCK_DV=block_dv,
+        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
         BLOCK_PE=max(16, triton.next_power_of_2(max(dpe, 1))),
-        PAGE_SIZE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        PAGE_SIZE=k_cache.shape[1],
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
         CAUSAL=bool(causal),
-        SPLIT=split,
+        SPLIT=num_splits > 1,
         COMPUTE=_tl_dtype(compute),
         DOT=_tl_dtype(dot),
         DOT_PRECISION="ieee" if dot == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
-    if split:
-        _mla_decode_combine_kernel[(bsz, rows)](
-            part_out, part_lse, out, lse, num_splits, rows, h_q, s_q, DV=head_dim_v, BLOCK_DV=block_dv
-        )
-    return out, lse
 
 
 def mla_decode(

@@ -48,6 +48,9 @@ class Case:
     block_m: int | None = None
     kv_dtype: str | None = None  # None: same as dtype
     strided: bool = False  # q with strided heads, a 3-D cache unsqueezed like the model's, int64 table
+    expect_kernel: str = "pointer"  # "tma": mla_decode_tma.py's kernel (16-bit, > 16 rows, whole-page tiles)
+    kernel: str | None = None  # forced through mla_decode_split_kv (None: the default launch)
+    dv_parts: int | None = None
 
 
 CASES: dict[str, Case] = {
@@ -62,7 +65,31 @@ CASES: dict[str, Case] = {
     "bf16_split2": Case((45, 12, 3), 8, 2, 4, 24, 16, "bfloat16", True, 2, 2),
     "fp32_q_bf16_cache": Case((20, 9), 8, 1, 4, 24, 16, "float32", False, 2, 2, kv_dtype="bfloat16"),
     # DeepSeek-V3's shape: 512 latent + 64 rope, page 64
-    "v3_bf16_two_tokens_split3": Case((130, 64, 1), 64, 2, 16, 576, 512, "bfloat16", True, 3, 3),
+    "v3_bf16_two_tokens_split3": Case(
+        (130, 64, 1), 64, 2, 16, 576, 512, "bfloat16", True, 3, 3, expect_kernel="tma"
+    ),
+    # V3's 128 heads: two 64-row blocks, each in two channel halves, by TMA; one split (heuristic)
+    "v3_bf16_128_heads_tma": Case(
+        (130, 64, 1), 64, 1, 128, 576, 512, "bfloat16", True, None, 1, expect_kernel="tma"
+    ),
+    # the TMA kernel with split partials in bf16, one channel part, NaN in the slots past the ends
+    "tma_one_part_split2": Case(
+        (40, 7, 1, 33),
+        32,
+        1,
+        24,
+        48,
+        32,
+        "bfloat16",
+        False,
+        2,
+        2,
+        expect_kernel="tma",
+        kernel="tma",
+        dv_parts=1,
+    ),
+    # pages of 8 slots cannot hold a 32-key tile: more than 16 rows fall back to the pointer kernel
+    "tma_fallback_small_pages": Case((45, 12, 3), 8, 2, 12, 48, 32, "bfloat16", True, 2, 2),
     # the heuristic splits: table 11 pages = 704 keys = 44 fp32 tiles of 16, >= 16 tiles per split
     # -> 2 splits (the interpreter assumes 8 SMs: 16 programs wanted for 2 x 1 row blocks)
     "v3_fp32_heuristic_splits": Case((600, 300), 64, 1, 16, 576, 512, "float32", False, None, 2),
@@ -117,11 +144,16 @@ def run_case(case: Case, device: torch.device, launches: list[tuple[str, int]]) 
     if case.num_splits is None:
         out, lse = kernel_entry(*args)
     else:
-        out, lse = mla_decode_split_kv(*args, num_splits=case.num_splits, block_m=case.block_m)
+        out, lse = mla_decode_split_kv(
+            *args,
+            num_splits=case.num_splits,
+            block_m=case.block_m,
+            kernel=case.kernel,
+            dv_parts=case.dv_parts,
+        )
     combines = 1 if case.expect_splits > 1 else 0
-    assert launches == [("split", case.expect_splits)] + [("combine", case.expect_splits)] * combines, (
-        launches
-    )
+    expected = [(case.expect_kernel, case.expect_splits)] + [("combine", case.expect_splits)] * combines
+    assert launches == expected, launches
     ref_out, ref_lse = reference(*args)
     assert out.shape == ref_out.shape and out.dtype == q.dtype, (out.shape, out.dtype)
     assert lse.shape == ref_lse.shape and lse.dtype == torch.float32, (lse.shape, lse.dtype)
@@ -164,7 +196,14 @@ def _check_edge_inputs() -> None:
     table = torch.zeros(0, 1, dtype=torch.int32)
     out, lse = mla_decode_split_kv(torch.zeros(0, 1, 4, 24), k_cache, table, torch.zeros(0), 16, 0.1, True)
     assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)
-    for bad in ({"k_cache": torch.zeros(2, 8, 2, 24)}, {"head_dim_v": 25}, {"block_m": 24}):
+    bad_inputs = (
+        {"k_cache": torch.zeros(2, 8, 2, 24)},
+        {"head_dim_v": 25},
+        {"block_m": 24},
+        {"kernel": "wgmma"},
+        {"kernel": "tma"},  # float32 inputs: the TMA kernel takes 16-bit ones only
+    )
+    for bad in bad_inputs:
         kwargs = {"k_cache": k_cache, "head_dim_v": 16, **bad}
         q, lens = torch.zeros(1, 1, 4, 24), torch.ones(1, dtype=torch.int32)
         with pytest.raises(ValueError):
@@ -181,17 +220,25 @@ def _check_edge_inputs() -> None:
 
 
 def _hooks(launches: list[tuple[str, int]]) -> list[tuple[Any, Callable[..., None]]]:
-    """(kernel, hook) pairs that record (kernel, num_splits) for each launch of the two kernels."""
+    """(kernel, hook) pairs that record (kernel, num_splits) for each launch of the three kernels."""
     # the submodule itself: the package attribute `mla_decode` is the function it exports
     module = importlib.import_module("dsinfer.kernels.mla_decode")
+    tma = importlib.import_module("dsinfer.kernels.mla_decode_tma")
 
     def split(*args: Any, **kwargs: Any) -> None:
-        launches.append(("split", int(args[7])))
+        launches.append(("pointer", int(args[7])))
+
+    def split_tma(*args: Any, **kwargs: Any) -> None:
+        launches.append(("tma", int(args[8])))
 
     def combine(*args: Any, **kwargs: Any) -> None:
         launches.append(("combine", int(args[4])))
 
-    return [(module._mla_decode_split_kernel, split), (module._mla_decode_combine_kernel, combine)]
+    return [
+        (module._mla_decode_split_kernel, split),
+        (tma._mla_decode_tma_kernel, split_tma),
+        (module._mla_decode_combine_kernel, combine),
+    ]
 
 
 def _main(names: list[str]) -> None:
@@ -260,11 +307,15 @@ def test_compiled_kernel_on_gpu() -> None:
         for case in CASES.values():
             if case.num_splits is not None:  # the heuristic's split counts assume the interpreter's SMs
                 run_case(case, device, launches)
-        big = Case((4000, 1, 64, 1777), 64, 2, 128, 576, 512, "bfloat16", True, 8, 8)
+        big = Case((4000, 1, 64, 1777), 64, 2, 128, 576, 512, "bfloat16", True, 8, 8, expect_kernel="tma")
         run_case(big, device, launches)
+        big_pointer = Case(
+            (4000, 1, 64, 1777), 64, 2, 128, 576, 512, "bfloat16", True, 8, 8, kernel="pointer", block_m=32
+        )
+        run_case(big_pointer, device, launches)
         launches.clear()
         out, _ = mla_decode(*_paged_inputs(big, device), 512, 0.1, True)  # the heuristic's split count
-        assert torch.isfinite(out).all() and launches and launches[0][0] == "split", launches
+        assert torch.isfinite(out).all() and launches and launches[0][0] == "tma", launches
     finally:
         for kernel, hook in hooks:
             kernel.pre_run_hooks.remove(hook)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import gzip
 import json
 import math
 import platform
@@ -86,6 +88,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: eager and static steps only"
     )
     p.add_argument("--config", type=Path, default=CONFIG, help="model config.json (default DeepSeek-V3's)")
+    p.add_argument(
+        "--ops", default="auto", help="kernel backends for select_ops: auto (the best available) or names"
+    )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="also profile 3 replays of the largest batch's graph (torch.profiler): DIR/trace.json.gz "
+        "(a Chrome trace) and DIR/kernels.md (GPU time per kernel, per step)",
+    )
     args = p.parse_args(argv)
     try:
         args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
@@ -114,11 +126,11 @@ def reduced_config(args: argparse.Namespace, directory: Path) -> ModelConfig:
 
 
 def build_model(
-    directory: Path, device: torch.device, dtype: torch.dtype
+    directory: Path, device: torch.device, dtype: torch.dtype, prefer: str = "auto"
 ) -> tuple[DeepseekV3ForCausalLM, str]:
     """The loader's dummy weights on ``device`` (FP8 where DeepSeek ships FP8 and the GEMMs take
     it), no MTP layer. -> (model, the kernel backends chosen)."""
-    ops = select_ops(device)
+    ops = select_ops(device, prefer)
     loaded = load_model(directory, ops, device=device, dtype=dtype, load_format="dummy", num_mtp_layers=0)
     return loaded.model, ops.describe()
 
@@ -165,6 +177,49 @@ def eager_step(
     return step
 
 
+def profile_steps(step: Callable[[], Any], out: Path, device: torch.device, steps: int = 3) -> dict[str, Any]:
+    """``steps`` decode steps under torch.profiler: a Chrome trace and a table of GPU time per kernel
+    (per step) in ``out``. -> the table's rows (name, calls per step, us per step, share)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / "trace.json"))
+    with (out / "trace.json").open("rb") as raw, gzip.open(out / "trace.json.gz", "wb") as packed:
+        packed.write(raw.read())
+    (out / "trace.json").unlink()
+    attr = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    events = [
+        e
+        for e in prof.key_averages()
+        if getattr(e, attr, 0) > 0 and (device.type != "cuda" or e.device_type.name == "CUDA")
+    ]
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    rows = [
+        {"kernel": e.key[:120], "calls_per_step": e.count / steps, "us_per_step": getattr(e, attr) / steps,
+         "share": getattr(e, attr) / total}
+        for e in sorted(events, key=lambda e: -getattr(e, attr))
+    ]  # fmt: skip
+    what = (
+        "GPU time per decode step by kernel" if device.type == "cuda" else "CPU time per step by op (nested)"
+    )
+    lines = [f"{what} ({steps} profiled steps; {total / steps:.0f} us per step)", "",
+             "| kernel | calls/step | us/step | share |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        f"| `{r['kernel']}` | {r['calls_per_step']:.0f} | {r['us_per_step']:.1f} | {r['share']:.1%} |"
+        for r in rows[:40]
+    ]
+    (out / "kernels.md").write_text("\n".join(lines) + "\n")
+    log(f"profiled {steps} steps: {total / steps:.0f} us of kernels per step; {out / 'kernels.md'}")
+    return {"steps": steps, "kernel_us_per_step": total / steps, "top": rows[:25]}
+
+
 def git_commit() -> str | None:
     try:
         return subprocess.run(
@@ -187,7 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"building {args.layers} layers ({args.dense_layers} dense), {config.n_routed_experts} experts ..."
         )
         start = time.monotonic()
-        model, backends = build_model(Path(tmp), device, dtype)
+        model, backends = build_model(Path(tmp), device, dtype, args.ops)
     log(f"model built in {time.monotonic() - start:.1f} s; {backends}")
     max_bs, page = max(args.batch_sizes), 64
     pages_per_seq = math.ceil((args.context + 1) / page)
@@ -236,6 +291,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{best['tokens_per_s']:.0f} tok/s per device"
         )
         results.append(entry)
+        if args.profile is not None and bs == max_bs:
+            runner = graphs if graphs is not None else static
+            with torch.inference_mode():
+                entry["profile"] = profile_steps(functools.partial(runner.run, rows), args.profile, device)
         for pages in page_lists:
             pool.allocator.free(pages)
     name, capability = "cpu", None

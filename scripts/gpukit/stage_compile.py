@@ -1,14 +1,20 @@
-"""Stage ``triton-compile``: registers and stack frame (where spills land) of the block-FP8 GEMM
-kernels at the configurations the ops launch, from an ahead-of-time compile with Triton's own
-ptxas and cuobjdump: for this GPU's architecture on a GPU, for sm_90 (Hopper) anywhere else, so
-the figures exist before a GPU does. The stage fails when a configuration does not compile. A
-stack frame is reported, not judged: on the first H100 run (Triton 3.6) the fastest dense tile at
-4096 rows, 64x128 with 4 warps, had a 1,384-byte frame (benchmarks/results/gpu_h100_2026-11-26/); speed is
-judged by the kernels stage and benchmarks/kernels/sweep_gemm.py."""
+"""Stage ``triton-compile``: registers, stack frame (where spills land) and tensor-core instructions
+of the block-FP8 GEMM kernels at the configurations the ops launch and of the MLA decode kernels at
+their default launches, from an ahead-of-time compile with Triton's own ptxas and cuobjdump: for
+this GPU's architecture on a GPU, for sm_90a (Hopper) anywhere else, so the figures exist before a
+GPU does (the CPU smoke in the test-suite runs it too).
+
+The stage fails when a configuration does not compile, and when MLA decode at V3's 128 heads (the
+TMA kernel's default launch) is not on wgmma (``HGMMA`` in the SASS; ``HMMA`` is mma.sync) or
+spills. A GEMM stack frame is reported, not judged: on the first H100 run (Triton 3.6) the fastest
+dense tile at 4096 rows, 64x128 with 4 warps, had a 1,384-byte frame
+(benchmarks/results/gpu_h100_2026-11-26/); speed is judged by the kernels stage and
+benchmarks/kernels/sweep_gemm.py."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -36,19 +42,98 @@ def _signature(kernel: Any, constexprs: dict[str, Any]) -> dict[str, str]:
 
 
 def _usage(cubin: bytes, cuobjdump: Path) -> dict[str, int]:
+    """Registers, stack bytes and the tensor-core instructions in the SASS: wgmma (``*GMMA``:
+    HGMMA for bf16, QGMMA for fp8) and mma.sync (``HMMA``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run(
-            [str(cuobjdump), "--dump-resource-usage", f.name],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+
+        def dump(flag: str) -> str:
+            argv = [str(cuobjdump), flag, f.name]
+            return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+
+        text, sass = dump("--dump-resource-usage"), dump("-sass")
     fields = next(line for line in text.splitlines() if "REG:" in line).split()
     usage = dict(item.split(":", 1) for item in fields if ":" in item)
-    return {"registers": int(usage["REG"]), "stack_bytes": int(usage["STACK"])}
+    return {
+        "registers": int(usage["REG"]),
+        "stack_bytes": int(usage["STACK"]),
+        "gmma": len(re.findall(r"\b[A-Z]GMMA\b", sass)),
+        "hmma": len(re.findall(r"\bHMMA\b", sass)),
+    }
+
+
+def _mla_sources(tl: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any], dict[str, int]]]:
+    """(name, kernel, signature, constexprs, options) of the MLA decode kernels at the launches
+    ``default_launch`` picks for V3 (576 = 512 latent + 64 rope, page 64, bf16): 128 heads (the TMA
+    kernel, split and final outputs), 16 heads and the 32-row fallback (the pointer kernel)."""
+    import torch
+    from dsinfer.kernels import mla_decode_tma
+    from dsinfer.kernels.mla_decode import _mla_decode_split_kernel, default_launch, pointer_fallback
+
+    sources = []
+    wide = default_launch(128, torch.bfloat16)
+    part = 512 // wide.dv_parts
+    for split in (True, False):
+        const = dict(DV=512, DPE=64, PAGE_SIZE=64, BLOCK_M=wide.block_m, BLOCK_N=wide.block_n,
+                     DV_PARTS=wide.dv_parts, CAUSAL=True, SPLIT=split, DOT=tl.bfloat16)  # fmt: skip
+        descs = {
+            "kv_desc": f"tensordesc<bf16[{wide.block_n}, {part}]>",
+            "pe_desc": f"tensordesc<bf16[{wide.block_n}, 64]>",
+        }
+        sig = _mla_signature(mla_decode_tma._mla_decode_tma_kernel, const, descs)
+        name = (
+            f"mla {wide.kernel} 128 heads {wide.block_m}x{wide.block_n}x{wide.dv_parts} w{wide.num_warps}"
+            + (" split" if split else "")
+        )
+        sources.append(
+            (
+                name,
+                mla_decode_tma._mla_decode_tma_kernel,
+                sig,
+                const,
+                {"num_warps": wide.num_warps, "num_stages": wide.num_stages},
+            )
+        )
+    for label, launch in (
+        ("16 heads", default_launch(16, torch.bfloat16)),
+        ("fallback", pointer_fallback(wide)),
+    ):
+        const = dict(DV=512, DPE=64, BLOCK_DV=512, BLOCK_PE=64, PAGE_SIZE=64, BLOCK_M=launch.block_m,
+                     BLOCK_N=launch.block_n, CAUSAL=True, SPLIT=True, COMPUTE=tl.bfloat16, DOT=tl.bfloat16,
+                     DOT_PRECISION="tf32")  # fmt: skip
+        sig = _mla_signature(_mla_decode_split_kernel, const, {})
+        name = f"mla pointer {label} {launch.block_m}x{launch.block_n} w{launch.num_warps}"
+        sources.append(
+            (
+                name,
+                _mla_decode_split_kernel,
+                sig,
+                const,
+                {"num_warps": launch.num_warps, "num_stages": launch.num_stages},
+            )
+        )
+    return sources
+
+
+def _mla_signature(kernel: Any, constexprs: dict[str, Any], descs: dict[str, str]) -> dict[str, str]:
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = descs[name]
+        elif name in ("q_ptr", "kv_ptr", "out_ptr"):
+            sig[name] = "*bf16"
+        elif name == "lse_ptr":
+            sig[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            sig[name] = "*i32"
+        elif name == "scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
 
 
 def run(ctx: StageContext, result: StageResult) -> None:
@@ -98,6 +183,22 @@ def run(ctx: StageContext, result: StageResult) -> None:
                     continue
                 configs[key] = _usage(compiled.asm["cubin"], cuobjdump)
                 result.check(f"{key}: compiles", True, str(configs[key]))
+    mla: dict[str, dict[str, int]] = {}
+    for name, kernel, sig, const, options in _mla_sources(triton.language):
+        try:
+            compiled = triton.compile(ASTSource(kernel, sig, const), target=target, options=options)
+        except Exception as exc:
+            result.check(f"{name}: compiles", False, f"{type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        mla[name] = _usage(compiled.asm["cubin"], cuobjdump)
+        result.check(f"{name}: compiles", True, str(mla[name]))
+        if " 128 heads " in name and arch == 90:
+            u = mla[name]
+            result.check(
+                f"{name}: on wgmma", u["gmma"] > 0 and u["hmma"] == 0, f"GMMA {u['gmma']}, HMMA {u['hmma']}"
+            )
+            result.check(f"{name}: no spills", u["stack_bytes"] == 0, f"{u['stack_bytes']} stack bytes")
+    result.figures["mla"] = mla
     result.figures["target"] = f"sm_{arch}" + ("a" if arch == 90 else "")
     result.figures["kernels"] = configs
     if not configs:

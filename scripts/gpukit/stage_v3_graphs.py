@@ -1,7 +1,10 @@
 """Stage ``v3-graphs``: benchmarks/kernels/bench_decode_graph.py on a reduced-depth, full-width
 DeepSeek-V3 (4 layers: 1 dense, 3 MoE with 256 FP8 experts): one decode step at batch 1, 32 and
-128 over 4K-token contexts, eager, through the static buffers, and replayed from CUDA graphs.
-Under ``--cpu-smoke``: the tiny preset's sizes, eager and static only."""
+128 over 4K-token contexts, eager, through the static buffers, and replayed from CUDA graphs, with
+the kernel backends ``select_ops`` picks (DeepGEMM and FlashMLA where they import); then three
+replays of the batch-128 graph under torch.profiler (``profile/kernels.md``: GPU time per kernel
+per step; ``profile/trace.json.gz``). Under ``--cpu-smoke``: the tiny preset's sizes, eager and
+static only."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ SMOKE_ARGS = [
 def run(ctx: StageContext, result: StageResult) -> None:
     out = ctx.out / "decode_graph.json"
     argv = [sys.executable, BENCH, *(SMOKE_ARGS if ctx.cpu_smoke else GPU_ARGS), "--out", str(out)]
+    argv += ["--profile", str(ctx.out / "profile")]
     code, tail = run_logged(argv, ctx.out / "bench.log", ctx.budget_s * 0.95)
     if not out.is_file():
         result.error = f"{BENCH} wrote no results (exit {code}):\n{tail}"
@@ -48,6 +52,15 @@ def run(ctx: StageContext, result: StageResult) -> None:
             cells["graph speedup"] = f"{r['graph_speedup']:.2f}x"
         result.figures[f"B={r['batch_size']}"] = cells
     result.figures["backends"] = data.get("backends")
+    profiled = next((r["profile"] for r in rows if "profile" in r), None)
+    if profiled is not None:
+        result.figures[f"profile B={rows[-1]['batch_size']}"] = {
+            "kernel us per step": round(profiled["kernel_us_per_step"], 1),
+            "top": [
+                f"{t['kernel'][:60]}: {t['us_per_step']:.0f} us ({t['share']:.0%})"
+                for t in profiled["top"][:8]
+            ],
+        }
     result.check("every batch size measured", len(rows) == len(data["args"]["batch_sizes"]))
     if not ctx.cpu_smoke:
         result.check("every batch size replayed from a CUDA graph", all("graph" in r for r in rows))

@@ -73,8 +73,25 @@ STAGES: tuple[Stage, ...] = (
         "stage_kernels",
         480,
         150,
-        "copy and matmul ceilings, MLA decode, dense and grouped FP8 GEMMs, gate as fractions of "
-        "the ceilings (benchmarks/kernels/bench_kernels.py --quick)",
+        "copy and matmul ceilings, MLA decode, dense and grouped FP8 GEMMs, gate, V3.2's indexer and "
+        "sparse MLA as fractions of the ceilings, DeepGEMM and FlashMLA beside them where present "
+        "(benchmarks/kernels/bench_kernels.py --quick)",
+    ),
+    Stage(
+        "sweeps",
+        "stage_sweeps",
+        240,
+        150,
+        "MLA decode launches (TMA and pointer kernels) at B128 x 4K, 16 and 128 heads, and the FP8 "
+        "GEMM tiles, timed around the defaults",
+    ),
+    Stage(
+        "ncu",
+        "stage_ncu",
+        120,
+        90,
+        "one Nsight Compute launch each of MLA decode (128 heads) and the masked grouped GEMM: "
+        "throughput against the peaks, occupancy",
     ),
 )
 BY_NAME = {stage.name: stage for stage in STAGES}

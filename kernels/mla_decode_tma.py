@@ -1,0 +1,215 @@
+"""MLA decode's Hopper kernel: whole-page KV tiles by TMA, 64-row query blocks on wgmma.
+
+The same split-KV contract as :mod:`.mla_decode`'s pointer kernel (partials and the combine kernel
+are shared; see that module for the semantics), for what Hopper's tensor cores want:
+
+- ``BLOCK_M`` 64 query rows with 8 warps: the shape Triton lowers ``tl.dot`` to wgmma for (it
+  needs ``M % 64 == 0`` and whole warpgroups); 32-row blocks fall back to mma.sync.
+- KV tiles by tensor descriptor (TMA): a ``BLOCK_N``-key tile never crosses a page when
+  ``PAGE_SIZE % BLOCK_N == 0``, so it is one box at row ``page * PAGE_SIZE + key % PAGE_SIZE`` of
+  the cache seen as ``[slots, D]``. The copy engine writes it to shared memory: no per-element
+  pointers in registers (with pointer loads, 64 x 512 blocks spill 400-900 bytes per thread).
+- ``DV_PARTS`` (1 or 2) programs per row block, each owning ``DV / DV_PARTS`` output channels: a 64 x 512
+  fp32 accumulator alone is 128 registers per thread of 8 warps and spills; two halves of 64 x 256
+  do not (sm_90a, Triton 3.6 and 3.9: 240-252 registers, no stack). Each half computes the full
+  ``Q K^T`` (its own channels, the other half's and the rope part), so scores cost twice; the
+  halves of one row block are neighbours in the grid and read their KV tiles through L2.
+
+Keys past the split's end in its last tile are zero in ``P``; their cache rows are zeroed too
+before ``P V``, since a slot past a sequence's length may hold anything (NaN included).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+__all__ = ["MAX_PART_CHANNELS", "launch_tma", "tma_unsupported"]
+
+MAX_PART_CHANNELS = 256  # a TMA box is at most 256 elements per dimension
+
+
+@triton.jit
+def _mla_decode_tma_kernel(
+    q_ptr,
+    kv_desc,
+    pe_desc,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    lse_ptr,
+    scale_log2,
+    num_splits,
+    rows,
+    h_q,
+    s_q,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_tb,
+    DV: tl.constexpr,
+    DPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DV_PARTS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """One (row block, channel part, sequence, split); outputs as the pointer kernel's."""
+    row_block = tl.program_id(0) // DV_PARTS  # fastest: a sequence's programs share its KV in L2
+    part = tl.program_id(0) % DV_PARTS
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(lens_ptr + b)
+    PART: tl.constexpr = DV // DV_PARTS
+
+    offs_m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    tok = offs_m // h_q
+    head = offs_m % h_q
+    last_key = seqlen - s_q + tok if CAUSAL else tl.zeros([BLOCK_M], tl.int32) + seqlen - 1
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + tok * stride_qs + head * stride_qh
+    own = part * PART
+    offs_c = tl.arange(0, PART)
+    q_own = tl.load(q_rows[:, None] + own + offs_c[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
+    theirs = (1 - part) * PART  # the other half's channels (DV_PARTS == 2)
+    if DV_PARTS == 2:
+        q_other = tl.load(q_rows[:, None] + theirs + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+        q_other = q_other.to(DOT)
+    offs_pe = tl.arange(0, DPE)
+    q_pe = tl.load(q_rows[:, None] + DV + offs_pe[None, :], mask=row_ok[:, None], other=0.0).to(DOT)
+
+    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    stop = tl.minimum(start + split_len, seqlen)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, PART], tl.float32)
+    table_row = table_ptr + b.to(tl.int64) * stride_tb
+    for key0 in tl.range(start, stop, BLOCK_N):
+        page = tl.load(table_row + key0 // PAGE_SIZE)
+        slot = page * PAGE_SIZE + key0 % PAGE_SIZE
+        kv = kv_desc.load([slot, own]).to(DOT)
+        scores = tl.dot(q_own, tl.trans(kv))
+        if DV_PARTS == 2:
+            scores = tl.dot(q_other, tl.trans(kv_desc.load([slot, theirs]).to(DOT)), scores)
+        scores = tl.dot(q_pe, tl.trans(pe_desc.load([slot, DV]).to(DOT)), scores)
+        pos = key0 + tl.arange(0, BLOCK_N)
+        key_ok = pos < stop
+        visible = key_ok[None, :] & (pos[None, :] <= last_key[:, None])
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        kv = tl.where(key_ok[:, None], kv, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # ln 2: back to natural log
+    lse_ok = row_ok & (offs_m * 0 + part == 0)  # one part writes the lse
+    if SPLIT:
+        at = (b * rows + offs_m).to(tl.int64) * num_splits + split
+        tl.store(lse_ptr + at, tl.where(seen, lse, float("-inf")), mask=lse_ok)
+    else:
+        at = (b * rows + offs_m).to(tl.int64)
+        lse_at = (b * h_q + head).to(tl.int64) * s_q + tok
+        tl.store(lse_ptr + lse_at, tl.where(seen, lse, float("inf")), mask=lse_ok)
+    tl.store(
+        out_ptr + at[:, None] * DV + own + offs_c[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def tma_unsupported(
+    q: torch.Tensor, k_cache: torch.Tensor, head_dim_v: int, block_n: int, dv_parts: int
+) -> str | None:
+    """Why the TMA kernel cannot take these inputs, or None (then the pointer kernel runs)."""
+    page_size, dim = k_cache.shape[1], k_cache.shape[3]
+    if q.dtype != k_cache.dtype or q.dtype not in (torch.bfloat16, torch.float16):
+        return f"needs q and the cache in one 16-bit type, got {q.dtype} and {k_cache.dtype}"
+    part = head_dim_v // max(dv_parts, 1)
+    if dv_parts not in (1, 2) or head_dim_v % dv_parts or not _power_of_two(part) or part > MAX_PART_CHANNELS:
+        return f"head_dim_v {head_dim_v} in {dv_parts} parts is not powers of two of 16-{MAX_PART_CHANNELS}"
+    if not _power_of_two(dim - head_dim_v):
+        return f"rope channels {dim - head_dim_v} are not a power of two >= 16"
+    if not _power_of_two(block_n) or page_size % block_n:
+        return f"a {block_n}-key tile does not divide the {page_size}-slot page"
+    elem = k_cache.element_size()
+    if k_cache.stride(3) != 1 or k_cache.stride(0) != page_size * k_cache.stride(1):
+        return "the cache is not one [slots, D] matrix"
+    if (k_cache.stride(1) * elem) % 16 or k_cache.data_ptr() % 16:
+        return "cache rows are not 16-byte aligned"
+    return None
+
+
+def launch_tma(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    head_dim_v: int,
+    scale_log2: float,
+    causal: bool,
+    num_splits: int,
+    block_m: int,
+    block_n: int,
+    dv_parts: int,
+    num_warps: int,
+    num_stages: int,
+    dot: tl.dtype,
+) -> None:
+    """One launch over ``(row blocks x dv_parts, B, num_splits)``; ``out``/``lse`` as the pointer
+    kernel's (partials when ``num_splits > 1``). The caller checked :func:`tma_unsupported`."""
+    bsz, s_q, h_q, dim = q.shape
+    num_blocks, page_size = k_cache.shape[:2]
+    rows = s_q * h_q
+    slots = k_cache.as_strided((num_blocks * page_size, dim), (k_cache.stride(1), 1))
+    part = head_dim_v // dv_parts
+    kv_desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [block_n, part])
+    pe_desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [block_n, dim - head_dim_v])
+    grid = (-(-rows // block_m) * dv_parts, bsz, num_splits)
+    _mla_decode_tma_kernel[grid](
+        q,
+        kv_desc,
+        pe_desc,
+        table,
+        lens,
+        out,
+        lse,
+        scale_log2,
+        num_splits,
+        rows,
+        h_q,
+        s_q,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        table.stride(0),
+        DV=head_dim_v,
+        DPE=dim - head_dim_v,
+        PAGE_SIZE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DV_PARTS=dv_parts,
+        CAUSAL=causal,
+        SPLIT=num_splits > 1,
+        DOT=dot,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,323 @@
+"""``scripts/gpu-lease``: the one command for a GPU machine lent for 15 minutes (docs/gpu.md).
+
+1. Installs the carried wheels and dsinfer (as ``scripts/gpu-check --wheels`` does).
+2. Starts the builds of FlashMLA and DeepGEMM from the carried source archives in the background
+   (``scripts/build-deepseek-kernels --archives --only``, niced, two processes), installing into a
+   folder of their own that only phase 2 puts on ``PYTHONPATH``: phase 1 measures dsinfer's own
+   kernels even when a build finishes early.
+3. Phase 1 (``scripts/gpu-check`` stages): environment, the offline compile check, the kernel
+   figures, the sweeps, the decode step from CUDA graphs with a profile, Nsight Compute launches.
+4. Waits for the builds, at most until phase 2's reserve of the deadline begins.
+5. Phase 2 with the libraries that imported: their adapters against the torch references, the
+   kernel figures with DeepGEMM and FlashMLA beside Triton, the decode step with the library
+   backends, then the FP8 parity check. DeepGEMM JIT-compiles a kernel per shape at first use;
+   with NVRTC (``--deepgemm-jit nvrtc``, the default) each takes seconds instead of tens of
+   seconds under nvcc, which would not fit the lease.
+6. Packs at most 8 files into ``--pack`` (the device tool returns no more): ``lease.md`` (what ran,
+   for how long, each phase's table), ``lease.json``, both phases' ``summary.md`` and
+   ``results.tgz`` (everything else but checkpoints and build trees). It packs after phase 1 too, so
+   a run cut short still returns what it measured.
+
+``--cpu-smoke`` runs the same plumbing on the CPU: no builds (the archives are only checked when
+present), the stages in their smoke mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scripts.gpukit.common import ROOT, kill_session, log
+from scripts.gpukit.kit import install_wheels
+from scripts.gpukit.stages import BY_NAME
+
+PHASE1 = ("env", "triton-compile", "kernels", "sweeps", "v3-graphs", "ncu")
+PHASE2 = ("adapters", "kernels", "v3-graphs", "parity")
+PHASE2_WITHOUT_LIBRARIES = ("parity", "gpu-tests")
+LIBRARIES = {"flash-mla": "flash_mla", "deep-gemm": "deep_gemm"}  # build name -> module
+PACK_LIMIT = 8  # files the device tool brings back
+PACK_RESERVE_S = 15.0
+BUILD_JOBS = {"flash-mla": 0.75, "deep-gemm": 0.25}  # shares of the CPUs (MAX_JOBS)
+
+
+@dataclass
+class Build:
+    name: str
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    seconds: float | None = None
+    code: int | None = None
+    note: str = ""
+
+    def poll(self) -> bool:
+        """True once finished (or never started)."""
+        if self.process is None:
+            return True
+        if self.code is None and self.process.poll() is not None:
+            self.code, self.seconds = self.process.returncode, round(time.monotonic() - self.started, 1)
+            log(f"lease: {self.name} build exited {self.code} after {self.seconds:.0f} s")
+        return self.code is not None
+
+    def last_line(self) -> str:
+        lines = self.log.read_text(errors="replace").strip().splitlines() if self.log.is_file() else []
+        return lines[-1][-160:] if lines else ""
+
+
+@dataclass
+class Lease:
+    args: argparse.Namespace
+    start: float = field(default_factory=time.monotonic)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    builds: list[Build] = field(default_factory=list)
+
+    def left(self) -> float:
+        return self.args.deadline_s - (time.monotonic() - self.start)
+
+    def step(self, name: str, seconds: float, **info: Any) -> None:
+        self.steps.append(
+            {
+                "step": name,
+                "at_s": round(time.monotonic() - self.start, 1),
+                "seconds": round(seconds, 1),
+                **info,
+            }
+        )
+        log(f"lease: {name} done in {seconds:.0f} s ({self.left():.0f} s left)")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/gpu-lease", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="working folder (stage results, build logs)")
+    p.add_argument("--pack", type=Path, required=True, help="where the <= 8 packed files go ($OUT)")
+    p.add_argument("--wheels", type=Path, default=None, help="carried wheels (scripts/gpu-wheels)")
+    p.add_argument(
+        "--sources", type=Path, default=None, help="carried archives (scripts/pack-deepseek-sources)"
+    )
+    p.add_argument("--deadline-s", type=float, default=540.0, help="the whole run (default 540)")
+    p.add_argument("--phase2-reserve-s", type=float, default=200.0, help="kept for phase 2 (default 200)")
+    p.add_argument("--phase1", default=",".join(PHASE1), help=f"phase 1 stages (default {','.join(PHASE1)})")
+    p.add_argument(
+        "--phase2",
+        default=",".join(PHASE2),
+        help=f"phase 2 stages with a library (default {','.join(PHASE2)})",
+    )
+    p.add_argument("--budget-s", default="", help="stage time limits, as scripts/gpu-check takes them")
+    p.add_argument("--deepgemm-jit", choices=("nvrtc", "nvcc"), default="nvrtc")
+    p.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: no builds, smoke stages")
+    args = p.parse_args(argv)
+    for option in ("phase1", "phase2"):
+        names = [s.strip() for s in getattr(args, option).split(",") if s.strip()]
+        unknown = [n for n in names if n not in BY_NAME]
+        if unknown:
+            p.error(f"--{option} names unknown stage {unknown[0]!r}; stages: {','.join(BY_NAME)}")
+        setattr(args, option, names)
+    return args
+
+
+def start_builds(lease: Lease, libdir: Path) -> None:
+    """The two library builds in the background, each in its own session, installing into ``libdir``."""
+    args = lease.args
+    cpus = os.cpu_count() or 2
+    for name in LIBRARIES:
+        build = Build(name, args.out / f"build-{name}.log")
+        lease.builds.append(build)
+        env = {
+            **os.environ,
+            "PYTHON": sys.executable,
+            "MAX_JOBS": str(max(1, int(cpus * BUILD_JOBS[name]))),
+            "PIP_TARGET": str(libdir),  # pip install --target: invisible to phase 1
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir), os.environ.get("PYTHONPATH")])),
+        }
+        argv = ["nice", "-n", "10", str(ROOT / "scripts" / "build-deepseek-kernels"), "--archives",
+                str(args.sources), "--only", name, "--work", str(args.out / "build")]  # fmt: skip
+        with build.log.open("wb") as out:
+            build.process = subprocess.Popen(
+                argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        build.started = time.monotonic()
+        log(f"lease: {name} build started (MAX_JOBS={env['MAX_JOBS']}), log {build.log}")
+
+
+def check_sources(lease: Lease) -> None:
+    """Under --cpu-smoke: the archives' check only (nothing can be built without CUDA)."""
+    for name in LIBRARIES:
+        lease.builds.append(Build(name, lease.args.out / f"build-{name}.log", note="not built: CPU smoke"))
+    if lease.args.sources is None or not lease.args.sources.is_dir():
+        lease.builds[0].note = lease.builds[1].note = "not built: CPU smoke, no archives here"
+        return
+    argv = [
+        sys.executable,
+        str(ROOT / "scripts" / "pack-deepseek-sources"),
+        "--check",
+        str(lease.args.sources),
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    note = "archives checked" if run.returncode == 0 else f"archive check FAILED: {run.stderr.strip()[-300:]}"
+    for build in lease.builds:
+        build.note = f"not built: CPU smoke; {note}"
+
+
+def wait_for_builds(lease: Lease) -> None:
+    until = lease.args.deadline_s - lease.args.phase2_reserve_s
+    last_report = 0.0
+    while not all(b.poll() for b in lease.builds) and time.monotonic() - lease.start < until:
+        if time.monotonic() - last_report > 30:
+            last_report = time.monotonic()
+            for b in lease.builds:
+                if b.code is None and b.process is not None:
+                    log(f"lease: {b.name} building ({time.monotonic() - b.started:.0f} s): {b.last_line()}")
+        time.sleep(2)
+    for b in lease.builds:
+        if not b.poll():
+            b.note = f"still building after {time.monotonic() - b.started:.0f} s: given up for phase 2"
+            log(f"lease: {b.note} ({b.name})")
+
+
+def importable(module: str, env: dict[str, str]) -> str | None:
+    """None when ``module`` imports under ``env``, else the last line of why not."""
+    run = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, env=env, timeout=120
+    )
+    return None if run.returncode == 0 else (run.stderr.strip().splitlines() or ["?"])[-1][-300:]
+
+
+def run_phase(
+    lease: Lease, name: str, stages: list[str], seconds: float, env: dict[str, str]
+) -> dict[str, Any] | None:
+    args = lease.args
+    out = args.out / name
+    argv = [sys.executable, str(ROOT / "scripts" / "gpu-check"), "--out", str(out), "--stages", ",".join(stages),
+            "--deadline-s", str(max(seconds, 1.0))]  # fmt: skip
+    if args.budget_s:
+        argv += ["--budget-s", args.budget_s]
+    if args.cpu_smoke:
+        argv.append("--cpu-smoke")
+    log(f"lease: {name}: {shlex.join(argv[1:])}")
+    started = time.monotonic()
+    process = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True)
+    try:
+        process.wait(timeout=seconds + 30)
+    except subprocess.TimeoutExpired:
+        log(f"lease: {name} overran its {seconds:.0f} s: killed")
+    finally:
+        kill_session(process)
+    summary_path = out / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    statuses = {r["stage"]: r["status"] for r in summary["stages"]} if summary else {}
+    lease.step(name, time.monotonic() - started, stages=statuses, exit=process.returncode)
+    return summary
+
+
+def render(lease: Lease, summaries: dict[str, dict[str, Any] | None]) -> str:
+    args = lease.args
+    lines = [
+        f"# gpu-lease ({'CPU smoke' if args.cpu_smoke else 'GPU'})",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; "
+        f"`{shlex.join(['scripts/gpu-lease', *sys.argv[1:]])}`",
+        "",
+        "| step | at s | took s | outcome |",
+        "|---|---:|---:|---|",
+    ]
+    for s in lease.steps:
+        outcome = ", ".join(f"{k} {v}" for k, v in s.get("stages", {}).items()) or s.get("note", "")
+        lines.append(f"| {s['step']} | {s['at_s']:.0f} | {s['seconds']:.0f} | {outcome} |")
+    lines += ["", "| library build | exit | s | note / last log line |", "|---|---|---:|---|"]
+    for b in lease.builds:
+        seconds = "-" if b.seconds is None else f"{b.seconds:.0f}"
+        lines.append(
+            f"| {b.name} | {b.code if b.code is not None else '-'} | {seconds} | {b.note or b.last_line()} |"
+        )
+    for name, summary in summaries.items():
+        path = args.out / name / "summary.md"
+        if summary is not None and path.is_file():
+            text = path.read_text().splitlines()
+            table = next((i for i, line in enumerate(text) if line.startswith("| stage ")), 0)
+            lines += ["", f"## {name}", "", *(line.replace("## ", "### ", 1) for line in text[table:])]
+    return "\n".join(lines) + "\n"
+
+
+def pack(lease: Lease, summaries: dict[str, dict[str, Any] | None]) -> list[Path]:
+    """The <= PACK_LIMIT files of ``--pack``; rewritten whole each time."""
+    args = lease.args
+    args.pack.mkdir(parents=True, exist_ok=True)
+    (args.pack / "lease.md").write_text(render(lease, summaries))
+    meta = {"steps": lease.steps, "builds": [{"name": b.name, "exit": b.code, "seconds": b.seconds, "note": b.note}
+                                               for b in lease.builds]}  # fmt: skip
+    (args.pack / "lease.json").write_text(json.dumps(meta, indent=1) + "\n")
+    for name in summaries:
+        if (args.out / name / "summary.md").is_file():
+            shutil.copy(args.out / name / "summary.md", args.pack / f"{name}_summary.md")
+    skip = {"build", "libs", "dg-cache"}
+    with tarfile.open(args.pack / "results.tgz", "w:gz") as tar:
+        for path in sorted(args.out.iterdir()):
+            if path.name not in skip:
+                tar.add(
+                    path,
+                    arcname=f"lease/{path.name}",
+                    filter=lambda t: None if t.name.endswith(".safetensors") else t,
+                )
+    files = sorted(p for p in args.pack.iterdir() if p.is_file())
+    if len(files) > PACK_LIMIT:
+        raise RuntimeError(f"{len(files)} files in {args.pack}: the device tool returns {PACK_LIMIT}")
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lease = Lease(args)
+    libdir = args.out / "libs"
+    summaries: dict[str, dict[str, Any] | None] = {}
+    try:
+        if args.wheels is not None:
+            started = time.monotonic()
+            why = install_wheels(args.wheels, args.out / "wheels.log")
+            lease.step("wheels", time.monotonic() - started, note=why or "installed")
+            if why is not None:
+                print(f"gpu-lease: the wheels do not install: {why}", file=sys.stderr)
+                return 2
+        if args.cpu_smoke:
+            check_sources(lease)
+        elif args.sources is not None:
+            start_builds(lease, libdir)
+        env = {**os.environ}
+        summaries["phase1"] = run_phase(
+            lease, "phase1", args.phase1, lease.left() - args.phase2_reserve_s - PACK_RESERVE_S, env
+        )
+        pack(lease, summaries)
+        started = time.monotonic()
+        wait_for_builds(lease)
+        env2 = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir), env.get("PYTHONPATH")])),
+                "DG_JIT_CACHE_DIR": str(args.out / "dg-cache")}  # fmt: skip
+        if args.deepgemm_jit == "nvrtc":
+            env2["DG_JIT_USE_NVRTC"] = "1"
+        imported = []
+        for b in lease.builds:
+            if b.code == 0:
+                why = importable(LIBRARIES[b.name], env2)
+                b.note = "imports" if why is None else f"built, does not import: {why}"
+                imported += [b.name] if why is None else []
+        lease.step("builds", time.monotonic() - started, note=f"importable: {', '.join(imported) or 'none'}")
+        stages = args.phase2 if imported or args.cpu_smoke else list(PHASE2_WITHOUT_LIBRARIES)
+        summaries["phase2"] = run_phase(lease, "phase2", stages, lease.left() - PACK_RESERVE_S, env2)
+    finally:
+        for b in lease.builds:
+            if b.process is not None and not b.poll():
+                kill_session(b.process)
+        files = pack(lease, summaries)
+        log(f"lease: packed {len(files)} files into {args.pack}: {', '.join(p.name for p in files)}")
+    failed = [r["stage"] for s in summaries.values() if s for r in s["stages"] if r["status"] == "fail"]
+    return 1 if failed else 0
