@@ -236,7 +236,7 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if kernel == "indexer":
             return {"indexer_topk": DeepGemmIndexerAdapter(module).indexer_topk}
         if kernel == "sparse_mla":
-            return {"sparse_mla_decode": FlashMlaSparseAdapter(module).sparse_mla_decode}
+            return {"sparse_mla_decode": FlashMlaSparseAdapter(module, device=device).sparse_mla_decode}
         if backend == "deepgemm":
             return _gemm_impl(DeepGemmAdapter(module))
         triton_mla = _probe("mla", "triton", device)

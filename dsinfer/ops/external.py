@@ -1,16 +1,19 @@
 """Adapters from the ``Ops`` entry points to DeepGEMM and FlashMLA.
 
-UNVERIFIED: neither library can be installed on any machine this project is developed on. These
-adapters are written against the documented APIs (shared/reference/kernel-apis.md), support both
-API generations of each library (detected by the names the module exports), and are only ever
-constructed when the import succeeds on a CUDA device. Whatever they cannot express (non-fp8
-weights, shapes the kernels do not take, a page size other than 64) goes to the torch reference,
-whose semantics they share. The tests hold the torch paths, not these.
+UNVERIFIED on hardware: neither library can be installed on any machine this project is developed
+on. The calls follow the sources of the pinned releases (FlashMLA 9241ae3, DeepGEMM 2.6.1 at
+54e2261) and of the older generations the adapters still take; what differs between generations is
+probed once, when an adapter is built (``select_ops`` builds them once, at backend selection, and
+only when the import succeeds on an SM90 device), and recorded on it (``api``,
+``passes_use_legacy``). Whatever they cannot express (non-fp8 weights, shapes the kernels do not
+take, a page size other than 64) goes to the torch reference, whose semantics they share.
+tests/test_ops_external_probe.py runs them over stand-in modules of each generation.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ __all__ = [
     "ContiguousPadding",
     "DeepGemmAdapter",
     "FlashMlaAdapter",
+    "declared_parameters",
     "flash_mla_api",
     "padded_rows",
 ]
@@ -107,23 +111,61 @@ def _kernel_quantizer() -> Quantizer:
     return getattr(module, "quantize_activation_1x128", torch_quantize_1x128)
 
 
-# (dense, grouped contiguous, grouped masked, scale-layout helper) per API generation.
-_DEEPGEMM_NEW = (
-    "fp8_gemm_nt",
-    "m_grouped_fp8_gemm_nt_contiguous",
-    "m_grouped_fp8_gemm_nt_masked",
-    "get_mn_major_tma_aligned_tensor",
+def declared_parameters(fn: Callable[..., Any]) -> tuple[inspect.Parameter, ...] | None:
+    """The parameters of ``fn``'s signature, or None when it has none (a C extension's function)."""
+    try:
+        return tuple(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def has_parameter(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` declares a parameter ``name`` (False when its signature is unknown)."""
+    params = declared_parameters(fn) or ()
+    return any(p.name == name and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
+
+
+# Per API generation: (dense, grouped contiguous, grouped masked) name choices, then the scale-layout
+# helper. DeepGEMM 2.6.1 binds the fp8_fp4_* kernels and keeps the fp8_* names as aliases of them;
+# the builds of 2025-07/08 named the masked GEMM fp8_m_grouped_gemm_nt_masked.
+_DEEPGEMM_APIS: tuple[tuple[str, tuple[tuple[str, ...], ...], str], ...] = (
+    (
+        "fp8_fp4",
+        (
+            ("fp8_fp4_gemm_nt",),
+            ("m_grouped_fp8_fp4_gemm_nt_contiguous",),
+            ("m_grouped_fp8_fp4_gemm_nt_masked",),
+        ),
+        "get_mn_major_tma_aligned_tensor",
+    ),
+    (
+        "new",
+        (
+            ("fp8_gemm_nt",),
+            ("m_grouped_fp8_gemm_nt_contiguous",),
+            ("m_grouped_fp8_gemm_nt_masked", "fp8_m_grouped_gemm_nt_masked"),
+        ),
+        "get_mn_major_tma_aligned_tensor",
+    ),
+    (
+        "old",
+        (
+            ("gemm_fp8_fp8_bf16_nt",),
+            ("m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",),
+            ("m_grouped_gemm_fp8_fp8_bf16_nt_masked",),
+        ),
+        "get_col_major_tma_aligned_tensor",
+    ),
 )
-_DEEPGEMM_OLD = (
-    "gemm_fp8_fp8_bf16_nt",
-    "m_grouped_gemm_fp8_fp8_bf16_nt_contiguous",
-    "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
-    "get_col_major_tma_aligned_tensor",
-)
+
+
+def _first_exported(module: ModuleType, names: tuple[str, ...]) -> Callable[..., Any] | None:
+    return next((getattr(module, n) for n in names if hasattr(module, n)), None)
 
 
 class DeepGemmAdapter:
-    """UNVERIFIED. Block-FP8 GEMMs through DeepGEMM (or any module exposing DeepGEMM's newer names).
+    """UNVERIFIED. Block-FP8 GEMMs through DeepGEMM (or any module exposing one of its name sets;
+    ``api`` says which: "fp8_fp4" for 2.6.1's, "new" for the 2025-07 renaming, "old" before it).
 
     Activations are quantized 1x128 here (by dsinfer.kernels' Triton kernel when it imports);
     weights must already be fp8 with 128x128 scales. Output is computed in bf16 (DeepGEMM's output
@@ -145,15 +187,16 @@ class DeepGemmAdapter:
     """
 
     def __init__(self, module: ModuleType, *, m_alignment: int | None = None) -> None:
-        for names in (_DEEPGEMM_NEW, _DEEPGEMM_OLD):
-            if all(hasattr(module, name) for name in names[:3]):
-                self.api = "new" if names is _DEEPGEMM_NEW else "old"
-                self._dense, self._contiguous, self._masked = (getattr(module, n) for n in names[:3])
-                self._align = getattr(module, names[3], None)
+        for api, choices, align in _DEEPGEMM_APIS:
+            dense, contiguous, masked = (_first_exported(module, names) for names in choices)
+            if dense is not None and contiguous is not None and masked is not None:
+                self.api = api
+                self._dense, self._contiguous, self._masked = dense, contiguous, masked
+                self._align = getattr(module, align, None)
                 self.m_alignment = m_alignment or _module_alignment(module)
                 self._cuda_quantize: Quantizer | None = None  # resolved at the first CUDA call
                 return
-        raise ImportError(f"{module.__name__} exports neither DeepGEMM API generation")
+        raise ImportError(f"{module.__name__} exports no DeepGEMM API generation")
 
     def _quantize(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if a.is_cuda:
@@ -188,7 +231,7 @@ class DeepGemmAdapter:
         if self.m_alignment == 1:  # rows in any order, -1 rows skipped: no layout, no host sync
             q, s = self._quantize(a)
             out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16, device=a.device)
-            self._contiguous((q, s), (b, b_scale), out, m_indices.to(torch.int32))
+            self._contiguous((q, s), (b, b_scale), out, m_indices.to(torch.int32).contiguous())
             return out.to(a.dtype)
         # pad every expert's segment to the kernel's alignment, run, and drop the padding again
         layout = contiguous_padding(m_indices, self.m_alignment)
@@ -217,7 +260,8 @@ class DeepGemmAdapter:
             a = padded
         q, s = self._quantize(a)
         out = torch.empty(groups, m_pad, b.shape[1], dtype=torch.bfloat16, device=a.device)
-        self._masked((q, s), (b, b_scale), out, masked_m.to(torch.int32), max(int(expected_m), 1))
+        counts = masked_m.to(torch.int32).contiguous()
+        self._masked((q, s), (b, b_scale), out, counts, max(int(expected_m), 1))
         return out[:, :m].to(a.dtype)
 
 
@@ -264,6 +308,12 @@ class FlashMlaAdapter:
     What FlashMLA does not take (float32 queries, other page sizes, an empty batch) goes to
     ``fallback``: the Triton kernel on a GPU (no host synchronisation, so a decode step stays
     capturable), else the torch reference.
+
+    ``use_legacy=True`` is passed exactly when the installed ``flash_mla_with_kvcache`` declares a
+    ``use_legacy`` parameter (probed once, here; ``passes_use_legacy`` records it). No upstream
+    commit up to the pinned 9241ae3 declares it, so it is not passed there; builds that declare it
+    want it on for this dense decode path. A function without a readable signature (a C
+    extension's) counts as not declaring it.
     """
 
     PAGE_SIZE = 64
@@ -273,6 +323,7 @@ class FlashMlaAdapter:
             raise ImportError(f"{module.__name__} lacks get_mla_metadata / flash_mla_with_kvcache")
         self._fm = module
         self.api = flash_mla_api(module)
+        self.passes_use_legacy = has_parameter(module.flash_mla_with_kvcache, "use_legacy")
         self.fallback = fallback
         self._meta_seqlens: weakref.ref[torch.Tensor] | None = None
         self._meta_key: tuple[int, ...] = ()
@@ -317,13 +368,14 @@ class FlashMlaAdapter:
         )
         if not native:
             return self.fallback(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
-        lens = cache_seqlens if cache_seqlens.dtype == torch.int32 else cache_seqlens.to(torch.int32)
-        block_table = block_table.to(torch.int32)
+        lens = cache_seqlens.to(torch.int32).contiguous()
+        block_table = block_table.to(torch.int32).contiguous()
         bsz, s_q, h_q, _ = q.shape
         h_kv = k_cache.shape[2]
         key = (bsz, s_q, h_q, k_cache.shape[1], h_kv, int(causal))
         # keyed on the caller's tensor: a converted copy would be new at every layer
         metadata, num_splits = self._metadata(cache_seqlens, lens, key, s_q * h_q // h_kv, h_kv)
+        extra = {"use_legacy": True} if self.passes_use_legacy else {}
         out, lse = self._fm.flash_mla_with_kvcache(
             q,
             k_cache,
@@ -334,5 +386,6 @@ class FlashMlaAdapter:
             num_splits,
             softmax_scale=softmax_scale,
             causal=causal,
+            **extra,
         )
         return out, lse.float()
