@@ -5,8 +5,9 @@
    (``scripts/build-deepseek-kernels --archives --only``, niced, two processes), installing into a
    folder of their own that only phase 2 puts on ``PYTHONPATH``: phase 1 measures dsinfer's own
    kernels even when a build finishes early.
-3. Phase 1 (``scripts/gpu-check`` stages): environment, the offline compile check, the kernel
-   figures, the sweeps, the decode step from CUDA graphs with a profile, Nsight Compute launches.
+3. Phase 1 (``scripts/gpu-check`` stages): environment, the offline compile check, the GPU tests,
+   the kernel figures, the decode step from CUDA graphs with a profile, Nsight Compute launches,
+   and last the sweeps, which take what is left of phase 1.
 4. Waits for the builds, at most until phase 2's reserve of the deadline begins.
 5. Phase 2 with the libraries that imported: their adapters against the torch references, the
    kernel figures with DeepGEMM and FlashMLA beside Triton, the decode step with the library
@@ -42,9 +43,9 @@ from scripts.gpukit.common import ROOT, kill_session, log
 from scripts.gpukit.kit import install_wheels
 from scripts.gpukit.stages import BY_NAME
 
-PHASE1 = ("env", "triton-compile", "kernels", "sweeps", "v3-graphs", "ncu")
+PHASE1 = ("env", "triton-compile", "gpu-tests", "kernels", "v3-graphs", "ncu", "sweeps")
 PHASE2 = ("adapters", "kernels", "v3-graphs", "parity")
-PHASE2_WITHOUT_LIBRARIES = ("parity", "gpu-tests")
+PHASE2_WITHOUT_LIBRARIES = ("parity", "adapters")
 LIBRARIES = {"flash-mla": "flash_mla", "deep-gemm": "deep_gemm"}  # build name -> module
 PACK_LIMIT = 8  # files the device tool brings back
 PACK_RESERVE_S = 15.0

@@ -99,6 +99,28 @@ def _mla_checks(
         )
 
 
+def _sparse_probes(result: StageResult, backend: str, module: Any, device: Any) -> None:
+    """What the V3.2 adapters make of the installed library (their checks against the references
+    are the kernels stage's sparse section)."""
+    from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
+
+    try:
+        if backend == "deepgemm":
+            ix = DeepGemmIndexerAdapter(module)
+            result.figures["deep_gemm indexer probed"] = {
+                "api": ix.api,
+                "context_lens_2d": ix.context_lens_2d,
+            }
+        else:
+            sparse = FlashMlaSparseAdapter(module, device=device)
+            result.figures["flash_mla sparse probed"] = {
+                "lse_base": sparse.lse_base,
+                "lse_probe": sparse.lse_probe,
+            }
+    except Exception as exc:  # reported; the adapter is then not selected by select_ops either
+        result.figures[f"{backend} V3.2 adapter"] = f"not built: {type(exc).__name__}: {exc}"
+
+
 def _deep_ep(result: StageResult) -> None:
     from dsinfer.engine.args import EngineArgs
     from dsinfer.parallel.deepep import missing_buffer_api
@@ -148,11 +170,19 @@ def run(ctx: StageContext, result: StageResult) -> None:
             result.figures[name] = f"present, not usable: {why}"
             continue
         present.append(name)
+        result.figures[name] = f"{getattr(module, '__version__', '?')} from {module.__file__}"
         if backend == "deepgemm":
-            _gemm_checks(result, "deep_gemm", DeepGemmAdapter(module), device, ctx.cpu_smoke)
+            gemm = DeepGemmAdapter(module)
+            result.figures["deep_gemm probed"] = {"api": gemm.api, "m_alignment": gemm.m_alignment}
+            _gemm_checks(result, "deep_gemm", gemm, device, ctx.cpu_smoke)
         else:
             adapter = FlashMlaAdapter(module, fallback=kernels.mla_decode)
+            result.figures["flash_mla probed"] = {
+                "api": adapter.api,
+                "passes_use_legacy": adapter.passes_use_legacy,
+            }
             _mla_checks(result, "flash_mla", adapter.mla_decode, device, ctx.cpu_smoke, adapter)
+        _sparse_probes(result, backend, module, device)
     _deep_ep(result)
     failed = [c.name for c in result.checks if not c.ok]
     result.summary = (
