@@ -43,7 +43,8 @@ def test_cpu_smoke_runs_every_stage(tmp_path: Path) -> None:
         assert f"| {name} | " in markdown and f"## {name}: " in markdown
         assert (out / name / "result.json").is_file()
     kernels = next(r for r in summary["stages"] if r["stage"] == "kernels")
-    assert kernels["figures"]["mla"] and kernels["figures"]["grouped_gemm"]
+    assert kernels["figures"]["mla"] and kernels["figures"]["grouped_gemm"] and kernels["figures"]["sparse"]
+    assert kernels["figures"]["library_errors"] == []  # the libraries are absent on a CPU: nothing raised
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")

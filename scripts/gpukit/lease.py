@@ -47,6 +47,11 @@ PHASE1 = ("env", "triton-compile", "gpu-tests", "kernels", "v3-graphs", "ncu", "
 PHASE2 = ("adapters", "kernels", "v3-graphs", "parity")
 PHASE2_WITHOUT_LIBRARIES = ("parity", "adapters")
 LIBRARIES = {"flash-mla": "flash_mla", "deep-gemm": "deep_gemm"}  # build name -> module
+# Stage limits within a lease (the kit's defaults are for a machine held longer): a stage that hangs
+# costs its own limit, not the rest of the phase.
+BUDGETS = (
+    "env=40,triton-compile=60,gpu-tests=90,kernels=150,v3-graphs=100,ncu=70,sweeps=200,adapters=90,parity=150"
+)
 PACK_LIMIT = 8  # files the device tool brings back
 PACK_RESERVE_S = 15.0
 BUILD_JOBS = {"flash-mla": 0.75, "deep-gemm": 0.25}  # shares of the CPUs (MAX_JOBS)
@@ -106,15 +111,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--sources", type=Path, default=None, help="carried archives (scripts/pack-deepseek-sources)"
     )
-    p.add_argument("--deadline-s", type=float, default=540.0, help="the whole run (default 540)")
-    p.add_argument("--phase2-reserve-s", type=float, default=200.0, help="kept for phase 2 (default 200)")
+    p.add_argument("--deadline-s", type=float, default=560.0, help="the whole run (default 560)")
+    p.add_argument("--phase2-reserve-s", type=float, default=230.0, help="kept for phase 2 (default 230)")
     p.add_argument("--phase1", default=",".join(PHASE1), help=f"phase 1 stages (default {','.join(PHASE1)})")
     p.add_argument(
         "--phase2",
         default=",".join(PHASE2),
         help=f"phase 2 stages with a library (default {','.join(PHASE2)})",
     )
-    p.add_argument("--budget-s", default="", help="stage time limits, as scripts/gpu-check takes them")
+    p.add_argument(
+        "--budget-s",
+        default=BUDGETS,
+        help=f"stage time limits, as scripts/gpu-check takes them (default {BUDGETS})",
+    )
     p.add_argument("--deepgemm-jit", choices=("nvrtc", "nvcc"), default="nvrtc")
     p.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: no builds, smoke stages")
     args = p.parse_args(argv)
