@@ -6,7 +6,8 @@ name). Each kernel has a test against its torch reference that runs on CPU under
 reference.
 
 - ``mla_decode``: MLA decode over the paged latent cache (FlashMLA semantics, split-KV), with
-  the ``Ops`` signature.
+  the ``Ops`` signature; more than 16 query rows in 16-bit run the Hopper kernel of
+  ``mla_decode_tma`` (TMA page tiles, 64-row blocks on wgmma).
 - ``indexer_logits``: DeepSeek-V3.2's lightning-indexer logits over the paged (plain or FP8) key
   cache; ops adds the top-k.
 - ``sparse_mla_decode``: MLA decode over the cache slots each query picked (FlashMLA's sparse
