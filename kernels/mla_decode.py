@@ -226,19 +226,24 @@ class MlaLaunch(NamedTuple):
 def default_launch(rows: int, compute: torch.dtype) -> MlaLaunch:
     """The launch for ``rows = s_q * h_q`` query rows computed in ``compute``.
 
-    16-bit inputs with more than 16 rows (V3's 128 heads; 16 heads x 2 tokens) take the TMA kernel
-    in 64-row blocks with 8 warps and two channel halves: the configuration that compiles to
-    wgmma without spilling (sm_90a, Triton 3.6 and 3.9; mla_decode_tma.py says why). Where it
-    cannot run (:func:`tma_unsupported`), :func:`pointer_fallback` gives the pointer kernel's
-    32-row blocks. One 16-row block stays on the pointer kernel with 4 warps: memory-bound, it
-    runs at 258 us at B128 x 4K, 16 heads on the H100 (benchmarks/results/gpu_h100_2026-11-26/),
-    against 299 us with 8 warps. float32 uses 16 x 16 tiles (IEEE fp32 dots, no wgmma).
+    From the H100 run of 2026-11-27 (benchmarks/results/gpu_h100_2026-11-27/), B x 4K contexts:
+    more than 32 rows in 16-bit (V3's 128 heads) take the TMA kernel in 64-row blocks with 8 warps,
+    two channel halves and 64-key tiles (the configuration that compiles to wgmma without
+    spilling; mla_decode_tma.py says why): 1,050 us at B128, 128 heads, against 1,514 us with
+    32-key tiles and 1,720-1,775 us for the pointer kernel's 32-row blocks. Up to 32 rows stay on
+    the pointer kernel: padding 32 rows to a 64-row block and computing the scores twice made the
+    TMA kernel slower there (B128, 16 heads x 2 tokens: 802 against 499 us). One 16-row block
+    runs best with 4 warps (258 us at B128 x 4K, 16 heads, against 299 us with 8, 2026-11-26).
+    Where the TMA kernel cannot run (:func:`tma_unsupported`), :func:`pointer_fallback` gives the
+    pointer kernel's 32-row blocks. float32 uses 16 x 16 tiles (IEEE fp32 dots, no wgmma).
     """
     if compute == torch.float32:
         return MlaLaunch(16, 16, 8, 2, "pointer", 1)
     if rows <= 16:
         return MlaLaunch(16, 32, 4, 2, "pointer", 1)
-    return MlaLaunch(64, 32, 8, 2, "tma", 2)
+    if rows <= 32:
+        return MlaLaunch(32, 32, 8, 2, "pointer", 1)
+    return MlaLaunch(64, 64, 8, 2, "tma", 2)
 
 
 def pointer_fallback(launch: MlaLaunch) -> MlaLaunch:
@@ -246,7 +251,7 @@ def pointer_fallback(launch: MlaLaunch) -> MlaLaunch:
     32-row blocks (mma.sync; no spill)."""
     if launch.kernel == "pointer":
         return launch
-    return MlaLaunch(min(launch.block_m, 32), launch.block_n, 8, launch.num_stages, "pointer", 1)
+    return MlaLaunch(min(launch.block_m, 32), min(launch.block_n, 32), 8, launch.num_stages, "pointer", 1)
 
 
 # Triton decides when a kernel is decorated: TRITON_INTERPRET=1 at import gives interpreted kernels.

@@ -65,9 +65,8 @@ CASES: dict[str, Case] = {
     "bf16_split2": Case((45, 12, 3), 8, 2, 4, 24, 16, "bfloat16", True, 2, 2),
     "fp32_q_bf16_cache": Case((20, 9), 8, 1, 4, 24, 16, "float32", False, 2, 2, kv_dtype="bfloat16"),
     # DeepSeek-V3's shape: 512 latent + 64 rope, page 64
-    "v3_bf16_two_tokens_split3": Case(
-        (130, 64, 1), 64, 2, 16, 576, 512, "bfloat16", True, 3, 3, expect_kernel="tma"
-    ),
+    # 16 heads x 2 tokens = 32 rows: the pointer kernel (the TMA kernel was slower there on the H100)
+    "v3_bf16_two_tokens_split3": Case((130, 64, 1), 64, 2, 16, 576, 512, "bfloat16", True, 3, 3),
     # V3's 128 heads: two 64-row blocks, each in two channel halves, by TMA; one split (heuristic)
     "v3_bf16_128_heads_tma": Case(
         (130, 64, 1), 64, 1, 128, 576, 512, "bfloat16", True, None, 1, expect_kernel="tma"

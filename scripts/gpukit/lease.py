@@ -8,12 +8,14 @@
 3. Phase 1 (``scripts/gpu-check`` stages): environment, the offline compile check, the GPU tests,
    the kernel figures, the decode step from CUDA graphs with a profile, Nsight Compute launches,
    and last the sweeps, which take what is left of phase 1.
-4. Waits for the builds, at most until phase 2's reserve of the deadline begins.
-5. Phase 2 with the libraries that imported: their adapters against the torch references, the
+4. Checks each built library: it imports, and DeepGEMM runs one GEMM equal to the reference
+   (``dg_selftest.py``) with a JIT compiler that works: NVRTC first (``--deepgemm-jit``; each
+   kernel compiles in seconds instead of tens of seconds under nvcc), then nvcc; a crash gets one
+   cuda-gdb backtrace. DeepGEMM's check runs beside phase 1 as soon as it is built; the lease
+   waits for the builds at most until phase 2's reserve of the deadline begins.
+5. Phase 2 with the libraries that passed: their adapters against the torch references, the
    kernel figures with DeepGEMM and FlashMLA beside Triton, the decode step with the library
-   backends, then the FP8 parity check. DeepGEMM JIT-compiles a kernel per shape at first use;
-   with NVRTC (``--deepgemm-jit nvrtc``, the default) each takes seconds instead of tens of
-   seconds under nvcc, which would not fit the lease.
+   backends, then the FP8 parity check.
 6. Packs at most 8 files into ``--pack`` (the device tool returns no more): ``lease.md`` (what ran,
    for how long, each phase's table), ``lease.json``, both phases' ``summary.md`` and
    ``results.tgz`` (everything else but checkpoints and build trees). It packs after phase 1 too, so
@@ -34,12 +36,13 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.gpukit.common import ROOT, kill_session, log
+from scripts.gpukit.common import ROOT, kill_session, log, run_logged
 from scripts.gpukit.kit import install_wheels
 from scripts.gpukit.stages import BY_NAME
 
@@ -54,7 +57,7 @@ BUDGETS = (
 )
 PACK_LIMIT = 8  # files the device tool brings back
 PACK_RESERVE_S = 15.0
-BUILD_JOBS = {"flash-mla": 0.75, "deep-gemm": 0.25}  # shares of the CPUs (MAX_JOBS)
+BUILD_JOBS = {"flash-mla": 0.9, "deep-gemm": 0.1}  # shares of the CPUs (MAX_JOBS): DeepGEMM is one file
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Build:
     seconds: float | None = None
     code: int | None = None
     note: str = ""
+    usable: str | None = None  # "" once it imports (and DeepGEMM's self-test passed), else why not
 
     def poll(self) -> bool:
         """True once finished (or never started)."""
@@ -87,6 +91,7 @@ class Lease:
     start: float = field(default_factory=time.monotonic)
     steps: list[dict[str, Any]] = field(default_factory=list)
     builds: list[Build] = field(default_factory=list)
+    deepgemm_jit: str | None = None  # the JIT compiler whose self-test passed
 
     def left(self) -> float:
         return self.args.deadline_s - (time.monotonic() - self.start)
@@ -137,7 +142,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def start_builds(lease: Lease, libdir: Path) -> None:
-    """The two library builds in the background, each in its own session, installing into ``libdir``."""
+    """The two library builds in the background, each in its own session, each installing into its
+    own folder under ``libdir`` (so that phase 2 can leave out one that builds but does not work)."""
     args = lease.args
     cpus = os.cpu_count() or 2
     for name in LIBRARIES:
@@ -147,8 +153,8 @@ def start_builds(lease: Lease, libdir: Path) -> None:
             **os.environ,
             "PYTHON": sys.executable,
             "MAX_JOBS": str(max(1, int(cpus * BUILD_JOBS[name]))),
-            "PIP_TARGET": str(libdir),  # pip install --target: invisible to phase 1
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir), os.environ.get("PYTHONPATH")])),
+            "PIP_TARGET": str(libdir / name),  # pip install --target: invisible to phase 1
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir / name), os.environ.get("PYTHONPATH")])),
         }
         argv = ["nice", "-n", "10", str(ROOT / "scripts" / "build-deepseek-kernels"), "--archives",
                 str(args.sources), "--only", name, "--work", str(args.out / "build")]  # fmt: skip
@@ -193,6 +199,57 @@ def wait_for_builds(lease: Lease) -> None:
         if not b.poll():
             b.note = f"still building after {time.monotonic() - b.started:.0f} s: given up for phase 2"
             log(f"lease: {b.note} ({b.name})")
+
+
+def choose_deepgemm_jit(lease: Lease, env: dict[str, str]) -> str | None:
+    """Run the DeepGEMM self-test with each JIT compiler, ``--deepgemm-jit`` first; the first that
+    passes becomes ``lease.deepgemm_jit``. -> None, or why neither did (each attempt's log is kept)."""
+    order = ["nvrtc", "nvcc"] if lease.args.deepgemm_jit == "nvrtc" else ["nvcc", "nvrtc"]
+    outcomes = []
+    for mode in order:
+        trial = {**env, "DG_JIT_DEBUG": "1"}
+        trial.pop("DG_JIT_USE_NVRTC", None)
+        if mode == "nvrtc":
+            trial["DG_JIT_USE_NVRTC"] = "1"
+        log_path = lease.args.out / f"dg-selftest-{mode}.log"
+        argv = [sys.executable, "-X", "faulthandler", "-m", "scripts.gpukit.dg_selftest"]
+        code, tail = run_logged(argv, log_path, 150, trial)
+        last = tail.strip().splitlines()[-1][-160:] if tail.strip() else ""
+        outcomes.append(f"{mode}: exit {code}: {last}")
+        log(f"lease: DeepGEMM self-test with {mode}: exit {code}")
+        debugger = shutil.which("cuda-gdb")
+        if code is not None and code < 0 and debugger and len(outcomes) == 1:  # a signal: where, once
+            gdb = [debugger, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv]
+            run_logged(gdb, lease.args.out / f"dg-selftest-{mode}-backtrace.log", 120, trial)
+        if code == 0:
+            lease.deepgemm_jit = mode
+            return None
+    return "self-test failed (" + ", ".join(outcomes) + ")"
+
+
+def check_usable(lease: Lease, build: Build, libdir: Path, env: dict[str, str]) -> None:
+    """Import the built library (and run DeepGEMM's self-test): ``build.usable`` becomes "" or why not."""
+    env_b = {
+        **env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir / build.name), env.get("PYTHONPATH")])),
+    }
+    why = importable(LIBRARIES[build.name], env_b)
+    if why is None and build.name == "deep-gemm":
+        why = choose_deepgemm_jit(lease, env_b)
+    build.usable = why or ""
+    build.note = "imports and runs" if why is None else f"built, not usable: {why}"
+    log(f"lease: {build.name}: {build.note}")
+
+
+def check_when_built(lease: Lease, name: str, libdir: Path, env: dict[str, str]) -> None:
+    """Thread: wait for ``name``'s build, then :func:`check_usable` it (beside phase 1)."""
+    build = next((b for b in lease.builds if b.name == name), None)
+    if build is None or build.process is None:
+        return
+    while not build.poll() and lease.left() > lease.args.phase2_reserve_s:
+        time.sleep(2)
+    if build.code == 0:
+        check_usable(lease, build, libdir, env)
 
 
 def importable(module: str, env: dict[str, str]) -> str | None:
@@ -264,7 +321,7 @@ def pack(lease: Lease, summaries: dict[str, dict[str, Any] | None]) -> list[Path
     args = lease.args
     args.pack.mkdir(parents=True, exist_ok=True)
     (args.pack / "lease.md").write_text(render(lease, summaries))
-    meta = {"steps": lease.steps, "builds": [{"name": b.name, "exit": b.code, "seconds": b.seconds, "note": b.note}
+    meta = {"deepgemm_jit": lease.deepgemm_jit, "steps": lease.steps, "builds": [{"name": b.name, "exit": b.code, "seconds": b.seconds, "note": b.note}
                                                for b in lease.builds]}  # fmt: skip
     (args.pack / "lease.json").write_text(json.dumps(meta, indent=1) + "\n")
     for name in summaries:
@@ -303,24 +360,30 @@ def main(argv: list[str] | None = None) -> int:
             check_sources(lease)
         elif args.sources is not None:
             start_builds(lease, libdir)
-        env = {**os.environ}
+        env = {**os.environ, "DG_JIT_CACHE_DIR": str(args.out / "dg-cache")}
+        # DeepGEMM builds in about 100 s: its self-test runs beside phase 1, not in phase 2's reserve
+        watcher = threading.Thread(
+            target=check_when_built, args=(lease, "deep-gemm", libdir, env), daemon=True
+        )
+        watcher.start()
         summaries["phase1"] = run_phase(
             lease, "phase1", args.phase1, lease.left() - args.phase2_reserve_s - PACK_RESERVE_S, env
         )
         pack(lease, summaries)
         started = time.monotonic()
         wait_for_builds(lease)
-        env2 = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir), env.get("PYTHONPATH")])),
-                "DG_JIT_CACHE_DIR": str(args.out / "dg-cache")}  # fmt: skip
-        if args.deepgemm_jit == "nvrtc":
-            env2["DG_JIT_USE_NVRTC"] = "1"
-        imported = []
+        watcher.join(timeout=max(lease.left() - args.phase2_reserve_s / 2, 1.0))
         for b in lease.builds:
-            if b.code == 0:
-                why = importable(LIBRARIES[b.name], env2)
-                b.note = "imports" if why is None else f"built, does not import: {why}"
-                imported += [b.name] if why is None else []
-        lease.step("builds", time.monotonic() - started, note=f"importable: {', '.join(imported) or 'none'}")
+            if b.code == 0 and b.usable is None and b.name != "deep-gemm":
+                check_usable(lease, b, libdir, env)
+        env2 = {**env}
+        imported = [b.name for b in lease.builds if b.usable == ""]
+        if imported:
+            paths = [str(libdir / name) for name in imported]
+            env2["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+        if lease.deepgemm_jit == "nvrtc" and "deep-gemm" in imported:
+            env2["DG_JIT_USE_NVRTC"] = "1"
+        lease.step("builds", time.monotonic() - started, note=f"usable: {', '.join(imported) or 'none'}")
         stages = args.phase2 if imported or args.cpu_smoke else list(PHASE2_WITHOUT_LIBRARIES)
         summaries["phase2"] = run_phase(lease, "phase2", stages, lease.left() - PACK_RESERVE_S, env2)
     finally:
