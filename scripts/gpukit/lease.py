@@ -48,7 +48,7 @@ from scripts.gpukit.stages import BY_NAME
 
 PHASE1 = ("env", "triton-compile", "gpu-tests", "kernels", "v3-graphs", "ncu", "sweeps")
 PHASE2 = ("adapters", "kernels", "v3-graphs", "parity")
-PHASE2_WITHOUT_LIBRARIES = ("parity", "adapters")
+PHASE2_WITHOUT_LIBRARIES = ("v3-engine", "adapters")
 LIBRARIES = {"flash-mla": "flash_mla", "deep-gemm": "deep_gemm"}  # build name -> module
 # Stage limits within a lease (the kit's defaults are for a machine held longer): a stage that hangs
 # costs its own limit, not the rest of the phase.
