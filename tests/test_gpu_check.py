@@ -84,3 +84,27 @@ def test_env_stage_checks_every_dependency() -> None:
         dist = Requirement(dep).name.lower()
         module = IMPORT_NAMES.get(dist, dist.replace("-", "_"))
         assert module in checked, f"{dist} ({module}) is not checked by the env stage"
+
+
+def test_a_stage_killed_at_its_limit_keeps_its_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage's checks are saved as they pass: a stage killed at its limit (a GPU run once lost a
+    parity stage's finished checks that way) reports them, and fails."""
+    import time
+
+    from scripts.gpukit import kit
+    from scripts.gpukit.common import StageResult
+
+    def killed(argv: list[str], log_path: Path, timeout: float, env: dict[str, str] | None = None):
+        partial = StageResult("parity", autosave=log_path.parent)
+        partial.check("float32 tokens equal", True, "7/7")
+        return None, "tail of the log"
+
+    monkeypatch.setattr(kit, "run_logged", killed)
+    args = parse_args(["--out", str(tmp_path), "--stages", "parity"])
+    result = kit.run_stage(BY_NAME["parity"], args, time.monotonic() + 600)
+    assert result["status"] == "fail" and result["partial"]
+    assert result["summary"].startswith("killed at its") and "after 1 checks (kept)" in result["summary"]
+    assert [c["name"] for c in result["checks"]] == ["float32 tokens equal"]
+    assert "autosave" not in json.loads((tmp_path / "parity" / "result.json").read_text())

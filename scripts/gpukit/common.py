@@ -65,9 +65,15 @@ class StageResult:
     skipped: str | None = None
     error: str | None = None
     seconds: float = 0.0
+    partial: bool = False  # written before the stage ended: it was killed at its limit
+    autosave: Path | None = field(default=None, repr=False)  # where each check saves a partial result
 
     def check(self, name: str, ok: bool, detail: str = "") -> bool:
         self.checks.append(Check(name, bool(ok), detail))
+        if self.autosave is not None:  # a stage killed at its limit keeps what it checked
+            self.partial = True
+            self.write(self.autosave)
+            self.partial = False
         return bool(ok)
 
     @property
@@ -77,7 +83,9 @@ class StageResult:
         return "skip" if self.skipped is not None else "pass"
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "status": self.status}
+        data = {**asdict(self), "status": self.status}
+        data.pop("autosave")
+        return data
 
     def write(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,28 @@
 """One small DeepGEMM GEMM against the torch reference, in its own process: ``python -X faulthandler
--m scripts.gpukit.dg_selftest``. The lease runs it once per JIT compiler (``DG_JIT_USE_NVRTC``)
-before phase 2 and keeps the first that works: on the first H100 run (2026-11-27) every DeepGEMM
-call of phase 2 ended the process with SIGSEGV under NVRTC, with nothing printed.
+-m scripts.gpukit.dg_selftest``. The lease runs it under each way of running DeepGEMM it knows
+before phase 2 and keeps the first that works.
 
-Prints one line and exits 0 when the output equals the reference within the kit's 2%."""
+On the H100 (2026-11-27) every first DeepGEMM call ended the process with SIGSEGV, under NVRTC
+and nvcc alike: cuda-gdb put it in ``std::regex``'s constructor inside DeepGEMM's ``_C`` (its JIT
+include parser), where ``regex_traits::transform`` called ``collate<char>::transform`` and landed
+in ``codecvt<char16_t>::do_unshift``: the facet looked up by id was another facet, as when the
+extension and the C++ runtime the process loaded disagree (built with /opt/gcc's g++ against GCC
+13's headers). So this prints the libstdc++ the process mapped, and the lease also tries the
+build compiler's own libstdc++ preloaded.
+
+Prints its lines and exits 0 when the output equals the reference within the kit's 2%."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+
+
+def cxx_runtimes() -> list[str]:
+    """The libstdc++ files this process mapped."""
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if "libstdc++" in line})
 
 
 def main() -> int:
@@ -26,12 +39,17 @@ def main() -> int:
     x = torch.randn(128, 512, device=device, dtype=torch.bfloat16, generator=g)
     w, ws = quantize_weight_128x128(torch.randn(256, 512, device=device, generator=g))
     adapter = DeepGemmAdapter(deep_gemm)
-    print(f"dg_selftest: deep_gemm {deep_gemm.__version__} api {adapter.api}; calling", flush=True)
+    print(
+        f"dg_selftest: deep_gemm {deep_gemm.__version__} api {adapter.api}; libstdc++ {cxx_runtimes()}",
+        flush=True,
+    )
     got = adapter.linear(x, w, ws)
     torch.cuda.synchronize()
     want = ref.linear(x, w, ws)
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    mode = "nvrtc" if os.environ.get("DG_JIT_USE_NVRTC") == "1" else "nvcc"
+    mode = ("nvrtc" if os.environ.get("DG_JIT_USE_NVRTC") == "1" else "nvcc") + (
+        f" (LD_PRELOAD {os.environ['LD_PRELOAD']})" if os.environ.get("LD_PRELOAD") else ""
+    )
     print(f"dg_selftest: {mode}: rel err {err:.2e} in {time.monotonic() - start:.1f} s", flush=True)
     return 0 if err <= 2e-2 else 1
 

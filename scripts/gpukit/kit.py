@@ -136,6 +136,10 @@ def run_stage(stage: Stage, args: argparse.Namespace, deadline: float) -> dict[s
     result_path = out / RESULT_FILE
     if result_path.is_file():
         result = json.loads(result_path.read_text())
+        if result.get("partial"):  # killed (or crashed) after some checks: keep them, fail the stage
+            ended = f"killed at its {budget:.0f} s limit" if code is None else f"exited with {code}"
+            result.update(status="fail", seconds=seconds, error=tail or None,
+                          summary=f"{ended} after {len(result['checks'])} checks (kept): {result.get('summary') or ''}")  # fmt: skip
     elif code is None:
         result = _synthetic(stage, "fail", f"killed at its {budget:.0f} s limit", seconds, tail)
     else:

@@ -91,7 +91,8 @@ class Lease:
     start: float = field(default_factory=time.monotonic)
     steps: list[dict[str, Any]] = field(default_factory=list)
     builds: list[Build] = field(default_factory=list)
-    deepgemm_jit: str | None = None  # the JIT compiler whose self-test passed
+    deepgemm_jit: str | None = None  # the way DeepGEMM's self-test passed
+    deepgemm_env: dict[str, str] = field(default_factory=dict)  # what phase 2 sets for it
 
     def left(self) -> float:
         return self.args.deadline_s - (time.monotonic() - self.start)
@@ -201,30 +202,52 @@ def wait_for_builds(lease: Lease) -> None:
             log(f"lease: {b.note} ({b.name})")
 
 
+def build_cxx_runtime() -> str | None:
+    """The libstdc++ of the compiler extensions are built with (``CXX``, else ``c++``), if it has one."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None
+    run = subprocess.run(
+        [compiler, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, timeout=30
+    )
+    path = run.stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
 def choose_deepgemm_jit(lease: Lease, env: dict[str, str]) -> str | None:
-    """Run the DeepGEMM self-test with each JIT compiler, ``--deepgemm-jit`` first; the first that
-    passes becomes ``lease.deepgemm_jit``. -> None, or why neither did (each attempt's log is kept)."""
-    order = ["nvrtc", "nvcc"] if lease.args.deepgemm_jit == "nvrtc" else ["nvcc", "nvrtc"]
+    """Run the DeepGEMM self-test each way it may work, ``--deepgemm-jit`` first: that compiler, then
+    it with the build compiler's libstdc++ preloaded, then the other compiler. The first that
+    passes becomes ``lease.deepgemm_jit`` (and ``lease.deepgemm_env``). -> None, or why none did
+    (each attempt's log is kept; a first crash also gets a cuda-gdb backtrace)."""
+    first, other = ("nvrtc", "nvcc") if lease.args.deepgemm_jit == "nvrtc" else ("nvcc", "nvrtc")
+    runtime = build_cxx_runtime()
+    attempts = [
+        (first, {}),
+        *([(f"{first}+preload", {"LD_PRELOAD": runtime})] if runtime else []),
+        (other, {}),
+    ]
     outcomes = []
-    for mode in order:
-        trial = {**env, "DG_JIT_DEBUG": "1"}
+    for label, extra in attempts:
+        trial = {**env, "DG_JIT_DEBUG": "1", **extra}
         trial.pop("DG_JIT_USE_NVRTC", None)
-        if mode == "nvrtc":
+        if label.startswith("nvrtc"):
             trial["DG_JIT_USE_NVRTC"] = "1"
-        log_path = lease.args.out / f"dg-selftest-{mode}.log"
         argv = [sys.executable, "-X", "faulthandler", "-m", "scripts.gpukit.dg_selftest"]
-        code, tail = run_logged(argv, log_path, 150, trial)
+        code, tail = run_logged(argv, lease.args.out / f"dg-selftest-{label}.log", 150, trial)
         last = tail.strip().splitlines()[-1][-160:] if tail.strip() else ""
-        outcomes.append(f"{mode}: exit {code}: {last}")
-        log(f"lease: DeepGEMM self-test with {mode}: exit {code}")
+        outcomes.append(f"{label}: exit {code}: {last}")
+        log(f"lease: DeepGEMM self-test {label}: exit {code}")
         debugger = shutil.which("cuda-gdb")
         if code is not None and code < 0 and debugger and len(outcomes) == 1:  # a signal: where, once
             gdb = [debugger, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv]
-            run_logged(gdb, lease.args.out / f"dg-selftest-{mode}-backtrace.log", 120, trial)
+            run_logged(gdb, lease.args.out / f"dg-selftest-{label}-backtrace.log", 120, trial)
         if code == 0:
-            lease.deepgemm_jit = mode
+            lease.deepgemm_jit, lease.deepgemm_env = (
+                label,
+                {k: v for k, v in trial.items() if k in ("DG_JIT_USE_NVRTC", "LD_PRELOAD")},
+            )
             return None
-    return "self-test failed (" + ", ".join(outcomes) + ")"
+    return "self-test failed (" + "; ".join(outcomes) + ")"
 
 
 def check_usable(lease: Lease, build: Build, libdir: Path, env: dict[str, str]) -> None:
@@ -381,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         if imported:
             paths = [str(libdir / name) for name in imported]
             env2["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
-        if lease.deepgemm_jit == "nvrtc" and "deep-gemm" in imported:
-            env2["DG_JIT_USE_NVRTC"] = "1"
+        if "deep-gemm" in imported:
+            env2.update(lease.deepgemm_env)
         lease.step("builds", time.monotonic() - started, note=f"usable: {', '.join(imported) or 'none'}")
         stages = args.phase2 if imported or args.cpu_smoke else list(PHASE2_WITHOUT_LIBRARIES)
         summaries["phase2"] = run_phase(lease, "phase2", stages, lease.left() - PACK_RESERVE_S, env2)

@@ -14,7 +14,7 @@ from scripts.gpukit.stages import BY_NAME
 
 def main(argv: list[str]) -> int:
     ctx = StageContext.from_json(argv[0])
-    result = StageResult(ctx.name)
+    result = StageResult(ctx.name, autosave=ctx.out)
     start = time.monotonic()
     try:
         module = importlib.import_module(f"scripts.gpukit.{BY_NAME[ctx.name].module}")
