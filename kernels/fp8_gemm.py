@@ -8,7 +8,7 @@ that is scaled by ``sa[m] * sb[n]`` and added to an fp32 accumulator, the same p
 does. Scales are read through their strides, so row-major and DeepGEMM's MN-major (TMA-aligned)
 scale layouts both work. Partial blocks (``k`` or ``n`` not a multiple of 128) are masked.
 
-Tile sizes are reasonable defaults, not tuned (that needs a GPU).
+Tile sizes come from the H100 sweeps (:func:`tile_config`; benchmarks/kernels/sweep_gemm.py).
 """
 
 from __future__ import annotations
