@@ -5,58 +5,67 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dsinfer.cli.engine_args import field_default, field_help
 from dsinfer.cli.errors import UsageError
 from dsinfer.engine.args import EngineArgs
+from dsinfer.gateway.args import GatewayArgs
 from dsinfer.workers.args import TRANSFER_BACKENDS, PoolArgs
-
-DRAIN_TIMEOUT = 30.0
 
 
 def add_pool_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pool (--role prefill|decode|colocated)")
-    group.add_argument("--pool-size", type=int, default=1, help="ranks in the pool (= EP size = DP size)")
-    group.add_argument("--pool-id", type=int, default=0, help="this pool's number among its role's pools")
-    group.add_argument("--nnodes", type=int, default=1, help="machines the pool spans")
-    group.add_argument("--node-rank", type=int, default=0, help="this machine's index in [0, nnodes)")
+    group.add_argument("--pool-size", type=int, default=_default("pool_size"), help=_help("pool_size"))
+    group.add_argument("--pool-id", type=int, default=_default("pool_id"), help=_help("pool_id"))
+    group.add_argument("--nnodes", type=int, default=_default("nnodes"), help=_help("nnodes"))
+    group.add_argument("--node-rank", type=int, default=_default("node_rank"), help=_help("node_rank"))
     group.add_argument(
         "--dist-init-addr",
-        default=None,
+        default=_default("dist_init_addr"),
         help="HOST:PORT of the pool's torch.distributed store: rank 0's (several nodes), the launcher's "
         "(one node; default: a free port)",
     )
     group.add_argument(
         "--gateway-addr",
+        # PoolArgs requires it; None here is "not given", which check_role_flags refuses for a pool
         default=None,
         help="HOST:PORT of the gateway's control socket; several gateways: HOST:PORT,HOST:PORT or a "
         "name that resolves to each (the ranks register with every one)",
     )
     group.add_argument(
         "--worker-host",
-        default="127.0.0.1",
+        default=_default("host"),
         help="address this node's ranks bind and advertise their inboxes on",
     )
-    group.add_argument("--transfer-backend", default="nixl", choices=TRANSFER_BACKENDS)
     group.add_argument(
-        "--kv-transfer-timeout", type=float, default=30.0, help="seconds decode waits for a prefill's KV"
+        "--transfer-backend",
+        default=_default("transfer_backend"),
+        choices=TRANSFER_BACKENDS,
+        help=f"{_help('transfer_backend')} (default: %(default)s)",
+    )
+    group.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=_default("kv_transfer_timeout"),
+        help=_help("kv_transfer_timeout"),
     )
     group.add_argument(
         "--kv-quarantine",
         type=float,
-        default=60.0,
+        default=_default("kv_quarantine"),
         help="seconds an aborted transfer's pages stay unused (decode), or a request fenced before it "
         "arrived is refused (prefill)",
     )
     group.add_argument(
         "--threads-per-rank",
         type=int,
-        default=None,
+        default=_default("threads_per_rank"),
         help="torch threads per rank (default: the cores shared by the local ranks of one role)",
     )
     group.add_argument(
-        "--max-restarts", type=int, default=100, help="pool restarts before the launcher gives up"
+        "--max-restarts", type=int, default=_default("max_restarts"), help=_help("max_restarts")
     )
     group.add_argument(
-        "--restart-backoff", type=float, default=1.0, help="seconds before a restart (doubles, capped at 30)"
+        "--restart-backoff", type=float, default=_default("restart_backoff"), help=_help("restart_backoff")
     )
     group.add_argument(
         "--no-elastic-ep",
@@ -68,17 +77,25 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--ep-timeout",
         type=float,
-        default=10.0,
-        help="seconds a serving pool's collective waits for a peer before a hung one counts as dead "
-        "(default: %(default)s)",
+        default=_default("ep_timeout"),
+        help=f"{_help('ep_timeout')} (default: %(default)s)",
     )
     group.add_argument(
         "--drain-timeout",
         type=float,
-        default=DRAIN_TIMEOUT,
+        # one flag drains both: a pool's ranks (run_pool) and the gateway's streams (GatewayArgs)
+        default=field_default(GatewayArgs, "drain_timeout"),
         help="SIGTERM: seconds ranks get to finish their requests before SIGKILL, and a gateway's "
         "streams before they end with an error event",
     )
+
+
+def _default(name: str) -> Any:
+    return field_default(PoolArgs, name)
+
+
+def _help(name: str) -> str:
+    return field_help(PoolArgs, name)
 
 
 def check_launcher_flags(args: argparse.Namespace) -> None:

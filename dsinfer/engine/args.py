@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dsinfer.base.config import EP_BACKENDS, LOAD_FORMATS
 from dsinfer.base.kv_spec import IndexerFormat
@@ -44,10 +44,12 @@ class EngineArgs(BaseModel):
     load_format: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"
-    seed: int = 0  # seeds dummy weights and the per-request seeds of unseeded requests
+    seed: int = Field(0, description="seed of dummy weights and of unseeded requests")
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_num_seqs: int = Field(256, description="most sequences running at once")
+    max_num_batched_tokens: int = Field(
+        2048, description="token budget of one step (prefill chunks + decodes)"
+    )
     kv_cache_memory: int | None = None  # bytes for the KV cache; None = default_kv_budget()
     # V3.2's indexer key cache: fp8 (DeepSeek's release format), model (the model dtype, as
     # transformers scores), auto = fp8 on a GPU, model on a CPU
@@ -55,13 +57,20 @@ class EngineArgs(BaseModel):
     kv_cache_memory_fraction: float | None = None  # default: kv_fraction_for(device)
     enable_prefix_caching: bool = True
     kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
-    kv_disk_cache_size: int = 8 * 2**30
+    kv_disk_cache_size: int = Field(8 * 2**30, description="size of the on-disk KV tier, e.g. 64GiB")
     speculative_mtp: bool = False
-    num_redundant_experts: int = 0  # extra expert slots per MoE layer, spread over an EP group
+    num_redundant_experts: int = Field(
+        0, description="extra expert slots per MoE layer, spread over an EP pool's ranks"
+    )
     placement: Path | None = None  # expert placement file (JSON); None = the default layout
     eplb_interval: int = 0  # steps between online expert-rebalancing checks in an EP pool; 0 = off
-    eplb_min_gain: float = 0.05  # rebalance when max/mean per-rank load improves by more than this
-    eplb_stage_budget: float = 0.1  # staging time per step boundary, as a fraction of the median step
+    eplb_min_gain: float = Field(
+        0.05, description="rebalance online when max/mean per-rank load would improve by more than this"
+    )
+    eplb_stage_budget: float = Field(
+        0.1,
+        description="online rebalancing: time staging new experts per step, as a fraction of the median step",
+    )
     # attention-aware prefill chunking (engine/scheduler.py): the step budget also counts a chunk's
     # query-key pairs / prefill_attention_weight and prefill_context_weight per cached token
     prefill_attention_weight: float | None = None  # None = the budget counts tokens only

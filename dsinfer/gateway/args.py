@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsinfer.base.presets import resolve_model
 from dsinfer.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -26,11 +26,15 @@ class GatewayArgs(BaseModel):
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
     reasoning_parser: str | None = "think-optional"  # or deepseek-r1, deepseek-v3.1/v3.2; None: no split
     tool_call_parser: str = "deepseek-v3"  # the format tool calls are read and constrained in
-    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest dropped)
+    responses_store_size: int = Field(
+        1024, description="/v1/responses kept in memory for previous_response_id (the oldest dropped)"
+    )
     max_queued_requests: int = 1024  # while this many choices wait for a first token, new requests get 429
-    request_timeout: float = 600.0  # seconds from arrival until a request is ended with an error
+    request_timeout: float = Field(
+        600.0, description="seconds from arrival until a request is ended with an error"
+    )
     max_migrations: int = 3  # times one choice may move to another rank (its rank died) before it fails
-    max_n: int = 16  # largest n (choices per prompt) accepted
+    max_n: int = Field(16, description="largest n (choices per prompt) accepted")
     balancer: str = "load"
     model: str | None = None  # checkpoint directory or preset; None = the built-in model (tiny-chat)
     # Idle HTTP connections close after this many seconds. A client (or a load balancer) that sends

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsinfer.base.config import TRANSFER_BACKENDS
 from dsinfer.base.protocol import ROLES
@@ -22,23 +22,26 @@ class PoolArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: str
-    pool_id: int = 0
-    pool_size: int = 1  # ranks in the pool (= EP size = DP size)
-    nnodes: int = 1
-    node_rank: int = 0
+    pool_id: int = Field(0, description="this pool's number among its role's pools")
+    pool_size: int = Field(1, description="ranks in the pool (= EP size = DP size)")
+    nnodes: int = Field(1, description="machines the pool spans")
+    node_rank: int = Field(0, description="this machine's index in [0, nnodes)")
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's torch.distributed store; None = pick
     gateway_addr: str  # HOST:PORT of the gateway's control socket
     host: str = "127.0.0.1"  # address this node's ranks bind their inboxes on
     engine: EngineArgs = EngineArgs()
-    transfer_backend: str = "nixl"
-    kv_transfer_timeout: float = 30.0  # seconds decode waits for PrefillDone
+    transfer_backend: str = Field("nixl", description="library that moves KV pages from prefill to decode")
+    kv_transfer_timeout: float = Field(
+        30.0, description="seconds decode waits for a prefill's KV (its PrefillDone)"
+    )
     kv_quarantine: float = 60.0  # seconds an aborted transfer's pages stay unused without a fence
     threads_per_rank: int | None = None  # torch threads per rank; None = cores / local ranks
-    max_restarts: int = 100  # launcher gives up after this many pool restarts
-    restart_backoff: float = 1.0  # seconds before a restart (doubles, capped at 30)
+    max_restarts: int = Field(100, description="pool restarts before the launcher gives up")
+    restart_backoff: float = Field(1.0, description="seconds before a restart (doubles, capped at 30)")
     elastic_ep: bool = True  # a rank of a one-node pool of several dies: the others serve on (else restart)
-    ep_timeout: float = (
-        10.0  # seconds a serving pool's collective waits for a peer (a hung one counts as dead)
+    ep_timeout: float = Field(
+        10.0,
+        description="seconds a serving pool's collective waits for a peer before a hung one counts as dead",
     )
 
     @model_validator(mode="after")
