@@ -26,16 +26,15 @@ from dsinfer.base.protocol import (
     GenerateRequest,
     LoadReport,
     PoolDown,
-    PrefillDone,
     Register,
     TokenDelta,
     TokenDeltas,
-    decode,
     encode,
 )
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cli.main import main
+from dsinfer.connector.messages import PrefillDone, decode
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.router import Router

@@ -39,13 +39,13 @@ def test_gpu_pool_is_the_fraction_of_free_memory() -> None:
 
 def test_engine_sizes_its_pool_by_the_rule() -> None:
     engine = LLMEngine(EngineArgs(max_num_seqs=3, max_model_len=200))
-    assert engine.num_kv_pages == 3 * 4  # 200 tokens take 4 pages of 64
+    assert engine.kv_pages.num_pages == 3 * 4  # 200 tokens take 4 pages of 64
     engine.close()
 
 
 def test_an_explicit_size_wins() -> None:
     engine = LLMEngine(EngineArgs(max_num_seqs=3, max_model_len=200, kv_cache_memory=10 * PAGE))
-    assert engine.num_kv_pages == 10
+    assert engine.kv_pages.num_pages == 10
     engine.close()
 
 

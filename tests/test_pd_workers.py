@@ -20,16 +20,8 @@ import msgspec
 import pytest
 
 from dsinfer import LLM, SamplingParams
-from dsinfer.base.protocol import (
-    Abort,
-    DecodeAdmit,
-    KVDestination,
-    PrefillDone,
-    PrefillRequest,
-    TokenDelta,
-    decode,
-    encode,
-)
+from dsinfer.base.protocol import Abort, TokenDelta, encode
+from dsinfer.connector.messages import DecodeAdmit, KVDestination, PrefillDone, PrefillRequest, decode
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.transfer.base import TransferBackend, TransferError
@@ -47,7 +39,9 @@ class Harness:
 
     def __init__(self, engines: list[LLMEngine], backends: list[TransferBackend]) -> None:
         self.engines, self.backends = engines, backends
-        self.prefill = PrefillWorker(engines[0], self, "prefill/0/0", "p0", backends[0], quarantine=30.0)
+        self.prefill = PrefillWorker(
+            engines[0], self, "prefill/0/0", "p0", backends[0], quarantine=30.0, progress_interval=0.05
+        )
         self.decode = DecodeWorker(
             engines[1], self, "decode/0/0", "d0", inbox=DECODE_INBOX, transfer_timeout=30.0, quarantine=30.0
         )
@@ -57,6 +51,16 @@ class Harness:
         self.admits: dict[str, DecodeAdmit] = {}
         self.done_messages: list[PrefillDone] = []
         self.held: set[str] = set()  # destinations not forwarded (a prefill that never comes)
+        self.prefill_paused = False  # the prefill rank busy with other prompts: it ticks, never steps
+        self.tick_seconds: float | None = None  # set: the roles' clock advances this much per cycle
+
+    def now(self) -> float:
+        """The time the roles see: real, or a clock that advances ``tick_seconds`` per cycle (so a
+        test of deadlines does not depend on how long a forward takes on a loaded machine)."""
+        return time.monotonic() if self.tick_seconds is None else self._virtual
+
+    def use_virtual_clock(self, tick_seconds: float | None) -> None:
+        self.tick_seconds, self._virtual = tick_seconds, time.monotonic()
 
     # Outbox of both roles
     def send_gateway(self, message: msgspec.Struct) -> None:
@@ -83,14 +87,16 @@ class Harness:
             prefill_inbox=PREFILL_INBOX,
         )
         self.admits[rid] = msg
-        self.decode.handle(msg, time.monotonic())
+        self.decode.handle(msg, self.now())
 
     def abort(self, rid: str) -> None:
         for role in (self.prefill, self.decode):
-            role.handle(Abort(request_id=rid), time.monotonic())
+            role.handle(Abort(request_id=rid), self.now())
 
     def cycle(self) -> list[TokenDelta]:
-        now = time.monotonic()
+        if self.tick_seconds is not None:
+            self._virtual += self.tick_seconds
+        now = self.now()
         deltas = []
         for message in self.to_gateway:
             if isinstance(message, KVDestination):
@@ -103,6 +109,8 @@ class Harness:
             backend.progress()
         for role in (self.prefill, self.decode):
             role.tick(now)
+            if role is self.prefill and self.prefill_paused:
+                continue
             if role.has_work():  # each role a pool of one rank: its own votes are the agreement
                 plan = role.engine.plan_step()
                 role.step(plan, role.engine.agree(plan.votes))
@@ -111,7 +119,7 @@ class Harness:
             message = decode(frame)
             if isinstance(message, PrefillDone):
                 self.done_messages.append(message)
-            self.inboxes[inbox].handle(message, time.monotonic())
+            self.inboxes[inbox].handle(message, self.now())
         return deltas
 
     def _prefill(self, dest: KVDestination) -> None:
@@ -128,7 +136,7 @@ class Harness:
                 decode_agent=self.backends[1].agent_name,
                 decode_transfer_metadata=self.backends[1].metadata(),
             ),
-            time.monotonic(),
+            self.now(),
         )
 
     def run(self, rids: list[str], timeout: float = 60.0) -> dict[str, list[TokenDelta]]:
@@ -293,16 +301,50 @@ def test_abort_before_the_prefill_rank_got_it_fences_at_once(harness: Harness) -
 
 
 def test_transfer_that_never_completes_times_out(harness: Harness) -> None:
-    harness.decode.transfer_timeout, harness.decode.quarantine = 0.2, 0.3
+    connector = harness.decode.connector
+    connector.transfer_timeout, connector.quarantine = 0.2, 0.3
     try:
         harness.held.add("lost")
         harness.admit("lost", list(range(10, 80)), SamplingParams(temperature=0, max_tokens=4))
         got = harness.run(["lost"], timeout=10)["lost"]
-        assert got[-1].error is not None and "timed out" in got[-1].error
+        assert got[-1].error is not None and "no sign of the KV transfer" in got[-1].error
         harness.settle()
         assert harness.all_pages_free()
     finally:
-        harness.decode.transfer_timeout, harness.decode.quarantine = 30.0, 30.0
+        connector.transfer_timeout, connector.quarantine = 30.0, 30.0
+
+
+def test_a_transfer_queued_at_the_prefill_rank_outlives_the_timeout(harness: Harness, offline: LLM) -> None:
+    """The decode rank's deadline measures the prefill rank's silence, not its queue: a prompt
+    that waits at the prefill rank 10x longer than --kv-transfer-timeout completes with the
+    offline engine's tokens while the prefill rank reports progress, and times out without it.
+    The roles' clock advances 0.05 s per cycle, so forwards' real durations do not matter."""
+    connector, prefill = harness.decode.connector, harness.prefill.connector
+    params = SamplingParams(temperature=0, max_tokens=5)
+    prompt = list(range(30, 100))
+    expected = offline.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    connector.transfer_timeout = 0.5
+    harness.use_virtual_clock(0.05)
+    try:
+        for name, interval in (("queued", 0.2), ("silent", float("inf"))):
+            prefill.progress_interval = interval
+            harness.prefill_paused = True
+            harness.admit(name, prompt, params)
+            got: list[TokenDelta] = []
+            for _ in range(100):  # 5 s of the roles' clock
+                got += [d for d in harness.cycle() if d.request_id == name]
+            harness.prefill_paused = False
+            if not any(d.error or d.finish_reason for d in got):
+                got += harness.run([name], timeout=60)[name]
+            if name == "queued":
+                assert got[-1].error is None and _tokens(got) == expected
+            else:
+                assert got[-1].error is not None and "no sign of the KV transfer" in got[-1].error
+            harness.settle()
+            assert harness.all_pages_free()
+    finally:
+        connector.transfer_timeout, prefill.progress_interval, harness.prefill_paused = 30.0, 0.05, False
+        harness.use_virtual_clock(None)
 
 
 def _greedy_equals_offline(h: Harness, offline: LLM, tag: str) -> None:

@@ -5,17 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from dsinfer.base.protocol import (
-    MAX_MESSAGE_BYTES,
-    DecodeAdmit,
-    MessageTooLargeError,
-    PrefillDone,
-    TokenDelta,
-    decode,
-    encode,
-)
+from dsinfer.base.protocol import MAX_MESSAGE_BYTES, MessageTooLargeError, TokenDelta, encode
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.connector.messages import DecodeAdmit, PrefillDone, decode
 
 
 def test_round_trip_keeps_types() -> None:

@@ -1,4 +1,8 @@
-"""Control-plane messages between the gateway, the workers and the pool launchers.
+"""Control-plane messages between the gateway, the workers and the pool launchers: the core ones.
+
+The PD handoff's messages (DecodeAdmit, KVDestination, PrefillRequest, PrefillDone,
+TransferAborted, TransferProgress, PeerDown) belong to the KV connector
+(dsinfer/connector/messages.py), which also holds the codec that decodes every control message.
 
 Every message is a tagged msgspec Struct sent as one ZMQ frame of msgpack. Tensors never ride
 the control plane: KV moves through the transfer library (dsinfer.transfer), activations through
@@ -18,12 +22,9 @@ Each sender connects with its own ZMQ identity: a rank's worker name, ``heartbea
 its heartbeat thread, ``launcher_identity`` for a pool launcher. The gateway accepts a message
 only from the identity it speaks for (dsinfer/gateway/authorize.py), and only from peers that
 passed the CURVE handshake with the cluster's keys (dsinfer/base/control_auth.py).
-- gateway -> worker rank: GenerateRequest (colocated role), DecodeAdmit (decode), PrefillRequest
-  (prefill), Abort; PeerDown to decode ranks when a prefill rank died.
-- prefill rank -> decode rank (PUSH -> the decode rank's inbox): PrefillDone after its last KV
-  write completed, TransferAborted once no write of an aborted transfer can still land.
-- decode rank -> prefill rank (PUSH -> the prefill rank's inbox): Abort of a transfer the decode
-  side gave up on (timeout or client abort).
+- gateway -> worker rank: GenerateRequest (colocated role), Abort; the connector's DecodeAdmit,
+  PrefillRequest and PeerDown.
+- between PD ranks: the connector's messages (dsinfer/connector/messages.py).
 
 Request ids: the gateway splits a request with ``n`` choices per prompt into one worker request
 per choice, each with ``params.n == 1``, ``params.seed`` set (one seed shared by the choices of a
@@ -36,7 +37,7 @@ owns them (docs/architecture.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
@@ -54,12 +55,12 @@ class MessageTooLargeError(ValueError):
     pass
 
 
-class _Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
-    pass
+class ControlMessage(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    """Base of every control-plane message (the connector's too): tagged by its class name."""
 
 
 # worker -> gateway -----------------------------------------------------------------------------
-class Register(_Message, kw_only=True):
+class Register(ControlMessage, kw_only=True):
     """A rank is up and serving. ``incarnation`` is new each time its pool (re)starts."""
 
     worker: str  # "<role>/<pool>/<rank>", e.g. "decode/1/0"
@@ -77,7 +78,7 @@ class Register(_Message, kw_only=True):
     rejoined: bool = False  # a restarted rank that joined its running pool again (elastic EP)
 
 
-class LoadReport(_Message, kw_only=True):
+class LoadReport(ControlMessage, kw_only=True):
     """Heartbeat plus the numbers the balancers and /metrics need. Counters are since start."""
 
     worker: str
@@ -100,20 +101,7 @@ class LoadReport(_Message, kw_only=True):
     expert_load: dict[int, list[int]] | None = None
 
 
-class KVDestination(_Message, kw_only=True):
-    """Decode's answer to DecodeAdmit: where the prefill rank writes the prompt's KV.
-
-    The decode rank already holds the first ``num_cached_tokens`` prompt tokens (its prefix
-    cache; a multiple of the page size); ``pages`` are its pages for the prompt's remaining
-    pages in order, pre-allocated and reserved for this request until the transfer ends."""
-
-    request_id: str
-    worker: str
-    num_cached_tokens: int
-    pages: list[int]
-
-
-class TokenDelta(_Message, kw_only=True):
+class TokenDelta(ControlMessage, kw_only=True):
     """New tokens of one worker request; the last one has ``finish_reason`` or ``error``."""
 
     request_id: str
@@ -127,35 +115,35 @@ class TokenDelta(_Message, kw_only=True):
     retryable: bool = False  # with error: refused before any work (e.g. draining); send it elsewhere
 
 
-class TokenDeltas(_Message, kw_only=True):
+class TokenDeltas(ControlMessage, kw_only=True):
     """Every TokenDelta a rank produced in one iteration of its loop, in order: one message per
     rank per step instead of one per request per token."""
 
     deltas: list[TokenDelta]
 
 
-class Heartbeat(_Message, kw_only=True):
+class Heartbeat(ControlMessage, kw_only=True):
     """Sent by a rank's own thread, so a long step (or a slow machine) never looks like death."""
 
     worker: str
     incarnation: str
 
 
-class Deregister(_Message, kw_only=True):
+class Deregister(ControlMessage, kw_only=True):
     """A rank stops after draining: out of rotation at once, nothing of it is in flight."""
 
     worker: str
     incarnation: str
 
 
-class PoolDown(_Message, kw_only=True):
+class PoolDown(ControlMessage, kw_only=True):
     role: str
     pool: int
     incarnation: str
     reason: str
 
 
-class RankDown(_Message, kw_only=True):
+class RankDown(ControlMessage, kw_only=True):
     """One rank of a pool of several died and the survivors serve on (elastic EP): that rank's
     incarnation leaves rotation, its choices move to other ranks; its launcher restarts it and
     it rejoins the pool (a new Register with ``rejoined``)."""
@@ -166,7 +154,7 @@ class RankDown(_Message, kw_only=True):
 
 
 # gateway -> worker -----------------------------------------------------------------------------
-class WorkerRequest(_Message, kw_only=True):
+class WorkerRequest(ControlMessage, kw_only=True):
     """Fields every request to a worker has: ``params.n == 1``, ``params.seed`` set, no stop strings."""
 
     request_id: str  # dsinfer.base.request_id.format_request_id
@@ -183,65 +171,30 @@ class GenerateRequest(WorkerRequest, kw_only=True):
     """Colocated role: prefill and decode on the same rank."""
 
 
-class DecodeAdmit(WorkerRequest, kw_only=True):
-    """Reserve pages for the prompt, answer with KVDestination, then wait for PrefillDone."""
-
-    prefill_worker: str
-    prefill_inbox: str
-
-
-class PrefillRequest(WorkerRequest, kw_only=True):
-    """Compute the prompt, write its KV into ``destination`` layer by layer, then PrefillDone."""
-
-    destination: KVDestination
-    decode_inbox: str
-    decode_agent: str
-    decode_transfer_metadata: bytes
-
-
-class Abort(_Message, kw_only=True):
-    """Drop the request. ``fence_to``: set by a decode rank that gave up a reserved transfer (to
-    its own inbox): the prefill rank answers TransferAborted there once no write of the request
-    can land, at once when the request never reached it (it then refuses the request should it
-    still come), so the decode rank's pages do not wait out its quarantine."""
+class Abort(ControlMessage, kw_only=True):
+    """Drop the request. ``fence_to``: set by a PD decode rank that gave up a reserved transfer
+    (to its own inbox): the prefill rank answers the connector's TransferAborted there once no
+    write of the request can land (dsinfer/connector/prefill.py)."""
 
     request_id: str
     fence_to: str = ""
 
 
-class PeerDown(_Message, kw_only=True):
-    """Gateway -> decode ranks: prefill rank ``worker`` is dead (its launcher saw the process
-    exit, PoolDown or RankDown), so none of its KV writes can land any more: the fence of every
-    transfer from it, as TransferAborted is for one (sent before the rank can register again)."""
-
-    worker: str
-
-
-# prefill rank <-> decode rank ------------------------------------------------------------------
-class PrefillDone(_Message, kw_only=True):
-    """Every KV write of the request has completed; decode may start from ``first_token``."""
-
-    request_id: str
-    first_token: int
-    first_logprobs: dict[int, float] | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    num_cached_tokens: int = 0  # prompt tokens the prefill rank served from its own cache
-    mtp_draft: int | None = None  # the MTP layer's proposal after first_token
-    bytes_written: int = 0
-    first_write_at: float = 0.0  # time.time() when the first KV write started
-    forward_done_at: float = 0.0  # time.time() when the forward that sampled first_token ended
-
-
-class TransferAborted(_Message, kw_only=True):
-    """Fence: no write of this request's transfer can land any more."""
-
-    request_id: str
-
-
+CORE_MESSAGES: tuple[type[ControlMessage], ...] = (
+    Register,
+    LoadReport,
+    TokenDelta,
+    TokenDeltas,
+    PoolDown,
+    RankDown,
+    Heartbeat,
+    Deregister,
+    GenerateRequest,
+    Abort,
+)
 Message = (
     Register
     | LoadReport
-    | KVDestination
     | TokenDelta
     | TokenDeltas
     | PoolDown
@@ -249,19 +202,31 @@ Message = (
     | Heartbeat
     | Deregister
     | GenerateRequest
-    | DecodeAdmit
-    | PrefillRequest
     | Abort
-    | PeerDown
-    | PrefillDone
-    | TransferAborted
 )
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Message)
 
 
-def encode(message: _Message) -> bytes:
+class Codec:
+    """Decodes the control messages of ``types`` (each tagged by its class name); frames over
+    ``MAX_MESSAGE_BYTES`` are refused. The control plane's codec, which also knows the KV
+    connector's messages, is ``dsinfer.connector.messages.CONTROL``."""
+
+    def __init__(self, types: tuple[type[ControlMessage], ...]) -> None:
+        self.types = types
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Union[types])  # noqa: UP007
+
+    def decode(self, frame: bytes) -> Any:
+        if len(frame) > MAX_MESSAGE_BYTES:
+            raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return self._decoder.decode(frame)
+
+
+CORE = Codec(CORE_MESSAGES)
+
+
+def encode(message: ControlMessage) -> bytes:
     data = _encoder.encode(message)
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageTooLargeError(
@@ -272,9 +237,8 @@ def encode(message: _Message) -> bytes:
 
 
 def decode(frame: bytes) -> Message:
-    if len(frame) > MAX_MESSAGE_BYTES:
-        raise MessageTooLargeError(f"control frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    return _decoder.decode(frame)
+    """A core message (what a launcher or a colocated rank sends; ``CORE``)."""
+    return CORE.decode(frame)
 
 
 def worker_name(role: str, pool: int, rank: int) -> str:

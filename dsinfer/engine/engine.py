@@ -1,21 +1,9 @@
 """LLMEngine: requests in, finished completions out, one scheduled forward per step.
 
-The engine is also the one surface the workers (dsinfer/workers) drive; import-linter keeps them
-off the scheduler, the sequences, the cache and the model. That surface:
-
-- requests: ``add_request``, ``abort_request``, ``has_request``, ``has_unfinished_requests``;
-- PD decode: ``new_remote_prefill``, ``reserve_remote_prefill``, ``join_remote_prefill``,
-  ``cancel_remote_prefill`` (a request whose prompt KV a prefill rank writes into reserved pages);
-- PD KV transfer: ``kv_regions`` and ``kv_page_bytes`` (what the transfer library registers),
-  ``page_size``, ``num_kv_pages``, ``pages_for``, ``retain_pages`` / ``release_pages``;
-- one step in lockstep with the pool: ``plan_step``, ``agree``, ``run_step``
-  (dsinfer/engine/agreement.py); ``step_updates`` does the three for a caller that has no votes
-  of its own;
-- a change of the pool's membership (elastic EP): ``expert_placement``, ``begin_regroup``
-  (stage the experts of the coming placement at step boundaries), ``regroup`` (serve it over a
-  new group);
-- ``load_report``: queue lengths, KV usage, prefix-cache statistics and expert load;
-- ``warmup``, ``close``, and what a rank registers with: ``max_model_len``, ``model_identity``.
+What the workers drive is its façade, :class:`dsinfer.engine.facade.EngineFacade` (import-linter
+keeps them off the scheduler, the sequences, the cache and the model); the offline ``LLM`` and the
+CLI also use ``step`` and ``stats_line``. The engine knows no wire protocol and no KV connector:
+it returns its own records (dsinfer/engine/step.py) and the workers map them to messages.
 """
 
 from __future__ import annotations
@@ -30,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from dsinfer.base.kv_spec import KVCacheSpec
-from dsinfer.base.protocol import LoadReport
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.cache.disk_tier import DiskKVTier
@@ -41,12 +28,15 @@ from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.constraints import LogitConstraints
 from dsinfer.engine.device import bind_device, free_memory, model_identity, resolve_device, resolve_dtype
 from dsinfer.engine.expert_balancer import OnlineExpertBalancer
+from dsinfer.engine.kv_pages import KVPages
+from dsinfer.engine.membership import PoolMembership
 from dsinfer.engine.model_runner import ModelRunner
-from dsinfer.engine.outputs import RequestOutput, build_output
+from dsinfer.engine.outputs import RequestOutput
+from dsinfer.engine.remote import RemotePrefills
+from dsinfer.engine.requests import RequestTable
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from dsinfer.engine.sequence import Sequence
 from dsinfer.engine.sequences import SequenceFactory
-from dsinfer.engine.step import KVReservation, LayerHookFor, RemotePrefill, SeqUpdate, StepPlan
+from dsinfer.engine.step import EngineLoad, LayerHookFor, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
 from dsinfer.ops import compile_ahead, select_ops
@@ -138,9 +128,14 @@ class LLMEngine:
             self.constraints.check,
             random.Random(args.seed),
         )
-        self._requests: dict[str, tuple[list[Sequence], str | None]] = {}
+        self._requests = RequestTable(self.tokenizer)
         self._all_reduce_max: AllReduceMax | None = None
         self._set_agreement(ep_group, agreement_group)
+        self.kv_pages = KVPages(self.kv)  # what a transfer library registers and a connector holds
+        self.remote = RemotePrefills(
+            self._sequences, self.scheduler, self._requests, self.kv.page_size, args.speculative_mtp
+        )  # requests whose prompt KV another rank writes (a connector's decode side)
+        self.membership = PoolMembership(self.model, self.expert_balancer, self._set_agreement)
 
     def _set_agreement(self, ep_group: EPGroup | None, agreement_group: dist.ProcessGroup | None) -> None:
         if agreement_group is not None:
@@ -204,102 +199,16 @@ class LLMEngine:
         seqs = self._sequences(
             request_id, prompt_token_ids, params, first_choice, prefill_only, output_token_ids or []
         )
-        self._requests[request_id] = (seqs, prompt)
+        self._requests.add(request_id, seqs, prompt)
         for seq in seqs:
             self.scheduler.add(seq)
-
-    # PD decode side ------------------------------------------------------------------------
-    def new_remote_prefill(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        first_choice: int = 0,
-        output_token_ids: list[int] | None = None,
-    ) -> RemotePrefill:
-        """A validated one-choice request whose prompt (and, for a continuation, the output it
-        already has: ``add_request``) another rank prefills: hold its pages with
-        ``reserve_remote_prefill``, then ``join_remote_prefill`` when the KV has arrived."""
-        if params.n != 1:
-            raise ValueError(f"n must be 1 for a remotely prefilled request, got {params.n}")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        [seq] = self._sequences(
-            request_id, prompt_token_ids, params, first_choice, False, output_token_ids or []
-        )
-        return RemotePrefill(seq)
-
-    def reserve_remote_prefill(self, request: RemotePrefill) -> KVReservation | None:
-        """Pages for every token known so far (the prompt; a continuation's output too), a
-        prefix-cache hit first, or None while seats or pages are short. The pages stay reserved
-        until joined or cancelled."""
-        seq = request._seq
-        cached = self.scheduler.reserve(seq)
-        if cached is None:
-            return None
-        return KVReservation(cached, seq.pages[cached // self.page_size :])
-
-    def join_remote_prefill(
-        self,
-        request: RemotePrefill,
-        first_token: int,
-        logprobs: dict[int, float] | None,
-        prompt_logprobs: list[dict[int, float] | None] | None,
-        draft: int | None,
-    ) -> SeqUpdate:
-        """The KV has arrived: the request runs from the prefill rank's token (the first, or a
-        continuation's next)."""
-        seq = request._seq
-        if seq.prompt_logprobs is not None and prompt_logprobs is not None:
-            seq.prompt_logprobs = list(prompt_logprobs)
-        self._requests[seq.request_id] = ([seq], None)
-        if self.scheduler.join(seq, first_token, logprobs):
-            self._collect([seq])
-        elif self.args.speculative_mtp:
-            seq.draft = draft
-        return SeqUpdate(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
-
-    def cancel_remote_prefill(self, request: RemotePrefill) -> list[int]:
-        """End a reserved request; its pages come back still referenced: ``release_pages`` them
-        once no write of the prefill rank can land in them."""
-        return self.scheduler.cancel_reserved(request._seq)
-
-    # PD KV transfer ------------------------------------------------------------------------
-    @property
-    def page_size(self) -> int:
-        return self.kv.page_size
-
-    @property
-    def num_kv_pages(self) -> int:
-        return self.kv.num_pages
-
-    def pages_for(self, num_tokens: int) -> int:
-        return self.kv.pool.pages_for(num_tokens)
-
-    def kv_regions(self) -> list[tuple[torch.Tensor, ...]]:
-        """The KV cache's tensors, per cache layer in layer order its caches in the pool's spec order
-        (the latent; V3.2's indexer keys): what the transfer library registers (a page of layer l
-        is page ``p`` of every tensor of ``kv_regions()[l]``)."""
-        return self.kv.pool.layer_tensors()
-
-    @property
-    def kv_page_bytes(self) -> list[int]:
-        """Bytes of one page, per cache layer (every cache of the layer)."""
-        return [self.kv.pool.spec.page_bytes] * self.kv.pool.num_layers
-
-    def retain_pages(self, pages: list[int]) -> None:
-        """One more reference on each page (a transfer reads it): not evicted nor reused."""
-        self.kv.retain(pages)
-
-    def release_pages(self, pages: list[int]) -> None:
-        self.kv.release(pages)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
+        self._requests.discard(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -323,31 +232,6 @@ class LLMEngine:
     def agree(self, votes: StepVotes) -> StepVotes:
         """The pool's decision from every rank's votes: one all-reduce (none without a pool)."""
         return agree(votes, self._all_reduce_max)
-
-    # The pool's membership (elastic EP) ---------------------------------------------------------
-    @property
-    def expert_placement(self) -> ExpertPlacement | None:
-        """The placement the pool serves with now (None without expert parallelism)."""
-        return self.model.ep.placement if self.model.ep is not None else None
-
-    def begin_regroup(self, placement: ExpertPlacement, rank: int) -> None:
-        """Stage this rank's experts for ``placement`` (its index ``rank`` there) at the coming
-        step boundaries, a bounded share of each (its ``regroup_staging`` vote says when done)."""
-        assert self.expert_balancer is not None, "a regroup needs an expert-parallel pool"
-        self.expert_balancer.begin_regroup(placement, rank)
-
-    def regroup(
-        self,
-        ep_group: EPGroup,
-        agreement_group: dist.ProcessGroup | None,
-        placement: ExpertPlacement,
-        rank: int,
-    ) -> None:
-        """Serve ``placement`` over a new pool group from the next step on: this rank's experts
-        as staged (what is left of them staged now), its weights and KV as they are."""
-        assert self.expert_balancer is not None, "a regroup needs an expert-parallel pool"
-        self.expert_balancer.regroup(ep_group, placement, rank)
-        self._set_agreement(ep_group, agreement_group)
 
     def run_step(
         self, plan: StepPlan, agreed: StepVotes, layer_hook_for: LayerHookFor | None = None
@@ -384,16 +268,7 @@ class LLMEngine:
             if new or seq.is_finished:
                 logprobs = seq.logprobs[len(seq.logprobs) - new :] if seq.logprobs is not None else None
                 updates.append(SeqUpdate(seq, seq.token_ids[num_before:], logprobs))
-        return updates, self._collect(finished)
-
-    def _collect(self, finished: list[Sequence]) -> list[RequestOutput]:
-        outputs = []
-        for request_id in dict.fromkeys(seq.request_id for seq in finished):
-            seqs, prompt = self._requests[request_id]
-            if all(s.is_finished for s in seqs):
-                del self._requests[request_id]
-                outputs.append(build_output(request_id, prompt, seqs, self.tokenizer))
-        return outputs
+        return updates, self._requests.collect(finished)
 
     def warmup(self) -> None:
         """One short request through prefill and decode, so kernels compile (numba, Triton)
@@ -413,19 +288,14 @@ class LLMEngine:
                 module.experts.slot_load.zero_()
         log.info("warm-up done in %.1f s", time.monotonic() - start)
 
-    def load_report(
-        self, worker: str, incarnation: str, *, num_queued_elsewhere: int = 0, with_expert_load: bool = False
-    ) -> LoadReport:
-        """This engine's part of a rank's load report (the role adds transfers and draining);
-        ``num_queued_elsewhere``: requests the caller holds outside the engine's queues."""
+    def load(self, with_expert_load: bool = False) -> EngineLoad:
+        """Queue lengths, KV usage and prefix-cache counters (the expert load when asked)."""
         sched, kv = self.scheduler, self.kv
         prefills = [s for s in [*sched.waiting, *sched.running] if s.num_computed_tokens < s.prompt_len]
         stats = kv.stats
-        return LoadReport(
-            worker=worker,
-            incarnation=incarnation,
+        return EngineLoad(
             num_running=len(sched.running),
-            num_waiting=len(sched.waiting) + num_queued_elsewhere,
+            num_waiting=len(sched.waiting),
             kv_pages_used=kv.num_pages - kv.num_available_pages(),
             kv_pages_total=kv.num_pages,
             pending_prefill_tokens=sum(s.prompt_len - s.num_computed_tokens for s in prefills),

@@ -1,8 +1,9 @@
-"""The records the engine's façade hands to the workers around one step (dsinfer/engine/engine.py).
+"""The records the engine's façade (dsinfer/engine/facade.py) hands to its callers around a step.
 
-Workers never see the scheduler's sequences: a step's results are :class:`SeqUpdate`s, whose
-wire form is :meth:`SeqUpdate.delta`; a PD prefill's per-layer writes are planned from
-:class:`ScheduledWork`; a PD decode request waiting for its KV is a :class:`RemotePrefill`.
+Callers never see the scheduler's sequences: a step's results are :class:`SeqUpdate`s (the
+workers map them to wire messages); a KV connector's prefill side plans its per-layer writes from
+:class:`ScheduledWork`; its decode side holds a :class:`RemotePrefill` while the KV arrives; the
+engine's load is an :class:`EngineLoad` (the workers add theirs and map it to a LoadReport).
 """
 
 from __future__ import annotations
@@ -10,12 +11,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dsinfer.base.protocol import TokenDelta
 from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.scheduler import ScheduledBatch
 from dsinfer.engine.sequence import Sequence
 
-__all__ = ["KVReservation", "LayerHookFor", "RemotePrefill", "ScheduledWork", "SeqUpdate", "StepPlan"]
+__all__ = [
+    "EngineLoad",
+    "KVReservation",
+    "LayerHook",
+    "LayerHookFor",
+    "RemotePrefill",
+    "ScheduledWork",
+    "SeqUpdate",
+    "StepPlan",
+]
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,8 @@ class StepPlan:
 
 
 class SeqUpdate:
-    """What one step added to one sequence (tokens, or its end)."""
+    """What one step added to one sequence (tokens, or its end), with the prompt's facts that a
+    sequence's first update carries to the client."""
 
     def __init__(self, seq: Sequence, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None):
         self._seq = seq
@@ -69,24 +79,23 @@ class SeqUpdate:
         """The MTP layer's proposal after the last token (a PD prefill hands it to decode)."""
         return self._seq.draft
 
-    def delta(self, num_cached_tokens: int | None = None) -> TokenDelta:
-        """The wire form; the sequence's first delta carries the prompt's facts
-        (``num_cached_tokens`` overrides the cached prompt tokens, e.g. the prefill rank's)."""
+    @property
+    def is_first(self) -> bool:
+        """These are the sequence's first output tokens."""
+        return self._seq.num_output_tokens == len(self.new_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return self._seq.prompt_len
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        return self._seq.num_cached_prompt_tokens
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
         seq = self._seq
-        delta = TokenDelta(
-            request_id=seq.request_id,
-            token_ids=self.new_token_ids,
-            logprobs=self.new_logprobs,
-            finish_reason=seq.finish_reason,
-        )
-        if seq.num_output_tokens == len(self.new_token_ids):
-            delta.num_prompt_tokens = seq.prompt_len
-            delta.num_cached_tokens = (
-                seq.num_cached_prompt_tokens if num_cached_tokens is None else num_cached_tokens
-            )
-            if seq.prompt_logprobs is not None:
-                delta.prompt_logprobs = seq.prompt_logprobs[: seq.prompt_len]
-        return delta
+        return None if seq.prompt_logprobs is None else seq.prompt_logprobs[: seq.prompt_len]
 
 
 class RemotePrefill:
@@ -107,3 +116,19 @@ class KVReservation:
 
     num_cached_tokens: int
     pages: list[int]
+
+
+@dataclass
+class EngineLoad:
+    """The engine's part of a rank's load (queues, KV, prefix-cache counters since start)."""
+
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    pending_prefill_tokens: int  # prompt tokens admitted or queued but not yet computed
+    pending_attention_load: int  # sum over queued prefills of new tokens x total context
+    prompt_tokens: int
+    memory_hit_tokens: int
+    disk_hit_tokens: int
+    expert_load: dict[int, list[int]] | None = None

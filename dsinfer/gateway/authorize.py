@@ -17,9 +17,7 @@ import logging
 from dsinfer.base.protocol import (
     Deregister,
     Heartbeat,
-    KVDestination,
     LoadReport,
-    Message,
     PoolDown,
     RankDown,
     Register,
@@ -28,6 +26,7 @@ from dsinfer.base.protocol import (
     heartbeat_identity,
     launcher_of,
 )
+from dsinfer.connector.messages import AnyMessage, KVDestination
 from dsinfer.gateway.registry import WorkerRegistry
 
 log = logging.getLogger("dsinfer.gateway")
@@ -35,7 +34,7 @@ log = logging.getLogger("dsinfer.gateway")
 MAX_LOGGED = 4096  # (sender, message kind) pairs remembered so that each is logged once
 
 
-def refusal(sender: str, message: Message, registry: WorkerRegistry) -> str | None:
+def refusal(sender: str, message: AnyMessage, registry: WorkerRegistry) -> str | None:
     """Why ``sender`` may not send ``message``, or None when it may."""
     if isinstance(message, Register):
         if sender != message.worker:
@@ -69,7 +68,7 @@ class RefusalLog:
     def __init__(self) -> None:
         self._seen: set[tuple[str, str]] = set()
 
-    def refused(self, sender: str, message: Message, reason: str) -> None:
+    def refused(self, sender: str, message: AnyMessage, reason: str) -> None:
         key = (sender, type(message).__name__)
         if key in self._seen:
             return

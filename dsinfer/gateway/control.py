@@ -21,7 +21,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.control_auth import HANDSHAKE_EVENTS, HandshakeLog, serve_curve, start_authenticator
-from dsinfer.base.protocol import Message, decode, encode
+from dsinfer.base.protocol import encode
+from dsinfer.connector.messages import AnyMessage, decode
 
 log = logging.getLogger("dsinfer.gateway")
 
@@ -31,7 +32,7 @@ class ControlSocket:
         self,
         addr: str,
         keys: ControlKeys,
-        on_message: Callable[[str, Message], None],
+        on_message: Callable[[str, AnyMessage], None],
         on_undeliverable: Callable[[str, msgspec.Struct], None],
     ) -> None:
         self.addr = addr

@@ -44,16 +44,11 @@ from dsinfer.balancers.base import RouteRequest
 from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.protocol import (
     Abort,
-    DecodeAdmit,
     Deregister,
     GenerateRequest,
     Heartbeat,
-    KVDestination,
     LoadReport,
-    Message,
-    PeerDown,
     PoolDown,
-    PrefillRequest,
     RankDown,
     Register,
     TokenDelta,
@@ -62,6 +57,8 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.connector import pairing
+from dsinfer.connector.messages import AnyMessage, DecodeAdmit, KVDestination
 from dsinfer.gateway.authorize import RefusalLog, refusal
 from dsinfer.gateway.backend import BackendMetrics, Capacity, DeltaSink, Job, MigrationStats, Unavailable
 from dsinfer.gateway.control import ControlSocket
@@ -196,9 +193,7 @@ class Router:
             choice.prefill_worker = self.pools.pick("prefill", route, now)
             prefill = self.pools.registry.get(choice.prefill_worker)
             assert prefill is not None
-            choice.request = DecodeAdmit(
-                **fields, prefill_worker=choice.prefill_worker, prefill_inbox=prefill.register.inbox
-            )
+            choice.request = pairing.decode_admit(GenerateRequest(**fields), prefill.register)
         else:
             choice.decode_worker, choice.prefill_worker = self.pools.pick("colocated", route, now), None
             choice.request = GenerateRequest(**fields)
@@ -229,7 +224,7 @@ class Router:
             self._retry_or_end(choice, reason, cause, skip=info.name if dead else None)
         if dead and info.role == "prefill":  # after the Aborts: its transfers are fenced
             for name in self.pools.registry.live("decode"):
-                self.control.send(name, PeerDown(worker=info.name))
+                self.control.send(name, pairing.peer_down(info.name))
 
     def _retry_or_end(self, choice: _Choice, reason: str, cause: str, skip: str | None = None) -> None:
         """Dispatch the choice again as its next attempt, a continuation of the tokens it
@@ -286,7 +281,7 @@ class Router:
                 self.end_choice(choice, TokenDelta(request_id=format_request_id(choice.key), error=error))
 
     # Incoming --------------------------------------------------------------------------------
-    def _on_message(self, sender: str, message: Message) -> None:
+    def _on_message(self, sender: str, message: AnyMessage) -> None:
         now = time.monotonic()
         registry = self.pools.registry
         reason = refusal(sender, message, registry)
@@ -367,26 +362,14 @@ class Router:
 
     def _on_destination(self, dest: KVDestination) -> None:
         choice = self._choices.get(dest.request_id)
-        if choice is None or choice.prefill_worker is None or dest.worker != choice.decode_worker:
+        if choice is None or choice.prefill_worker is None or not isinstance(choice.request, DecodeAdmit):
             return
         decode_info = self.pools.registry.get(dest.worker)
-        if decode_info is None:
+        if decode_info is None or dest.worker != choice.decode_worker:
             return
-        request = choice.request
-        self.control.send(
-            choice.prefill_worker,
-            PrefillRequest(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                params=request.params,
-                choice=request.choice,
-                output_token_ids=request.output_token_ids,
-                destination=dest,
-                decode_inbox=decode_info.register.inbox,
-                decode_agent=decode_info.register.transfer_agent,
-                decode_transfer_metadata=decode_info.register.transfer_metadata,
-            ),
-        )
+        request = pairing.prefill_request(choice.request, dest, decode_info.register)
+        if request is not None:
+            self.control.send(choice.prefill_worker, request)
 
     def _undeliverable(self, worker: str, message: msgspec.Struct) -> None:
         self.pools.unreachable(worker)

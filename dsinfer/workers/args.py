@@ -8,12 +8,18 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsinfer.base.config import TRANSFER_BACKENDS
 from dsinfer.base.protocol import ROLES
+from dsinfer.connector.messages import PROGRESS_INTERVAL
 from dsinfer.engine.args import EngineArgs
 
 
 def shared_cores(ranks: int) -> int:
     """Torch threads of each of ``ranks`` ranks that share this machine's cores."""
     return max(1, (os.cpu_count() or 1) // ranks)
+
+
+# a decode rank gives a transfer up only after this many of the prefill rank's progress reports
+# went missing: one late report (a long forward, a busy socket) never ends a request
+MIN_TIMEOUT_PROGRESS_INTERVALS = 3
 
 
 class PoolArgs(BaseModel):
@@ -32,7 +38,9 @@ class PoolArgs(BaseModel):
     engine: EngineArgs = EngineArgs()
     transfer_backend: str = Field("nixl", description="library that moves KV pages from prefill to decode")
     kv_transfer_timeout: float = Field(
-        30.0, description="seconds decode waits for a prefill's KV (its PrefillDone)"
+        30.0,
+        description="seconds a decode rank waits without any sign of a reserved KV transfer from its "
+        f"prefill rank (which reports each transfer it holds every {PROGRESS_INTERVAL:g} s, queued or not)",
     )
     kv_quarantine: float = 60.0  # seconds an aborted transfer's pages stay unused without a fence
     threads_per_rank: int | None = None  # torch threads per rank; None = cores / local ranks
@@ -63,6 +71,12 @@ class PoolArgs(BaseModel):
         for name in ("kv_transfer_timeout", "kv_quarantine", "ep_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.kv_transfer_timeout < MIN_TIMEOUT_PROGRESS_INTERVALS * PROGRESS_INTERVAL:
+            raise ValueError(
+                f"kv_transfer_timeout must be at least {MIN_TIMEOUT_PROGRESS_INTERVALS * PROGRESS_INTERVAL:g} s "
+                f"({MIN_TIMEOUT_PROGRESS_INTERVALS} of the prefill ranks' {PROGRESS_INTERVAL:g} s progress "
+                f"reports), got {self.kv_transfer_timeout:g}"
+            )
         return self
 
     @property

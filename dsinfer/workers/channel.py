@@ -39,14 +39,13 @@ from dsinfer.base.control_auth import (
     start_authenticator,
 )
 from dsinfer.base.protocol import (
-    Message,
     TokenDelta,
     TokenDeltas,
     WorkerRequest,
-    decode,
     encode,
     heartbeat_identity,
 )
+from dsinfer.connector.messages import AnyMessage, decode
 
 log = logging.getLogger("dsinfer.worker")
 
@@ -200,11 +199,11 @@ class WorkerChannel:
             log.warning("peer %s unreachable; dropped %s", inbox, type(message).__name__)
 
     # Receiving -----------------------------------------------------------------------------------
-    def receive(self, timeout_ms: int) -> list[Message]:
+    def receive(self, timeout_ms: int) -> list[AnyMessage]:
         """Every message waiting (gateways first), blocking up to ``timeout_ms`` for the first."""
         if set(self._resolved) - self._gateways.keys() or self._gateways.keys() - set(self._resolved):
             self._reconcile()
-        messages: list[Message] = []
+        messages: list[AnyMessage] = []
         events = dict(self._poller.poll(timeout_ms))
         for endpoint, gateway in list(self._gateways.items()):
             if gateway.monitor in events:
@@ -226,8 +225,8 @@ class WorkerChannel:
         while len(self._owner) > MAX_OWNERS:
             self._owner.popitem(last=False)
 
-    def _drain(self, sock: zmq.Socket[bytes]) -> list[Message]:
-        messages: list[Message] = []
+    def _drain(self, sock: zmq.Socket[bytes]) -> list[AnyMessage]:
+        messages: list[AnyMessage] = []
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)

@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from dsinfer.engine.agreement import StepVotes
-from dsinfer.engine.engine import LLMEngine
+from dsinfer.engine.facade import EngineFacade
 from dsinfer.parallel.elastic_placement import keep_ranks, placement_for_members
 from dsinfer.parallel.ep import EPGroup
 from dsinfer.parallel.placement import ExpertPlacement
@@ -97,10 +97,10 @@ class ElasticPool:
             if group is not None:
                 group.set_timeout(short)
 
-    def _regroup(self, engine: LLMEngine, members: Membership, placement: ExpertPlacement) -> None:
+    def _regroup(self, engine: EngineFacade, members: Membership, placement: ExpertPlacement) -> None:
         start = time.monotonic()
         group = self.form(members, placement.slots_per_rank, self.reform_timeout)
-        engine.regroup(group, self.control, placement, members.index(self.rank))
+        engine.membership.regroup(group, self.control, placement, members.index(self.rank))
         self.serve()
         log.info(
             "rank %d: pool re-formed as generation %d (ranks %s) in %.2f s",
@@ -131,7 +131,7 @@ class ElasticPool:
                     return admitted.generation
         return self.members.generation
 
-    def on_agreed(self, agreed: StepVotes, engine: LLMEngine) -> bool:
+    def on_agreed(self, agreed: StepVotes, engine: EngineFacade) -> bool:
         """Act on the agreed ``pool_generation``: a newer one announced at this boundary starts
         staging; at a later boundary where no rank stages, the pool re-forms. True: it did (the
         step planned before is dropped)."""
@@ -143,7 +143,7 @@ class ElasticPool:
             if self.rank not in self._announced.ranks:
                 raise PoolLost(f"membership generation {generation} leaves rank {self.rank} out")
             placement = placement_for_members(self.initial, self._announced.ranks)
-            engine.begin_regroup(placement, self._announced.index(self.rank))
+            engine.membership.begin(placement, self._announced.index(self.rank))
             log.info(
                 "rank %d: membership generation %d announced (ranks %s): staging its experts",
                 self.rank,
@@ -157,7 +157,7 @@ class ElasticPool:
         self._regroup(engine, members, placement_for_members(self.initial, members.ranks))
         return True
 
-    def recover(self, engine: LLMEngine, error: Exception) -> None:
+    def recover(self, engine: EngineFacade, error: Exception) -> None:
         """A collective failed: wait for the membership without the dead rank(s), then serve on
         in the new generation's group (raises PoolLost when that cannot be)."""
         old = self.members
@@ -180,7 +180,7 @@ class ElasticPool:
             raise PoolLost(
                 f"membership went from ranks {old.ranks} to {latest.ranks}: not a shrink this rank survives"
             ) from error
-        current = engine.expert_placement
+        current = engine.membership.placement
         assert current is not None
         self._announced = None
         placement = keep_ranks(current, [old.index(r) for r in latest.ranks])
@@ -193,7 +193,7 @@ class ElasticPool:
         ranks = tuple(sorted((*latest.ranks, self.rank)))
         return Membership(latest.generation + 1, ranks), placement_for_members(self.initial, ranks)
 
-    def join(self, engine: LLMEngine, wanted: Membership, placement: ExpertPlacement) -> None:
+    def join(self, engine: EngineFacade, wanted: Membership, placement: ExpertPlacement) -> None:
         """Ask to join as ``wanted`` (``engine`` holds the experts ``placement`` gives this rank),
         wait to be admitted, form the group with the members."""
         self.store.ask_to_join(self.rank, wanted.ranks)

@@ -38,12 +38,12 @@ from dsinfer.base.protocol import (
     HEARTBEAT_INTERVAL,
     Deregister,
     Heartbeat,
-    Message,
     Register,
     WorkerRequest,
     worker_name,
 )
 from dsinfer.base.shape import expert_slots_per_rank
+from dsinfer.connector.messages import AnyMessage
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
 from dsinfer.parallel.placement import ExpertPlacement
@@ -70,12 +70,12 @@ RESOLVE_TIMEOUT = 120.0  # seconds rank 0 waits for --dist-init-addr's name to r
 REFORM_TIMEOUT = 300.0  # seconds the members of a re-forming pool wait for each other
 
 
-def _rest_of_burst(channel: WorkerChannel) -> list[Message]:
+def _rest_of_burst(channel: WorkerChannel) -> list[AnyMessage]:
     """An idle rank that just got requests takes the rest of their burst before its first step:
     messages until the inbox stays quiet for ``BURST_GAP_MS`` (at most ``BURST_WINDOW_MS``). A
     burst of clients then starts in one prefill, and the gateway, which shares the cores, hands
     it over before the forward takes them."""
-    messages: list[Message] = []
+    messages: list[AnyMessage] = []
     deadline = time.monotonic() + BURST_WINDOW_MS / 1000
     while time.monotonic() < deadline and (more := channel.receive(BURST_GAP_MS)):
         messages += more
@@ -112,7 +112,7 @@ def build_role(
     if pool.role == "colocated":
         return ColocatedWorker(engine, channel, name, args.incarnation), None
     transfer = make_transfer_backend(pool.transfer_backend, f"{name}@{args.incarnation}", host=pool.host)
-    transfer.register_pool(engine.kv_regions())
+    transfer.register_pool(engine.kv_pages.regions())
     if pool.role == "prefill":
         worker = PrefillWorker(
             engine, channel, name, args.incarnation, transfer, quarantine=pool.kv_quarantine
@@ -272,8 +272,8 @@ def run_rank(args: RankArgs) -> int:
         inbox=channel.inbox_addr,
         transfer_agent=transfer.agent_name if transfer else "",
         transfer_metadata=transfer.metadata() if transfer else b"",
-        kv_pages_total=engine.num_kv_pages,
-        page_size=engine.page_size,
+        kv_pages_total=engine.kv_pages.num_pages,
+        page_size=engine.kv_pages.page_size,
         max_model_len=engine.max_model_len,
         model=engine.model_identity,
         rejoined=args.joining,

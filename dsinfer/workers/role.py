@@ -1,51 +1,86 @@
-"""What every worker role shares: the engine, the outbox, token deltas and load reports.
+"""What every worker role shares: the engine's façade, the outbox, token deltas and load reports.
 
 A role is driven by the rank loop (dsinfer/workers/rank.py): ``handle`` each control message,
 ``tick`` for time-driven work (transfer progress, timeouts), ``step`` for one engine forward when
-the pool agreed to step. A role never blocks, and it uses only the engine's façade (the surface
-listed in dsinfer/engine/engine.py).
+the pool agreed to step. A role never blocks. The PD roles (dsinfer/workers/decode.py,
+prefill.py) route their messages to the KV connector's sides (dsinfer/connector).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from typing import Protocol
 
-import msgspec
-
-from dsinfer.base.protocol import Abort, GenerateRequest, LoadReport, Message, TokenDelta, WorkerRequest
+from dsinfer.base.protocol import Abort, GenerateRequest, LoadReport, TokenDelta, WorkerRequest
+from dsinfer.connector.messages import AnyMessage
+from dsinfer.connector.outbox import Outbox, TransferCounters
 from dsinfer.engine.agreement import StepVotes
-from dsinfer.engine.engine import LLMEngine
-from dsinfer.engine.step import StepPlan
+from dsinfer.engine.facade import EngineFacade
+from dsinfer.engine.step import EngineLoad, SeqUpdate, StepPlan
 
 log = logging.getLogger("dsinfer.worker")
 
 
-class Outbox(Protocol):
-    def send_gateway(self, message: msgspec.Struct) -> None: ...
+def token_delta(update: SeqUpdate, num_cached_tokens: int | None = None) -> TokenDelta:
+    """A step's update as the wire's TokenDelta; a sequence's first one carries the prompt's
+    facts (``num_cached_tokens`` overrides the cached prompt tokens, e.g. the prefill rank's)."""
+    delta = TokenDelta(
+        request_id=update.request_id,
+        token_ids=update.new_token_ids,
+        logprobs=update.new_logprobs,
+        finish_reason=update.finish_reason,
+    )
+    if update.is_first:
+        delta.num_prompt_tokens = update.prompt_len
+        delta.num_cached_tokens = (
+            update.num_cached_prompt_tokens if num_cached_tokens is None else num_cached_tokens
+        )
+        if update.prompt_logprobs is not None:
+            delta.prompt_logprobs = update.prompt_logprobs
+    return delta
 
-    def send_peer(self, inbox: str, message: msgspec.Struct) -> None: ...
 
-
-@dataclasses.dataclass
-class TransferCounters:
-    bytes: int = 0
-    seconds: float = 0.0
-    count: int = 0
+def load_report(
+    worker: str,
+    incarnation: str,
+    load: EngineLoad,
+    *,
+    queued_elsewhere: int = 0,
+    transfers: TransferCounters | None = None,
+    draining: bool = False,
+) -> LoadReport:
+    """A rank's LoadReport: its engine's load, the requests its role holds outside the engine's
+    queues (``queued_elsewhere``, counted as waiting) and its KV transfers."""
+    transfers = transfers or TransferCounters()
+    return LoadReport(
+        worker=worker,
+        incarnation=incarnation,
+        num_running=load.num_running,
+        num_waiting=load.num_waiting + queued_elsewhere,
+        kv_pages_used=load.kv_pages_used,
+        kv_pages_total=load.kv_pages_total,
+        pending_prefill_tokens=load.pending_prefill_tokens,
+        pending_attention_load=load.pending_attention_load,
+        prompt_tokens=load.prompt_tokens,
+        memory_hit_tokens=load.memory_hit_tokens,
+        disk_hit_tokens=load.disk_hit_tokens,
+        transfer_bytes=transfers.bytes,
+        transfer_seconds=transfers.seconds,
+        transfers=transfers.count,
+        draining=draining,
+        expert_load=load.expert_load,
+    )
 
 
 class RoleWorker(ABC):
     role: str
 
-    def __init__(self, engine: LLMEngine, outbox: Outbox, worker: str, incarnation: str) -> None:
+    def __init__(self, engine: EngineFacade, outbox: Outbox, worker: str, incarnation: str) -> None:
         self.engine, self.outbox, self.worker, self.incarnation = engine, outbox, worker, incarnation
-        self.transfer = TransferCounters()
         self.draining = False
 
     @abstractmethod
-    def handle(self, message: Message, now: float) -> None: ...
+    def handle(self, message: AnyMessage, now: float) -> None: ...
 
     def tick(self, now: float) -> None:  # noqa: B027 - roles without timed work need none
         """Time-driven work: transfer progress, timeouts, retries."""
@@ -61,7 +96,7 @@ class RoleWorker(ABC):
     def step(self, plan: StepPlan, agreed: StepVotes) -> None:
         """The step the pool agreed on (every rank calls it, with or without work)."""
         for update in self.engine.run_step(plan, agreed):
-            self.outbox.send_gateway(update.delta())
+            self.outbox.send_gateway(token_delta(update))
 
     def step_interrupted(self) -> None:  # noqa: B027 - roles without per-step state need none
         """The step's collectives failed (a peer of the pool died): nothing of it was recorded,
@@ -77,15 +112,18 @@ class RoleWorker(ABC):
         return self.draining
 
     def load_report(self, with_expert_load: bool = False) -> LoadReport:
-        report = self.engine.load_report(
+        return load_report(
             self.worker,
             self.incarnation,
-            num_queued_elsewhere=self.num_queued_elsewhere(),
-            with_expert_load=with_expert_load,
+            self.engine.load(with_expert_load),
+            queued_elsewhere=self.num_queued_elsewhere(),
+            transfers=self.transfer_counters(),
+            draining=self.draining,
         )
-        report.transfer_bytes, report.transfer_seconds = self.transfer.bytes, self.transfer.seconds
-        report.transfers, report.draining = self.transfer.count, self.draining
-        return report
+
+    def transfer_counters(self) -> TransferCounters:
+        """KV transfers since start (none for a role without a connector)."""
+        return TransferCounters()
 
     def num_queued_elsewhere(self) -> int:
         """Requests the role holds outside the scheduler's queues."""
@@ -97,7 +135,7 @@ class ColocatedWorker(RoleWorker):
 
     role = "colocated"
 
-    def handle(self, message: Message, now: float) -> None:
+    def handle(self, message: AnyMessage, now: float) -> None:
         if isinstance(message, GenerateRequest):
             if self.refuse_if_draining(message):
                 return
@@ -117,7 +155,7 @@ class ColocatedWorker(RoleWorker):
             log.warning("colocated worker ignored %s", type(message).__name__)
 
 
-def abort_running(engine: LLMEngine, outbox: Outbox, request_id: str) -> bool:
+def abort_running(engine: EngineFacade, outbox: Outbox, request_id: str) -> bool:
     """Abort a request the engine holds; its pages are freed and the gateway told."""
     if not engine.has_request(request_id):
         return False

@@ -1,0 +1,257 @@
+"""The prefill rank's side of the handoff: compute prompts, write their KV into decode ranks'
+pages layer by layer.
+
+Per request: the engine prefills it (chunked, prefix cache) and samples the first token. Before
+each forward this side plans, per request in the batch, the prompt pages that are complete after
+the step and not yet sent (from the decode side's first uncached page); the engine's per-layer
+hook starts the write of layer l as soon as layer l's KV is written, so transfers of the first
+layers run while later layers compute. Pages being read by a write hold an extra reference (they
+cannot be evicted or reused) until that write is done. When the first token is known and every
+write is done, PrefillDone goes to the decode rank: it is the fence after which the decode side
+may read the pages. An abort stops scheduling, waits for the writes in flight, then sends
+TransferAborted (the fence for an aborted transfer). An abort from a decode rank
+(``Abort.fence_to``) of a request this rank never got is answered with TransferAborted at once,
+and the request is refused should it still arrive within ``quarantine`` seconds (the gateway's
+PrefillRequest and the decode rank's Abort travel different sockets, in either order).
+
+While it holds a request (queued behind other prompts, computing, writing) this side tells the
+decode rank so, every ``progress_interval`` s (TransferProgress; ``PROGRESS_INTERVAL`` by default): the decode rank's deadline
+measures silence, so a long prefill queue never times an accepted request out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from dsinfer.base.protocol import Abort
+from dsinfer.connector.messages import (
+    PROGRESS_INTERVAL,
+    PrefillDone,
+    PrefillRequest,
+    TransferAborted,
+    TransferProgress,
+)
+from dsinfer.connector.outbox import Fail, Outbox, TransferCounters
+from dsinfer.engine.facade import EngineFacade
+from dsinfer.engine.step import LayerHook, ScheduledWork, SeqUpdate
+from dsinfer.transfer.base import TransferBackend, TransferError, TransferHandle
+
+log = logging.getLogger("dsinfer.connector")
+
+
+@dataclass
+class _Outgoing:
+    msg: PrefillRequest
+    first_page: int  # prompt pages before this one the decode rank already holds
+    sent: set[int] = field(default_factory=set)  # prompt page indices whose writes were started
+    in_flight: list[tuple[TransferHandle, list[int]]] = field(default_factory=list)  # + pages retained
+    bytes_written: int = 0
+    started: float | None = None
+    done: SeqUpdate | None = None  # the finished prefill's last update (first token sampled)
+    forward_done_at: float = 0.0  # time.time() when the step that sampled the first token ended
+    aborted: bool = False
+    error: str | None = None
+
+
+class PrefillConnector:
+    def __init__(
+        self,
+        engine: EngineFacade,
+        outbox: Outbox,
+        backend: TransferBackend,
+        fail: Fail,
+        *,
+        quarantine: float,
+        progress_interval: float = PROGRESS_INTERVAL,
+    ) -> None:
+        self.engine, self.outbox, self.backend, self.fail = engine, outbox, backend, fail
+        self.quarantine, self.progress_interval = quarantine, progress_interval
+        self.counters = TransferCounters()
+        self.page_size = engine.kv_pages.page_size
+        self.page_bytes = engine.kv_pages.page_bytes
+        self._fenced_unseen: dict[str, float] = {}  # fenced before it arrived -> when to forget it (in order)
+        self._out: dict[str, _Outgoing] = {}
+        self._planned: list[tuple[_Outgoing, list[int]]] = []  # the last step's new pages per request
+        self._last_progress = float("-inf")
+
+    # Messages --------------------------------------------------------------------------------
+    def start(self, msg: PrefillRequest) -> None:
+        if msg.request_id in self._fenced_unseen:
+            self.fail(msg.request_id, "aborted before it reached this prefill rank")
+            return
+        dest = msg.destination
+        if dest.num_cached_tokens % self.page_size:
+            self.fail(msg.request_id, f"decode cached {dest.num_cached_tokens} tokens, not whole pages")
+            return
+        try:
+            self.backend.connect(msg.decode_agent, msg.decode_transfer_metadata)
+            self.engine.add_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                first_choice=msg.choice,
+                prefill_only=True,
+                output_token_ids=msg.output_token_ids,
+            )
+        except (ValueError, TransferError) as e:
+            self.fail(msg.request_id, str(e))
+            return
+        first_page = dest.num_cached_tokens // self.page_size
+        known = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+        expected = self.engine.kv_pages.pages_for(known) - first_page
+        if len(dest.pages) != expected:
+            self.engine.abort_request(msg.request_id)
+            self.fail(msg.request_id, f"decode gave {len(dest.pages)} pages for {expected} to send")
+            return
+        self._out[msg.request_id] = _Outgoing(msg, first_page)
+
+    def abort(self, abort: Abort, now: float) -> bool:
+        """Stop a transfer (its fence follows once its writes finished); False when this side
+        does not hold the request."""
+        request_id = abort.request_id
+        out = self._out.get(request_id)
+        if out is None:
+            if abort.fence_to:  # nothing of it is or will be written: fence at once
+                self._fenced_unseen[request_id] = now + self.quarantine
+                self.outbox.send_peer(abort.fence_to, TransferAborted(request_id=request_id))
+            return False
+        out.aborted = True
+        if self.engine.has_request(request_id):
+            self.engine.abort_request(request_id)
+        return True
+
+    # Steps -------------------------------------------------------------------------------------
+    def layer_hook_for(self, work: list[ScheduledWork]) -> LayerHook | None:
+        """Plan the coming step's KV writes; the hook starts them layer by layer."""
+        plan: list[tuple[_Outgoing, list[int], list[int]]] = []
+        self._planned = []
+        for seq in work:
+            out = self._out.get(seq.request_id)
+            if out is None or out.aborted:
+                continue
+            last = min(seq.end, seq.context_len)
+            complete = -(-last // self.page_size) if last == seq.context_len else last // self.page_size
+            new = [p for p in range(out.first_page, complete) if p not in out.sent]
+            if not new:
+                continue
+            out.sent.update(new)
+            self._planned.append((out, new))
+            src = [seq.pages[p] for p in new]
+            dst = [out.msg.destination.pages[p - out.first_page] for p in new]
+            plan.append((out, src, dst))
+        if not plan:
+            return None
+
+        def after_layer(layer: int) -> None:
+            now = time.monotonic()
+            for out, src, dst in plan:
+                if out.error is not None:
+                    continue
+                try:
+                    handle = self.backend.write_pages(out.msg.decode_agent, layer, src, dst)
+                except TransferError as e:
+                    out.error = f"KV write to {out.msg.destination.worker} failed: {e}"
+                    continue
+                self.engine.kv_pages.retain(src)
+                out.in_flight.append((handle, src))
+                out.bytes_written += len(src) * self.page_bytes[layer]
+                out.started = out.started or now
+
+        return after_layer
+
+    def stepped(self, updates: list[SeqUpdate]) -> None:
+        """Record the step's finished prefills (the decode rank sends the tokens, not this one)."""
+        for update in updates:
+            out = self._out.get(update.request_id)
+            if out is not None and update.finished and update.finish_reason != "abort":
+                out.done, out.forward_done_at = update, time.time()
+
+    def step_interrupted(self) -> None:
+        """Pages the interrupted step was writing are written again, every layer, when the step
+        that computes them again runs (writes already posted land the same bytes)."""
+        for out, pages in self._planned:
+            out.sent.difference_update(pages)
+        self._planned = []
+
+    # Progress ----------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        while self._fenced_unseen and now >= next(iter(self._fenced_unseen.values())):  # oldest first
+            del self._fenced_unseen[next(iter(self._fenced_unseen))]
+        for request_id in list(self._out):
+            out = self._out[request_id]
+            self._poll(out)
+            if out.in_flight:
+                continue
+            if out.aborted or out.error is not None:
+                if out.error is not None:
+                    self.fail(request_id, out.error)
+                    if self.engine.has_request(request_id):
+                        self.engine.abort_request(request_id)
+                self.outbox.send_peer(out.msg.decode_inbox, TransferAborted(request_id=request_id))
+                del self._out[request_id]
+            elif out.done is not None:
+                self._finish(out, now)
+                del self._out[request_id]
+        if now - self._last_progress >= self.progress_interval:
+            self._send_progress()
+            self._last_progress = now
+
+    def busy(self) -> bool:
+        return bool(self._out)
+
+    def num_done_waiting(self) -> int:
+        """Requests whose prefill finished and whose writes are still in flight."""
+        return sum(1 for out in self._out.values() if out.done is not None)
+
+    def _send_progress(self) -> None:
+        by_inbox: dict[str, list[str]] = defaultdict(list)
+        for request_id, out in self._out.items():
+            if not out.aborted and out.error is None:
+                by_inbox[out.msg.decode_inbox].append(request_id)
+        for inbox, request_ids in by_inbox.items():
+            self.outbox.send_peer(inbox, TransferProgress(request_ids=request_ids))
+
+    def _poll(self, out: _Outgoing) -> None:
+        pending = []
+        for handle, pages in out.in_flight:
+            state = self.backend.poll(handle)
+            if state == "pending":
+                pending.append((handle, pages))
+                continue
+            self.backend.release(handle)
+            self.engine.kv_pages.release(pages)
+            if state == "failed" and out.error is None:
+                out.error = f"KV write to {out.msg.destination.worker} failed"
+        out.in_flight = pending
+
+    def _finish(self, out: _Outgoing, now: float) -> None:
+        assert out.done is not None
+        done = out.done
+        if out.started is not None:
+            self.counters.seconds += now - out.started
+        self.counters.bytes += out.bytes_written
+        self.counters.count += 1
+        self.outbox.send_peer(
+            out.msg.decode_inbox,
+            PrefillDone(
+                request_id=done.request_id,
+                first_token=done.new_token_ids[0],
+                first_logprobs=done.new_logprobs[0] if done.new_logprobs else None,
+                prompt_logprobs=done.prompt_logprobs if done.is_first else None,
+                num_cached_tokens=done.num_cached_prompt_tokens if done.is_first else 0,
+                mtp_draft=done.mtp_draft,
+                bytes_written=out.bytes_written,
+                first_write_at=_wall(out.started),
+                forward_done_at=out.forward_done_at,
+            ),
+        )
+
+
+def _wall(monotonic: float | None) -> float:
+    """A monotonic instant as time.time() (timestamps that cross processes)."""
+    if monotonic is None:
+        return 0.0
+    return time.time() - (time.monotonic() - monotonic)
