@@ -1,13 +1,9 @@
 """One rank of a pool: ``python -m dsinfer.workers.rank --args-json JSON`` (its launcher starts it).
 
-The step loop runs in lockstep across the pool (docs/architecture.md, "The per-step agreement"):
-every iteration each rank plans its step, and all ranks agree in one all-reduce of their votes
-(dsinfer/engine/agreement.py: work, busy, stopping, and the engine's micro-batch and EPLB
-votes); every rank steps when any rank has work, an empty batch where it has none, so the
-collectives of a step always line up. When the whole pool is idle each rank blocks in its socket
-poll for up to ``IDLE_POLL_MS`` instead of spinning. SIGTERM drains: the rank refuses new
-requests, finishes what it holds, and the pool exits together once every rank is stopping and no
-rank is busy.
+This module is the rank's process: its device, its pool's groups, its engine, its sockets and
+role, and their teardown; the loop it runs in lockstep with its pool is dsinfer/workers/step_loop.py.
+SIGTERM drains: the rank refuses new requests, finishes what it holds, and the pool exits together
+once every rank is stopping and no rank is busy.
 
 In an elastic pool (``PoolArgs.elastic``: one node, several ranks) the group is formed and
 re-formed by ``ElasticPool`` (dsinfer/workers/elastic.py): a collective that fails because a
@@ -34,16 +30,13 @@ from dsinfer.base.cluster_secret import ControlKeys, SecretError
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.protocol import (
-    EXPERT_LOAD_INTERVAL,
     HEARTBEAT_INTERVAL,
     Deregister,
     Heartbeat,
     Register,
-    WorkerRequest,
     worker_name,
 )
 from dsinfer.base.shape import expert_slots_per_rank
-from dsinfer.connector.messages import AnyMessage
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
 from dsinfer.parallel.placement import ExpertPlacement
@@ -57,29 +50,13 @@ from dsinfer.workers.elastic import ElasticPool, PoolLost
 from dsinfer.workers.membership import Membership, PoolStore, bound_store
 from dsinfer.workers.prefill import PrefillWorker
 from dsinfer.workers.role import ColocatedWorker, RoleWorker
+from dsinfer.workers.step_loop import StepLoop
 
 log = logging.getLogger("dsinfer.worker")
 
-IDLE_POLL_MS = 20
-BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
-BURST_GAP_MS = 5  # an idle rank's new requests: the burst has ended after this long without one
-BURST_WINDOW_MS = 50  # at most this long spent gathering a burst
-REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
 DIST_TIMEOUT = timedelta(minutes=10)  # start-up: ranks warm up (compile) at their own pace
 RESOLVE_TIMEOUT = 120.0  # seconds rank 0 waits for --dist-init-addr's name to resolve
 REFORM_TIMEOUT = 300.0  # seconds the members of a re-forming pool wait for each other
-
-
-def _rest_of_burst(channel: WorkerChannel) -> list[AnyMessage]:
-    """An idle rank that just got requests takes the rest of their burst before its first step:
-    messages until the inbox stays quiet for ``BURST_GAP_MS`` (at most ``BURST_WINDOW_MS``). A
-    burst of clients then starts in one prefill, and the gateway, which shares the cores, hands
-    it over before the forward takes them."""
-    messages: list[AnyMessage] = []
-    deadline = time.monotonic() + BURST_WINDOW_MS / 1000
-    while time.monotonic() < deadline and (more := channel.receive(BURST_GAP_MS)):
-        messages += more
-    return messages
 
 
 def rank_device(device: str, local_rank: int, gpus: int) -> str:
@@ -200,6 +177,64 @@ def rendezvous(args: RankArgs) -> dict[str, Any]:
             ) from None
 
 
+@dataclasses.dataclass
+class PoolGroups:
+    """This rank's place in its pool: the expert-parallel group, the host-side group the per-step
+    agreement runs over, the elastic pool (one node, several ranks) and a joining rank's target."""
+
+    ep_group: EPGroup | None = None
+    control: dist.ProcessGroup | None = None
+    elastic: ElasticPool | None = None
+    wanted: tuple[Membership, ExpertPlacement] | None = None
+
+
+def join_pool(args: RankArgs, device: str) -> PoolGroups:
+    pool = args.pool
+    if pool.pool_size == 1:
+        return PoolGroups()
+    backend = process_group_backend(device)
+    slots = expert_slots_per_rank(
+        _model_config(pool).n_routed_experts, pool.engine.num_redundant_experts, pool.pool_size
+    )
+    if pool.elastic:
+        elastic = _elastic_pool(args, backend)
+        if args.joining:
+            wanted = elastic.target()
+            return PoolGroups(
+                UnformedEPGroup(wanted[0].index(args.rank), len(wanted[0].ranks)), None, elastic, wanted
+            )
+        group = elastic.form(Membership(0, tuple(range(pool.pool_size))), slots, DIST_TIMEOUT.total_seconds())
+        return PoolGroups(group, elastic.control, elastic)
+    dist.init_process_group(
+        backend, **rendezvous(args), rank=args.rank, world_size=pool.pool_size, timeout=DIST_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT) if backend != "gloo" else None
+    return PoolGroups(_ep_group(pool, slots), control)
+
+
+def start_engine(args: RankArgs, device: str, groups: PoolGroups) -> LLMEngine:
+    """The rank's engine, warmed up (or joined to its running pool) before anything is routed here."""
+    pool = args.pool
+    engine_args = pool.engine.model_copy(update={"device": device})
+    if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
+        engine_args = engine_args.model_copy(update={"enforce_eager": True})
+    engine = LLMEngine(
+        engine_args,
+        ep_group=groups.ep_group,
+        agreement_group=groups.control,
+        placement=groups.wanted[1] if groups.wanted is not None else None,
+    )
+    elastic = groups.elastic
+    if elastic is not None and groups.wanted is not None:
+        elastic.join(engine, *groups.wanted)  # kernels come compiled from the cache its first start left
+        return engine
+    engine.warmup()  # compiles kernels before the gateway can route anything here
+    if elastic is not None:
+        elastic.serve()
+        elastic.store.mark_serving(args.rank)
+    return engine
+
+
 def run_rank(args: RankArgs) -> int:
     pool = args.pool
     keys = ControlKeys.from_env()  # before the model loads: a missing secret fails at once
@@ -209,75 +244,15 @@ def run_rank(args: RankArgs) -> int:
     device = rank_device(pool.engine.device, args.local_rank, torch.cuda.device_count())
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    control: dist.ProcessGroup | None = None
-    ep_group: EPGroup | None = None
-    elastic: ElasticPool | None = None
-    wanted: tuple[Membership, ExpertPlacement] | None = None  # a joining rank's target
-    if pool.pool_size > 1:
-        backend = process_group_backend(device)
-        slots = expert_slots_per_rank(
-            _model_config(pool).n_routed_experts, pool.engine.num_redundant_experts, pool.pool_size
-        )
-        if pool.elastic:
-            elastic = _elastic_pool(args, backend)
-            if args.joining:
-                wanted = elastic.target()
-                ep_group = UnformedEPGroup(wanted[0].index(args.rank), len(wanted[0].ranks))
-            else:
-                first = Membership(0, tuple(range(pool.pool_size)))
-                ep_group = elastic.form(first, slots, DIST_TIMEOUT.total_seconds())
-                control = elastic.control
-        else:
-            dist.init_process_group(
-                backend,
-                **rendezvous(args),
-                rank=args.rank,
-                world_size=pool.pool_size,
-                timeout=DIST_TIMEOUT,
-            )
-            if backend != "gloo":
-                control = dist.new_group(backend="gloo", timeout=DIST_TIMEOUT)
-            ep_group = _ep_group(pool, slots)
-    engine_args = pool.engine.model_copy(update={"device": device})
-    if pool.role == "prefill":  # never runs a decode step: no CUDA graphs to capture
-        engine_args = engine_args.model_copy(update={"enforce_eager": True})
-    engine = LLMEngine(
-        engine_args,
-        ep_group=ep_group,
-        agreement_group=control,
-        placement=wanted[1] if wanted is not None else None,
-    )
-    if elastic is not None and wanted is not None:
-        elastic.join(engine, *wanted)  # kernels come compiled from the cache its first start left
-    else:
-        engine.warmup()  # compiles kernels before the gateway can route anything here
-        if elastic is not None:
-            elastic.serve()
-            elastic.store.mark_serving(args.rank)
-    stopping = False  # SIGTERM from here on drains (before: it ends the rank, which holds nothing yet)
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    groups = join_pool(args, device)
+    engine = start_engine(args, device, groups)
+    ep_group, elastic = groups.ep_group, groups.elastic
     channel = WorkerChannel(name, pool.gateway_addr, pool.host, keys)
     channel.start_heartbeat(Heartbeat(worker=name, incarnation=args.incarnation), HEARTBEAT_INTERVAL)
     role, transfer = build_role(args, engine, channel)
-    register = Register(
-        worker=name,
-        role=pool.role,
-        pool=pool.pool_id,
-        incarnation=args.incarnation,
-        inbox=channel.inbox_addr,
-        transfer_agent=transfer.agent_name if transfer else "",
-        transfer_metadata=transfer.metadata() if transfer else b"",
-        kv_pages_total=engine.kv_pages.num_pages,
-        page_size=engine.kv_pages.page_size,
-        max_model_len=engine.max_model_len,
-        model=engine.model_identity,
-        rejoined=args.joining,
-    )
+    loop = StepLoop(engine, role, channel, _register(args, engine, channel, transfer), transfer, elastic)
+    # SIGTERM from here on drains (before: it ends the rank, which holds nothing yet)
+    signal.signal(signal.SIGTERM, lambda signum, frame: loop.stop())
     log.info(
         "rank %s up on %s (incarnation %s, %d threads, inbox %s)",
         name,
@@ -286,58 +261,8 @@ def run_rank(args: RankArgs) -> int:
         threads,
         channel.inbox_addr,
     )
-    last_report = last_register = last_expert_load = 0.0
-    pool_working = False
     try:
-        while True:
-            now = time.monotonic()
-            if channel.gateway_connected() or now - last_register >= REGISTER_EVERY:
-                channel.send_gateway(register)
-                last_register = now
-            # while the pool works, nobody makes the others wait in the next all-reduce
-            timeout = 0 if role.has_work() or pool_working else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
-            idle = timeout == IDLE_POLL_MS  # not when only transfers or timers are pending
-            messages = channel.receive(timeout)
-            if idle and any(isinstance(m, WorkerRequest) for m in messages):
-                messages += _rest_of_burst(channel)
-            for message in messages:
-                role.handle(message, time.monotonic())
-            if stopping and not role.draining:
-                role.draining = True
-                channel.send_gateway(role.load_report())  # out of rotation before anything else
-                log.info("rank %s draining", name)
-            if transfer is not None:
-                transfer.progress()
-            role.tick(time.monotonic())
-            plan = engine.plan_step()
-            votes = dataclasses.replace(
-                plan.votes,
-                busy=role.busy(),
-                not_stopping=not stopping,
-                pool_generation=elastic.vote(time.monotonic()) if elastic is not None else 0,
-            )
-            try:
-                agreed = engine.agree(votes)  # the pool's one collective outside the forward
-                pool_working = agreed.has_work
-                if agreed.stopping:
-                    break
-                if elastic is not None and elastic.on_agreed(agreed, engine):
-                    continue  # re-formed: the step planned for the old group is planned again
-                if agreed.has_work:
-                    role.step(plan, agreed)
-            except RuntimeError as error:  # a peer died in a collective (gloo), or hung past --ep-timeout
-                if elastic is None:
-                    raise
-                role.step_interrupted()
-                elastic.recover(engine, error)
-                continue
-            finally:
-                channel.flush()  # this iteration's token deltas, one message
-            if time.monotonic() - last_report >= HEARTBEAT_INTERVAL:
-                with_load = time.monotonic() - last_expert_load >= EXPERT_LOAD_INTERVAL
-                channel.send_gateway(role.load_report(with_expert_load=with_load))
-                last_report = time.monotonic()
-                last_expert_load = last_report if with_load else last_expert_load
+        loop.run()
     finally:
         channel.send_gateway(role.load_report(with_expert_load=True))
         channel.send_gateway(Deregister(worker=name, incarnation=args.incarnation))
@@ -351,6 +276,27 @@ def run_rank(args: RankArgs) -> int:
             dist.destroy_process_group()
     log.info("rank %s stopped", name)
     return 0
+
+
+def _register(
+    args: RankArgs, engine: LLMEngine, channel: WorkerChannel, transfer: TransferBackend | None
+) -> Register:
+    """What the rank tells the gateways it is."""
+    pool = args.pool
+    return Register(
+        worker=worker_name(pool.role, pool.pool_id, args.rank),
+        role=pool.role,
+        pool=pool.pool_id,
+        incarnation=args.incarnation,
+        inbox=channel.inbox_addr,
+        transfer_agent=transfer.agent_name if transfer else "",
+        transfer_metadata=transfer.metadata() if transfer else b"",
+        kv_pages_total=engine.kv_pages.num_pages,
+        page_size=engine.kv_pages.page_size,
+        max_model_len=engine.max_model_len,
+        model=engine.model_identity,
+        rejoined=args.joining,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
