@@ -11,10 +11,11 @@ import pytest
 from pydantic import BaseModel
 
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from, field_default, size_text
+from dsinfer.cli.flags import actions_of
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
 from dsinfer.cli.main import build_parser
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
-from dsinfer.cli.serve import actions_of, serve_parser
+from dsinfer.cli.serve import serve_parser
 from dsinfer.engine.args import EngineArgs, parse_size
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.workers.args import PoolArgs

@@ -28,6 +28,7 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
         ("torch moe_gate", signatures.MoeGate, gate.moe_gate),
         ("torch sample", signatures.Sample, sampling.sample),
         ("numba mla_decode", signatures.MlaDecode, mla_cpu.mla_decode),
+        ("torch fused_experts", signatures.FusedExperts, experts.fused_experts),
         ("numba fused_experts", signatures.FusedExperts, experts_cpu.fused_experts),
         (
             "grouped fused_experts",

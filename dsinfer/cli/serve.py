@@ -13,7 +13,7 @@ their environment.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,13 +22,13 @@ import yaml
 from dsinfer.base.cluster_secret import load_secret, missing_secret_error
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
+from dsinfer.cli.flags import POOL_ONLY
 from dsinfer.cli.gateway_args import add_gateway_args, gateway_args_from
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
 from dsinfer.engine.args import parse_size
 from dsinfer.workers.args import PoolArgs
 
 SERVE_ROLES = ("gateway", "prefill", "decode", "colocated")
-POOL_ONLY = ("pool_size", "pool_id", "nnodes", "node_rank", "dist_init_addr", "gateway_addr", "gpu_memory")
 ALL_IN_ONE_ONLY = ("prefill_pool_size", "decode_pool_size", "prefill_pools", "decode_pools", "colocated")
 
 
@@ -75,13 +75,6 @@ def serve_parser(prog: str = "dsinfer serve") -> OneLineParser:
     parser = OneLineParser(prog=prog, add_help=False)
     add_serve_args(parser)
     return parser
-
-
-def actions_of(add: Callable[[argparse.ArgumentParser], None]) -> list[argparse.Action]:
-    """The flags a ``add_*_args`` function defines."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add(parser)
-    return list(parser._actions)
 
 
 # --config FILE ---------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from dsinfer.base.cluster_secret import SECRET_ENV, generate_secret, load_secret
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
-from dsinfer.cli.errors import UsageError
+from dsinfer.cli.flags import POOL_ONLY, actions_of
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
+from dsinfer.cli.layout import Layout, layout_of
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
-from dsinfer.cli.serve import POOL_ONLY, actions_of
-from dsinfer.workers.args import PoolArgs, shared_cores
+from dsinfer.workers.args import PoolArgs
 from dsinfer.workers.launcher import KILL_GRACE, POLL_INTERVAL, StopSignals, free_port, spawn, terminate
 
 log = logging.getLogger("dsinfer.serve")
@@ -36,50 +36,6 @@ ANY_ADDRESS = ("", "0.0.0.0", "::")
 GATEWAY_BACKOFF = 0.5  # seconds before the first restart of a dead gateway (doubles, capped)
 MAX_BACKOFF = 30.0
 HEALTHY_RESET = 60.0  # a gateway that ran this long resets the back-off and the restart count
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    role: str
-    pool_id: int
-    size: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.role} pool {self.pool_id}"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The pools of an all-in-one server and the torch threads of each role's ranks.
-
-    The ranks of one role share the machine's cores; prefill and decode each get all of them,
-    because on one machine their busy spells mostly alternate (a burst is prefilled, then
-    decoded), and a decode rank left on half the cores while the prefill rank idles was measured
-    14-21% slower (benchmarks/results/serving_throughput.md)."""
-
-    pools: tuple[PoolSpec, ...]
-    threads_by_role: dict[str, int]
-
-    @property
-    def num_ranks(self) -> int:
-        return sum(p.size for p in self.pools)
-
-
-def layout_of(args: argparse.Namespace) -> Layout:
-    for flag in ("prefill_pool_size", "decode_pool_size", "prefill_pools", "decode_pools"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
-    if args.colocated:
-        pools = tuple(PoolSpec("colocated", i, args.decode_pool_size) for i in range(args.decode_pools))
-    else:
-        pools = tuple(PoolSpec("prefill", i, args.prefill_pool_size) for i in range(args.prefill_pools))
-        pools += tuple(PoolSpec("decode", i, args.decode_pool_size) for i in range(args.decode_pools))
-    threads: dict[str, int] = {}
-    for role in {p.role for p in pools}:
-        ranks = sum(p.size for p in pools if p.role == role)
-        threads[role] = args.threads_per_rank or shared_cores(ranks)
-    return Layout(pools, threads)
 
 
 def connect_host(host: str) -> str:

@@ -25,7 +25,7 @@ from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 from dsinfer.workers.args import PoolArgs
 
 if TYPE_CHECKING:
-    from dsinfer.cli.serve_all_in_one import Layout
+    from dsinfer.cli.layout import Layout
 
 
 # What --dry-run prints ------------------------------------------------------------------------

@@ -29,37 +29,18 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import llguidance
 import torch
 
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.engine.grammar_matcher import GrammarMatcher
+from dsinfer.engine.sequence import Sequence
 from dsinfer.ops.bitmask import apply_token_bitmask, bitmask_words
-
-if TYPE_CHECKING:
-    from dsinfer.engine.sequence import Sequence
 
 log = logging.getLogger("dsinfer.engine")
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per rank
-
-
-class GrammarMatcher:
-    """One sequence's position in its grammar."""
-
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self.matcher = matcher
-        self.consumed = 0  # output tokens fed so far
-        self.failed = False
-
-    def sync(self, output_token_ids: Seq[int], request_id: str) -> None:
-        """Feed the output tokens after the ones already consumed."""
-        new = output_token_ids[self.consumed :]
-        self.consumed = len(output_token_ids)
-        if new and not self.failed and not self.matcher.consume_tokens(list(new)):
-            self.failed = True
-            log.error("%s: grammar refused its own output: %s", request_id, self.matcher.get_error())
 
 
 class GrammarCache:

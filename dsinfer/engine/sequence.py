@@ -16,7 +16,7 @@ from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
-    from dsinfer.engine.constraints import GrammarMatcher
+    from dsinfer.engine.grammar_matcher import GrammarMatcher
 
 
 class SeqStatus(Enum):

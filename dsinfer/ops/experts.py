@@ -1,23 +1,43 @@
 """Routed experts as two grouped GEMMs around the SwiGLU (any GEMM backend, FP8 included).
 
-``FusedExperts`` (dsinfer/ops/signatures.py) bound to a ``GroupedGemmContiguous``: the rows are
-sorted by slot (DeepGEMM's contiguous layout), go through ``grouped_gemm_contiguous`` twice and
-are put back in order.
+``grouped_experts`` is ``FusedExperts`` (dsinfer/ops/signatures.py) bound to a grouped GEMM of the
+contiguous layout: the rows are sorted by slot (DeepGEMM's contiguous layout), go through it twice
+and are put back in order. ``fused_experts`` binds it to the torch reference GEMM: the reference of
+the ``FusedExperts`` contract.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from dsinfer.ops.signatures import GroupedGemmContiguous
+from dsinfer.ops import gemm as torch_gemm
+
+# ``GroupedGemmContiguous``'s call (dsinfer/ops/signatures.py, which takes its signatures from here)
+GemmContiguous = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+
+
+def fused_experts(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each row through the SwiGLU expert of its local slot: ``[M, H] -> [M, H]`` in ``rows``'
+    dtype and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, either
+    plain or block-FP8 with their ``*_scale_inv``; a row's result does not depend on the other rows.
+    The ``FusedExperts`` contract's reference (the fused CPU kernel is dsinfer/ops/experts_cpu.py)."""
+    return grouped_experts(
+        torch_gemm.grouped_gemm_contiguous, rows, slots, w13, w13_scale_inv, w2, w2_scale_inv
+    )
 
 
 def grouped_experts(
-    grouped_gemm_contiguous: GroupedGemmContiguous,
+    grouped_gemm_contiguous: GemmContiguous,
     rows: torch.Tensor,
     slots: torch.Tensor,
     w13: torch.Tensor,

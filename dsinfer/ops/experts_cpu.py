@@ -160,7 +160,7 @@ def fused_experts(
     and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, CPU tensors;
     a row's result does not depend on the other rows. Float32 or bfloat16 weights run fused;
     others (block-FP8) through the grouped-GEMM reference. The ``FusedExperts`` contract
-    (dsinfer/ops/signatures.py)."""
+    (dsinfer/ops/signatures.py; its reference: dsinfer.ops.experts.fused_experts)."""
     fused_dtypes = (torch.float32, torch.bfloat16)
     if w13.dtype not in fused_dtypes or w2.dtype != w13.dtype:
         return grouped_experts(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dsinfer.ops import experts_cpu, gate, gemm, indexer, mla, sampling, sparse_mla
+from dsinfer.ops import experts, gate, gemm, indexer, mla, sampling, sparse_mla
 
 __all__ = [
     "FusedExperts",
@@ -53,9 +53,9 @@ class GroupedGemmMasked(Protocol):
 
 
 class FusedExperts(Protocol):
-    """Rows through the SwiGLU experts of their local slots: :func:`dsinfer.ops.experts_cpu.fused_experts`."""
+    """Rows through the SwiGLU experts of their local slots: :func:`dsinfer.ops.experts.fused_experts`."""
 
-    __call__ = staticmethod(experts_cpu.fused_experts)
+    __call__ = staticmethod(experts.fused_experts)
 
 
 class MlaDecode(Protocol):
