@@ -45,9 +45,7 @@ buffer, which DeepEP asks for before the process group is torn down.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -56,6 +54,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsinfer.parallel.deepep_buffer import (
+    LOW_LATENCY_HIDDEN,
+    LOW_LATENCY_MAX_TOPK,
+    make_buffer,
+    missing_buffer_api,
+)
 from dsinfer.parallel.deepep_layout import (
     FP8_GROUP,
     Compute,
@@ -65,7 +69,6 @@ from dsinfer.parallel.deepep_layout import (
     is_token_in_rank,
     pack_masked,
     pair_expert_ids,
-    qp_depth_to_set,
     reduce_to_tokens,
     round_slices,
     routed_pairs,
@@ -96,33 +99,6 @@ __all__ = [
     "token_send_plan",
     "unpack_masked",
 ]
-
-# Hidden sizes DeepEP's low-latency kernels are compiled for (the union over releases; older builds
-# lack 3072 and 6144, in which case the kernel's own assertion reports it).
-LOW_LATENCY_HIDDEN: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
-LOW_LATENCY_MAX_TOPK = 11
-BYTE_ALIGN = 128  # Buffer sizes are multiples of 128 bytes
-_BUFFER_METHODS = (
-    "get_dispatch_layout",
-    "dispatch",
-    "combine",
-    "low_latency_dispatch",
-    "low_latency_combine",
-)
-
-
-def missing_buffer_api(module: ModuleType) -> str | None:
-    """Why ``module`` (``deep_ep``) lacks the Buffer API used here, or None when it has it."""
-    buffer = getattr(module, "Buffer", None)
-    if buffer is None:  # v2 built without the legacy buffer exports Buffer = None
-        return f"{module.__name__}.Buffer is absent (v2 built without the legacy buffer)"
-    missing = [name for name in _BUFFER_METHODS if not hasattr(buffer, name)]
-    return f"{module.__name__}.Buffer lacks {missing[0]}" if missing else None
-
-
-def _align(n: int, to: int = BYTE_ALIGN) -> int:
-    return -(-int(n) // to) * to
-
 
 # --- the adapter (UNVERIFIED) -----------------------------------------------------------------
 
@@ -206,46 +182,22 @@ class DeepEPGroup(EPGroup):
         self._step_tokens: int | None = None  # the pool's agreed bound for the current step
         self._torch = TorchEPGroup(group)
         self._topk_dtype = getattr(module, "topk_idx_t", torch.int64)
-        buffer_cls = module.Buffer
-        if num_sms is not None:
-            buffer_cls.set_num_sms(num_sms)  # class-level in DeepEP: set once, at pool start-up
-        # DeepEP warns that a buffer released by its destructor can hang: destroy it in close()
-        extra = {"explicitly_destroy": True} if _accepts(buffer_cls, "explicitly_destroy") else {}
-        self._explicit_destroy = bool(extra)
-        if low_latency:
-            depth = qp_depth_to_set(max_tokens_per_rank, os.environ)
-            if depth is not None:  # read by DeepEP when the buffer initialises NVSHMEM
-                os.environ["NVSHMEM_QP_DEPTH"] = str(depth)
-                log.info("NVSHMEM_QP_DEPTH=%d for %d tokens per rank", depth, max_tokens_per_rank)
-            rdma = buffer_cls.get_low_latency_rdma_size_hint(
-                max_tokens_per_rank, hidden, self.size, self.num_experts
-            )
-            self.buffer = buffer_cls(
-                self.group,
-                num_nvl_bytes=0,
-                num_rdma_bytes=_align(rdma),
-                low_latency_mode=True,
-                num_qps_per_rank=self.num_experts // self.size,
-                **extra,
-            )
-        else:
-            nvl, rdma = self.normal_buffer_bytes(buffer_cls, self.size, hidden * 2)
-            self.buffer = buffer_cls(self.group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, **extra)
+        self.buffer, self._explicit_destroy = make_buffer(
+            module,
+            self.group,
+            self.size,
+            hidden=hidden,
+            num_experts=self.num_experts,
+            low_latency=low_latency,
+            max_tokens_per_rank=max_tokens_per_rank,
+            num_sms=num_sms,
+        )
 
     def close(self) -> None:
         """Release the buffer while the process group is still alive (call before destroying it)."""
         buffer, self.buffer = getattr(self, "buffer", None), None
         if buffer is not None and self._explicit_destroy:
             buffer.destroy()
-
-    @staticmethod
-    def normal_buffer_bytes(buffer_cls: Any, num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
-        """(NVLink bytes, RDMA bytes) for normal mode: the larger of the dispatch and combine hints."""
-        nvl = rdma = 0
-        for config in (buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks)):
-            nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-            rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
-        return _align(nvl), _align(rdma)
 
     def describe(self) -> str:
         mode = "low-latency" + (" fp8" if self.use_fp8 else " bf16") if self.low_latency else "normal"
@@ -469,11 +421,3 @@ class DeepEPGroup(EPGroup):
 
 def _empty(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64, device=x.device)
-
-
-def _accepts(cls: Any, parameter: str) -> bool:
-    """Whether ``cls(...)`` takes ``parameter`` (older DeepEP buffers lack some)."""
-    try:
-        return parameter in inspect.signature(cls).parameters
-    except (TypeError, ValueError):  # a C extension without a signature
-        return False
