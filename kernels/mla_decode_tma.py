@@ -11,7 +11,7 @@ are shared; see that module for the semantics), for what Hopper's tensor cores w
   pointers in registers (with pointer loads, 64 x 512 blocks spill 400-900 bytes per thread).
 - ``DV_PARTS`` (1 or 2) programs per row block, each owning ``DV / DV_PARTS`` output channels: a 64 x 512
   fp32 accumulator alone is 128 registers per thread of 8 warps and spills; two halves of 64 x 256
-  do not (sm_90a, Triton 3.6 and 3.9: 240-252 registers, no stack). Each half computes the full
+  do not (the H100's launched builds, Triton 3.6: 246-251 registers, no spill at 64-key tiles). Each half computes the full
   ``Q K^T`` (its own channels, the other half's and the rope part), so scores cost twice; the
   halves of one row block are neighbours in the grid and read their KV tiles through L2.
 

@@ -5,8 +5,10 @@ this GPU's architecture on a GPU, for sm_90a (Hopper) anywhere else, so the figu
 GPU does (the CPU smoke in the test-suite runs it too).
 
 The stage fails when a configuration does not compile, and when MLA decode at V3's 128 heads (the
-TMA kernel's default launch) is not on wgmma (``HGMMA`` in the SASS; ``HMMA`` is mma.sync) or
-spills. A GEMM stack frame is reported, not judged: on the first H100 run (Triton 3.6) the fastest
+TMA kernel's default launch) is not on wgmma (``HGMMA`` in the SASS; ``HMMA`` is mma.sync). Stack
+frames are reported, not judged: this compile lacks the JIT's argument specialization (its 64-key
+MLA tiles spill 120-128 bytes with Triton 3.9 here, the builds the H100 launched with Triton 3.6
+none: the kernels stage lists those), and on the first H100 run (Triton 3.6) the fastest
 dense tile at 4096 rows, 64x128 with 4 warps, had a 1,384-byte frame
 (benchmarks/results/gpu_h100_2026-11-26/); speed is judged by the kernels stage and
 benchmarks/kernels/sweep_gemm.py."""
@@ -197,7 +199,6 @@ def run(ctx: StageContext, result: StageResult) -> None:
             result.check(
                 f"{name}: on wgmma", u["gmma"] > 0 and u["hmma"] == 0, f"GMMA {u['gmma']}, HMMA {u['hmma']}"
             )
-            result.check(f"{name}: no spills", u["stack_bytes"] == 0, f"{u['stack_bytes']} stack bytes")
     result.figures["mla"] = mla
     result.figures["target"] = f"sm_{arch}" + ("a" if arch == 90 else "")
     result.figures["kernels"] = configs
