@@ -84,11 +84,16 @@ class _Outbox:
 
 def _connector() -> tuple[DecodeConnector, _Engine, _Outbox, list[tuple[str, str]]]:
     engine, outbox, failed = _Engine(), _Outbox(), []
+
+    def fail(request_id: str, error: str, retryable: bool = False) -> None:
+        assert retryable, "a transfer's failure is retried elsewhere, not the request's end"
+        failed.append((request_id, error))
+
     connector = DecodeConnector(
         engine,  # type: ignore[arg-type]
         outbox,
         "decode/0/0",
-        lambda rid, why: failed.append((rid, why)),
+        fail,
         inbox="inbox://decode",
         transfer_timeout=TIMEOUT,
         quarantine=QUARANTINE,

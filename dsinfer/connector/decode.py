@@ -11,6 +11,9 @@ TransferProgress for every request it holds (queued behind other prompts, comput
 every ``PROGRESS_INTERVAL`` s. (A deadline counted from the reservation failed accepted requests
 under load: they waited their turn in the prefill queue longer than the timeout.)
 
+A transfer that fails (silence, the prefill side giving up) ends the request's attempt with a
+retryable error: the gateway dispatches it again to another pair, as after a rank's death.
+
 Reserved pages of a transfer that ends any other way (abort, timeout, the prefill side giving up)
 go to quarantine: they return to the pool only when the prefill rank confirms no write can land
 (TransferAborted, which it sends at once for a request it never got, or a late PrefillDone), when
@@ -118,7 +121,7 @@ class DecodeConnector:
         item = self._reserved.pop(request_id, None)
         if item is not None:  # the prefill side gave up on its own
             self.engine.kv_pages.release(self.engine.remote.cancel(item.request))
-            self.fail(request_id, f"prefill rank {item.msg.prefill_worker} aborted the KV transfer")
+            self.fail(request_id, f"prefill rank {item.msg.prefill_worker} aborted the KV transfer", True)
 
     def peer_down(self, prefill_worker: str) -> None:
         """Every transfer from the dead prefill rank is fenced: its pages are free again."""
@@ -149,6 +152,7 @@ class DecodeConnector:
                     request_id,
                     f"no sign of the KV transfer from {item.msg.prefill_worker} for "
                     f"{self.transfer_timeout:g} s (--kv-transfer-timeout)",
+                    True,
                 )
         for request_id, (pages, release_at, _) in list(self._quarantined.items()):
             if now >= release_at:

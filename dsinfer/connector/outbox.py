@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,7 +14,11 @@ class Outbox(Protocol):
     def send_peer(self, inbox: str, message: msgspec.Struct) -> None: ...
 
 
-Fail = Callable[[str, str], None]  # (request_id, one-line reason): the request ends with that error
+class Fail(Protocol):
+    def __call__(self, request_id: str, error: str, retryable: bool = False) -> None:
+        """End the request's current attempt with a one-line ``error``; ``retryable``: nothing of
+        it reached the client and its failure was the transfer's, so the gateway dispatches it
+        again (another pair of ranks) instead of ending it."""
 
 
 @dataclass

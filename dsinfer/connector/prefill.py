@@ -186,8 +186,8 @@ class PrefillConnector:
             if out.in_flight:
                 continue
             if out.aborted or out.error is not None:
-                if out.error is not None:
-                    self.fail(request_id, out.error)
+                if out.error is not None:  # a write failed: the decode rank or its link is gone
+                    self.fail(request_id, out.error, True)
                     if self.engine.has_request(request_id):
                         self.engine.abort_request(request_id)
                 self.outbox.send_peer(out.msg.decode_inbox, TransferAborted(request_id=request_id))
