@@ -27,6 +27,8 @@ from tests.fixtures.checkpoints import fp8_copy, fp8_weights_kept
 from tests.fixtures.servers import Server, serve
 from tests.test_ep import run_pool
 
+pytestmark = pytest.mark.system
+
 TASKS = ("add", "sub", "mul", "reverse", "sort", "lookup")
 LIMIT = 3  # held-out questions per task: 15 short ones and 3 contexts of 256-512 tokens
 ENGINE = {"dtype": "float32", "kv_cache_memory": "32MiB", "max_num_batched_tokens": 128}

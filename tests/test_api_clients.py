@@ -26,6 +26,8 @@ from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.hf_reference import LOGIT_RTOL, hf_logits
 from tests.fixtures.servers import Server, serve
 
+pytestmark = pytest.mark.system
+
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "40"]
 API_KEY = "test-key"
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "api_fuzz.py"
 
 

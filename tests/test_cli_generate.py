@@ -23,6 +23,8 @@ from tests.fixtures.checkpoints import (
 )
 from tests.fixtures.hf_reference import compare_tokens, hf_greedy_steps
 
+pytestmark = pytest.mark.system
+
 TIMEOUT = 180
 
 

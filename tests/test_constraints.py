@@ -17,6 +17,8 @@ from dsinfer.base import grammar
 from dsinfer.ops.bitmask import apply_token_bitmask, bitmask_words
 from tests.fixtures.checkpoints import BuiltCheckpoint
 
+pytestmark = pytest.mark.system
+
 SCHEMA = {
     "type": "object",
     "properties": {

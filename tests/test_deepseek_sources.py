@@ -23,6 +23,7 @@ PACKER = ROOT / "scripts" / "pack-deepseek-sources"
 BUILDER = ROOT / "scripts" / "build-deepseek-kernels"
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+pytestmark = [pytestmark, pytest.mark.system]
 
 GIT_ENV = {
     "GIT_CONFIG_GLOBAL": os.devnull,

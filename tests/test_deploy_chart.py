@@ -40,6 +40,8 @@ from dsinfer.cli.serve import (
     serve_parser,
 )
 
+pytestmark = pytest.mark.system
+
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "deploy/helm/dsinfer"
 PROFILES = REPO / "configs/profiles"

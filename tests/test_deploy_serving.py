@@ -57,6 +57,8 @@ from tests.test_deploy_chart import (
     serve_argv,
 )
 
+pytestmark = pytest.mark.system
+
 API_KEY = "deploy-test-key"
 STARTUP_TIMEOUT = 150.0
 DRAIN_BOUND = 45.0  # the profile's drain timeout (30 s) + kill grace + slack

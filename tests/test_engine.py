@@ -13,6 +13,8 @@ from dsinfer import LLM, SamplingParams
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.hf_reference import compare, compare_tokens, hf_greedy_steps, hf_logits
 
+pytestmark = pytest.mark.system
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 

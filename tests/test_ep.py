@@ -20,6 +20,8 @@ from dsinfer import LLM, SamplingParams
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import free_port
 
+pytestmark = pytest.mark.system
+
 ENGINE = {"dtype": "float32", "kv_cache_memory": "8MiB", "max_num_batched_tokens": 48}
 MAX_TOKENS = 8
 

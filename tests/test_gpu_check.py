@@ -15,6 +15,8 @@ import torch
 from scripts.gpukit.kit import _budgets, parse_args
 from scripts.gpukit.stages import BY_NAME
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 KIT = [sys.executable, str(ROOT / "scripts" / "gpu-check")]
 

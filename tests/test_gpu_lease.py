@@ -15,6 +15,8 @@ import pytest
 from scripts.gpukit.lease import PACK_LIMIT, PHASE1, PHASE2, PHASE2_WITHOUT_LIBRARIES, parse_args
 from scripts.gpukit.stages import BY_NAME
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 LEASE = [sys.executable, str(ROOT / "scripts" / "gpu-lease")]
 

@@ -23,6 +23,8 @@ import torch
 
 from tests.test_kernels_gemm import launches, run_checks, run_in_subprocess
 
+pytestmark = pytest.mark.system
+
 GEN_SEED = 4321
 WEIGHT_ATOL = 1e-6
 

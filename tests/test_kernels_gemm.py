@@ -29,6 +29,8 @@ from unittest import mock
 import pytest
 import torch
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 GEN_SEED = 1234
 

@@ -30,6 +30,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.system
+
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 

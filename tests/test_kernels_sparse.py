@@ -20,6 +20,8 @@ from tests.test_kernels_gemm import launches, run_checks, run_in_subprocess
 from tests.test_ops_sparse import PS
 from tests.test_ops_sparse import paged_cache as _paged
 
+pytestmark = pytest.mark.system
+
 
 def _module(name: str) -> object:
     return importlib.import_module(f"dsinfer.kernels.{name}")  # the package re-exports its function

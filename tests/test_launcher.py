@@ -31,6 +31,8 @@ from dsinfer.workers.args import PoolArgs
 from dsinfer.workers.launcher import free_port
 from tests.fixtures.control import TEST_SECRET, curve_router
 
+pytestmark = pytest.mark.system
+
 TIMEOUT = 30.0
 
 FAKE_RANK = """

@@ -13,6 +13,8 @@ from dsinfer import LLM, SamplingParams
 from tests.fixtures.checkpoints import BuiltCheckpoint, load_tensors
 from tests.fixtures.hf_reference import compare_tokens, hf_greedy_steps
 
+pytestmark = pytest.mark.system
+
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)

@@ -21,6 +21,8 @@ from dsinfer.model.overlap import DECODE, PREFILL, MicroBatch, forward_two
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.test_ep import ENGINE, MAX_TOKENS, _prompts, run_pool
 
+pytestmark = pytest.mark.system
+
 OVERLAP = {"enable_overlap": True, "overlap_min_tokens": 0}
 
 # the published compute orders of one layer slot (shared/reference/kernel-apis.md)

@@ -30,6 +30,8 @@ from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
 from tests.fixtures.checkpoints import BuiltCheckpoint
 
+pytestmark = pytest.mark.system
+
 PREFILL_INBOX, DECODE_INBOX = "inbox://prefill", "inbox://decode"
 ENGINE = {"dtype": "float32", "kv_cache_memory": "8MiB", "max_num_batched_tokens": 40}
 

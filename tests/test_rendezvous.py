@@ -17,6 +17,8 @@ from dsinfer.workers.membership import bound_store
 from dsinfer.workers.rank import rendezvous
 from tests.fixtures.servers import free_port
 
+pytestmark = pytest.mark.system
+
 
 def _listening(port: int) -> list[str]:
     conns = psutil.Process(os.getpid()).net_connections("inet")

@@ -26,6 +26,8 @@ from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
 from tests.fixtures.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 
+pytestmark = pytest.mark.system
+
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "40"]
 EP_FLAGS = ["--prefill-pool-size", "2", "--decode-pool-size", "2", "--num-redundant-experts", "2"]
 WORKERS = {"prefill/0/0", "prefill/0/1", "decode/0/0", "decode/0/1"}

@@ -32,6 +32,8 @@ from tests.fixtures.streams import (
     wait_streaming,
 )
 
+pytestmark = pytest.mark.system
+
 FLAGS = [
     "--dtype", "float32",
     "--kv-cache-memory", "16MiB",

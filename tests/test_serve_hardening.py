@@ -38,6 +38,8 @@ from dsinfer.base.protocol import LoadReport, PoolDown, Register, encode
 from tests.fixtures.control import TEST_SECRET, PlayedRank, curve_dealer
 from tests.fixtures.servers import Server, free_port, serve
 
+pytestmark = pytest.mark.system
+
 TIMEOUT = 60.0
 MIB = 2**20
 BODY_LIMIT = 8 * MIB  # the gateway's default --max-request-body

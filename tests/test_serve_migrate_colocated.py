@@ -17,6 +17,8 @@ from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
 from tests.fixtures.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 
+pytestmark = pytest.mark.system
+
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "64"]
 STREAMS, STREAM_TOKENS = 8, 40
 

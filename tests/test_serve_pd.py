@@ -19,6 +19,8 @@ from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 from tests.fixtures.checkpoints import BuiltCheckpoint
 from tests.fixtures.servers import Server, serve
 
+pytestmark = pytest.mark.system
+
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-num-batched-tokens", "40"]
 PROMPTS = [
     "Hello, DeepSeek",

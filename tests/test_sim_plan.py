@@ -15,6 +15,8 @@ from dsinfer.sim import planner
 from dsinfer.sim.deployment import Assumptions
 from dsinfer.sim.workload import DAY, TrafficProfile, mean_rate
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAFFIC_FILE = ROOT / "configs" / "traffic" / "small-day-night.yaml"
 WINDOW = planner.SimWindow(duration=8.0, warmup=2.0, prefill_duration=30.0)

@@ -17,6 +17,8 @@ from dsinfer.sim.deployment import Assumptions, PoolSpec
 from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import TrafficProfile
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAFFIC = TrafficProfile.load(ROOT / "configs" / "traffic" / "small-day-night.yaml")
 PREFILL = PoolSpec("prefill", 8, 1, 8, overlap=True, mtp=True, max_num_seqs=256, max_num_batched_tokens=2048)

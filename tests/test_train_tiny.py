@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import DeepseekV3ForCausalLM
 
+pytestmark = pytest.mark.system
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "train_tiny.py"
 # One step of each phase (copy sequences, table conversations, the task mix) with the recipe's two
 # threads. Without the script's deterministic kernels, two such runs differed in 2 of 3 tries here.

@@ -31,6 +31,8 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import LayerCache
 from dsinfer.transfer import TransferBackend, TransferError, TransferHandle, make_transfer_backend
 
+pytestmark = pytest.mark.system
+
 BACKENDS = ("nixl", "mooncake")
 DTYPES = ("float32", "bfloat16")
 LAYERS, DIM, INDEX_DIM = 3, 40, 12  # pages of 64 tokens x (40 latent + 12 indexer values)

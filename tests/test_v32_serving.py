@@ -27,6 +27,8 @@ from tests.fixtures.servers import serve
 from tests.test_cli_generate import generate_json
 from tests.test_ep import run_pool
 
+pytestmark = pytest.mark.system
+
 MAX_TOKENS = 8  # = tests.test_ep.MAX_TOKENS (run_pool generates that many)
 ENGINE = {"dtype": "float32", "kv_cache_memory": "24MiB", "max_num_batched_tokens": 96}
 LONG = 600
