@@ -110,7 +110,18 @@ def test_wrong_shape(ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
 def test_unknown_model_type(ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
     bad = _bad_copy(ckpt, tmp_path)
     set_config_field(bad, "model_type", "mixtral")
-    _assert_one_line_error(_generate(bad), "model_type 'mixtral' is not supported")
+    _assert_one_line_error(_generate(bad), "model_type 'mixtral' (DeepseekV3ForCausalLM) is not supported")
+
+
+def test_unsupported_family_ends_generate_and_serve(tmp_path: Path) -> None:
+    """A DeepSeek-V4 config.json: one line naming its model_type, before any field (or process)."""
+    v4 = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 7168}
+    (tmp_path / "config.json").write_text(json.dumps(v4))
+    needle = "model_type 'deepseek_v4' (DeepseekV4ForCausalLM) is not supported; dsinfer serves deepseek_v3"
+    _assert_one_line_error(_generate(tmp_path), needle)
+    serve = run_cli("serve", "--model", str(tmp_path), "--port", "0")
+    _assert_one_line_error(serve, needle)
+    assert len(serve.stderr.strip().splitlines()) == 1, serve.stderr
 
 
 def test_truncated_safetensors(ckpt: BuiltCheckpoint, tmp_path: Path) -> None:

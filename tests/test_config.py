@@ -72,7 +72,7 @@ def test_kimi_k2_config_accepted() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+        ({"model_type": "llama"}, r"model_type 'llama' \(DeepseekV3ForCausalLM\) is not supported"),
         ({"architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
         ({"n_group": 7}, "n_routed_experts must be divisible by n_group"),
         ({"topk_group": 9}, "topk_group must be in"),
@@ -102,3 +102,54 @@ def test_missing_field_and_bad_json(tmp_path: Path) -> None:
         ModelConfig.from_file(tmp_path / "config.json")
     with pytest.raises(ConfigError, match="no such config file"):
         ModelConfig.from_file(tmp_path / "missing.json")
+
+
+# The parts of DeepSeek-V4's config.json that differ from V3's: its fields fail V3's validation.
+V4 = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+      "hidden_size": 7168, "num_hidden_layers": 61, "scoring_func": "sqrtsoftplus"}  # fmt: skip
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+         "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32}  # fmt: skip
+
+
+def _refusal(data: dict[str, Any], tmp_path: Path) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_file(tmp_path / "config.json")
+    return str(info.value)
+
+
+def test_unsupported_family_is_named_before_its_fields(tmp_path: Path) -> None:
+    message = _refusal(V4, tmp_path)
+    assert message == (
+        f"{tmp_path / 'config.json'}: model_type 'deepseek_v4' (DeepseekV4ForCausalLM) is not supported; "
+        "dsinfer serves deepseek_v3 (DeepSeek-V3/R1, V3.1), deepseek_v32 (DeepSeek-V3.2) and kimi_k2 (Kimi-K2)"
+    )
+    llama = _refusal(LLAMA, tmp_path)
+    assert "model_type 'llama' (LlamaForCausalLM) is not supported; dsinfer serves" in llama
+
+
+def test_unsupported_architecture_of_a_supported_type(tmp_path: Path) -> None:
+    message = _refusal(_v3(architectures=["DeepseekV4ForCausalLM"]), tmp_path)
+    assert message.endswith(
+        "architecture DeepseekV4ForCausalLM (model_type 'deepseek_v3') is not supported; "
+        "dsinfer serves DeepseekV3ForCausalLM and DeepseekV32ForCausalLM"
+    )
+    unnamed = {k: v for k, v in LLAMA.items() if k != "model_type"}
+    assert "architecture LlamaForCausalLM (model_type 'deepseek_v3')" in _refusal(unnamed, tmp_path)
+
+
+def test_missing_model_type_is_read_as_deepseek_v3(tmp_path: Path) -> None:
+    """Accepted when its fields validate; when they do not, the message says how it was read."""
+    data = {k: v for k, v in _v3().items() if k != "model_type"}
+    assert ModelConfig.from_dict(data).model_type == "deepseek_v3"
+    del data["kv_lora_rank"]
+    message = _refusal(data, tmp_path)
+    assert "no model_type (read as deepseek_v3): kv_lora_rank: Field required" in message
+
+
+def test_supported_type_keeps_its_field_errors(tmp_path: Path) -> None:
+    data = _v3(scoring_func="softmax")
+    del data["intermediate_size"]
+    message = _refusal(data, tmp_path)
+    assert "intermediate_size: Field required" in message and "scoring_func: Input should be" in message
+    assert "not supported" not in message and "model_type" not in message

@@ -16,8 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v32", "kimi_k2")
+# model_type -> the models that config.json describes with it
+FAMILIES = {"deepseek_v3": "DeepSeek-V3/R1, V3.1", "deepseek_v32": "DeepSeek-V3.2", "kimi_k2": "Kimi-K2"}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+DEFAULT_MODEL_TYPE = "deepseek_v3"  # what a config.json without model_type is read as
 PAGE_SIZE = 64  # tokens per page of the latent KV cache (FlashMLA's block size)
 # Choices of engine flags, here (no torch) so that a process that only parses them never loads torch.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # how dsinfer/model/loader.py reads a checkpoint
@@ -85,7 +88,7 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    model_type: str = "deepseek_v3"
+    model_type: str = DEFAULT_MODEL_TYPE
     architectures: tuple[str, ...] = ("DeepseekV3ForCausalLM",)
     vocab_size: int
     hidden_size: int
@@ -147,15 +150,9 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        unknown = [a for a in self.architectures if a not in SUPPORTED_ARCHITECTURES]
-        if unknown:
-            raise ValueError(
-                f"architectures {unknown} not supported (expected one of {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        problem = family_problem(self.model_type, self.architectures)
+        if problem is not None:
+            raise ValueError(problem)
         self._check_sparse_attention()
         checks = [
             (self.n_routed_experts % self.n_group == 0, "n_routed_experts must be divisible by n_group"),
@@ -258,10 +255,18 @@ class ModelConfig(BaseModel):
     # Construction ---------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
+        """The family (model_type, architectures) is checked first: a model dsinfer cannot serve is
+        named in one line, not by the fields its config lacks."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: not a JSON object")
+        problem = family_problem(data.get("model_type", DEFAULT_MODEL_TYPE), data.get("architectures", ()))
+        if problem is not None:
+            raise ConfigError(f"{source}: {problem}")
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            raise ConfigError(f"{source}: {_describe(e)}") from None
+            unnamed = "" if "model_type" in data else f"no model_type (read as {DEFAULT_MODEL_TYPE}): "
+            raise ConfigError(f"{source}: {unnamed}{_describe(e)}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -273,6 +278,28 @@ class ModelConfig(BaseModel):
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(data, source=str(path))
+
+
+def family_problem(model_type: object, architectures: object) -> str | None:
+    """Why dsinfer cannot serve this model_type or architecture, or None when it can. Values of
+    the wrong JSON type are left to the field validation."""
+    listed = architectures if isinstance(architectures, list | tuple) else []
+    names = [a for a in listed if isinstance(a, str)]
+    if isinstance(model_type, str) and model_type not in FAMILIES:
+        built_as = f" ({', '.join(names)})" if names else ""
+        return f"model_type {model_type!r}{built_as} is not supported; dsinfer serves {_families()}"
+    unknown = [a for a in names if a not in SUPPORTED_ARCHITECTURES]
+    if unknown:
+        return (
+            f"architecture {', '.join(unknown)} (model_type {model_type!r}) is not supported; "
+            f"dsinfer serves {' and '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return None
+
+
+def _families() -> str:
+    named = [f"{model_type} ({models})" for model_type, models in FAMILIES.items()]
+    return f"{', '.join(named[:-1])} and {named[-1]}"
 
 
 def _describe(error: ValidationError) -> str:

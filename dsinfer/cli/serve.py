@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 import yaml
 
 from dsinfer.base.cluster_secret import load_secret, missing_secret_error
+from dsinfer.base.config import ModelConfig
+from dsinfer.base.presets import resolve_model
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.flags import POOL_ONLY
@@ -194,10 +196,19 @@ def role_secret(args: argparse.Namespace) -> str:
 
 
 # Dispatch ----------------------------------------------------------------------------------------
+def check_model(model: str | None) -> None:
+    """A checkpoint dsinfer cannot serve ends the command here (ConfigError: one line), before
+    any process starts that would fail on it, and be restarted, again and again."""
+    path, _ = resolve_model(model)
+    ModelConfig.from_file(path / "config.json")
+
+
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.config is not None:
         args = apply_config(args, argv)
     check_role_flags(args)
+    if not args.dry_run:
+        check_model(args.model)
     if args.role is None:
         from dsinfer.cli.serve_all_in_one import run_all_in_one
 
