@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import re
+import re._parser as re_parser
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -210,13 +213,23 @@ class Tokenizer:
     @functools.cached_property
     def max_token_chars(self) -> int | None:
         """The most characters of text one token can stand for, or None when no such bound
-        holds (a normalizer may shrink the text before it is split). A text longer than
-        ``n * max_token_chars`` has more than ``n`` tokens: a length check before tokenizing.
-        Vocabulary entries spell one character per byte (byte-level BPE) or per character, so
-        the longest entry bounds a token's text."""
-        if json.loads(self.backend.to_str()).get("normalizer") is not None:
+        holds (a normalizer that may shrink the text by an unknown factor). A text of ``c``
+        characters has at least ``ceil(c / max_token_chars)`` tokens: a length check before
+        tokenizing. Vocabulary entries spell one character per byte (byte-level BPE) or per
+        character, so the longest entry bounds a token's text once normalized; a normalizer
+        that keeps at least a fraction ``f`` of the characters widens the bound by ``1 / f``.
+        Computed once, from the vocabulary."""
+        factor = least_kept_fraction(json.loads(self.backend.to_str()).get("normalizer"))
+        if factor is None:
             return None
-        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
+        longest = max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
+        return math.ceil(longest / factor)
+
+    def least_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of ``text`` (0 when there is none), without
+        tokenizing it."""
+        per_token = self.max_token_chars
+        return 0 if per_token is None else -(-len(text) // per_token)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -241,6 +254,43 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template of {self.origin}: {e}", str(e)) from e
+
+
+def least_kept_fraction(normalizer: dict[str, Any] | None) -> float | None:
+    """The least fraction of a text's characters that ``normalizer`` (tokenizer.json's) keeps,
+    or None when it may keep arbitrarily few (or is of a kind not analysed here)."""
+    if normalizer is None:
+        return 1.0
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        fraction = 1.0
+        for member in normalizer.get("normalizers", []):
+            kept = least_kept_fraction(member)
+            if kept is None:
+                return None
+            fraction *= kept
+        return fraction
+    if kind == "Replace":
+        longest = _longest_match(normalizer.get("pattern", {}))
+        content = normalizer.get("content", "")
+        if longest is None or not content:
+            return None
+        return min(1.0, len(content) / longest) if longest else 1.0
+    # Normalizers that only ever add or change characters (decomposition, lowercasing...).
+    return 1.0 if kind in ("NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel") else None
+
+
+def _longest_match(pattern: dict[str, Any]) -> int | None:
+    """The most characters a Replace pattern can match, or None when unbounded or unknown."""
+    if isinstance(pattern.get("String"), str):
+        return len(pattern["String"])
+    if not isinstance(pattern.get("Regex"), str):
+        return None
+    try:  # Python's regex parser reads the simple patterns tokenizer.json files hold
+        _, most = re_parser.parse(pattern["Regex"]).getwidth()
+    except (re.error, RecursionError, OverflowError):
+        return None
+    return most if most < re_parser.MAXREPEAT else None
 
 
 class IncrementalDetokenizer:

@@ -82,6 +82,14 @@ def payload_too_large(limit: int) -> APIError:
     )
 
 
+def prepare_timed_out(seconds: float) -> APIError:
+    return APIError(
+        413,
+        f"the prompt took more than {seconds:g} s to template and tokenize, this server's limit; shorten it",
+        code="prompt_too_large",
+    )
+
+
 def without_paths(message: str) -> str:
     """``message`` with any absolute file path replaced: text from a worker or a library may
     name the server's files, which a client must not see."""

@@ -4,24 +4,29 @@
 413 while it is read: at once when its Content-Length says so, else as soon as the bytes
 received pass the limit, so no more than the limit is ever held. ``Preparer`` runs parsing,
 chat templating and tokenizing on ``--tokenizer-threads`` threads, off the event loop that
-answers /health and streams tokens, keeping a thread free of large prompts.
+answers /health and streams tokens, keeping a thread free of large prompts, and answers a
+preparation that takes longer than ``PREPARE_TIMEOUT`` with a 413.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from dsinfer.gateway.errors import APIError, overloaded, payload_too_large
+from dsinfer.gateway.errors import APIError, overloaded, payload_too_large, prepare_timed_out
 
 LARGE_BODY = 256 * 1024  # bytes: a body over this (a prompt of ~64K tokens or more) is "large"
 MAX_WAITING_LARGE = 2  # large requests waiting per place, before 429
 RETRY_AFTER = 1.0
+# seconds a request's parsing, templating and tokenizing may take; a prompt under the length
+# limits takes well under one (163K DeepSeek tokens: ~0.3 s), one of several MB much longer
+PREPARE_TIMEOUT = 5.0
 
 T = TypeVar("T")
 
@@ -77,10 +82,15 @@ class Preparer:
     there for the others: a short request never waits behind a multi-MB prompt being tokenized.
     Too many waiting -> 429: large ones past ``MAX_WAITING_LARGE`` per place; others past
     ``max_waiting`` (the gateway's ``--max-queued-requests``: a burst of short requests is a queue
-    like any other, and each takes a thread for a millisecond or so)."""
+    like any other, and each takes a thread for a millisecond or so).
 
-    def __init__(self, threads: int, max_waiting: int) -> None:
+    A preparation still running ``timeout`` seconds after its thread took it up is answered with
+    a 413 at once. Its thread cannot be stopped (the tokenizer is native code): it keeps its
+    place, and counts as waiting, until it ends."""
+
+    def __init__(self, threads: int, max_waiting: int, timeout: float = PREPARE_TIMEOUT) -> None:
         self.threads = max(2, threads)
+        self.timeout = timeout
         self._large = asyncio.Semaphore(self.threads - 1)
         self._limits = {True: (self.threads - 1) * (1 + MAX_WAITING_LARGE), False: max_waiting}
         self.pending = {True: 0, False: 0}  # large?, -> requests waiting or being prepared
@@ -96,12 +106,51 @@ class Preparer:
             )
         self.pending[large] += 1
         try:
-            if not large:
-                return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-            async with self._large:
-                return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-        finally:
+            if large:
+                await self._large.acquire()
+        except BaseException:
             self.pending[large] -= 1
+            raise
+        try:
+            started, work = self._submit(fn)
+        except BaseException:
+            self._release(large)
+            raise
+        work.add_done_callback(lambda done: self._finished(done, large))
+        await asyncio.shield(started)
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), self.timeout)
+        except TimeoutError:
+            raise prepare_timed_out(self.timeout) from None
+
+    def _submit(self, fn: Callable[[], T]) -> tuple[asyncio.Future[None], asyncio.Future[T]]:
+        """-> (done when a thread takes ``fn`` up, done when ``fn`` returns)."""
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = loop.create_future()
+
+        def timed() -> T:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the server is ending
+                loop.call_soon_threadsafe(_set_once, started)
+            return fn()
+
+        work = loop.run_in_executor(self._pool, timed)
+        work.add_done_callback(lambda _: _set_once(started))  # also when cancelled before it started
+        return started, work
+
+    def _finished(self, work: asyncio.Future[Any], large: bool) -> None:
+        if not work.cancelled():
+            work.exception()  # an abandoned preparation's error is no one's to log
+        self._release(large)
+
+    def _release(self, large: bool) -> None:
+        self.pending[large] -= 1
+        if large:
+            self._large.release()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

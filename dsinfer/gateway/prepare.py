@@ -187,15 +187,28 @@ def _params_error(message: str, max_tokens_param: str, logprobs_param: str) -> A
     return bad_request(message, param=param if param.isidentifier() else None)
 
 
-def _check_chars(text: str, limits: Limits, param: str) -> None:
-    """Refuse, before tokenizing it, a text with more characters than the context can hold
-    tokens of (each token stands for at most ``max_token_chars`` characters)."""
+def _check_chars(
+    text: str, limits: Limits, param: str, max_tokens: int | None, max_tokens_param: str
+) -> None:
+    """Refuse, before tokenizing it, a text whose characters alone prove it too long: it has at
+    least ``ceil(len(text) / max_token_chars)`` tokens (no token stands for more characters)."""
     per_token, limit = limits.max_token_chars, limits.max_model_len
-    if per_token is not None and len(text) > (limit - 1) * per_token:
+    if per_token is None:
+        return
+    least, chars = -(-len(text) // per_token), len(text)
+    if least >= limit:
         raise bad_request(
-            f"the prompt has {len(text)} characters, more than this model's context length of {limit} "
-            f"tokens can hold (a token stands for at most {per_token} characters)",
+            f"the prompt has {chars} characters, so at least {least} tokens (a token stands for at most "
+            f"{per_token} characters); this model's context length is {limit} tokens",
             param=param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and least + max_tokens > limit:
+        raise bad_request(
+            f"this model's context length is {limit} tokens, but at least {least + max_tokens} were "
+            f"requested (the prompt's {chars} characters are at least {least} tokens, a token standing for "
+            f"at most {per_token} characters; {max_tokens} in {max_tokens_param}); lower {max_tokens_param}",
+            param=max_tokens_param,
             code="context_length_exceeded",
         )
 
@@ -267,7 +280,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Tokenizer, limits: Lim
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            _check_chars(item, limits, "prompt")
+            _check_chars(item, limits, "prompt", params.max_tokens, "max_tokens")
             ids = tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
             texts.append(item)
         else:
@@ -317,6 +330,8 @@ def render_chat(
     tokenizer: Tokenizer,
     limits: Limits,
     tools: list[dict[str, Any]] | None = None,
+    max_tokens: int | None = None,
+    max_tokens_param: str = "max_tokens",
 ) -> list[int]:
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
@@ -333,7 +348,7 @@ def render_chat(
         )
     except ChatTemplateError as e:
         raise bad_request(f"cannot apply the chat template: {e.reason}", param="messages") from None
-    _check_chars(text, limits, "messages")
+    _check_chars(text, limits, "messages", max_tokens, max_tokens_param)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -359,7 +374,8 @@ def prepare_chat(
     )
     if tools is not None and tools.format is not None and tools.format.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
-    ids = render_chat(req, tokenizer, limits, tools.template_tools if tools else None)
+    template_tools = tools.template_tools if tools else None
+    ids = render_chat(req, tokenizer, limits, template_tools, params.max_tokens, max_tokens_param)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     _check_length(ids, params, limits, max_tokens_param)
