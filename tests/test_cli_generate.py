@@ -54,6 +54,10 @@ def test_builtin_random_tiny_model() -> None:
     )  # dummy weights are seeded
     plain = run_cli("generate", "--model", "tiny", "--prompt", "Hello, DeepSeek", "--max-tokens", "6")
     assert plain.returncode == 0 and plain.stdout.strip() == first["text"].strip()
+    assert (
+        plain.stderr.strip().splitlines()[-1]
+        == "dsinfer: the output stopped at --max-tokens 6 (finish_reason length)"
+    )
 
 
 def test_builtin_default_model_is_trained() -> None:

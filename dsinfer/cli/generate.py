@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.cli.engine_args import engine_args_from
@@ -33,4 +34,9 @@ def run_generate(args: argparse.Namespace) -> int:
         if args.json
         else output.text
     )
+    if output.finish_reason == "length":
+        print(
+            f"dsinfer: the output stopped at --max-tokens {args.max_tokens} (finish_reason length)",
+            file=sys.stderr,
+        )
     return 0

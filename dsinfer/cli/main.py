@@ -23,12 +23,16 @@ from dsinfer.cli.serve import add_serve_args
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsinfer", description="DeepSeek-V3/R1-architecture inference.")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="greedy generation of one prompt")
     add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--prompt", required=True, help="the text to continue, as is (no chat template)")
+    gen.add_argument(
+        "--max-tokens", type=int, default=32, help="most tokens to generate (default: %(default)s)"
+    )
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
     # exit_on_error=False: a bad serve flag is reported by the top parser (short usage, "dsinfer: error:").
     serve = sub.add_parser(
