@@ -58,14 +58,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=_default("model"),
         help=f"checkpoint directory or preset name (default: {DEFAULT_MODEL})",
     )
-    group.add_argument("--load-format", default=_default("load_format"), choices=LOAD_FORMATS)
     group.add_argument(
-        "--dtype", default=_default("dtype"), choices=("auto", "float32", "bfloat16", "float16")
+        "--load-format",
+        default=_default("load_format"),
+        choices=LOAD_FORMATS,
+        help="how the weights are read: safetensors, dummy (random, seeded by --seed), or auto = "
+        "safetensors when the checkpoint has them, dummy for a preset without (default: %(default)s)",
+    )
+    group.add_argument(
+        "--dtype",
+        default=_default("dtype"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights and activations; auto = bfloat16 on a GPU, float32 on a CPU (default: %(default)s)",
     )
     group.add_argument(
         "--device", default=_default("device"), help="cpu, cuda, cuda:N (default: cuda if present)"
     )
-    group.add_argument("--seed", type=int, default=_default("seed"), help=_help("seed"))
+    group.add_argument(
+        "--seed", type=int, default=_default("seed"), help=f"{_help('seed')} (default: %(default)s)"
+    )
     group.add_argument(
         "--max-model-len",
         type=int,
@@ -91,7 +102,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--indexer-cache-dtype",
         default=_default("indexer_cache_dtype"),
         choices=INDEXER_CACHE_DTYPES,
-        help="V3.2's indexer key cache: fp8 (as released), model (the model dtype); auto = fp8 on GPUs",
+        help="V3.2's indexer key cache: fp8 (as released), model (the model dtype); auto = fp8 on GPUs"
+        " (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-memory-fraction",
@@ -99,7 +111,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=_default("kv_cache_memory_fraction"),
         help="of free memory, if no size",
     )
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="compute every prompt whole (default: reuse the cached KV of a prefix seen before)",
+    )
     group.add_argument(
         "--kv-disk-cache-dir", default=_default("kv_disk_cache_dir"), help="on-disk KV cache tier directory"
     )
@@ -113,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-redundant-experts",
         type=int,
         default=_default("num_redundant_experts"),
-        help=_help("num_redundant_experts"),
+        help=f"{_help('num_redundant_experts')} (default: %(default)s)",
     )
     group.add_argument(
         "--placement", default=_default("placement"), help="expert placement file (JSON) for EP pools"
@@ -122,7 +139,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--eplb-interval",
         type=int,
         default=_default("eplb_interval"),
-        help="steps between online expert rebalancing checks (0 = off)",
+        help="steps between online expert rebalancing checks, 0 = off (default: %(default)s)",
     )
     group.add_argument(
         "--eplb-min-gain",
@@ -147,7 +164,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-context-weight",
         type=float,
         default=_default("prefill_context_weight"),
-        help="with --prefill-attention-weight: budget cost per cached token a chunk decompresses",
+        help="with --prefill-attention-weight: budget cost per cached token a chunk decompresses"
+        " (default: %(default)s)",
     )
     group.add_argument(
         "--enable-overlap",

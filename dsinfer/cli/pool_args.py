@@ -14,10 +14,24 @@ from dsinfer.workers.args import TRANSFER_BACKENDS, PoolArgs
 
 def add_pool_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pool (--role prefill|decode|colocated)")
-    group.add_argument("--pool-size", type=int, default=_default("pool_size"), help=_help("pool_size"))
-    group.add_argument("--pool-id", type=int, default=_default("pool_id"), help=_help("pool_id"))
-    group.add_argument("--nnodes", type=int, default=_default("nnodes"), help=_help("nnodes"))
-    group.add_argument("--node-rank", type=int, default=_default("node_rank"), help=_help("node_rank"))
+    group.add_argument(
+        "--pool-size",
+        type=int,
+        default=_default("pool_size"),
+        help=f"{_help('pool_size')} (default: %(default)s)",
+    )
+    group.add_argument(
+        "--pool-id", type=int, default=_default("pool_id"), help=f"{_help('pool_id')} (default: %(default)s)"
+    )
+    group.add_argument(
+        "--nnodes", type=int, default=_default("nnodes"), help=f"{_help('nnodes')} (default: %(default)s)"
+    )
+    group.add_argument(
+        "--node-rank",
+        type=int,
+        default=_default("node_rank"),
+        help=f"{_help('node_rank')} (default: %(default)s)",
+    )
     group.add_argument(
         "--dist-init-addr",
         default=_default("dist_init_addr"),
@@ -34,7 +48,7 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--worker-host",
         default=_default("host"),
-        help="address this node's ranks bind and advertise their inboxes on",
+        help="address this node's ranks bind and advertise their inboxes on (default: %(default)s)",
     )
     group.add_argument(
         "--transfer-backend",
@@ -46,14 +60,14 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-timeout",
         type=float,
         default=_default("kv_transfer_timeout"),
-        help=_help("kv_transfer_timeout"),
+        help=f"{_help('kv_transfer_timeout')} (default: %(default)s)",
     )
     group.add_argument(
         "--kv-quarantine",
         type=float,
         default=_default("kv_quarantine"),
         help="seconds an aborted transfer's pages stay unused (decode), or a request fenced before it "
-        "arrived is refused (prefill)",
+        "arrived is refused (prefill) (default: %(default)s)",
     )
     group.add_argument(
         "--threads-per-rank",
@@ -62,10 +76,16 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         help="torch threads per rank (default: the cores shared by the local ranks of one role)",
     )
     group.add_argument(
-        "--max-restarts", type=int, default=_default("max_restarts"), help=_help("max_restarts")
+        "--max-restarts",
+        type=int,
+        default=_default("max_restarts"),
+        help=f"{_help('max_restarts')} (default: %(default)s)",
     )
     group.add_argument(
-        "--restart-backoff", type=float, default=_default("restart_backoff"), help=_help("restart_backoff")
+        "--restart-backoff",
+        type=float,
+        default=_default("restart_backoff"),
+        help=f"{_help('restart_backoff')} (default: %(default)s)",
     )
     group.add_argument(
         "--no-elastic-ep",
@@ -86,7 +106,7 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
         # one flag drains both: a pool's ranks (run_pool) and the gateway's streams (GatewayArgs)
         default=field_default(GatewayArgs, "drain_timeout"),
         help="SIGTERM: seconds ranks get to finish their requests before SIGKILL, and a gateway's "
-        "streams before they end with an error event",
+        "streams before they end with an error event (default: %(default)s)",
     )
 
 

@@ -64,10 +64,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_pool_args(parser)
     add_gateway_args(parser)
     group = parser.add_argument_group("all-in-one (no --role)")
-    group.add_argument("--prefill-pool-size", type=int, default=1, help="ranks per prefill pool")
-    group.add_argument("--decode-pool-size", type=int, default=1, help="ranks per decode (or colocated) pool")
-    group.add_argument("--prefill-pools", type=int, default=1)
-    group.add_argument("--decode-pools", type=int, default=1)
+    group.add_argument(
+        "--prefill-pool-size", type=int, default=1, help="ranks per prefill pool (default: %(default)s)"
+    )
+    group.add_argument(
+        "--decode-pool-size",
+        type=int,
+        default=1,
+        help="ranks per decode (or colocated) pool (default: %(default)s)",
+    )
+    group.add_argument("--prefill-pools", type=int, default=1, help="prefill pools (default: %(default)s)")
+    group.add_argument(
+        "--decode-pools",
+        type=int,
+        default=1,
+        help="decode pools, colocated ones with --colocated (default: %(default)s)",
+    )
     group.add_argument(
         "--colocated", action="store_true", help="--decode-pools colocated pools and no prefill pools"
     )
