@@ -116,11 +116,28 @@ def test_no_call_is_all_content() -> None:
         assert tool_format(name).parse(text) == (text, [])
 
 
-def test_cut_off_call_keeps_its_arguments() -> None:
+def test_call_the_output_ended_in_keeps_its_arguments() -> None:
+    """The model ended (not max_tokens) before the call's end marker: the call stands."""
     text = TEXTS["deepseek-v3.1"]
     cut = text.index("<｜tool▁call▁end｜>")
     content, calls = tool_format("deepseek-v3.1").parse(text[:cut])
     assert content == "Let me check." and calls[0].arguments == json.dumps(WEATHER)
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_call_cut_by_max_tokens_is_the_text_before_it(name: str) -> None:
+    """Cut anywhere from inside the section's begin marker to inside the first call's arguments:
+    no partial marker in the content, no call; whole and streamed one character at a time."""
+    fmt, text = tool_format(name), TEXTS[name]
+    begin = text.index(fmt.section_begin)
+    first_call_end = text.index(fmt.args_end) + len(fmt.args_end)
+    for cut in range(begin + 1, first_call_end):
+        assert fmt.parse(text[:cut], cut=True) == (CONTENT[name], []), text[:cut]
+        parser = fmt.parser()
+        content = "".join(parser.feed(c)[0] for c in text[:cut]) + parser.flush(cut=True)[0]
+        assert (content, parser.calls) == (CONTENT[name], []), text[:cut]
+    content, calls = fmt.parse(text[:first_call_end], cut=True)
+    assert content == CONTENT[name] and [c.name for c in calls] == ["get_weather"]
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.stop_strings import StopStringMatcher
-from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.base.tokenizer import REPLACEMENT_CHAR, Tokenizer
 from dsinfer.gateway.errors import without_paths
 from dsinfer.gateway.reasoning import ReasoningParser
 from dsinfer.gateway.tool_parsers import ToolCall, ToolCallDelta, ToolParser
@@ -135,9 +135,12 @@ class ChoiceState:
                 update.reasoning += reasoning
                 update.text += text
         if self.tool_parser is not None:
+            cut = delta.finish_reason == "length"
+            if cut:  # a character cut in half (U+FFFD) must not hide the start of a marker before it
+                update.text = update.text.rstrip(REPLACEMENT_CHAR)
             update.text, update.tool_calls = self.tool_parser.feed(update.text)
             if ending:
-                rest, calls = self.tool_parser.flush()
+                rest, calls = self.tool_parser.flush(cut)
                 update.text += rest
                 update.tool_calls += calls
         self.text += update.text

@@ -5,8 +5,10 @@ The formats DeepSeek and Kimi models write are all a *section* (begin marker ...
 *calls*, each ``call begin, header, args begin, arguments, args end``; the header names the
 function (and, for Kimi, is the call's id). ``MarkerParser`` walks that shape incrementally: text
 outside a section is content; a marker split across deltas is held back until it is complete, so
-no marker leaks into the content and arguments stream as they are generated. A call that never
-ended keeps the arguments it got; a section that never ended is dropped.
+no marker leaks into the content and arguments stream as they are generated. A section that
+never ended is dropped, and so is a call that never ended when the output was cut (by max_tokens:
+``flush(cut=True)``), with the start of a marker held back at the cut: the answer is the text
+before it. An output that ended by itself inside a call keeps the call and the arguments it got.
 """
 
 from __future__ import annotations
@@ -92,11 +94,11 @@ class ToolFormat(ABC):
     def parser(self) -> MarkerParser:
         return MarkerParser(self)
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """A whole output -> (content, calls)."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """A whole output (``cut``: stopped by a length limit) -> (content, calls)."""
         parser = self.parser()
         content, _ = parser.feed(text)
-        rest, _ = parser.flush()
+        rest, _ = parser.flush(cut)
         return content + rest, parser.calls
 
     def grammar(self, tools: list[ToolSpec], parallel: bool, token_id: Callable[[str], int | None]) -> str:
@@ -143,8 +145,8 @@ class ToolParser(ABC):
         """The next text of the output -> (content, tool-call deltas)."""
 
     @abstractmethod
-    def flush(self) -> tuple[str, list[ToolCallDelta]]:
-        """The output ended: whatever was held back."""
+    def flush(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The output ended (``cut``: by a length limit): whatever was held back."""
 
 
 _TEXT, _SECTION, _HEADER, _ARGS, _AFTER = range(5)
@@ -166,10 +168,12 @@ class MarkerParser(ToolParser):
             pass
         return "".join(content), deltas
 
-    def flush(self) -> tuple[str, list[ToolCallDelta]]:
+    def flush(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
-        if self._state in (_TEXT, _AFTER):
-            content = self._buf
+        if self._state == _AFTER or (self._state == _TEXT and not cut):
+            content = self._buf  # in _TEXT: what could have begun a section (held back)
+        elif self._state == _ARGS and cut:
+            self.calls.pop()  # streamed, its deltas are sent already; the finish reason tells
         elif self._state == _ARGS:
             deltas = self._arguments(self._buf, last=True)
         self._buf = ""
