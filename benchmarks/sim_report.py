@@ -43,7 +43,7 @@ from dsinfer.sim.deployment import (
     rank_shape,
 )
 from dsinfer.sim.hardware import H100, H800, with_measured
-from dsinfer.sim.shape import ModelShape
+from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import DAY, TrafficProfile, mean_rate
 

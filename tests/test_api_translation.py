@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from dsinfer.gateway import anthropic_api, responses_api
+from dsinfer.gateway import anthropic_request, responses_request
 from dsinfer.gateway.blocks import BlockStream
 from dsinfer.gateway.choice import ChoiceUpdate
 from dsinfer.gateway.errors import APIError
-from dsinfer.gateway.responses_api import ResponseStore, StoredResponse
+from dsinfer.gateway.responses_request import ResponseStore, StoredResponse
 from dsinfer.gateway.tool_parsers import ToolCallDelta
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}}
 
 
 def test_messages_translation() -> None:
-    req = anthropic_api.MessagesRequest.model_validate(
+    req = anthropic_request.MessagesRequest.model_validate(
         {
             "model": "m",
             "max_tokens": 9,
@@ -48,7 +48,7 @@ def test_messages_translation() -> None:
             "thinking": {"type": "enabled", "budget_tokens": 100},
         }
     )
-    chat = anthropic_api.to_chat_request(req)
+    chat = anthropic_request.to_chat_request(req)
     roles = [m.role for m in chat.messages]
     assert roles == ["system", "user", "assistant", "tool", "user"]
     assistant = chat.messages[2]
@@ -62,18 +62,18 @@ def test_messages_translation() -> None:
     image = req.model_copy(
         update={
             "messages": [
-                anthropic_api.AnthropicMessage.model_validate(
+                anthropic_request.AnthropicMessage.model_validate(
                     {"role": "user", "content": [{"type": "image"}]}
                 )
             ]
         }
     )
     with pytest.raises(APIError, match="'image'"):
-        anthropic_api.to_chat_request(image)
+        anthropic_request.to_chat_request(image)
 
 
 def test_responses_translation_and_store() -> None:
-    req = responses_api.ResponsesRequest.model_validate(
+    req = responses_request.ResponsesRequest.model_validate(
         {
             "input": [
                 {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
@@ -90,15 +90,15 @@ def test_responses_translation_and_store() -> None:
         }
     )
     history = [{"role": "user", "content": "Earlier"}, {"role": "assistant", "content": "Yes"}]
-    chat = responses_api.to_chat_request(req, history)
+    chat = responses_request.to_chat_request(req, history)
     assert [m.role for m in chat.messages] == ["system", "user", "assistant", "user", "assistant", "tool"]
     calls = chat.messages[4].tool_calls or []
     assert [c.id for c in calls] == ["c1", "c2"]
     assert chat.tool_choice is not None and chat.max_tokens == 5
     assert chat.response_format is not None and chat.response_format.type == "json_schema"
     with pytest.raises(APIError, match="web_search"):
-        bad = req.model_copy(update={"tools": [responses_api.ResponseTool(type="web_search")]})
-        responses_api.to_chat_request(bad, [])
+        bad = req.model_copy(update={"tools": [responses_request.ResponseTool(type="web_search")]})
+        responses_request.to_chat_request(bad, [])
     store = ResponseStore(capacity=2)
     for name in ("a", "b", "c"):
         store.put(name, StoredResponse([], {"id": name}))

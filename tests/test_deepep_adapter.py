@@ -35,7 +35,7 @@ from dsinfer.parallel.deepep import (
 )
 from dsinfer.parallel.deepep_layout import low_latency_qp_depth, qp_depth_to_set, round_slices
 from dsinfer.parallel.ep import TorchEPGroup
-from dsinfer.parallel.registry import deepep_unavailable, make_ep_group
+from dsinfer.parallel.ep_select import deepep_unavailable, make_ep_group
 
 
 def _expert(rows: torch.Tensor, slots: torch.Tensor, rank: int = 0, slots_per_rank: int = 0) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dsinfer.connector.messages import DecodeAdmit, KVDestination, PrefillDone, 
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.transfer.base import TransferBackend, TransferError
-from dsinfer.transfer.registry import make_transfer_backend
+from dsinfer.transfer.factory import make_transfer_backend
 from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
 from tests.fixtures.checkpoints import BuiltCheckpoint

@@ -21,7 +21,7 @@ from dsinfer.engine.sequence import Sequence
 from dsinfer.sim import pools as sim_pools
 from dsinfer.sim.cache import SimCache
 from dsinfer.sim.deployment import Assumptions, PoolSpec, chunking_weights
-from dsinfer.sim.shape import ModelShape
+from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import TrafficProfile
 

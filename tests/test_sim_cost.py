@@ -12,8 +12,8 @@ from dsinfer.sim.cost import PoolModel, decode_step, prefill_step
 from dsinfer.sim.experts import expert_model
 from dsinfer.sim.hardware import H100, H200, H800, get_hardware, with_measured
 from dsinfer.sim.kernels import DEEPEP_LOW_LATENCY, DEEPGEMM_DENSE, DEEPGEMM_MASKED, Kernels
+from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.schedule import DECODE_ORDER, PREFILL_ORDER, SERIAL_ORDER, step_time
-from dsinfer.sim.shape import ModelShape
 
 SHAPE = ModelShape.preset("deepseek-v3")
 

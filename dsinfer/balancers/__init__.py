@@ -10,8 +10,8 @@ Each module's docstring states its exact formulas.
 
 from dsinfer.balancers.base import Balancer, RouteRequest
 from dsinfer.balancers.decode import DecodeBalancer
+from dsinfer.balancers.factory import DEFAULT_KIND, KINDS, make_balancer
 from dsinfer.balancers.prefill import PrefillBalancer
-from dsinfer.balancers.registry import DEFAULT_KIND, KINDS, make_balancer
 from dsinfer.balancers.round_robin import RoundRobinBalancer
 
 __all__ = [

@@ -24,8 +24,8 @@ DEFAULT_MODEL_TYPE = "deepseek_v3"  # what a config.json without model_type is r
 PAGE_SIZE = 64  # tokens per page of the latent KV cache (FlashMLA's block size)
 # Choices of engine flags, here (no torch) so that a process that only parses them never loads torch.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # how dsinfer/model/loader.py reads a checkpoint
-EP_BACKENDS: tuple[str, ...] = ("auto", "deepep", "torch")  # dsinfer/parallel/registry.py
-TRANSFER_BACKENDS = ("nixl", "mooncake")  # dsinfer/transfer/registry.py
+EP_BACKENDS: tuple[str, ...] = ("auto", "deepep", "torch")  # dsinfer/parallel/ep_select.py
+TRANSFER_BACKENDS = ("nixl", "mooncake")  # dsinfer/transfer/factory.py
 FP8_BLOCK = 128  # block edge of DeepSeek's FP8 weight scales
 
 

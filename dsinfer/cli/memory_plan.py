@@ -1,6 +1,6 @@
 """The memory plan of one rank of a configuration (what ``dsinfer serve --dry-run`` prints and
 ``--gpu-memory`` checks). Nothing is loaded: weights, KV bytes per token and expert slots per rank
-are counted by ``dsinfer.base.shape.RankShape`` (the simulator's accounting too), with FP8
+are counted by ``dsinfer.base.rank_shape.RankShape`` (the simulator's accounting too), with FP8
 weights kept FP8 where the device runs FP8 GEMMs (CUDA).
 
 On a GPU the plan adds up one GPU's memory: weights by precision, the latent KV cache, the EP
@@ -33,12 +33,12 @@ import torch
 from dsinfer.base.config import PAGE_SIZE, ModelConfig
 from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.presets import resolve_model
-from dsinfer.base.shape import RankShape, WeightBytes
+from dsinfer.base.rank_shape import RankShape, WeightBytes
 from dsinfer.cli.errors import UsageError
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
 from dsinfer.model.indexer import LOGITS_BUDGET
-from dsinfer.parallel.registry import deepep_unavailable
+from dsinfer.parallel.ep_select import deepep_unavailable
 from dsinfer.workers.args import PoolArgs
 
 GiB = 2**30

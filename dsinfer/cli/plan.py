@@ -148,7 +148,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if args.attention_chunking:
         from dsinfer.sim.deployment import chunking_weights
-        from dsinfer.sim.shape import ModelShape
+        from dsinfer.sim.model_dims import ModelShape
 
         w, c = chunking_weights(ModelShape.preset(specs["prefill"].model))
         specs["prefill"] = replace(specs["prefill"], attention_token_weight=w, context_token_weight=c)

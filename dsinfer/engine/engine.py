@@ -35,7 +35,7 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.remote import RemotePrefills
 from dsinfer.engine.requests import RequestTable
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from dsinfer.engine.sequences import SequenceFactory
+from dsinfer.engine.sequence_factory import SequenceFactory
 from dsinfer.engine.step import EngineLoad, LayerHookFor, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.engine.requests import RequestTable
 from dsinfer.engine.scheduler import Scheduler
-from dsinfer.engine.sequences import SequenceFactory
+from dsinfer.engine.sequence_factory import SequenceFactory
 from dsinfer.engine.step import KVReservation, RemotePrefill, SeqUpdate
 
 

@@ -37,7 +37,8 @@ from starlette.types import Receive, Scope, Send
 
 from dsinfer.base.expert_load import document as expert_load_document
 from dsinfer.base.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, TokenizerError
-from dsinfer.gateway.anthropic_api import MessagesRequest, anthropic_error
+from dsinfer.gateway.anthropic_reply import MessagesFormatter, prepare_messages
+from dsinfer.gateway.anthropic_request import MessagesRequest, anthropic_error
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend
 from dsinfer.gateway.chat import ChatFormatter
@@ -60,13 +61,10 @@ from dsinfer.gateway.extra_routes import (
     install_extra_routes,
 )
 from dsinfer.gateway.intake import BodyLimit, BodyTooLarge, Preparer
-from dsinfer.gateway.messages import MessagesFormatter, prepare_messages
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from dsinfer.gateway.prepare import Limits, Prepared, parse_body, prepare_chat, prepare_completion
-from dsinfer.gateway.responses import prepare_responses
-from dsinfer.gateway.responses_api import ResponsesRequest, ResponseStore
-from dsinfer.gateway.serving import (
+from dsinfer.gateway.request_run import (
     ClientGone,
     GatewayContext,
     RequestRun,
@@ -74,6 +72,8 @@ from dsinfer.gateway.serving import (
     unless_disconnected,
     wait_for_disconnect,
 )
+from dsinfer.gateway.responses_reply import prepare_responses
+from dsinfer.gateway.responses_request import ResponsesRequest, ResponseStore
 from dsinfer.gateway.sse import HEADERS, MEDIA_TYPE
 
 log = logging.getLogger("dsinfer.gateway")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
-from dsinfer.gateway.serving import RequestRun, RequestTimeout
+from dsinfer.gateway.request_run import RequestRun, RequestTimeout
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
 

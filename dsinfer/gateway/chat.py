@@ -21,7 +21,7 @@ from dsinfer.gateway.openai_api import (
     ToolCallOut,
     TopLogprob,
 )
-from dsinfer.gateway.serving import GatewayContext, RequestRun
+from dsinfer.gateway.request_run import GatewayContext, RequestRun
 from dsinfer.gateway.sse import run_events
 from dsinfer.gateway.tool_parsers import ToolCall, ToolCallDelta
 

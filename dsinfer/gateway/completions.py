@@ -17,7 +17,7 @@ from dsinfer.gateway.openai_api import (
     CompletionResponse,
     PromptLogprobs,
 )
-from dsinfer.gateway.serving import GatewayContext, RequestRun
+from dsinfer.gateway.request_run import GatewayContext, RequestRun
 from dsinfer.gateway.sse import run_events
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dsinfer.gateway.errors import APIError, bad_request
 from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatMessage, ChatTool, ModelCard
 from dsinfer.gateway.prepare import _check_ids, check_model, parse_body, render_chat
-from dsinfer.gateway.serving import GatewayContext
+from dsinfer.gateway.request_run import GatewayContext
 
 
 class _Body(BaseModel):

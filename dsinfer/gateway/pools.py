@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from dsinfer.balancers.base import Balancer, RouteRequest
-from dsinfer.balancers.registry import make_balancer
+from dsinfer.balancers.factory import make_balancer
 from dsinfer.base.expert_load import sum_loads
 from dsinfer.base.hashing import page_hashes
 from dsinfer.base.protocol import ROLES, LoadReport, Register

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from dsinfer.gateway.choice import ChoiceUpdate
 from dsinfer.gateway.errors import error_body
 from dsinfer.gateway.openai_api import Usage
-from dsinfer.gateway.serving import RequestRun, RequestTimeout
+from dsinfer.gateway.request_run import RequestRun, RequestTimeout
 
 DONE = "data: [DONE]\n\n"
 MEDIA_TYPE = "text/event-stream"

@@ -3,7 +3,7 @@
 UNVERIFIED: DeepEP cannot be installed on any machine this project is developed on, and one GPU
 cannot run it (it needs two ranks or more). :class:`DeepEPGroup` is written against the documented
 API of DeepEP's ``Buffer`` (in DeepEP v2 the same class is still exported as the "legacy" buffer)
-and is only ever built by :func:`dsinfer.parallel.registry.make_ep_group` when ``import deep_ep``
+and is only ever built by :func:`dsinfer.parallel.ep_select.make_ep_group` when ``import deep_ep``
 works and the group is NCCL on CUDA. It has never run. The index bookkeeping and the sizes it
 computes are pure functions in :mod:`dsinfer.parallel.deepep_layout`, held by the CPU tests.
 

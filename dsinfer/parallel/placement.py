@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dsinfer.base.config import ModelConfig
-from dsinfer.base.shape import expert_slots_per_rank
+from dsinfer.base.rank_shape import expert_slots_per_rank
 
 FORMAT = "dsinfer-expert-placement/1"
 

@@ -4,7 +4,7 @@
 - :mod:`.kernels`: published kernel-level measurements (DeepGEMM, FlashMLA, FlashAttention-3, DeepEP)
   turned into time functions.
 - :mod:`.shape`: the model dimensions (from the preset's config.json); weights and KV bytes per rank
-  come from ``dsinfer.base.shape.RankShape``, the memory plan's accounting.
+  come from ``dsinfer.base.rank_shape.RankShape``, the memory plan's accounting.
 - :mod:`.cost`: per-layer stage costs of prefill and decode steps (FLOPs, bytes, dispatch and
   combine volume) -> step time; :mod:`.schedule`: the compute/NIC streams of the two-micro-batch
   overlap schedules.

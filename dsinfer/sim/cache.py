@@ -14,7 +14,7 @@ from dsinfer.sim.cost import PoolModel
 from dsinfer.sim.deployment import Assumptions, PoolSpec, expert_key, pool_model
 from dsinfer.sim.experts import ExpertModel, expert_model
 from dsinfer.sim.hardware import Hardware
-from dsinfer.sim.shape import ModelShape
+from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.workload import Lengths, TrafficProfile, calibrate
 
 

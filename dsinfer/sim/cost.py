@@ -41,8 +41,8 @@ import numpy as np
 
 from dsinfer.sim.experts import ExpertModel
 from dsinfer.sim.kernels import DEEPEP_NORMAL_SMS, Kernels
+from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.schedule import DECODE_ORDER, PREFILL_ORDER, SERIAL_ORDER, step_time
-from dsinfer.sim.shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsinfer.base.shape import RankShape
+from dsinfer.base.rank_shape import RankShape
 from dsinfer.sim.cost import PoolModel
 from dsinfer.sim.experts import ExpertModel, expert_model
 from dsinfer.sim.hardware import H800, Hardware
 from dsinfer.sim.kernels import DEEPEP_NORMAL_SMS, Kernels
-from dsinfer.sim.shape import ModelShape
+from dsinfer.sim.model_dims import ModelShape
 
 ROLES = ("prefill", "decode")
 KV_PAGE = 64

@@ -23,7 +23,7 @@ import numpy as np
 
 from dsinfer.parallel.eplb import placement_from_load
 from dsinfer.parallel.placement import ExpertPlacement
-from dsinfer.sim.shape import ModelShape
+from dsinfer.sim.model_dims import ModelShape
 
 POLICIES = ("eplb", "contiguous")
 FANOUT_TOKENS = 2048

@@ -1,7 +1,7 @@
 """KV transfer between ranks (base.py has the contract); backends load through the registry."""
 
 from dsinfer.transfer.base import TransferBackend, TransferError, TransferHandle, TransferState, TransferStats
-from dsinfer.transfer.registry import TRANSFER_BACKENDS, make_transfer_backend
+from dsinfer.transfer.factory import TRANSFER_BACKENDS, make_transfer_backend
 
 __all__ = [
     "TRANSFER_BACKENDS",

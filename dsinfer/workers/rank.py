@@ -36,13 +36,13 @@ from dsinfer.base.protocol import (
     Register,
     worker_name,
 )
-from dsinfer.base.shape import expert_slots_per_rank
+from dsinfer.base.rank_shape import expert_slots_per_rank
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
+from dsinfer.parallel.ep_select import make_ep_group
 from dsinfer.parallel.placement import ExpertPlacement
-from dsinfer.parallel.registry import make_ep_group
 from dsinfer.transfer.base import TransferBackend
-from dsinfer.transfer.registry import make_transfer_backend
+from dsinfer.transfer.factory import make_transfer_backend
 from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import WorkerChannel
 from dsinfer.workers.decode import DecodeWorker

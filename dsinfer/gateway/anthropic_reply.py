@@ -9,11 +9,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from dsinfer.gateway.anthropic_api import MessagesRequest, to_chat_request
+from dsinfer.gateway.anthropic_request import MessagesRequest, to_chat_request
 from dsinfer.gateway.blocks import Block, BlockEvent, BlockStream, RunFailure, final_blocks, stream_blocks
 from dsinfer.gateway.choice import ChoiceState
 from dsinfer.gateway.prepare import Limits, Prepared, parse_body, prepare_chat
-from dsinfer.gateway.serving import GatewayContext, RequestRun
+from dsinfer.gateway.request_run import GatewayContext, RequestRun
 from dsinfer.gateway.sse import named_event
 
 log = logging.getLogger("dsinfer.gateway")

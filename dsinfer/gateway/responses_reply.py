@@ -19,8 +19,8 @@ from typing import Any
 
 from dsinfer.gateway.blocks import Block, BlockEvent, BlockStream, RunFailure, final_blocks, stream_blocks
 from dsinfer.gateway.prepare import Limits, Prepared, parse_body, prepare_chat
-from dsinfer.gateway.responses_api import ResponsesRequest, ResponseStore, StoredResponse, to_chat_request
-from dsinfer.gateway.serving import GatewayContext, RequestRun
+from dsinfer.gateway.request_run import GatewayContext, RequestRun
+from dsinfer.gateway.responses_request import ResponsesRequest, ResponseStore, StoredResponse, to_chat_request
 from dsinfer.gateway.sse import named_event
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "tool_call": "fc"}

@@ -1,6 +1,6 @@
 """The model dimensions the cost model needs, under the cost model's short names, read from a
 validated ``ModelConfig`` (kept as ``config``: weight and KV bytes per rank are counted by
-``dsinfer.base.shape.RankShape``, as the memory plan counts them)."""
+``dsinfer.base.rank_shape.RankShape``, as the memory plan counts them)."""
 
 from __future__ import annotations
 
