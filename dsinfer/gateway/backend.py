@@ -2,7 +2,7 @@
 
 ``submit(job, sink)`` returns at once with a ``JobHandle`` or raises: ``Overloaded`` (-> 429 with
 Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). The backend hands each
-``(choice, TokenDelta)`` to ``sink``, on the gateway's event loop and in order, every choice
+``(choice number, TokenDelta)`` to ``sink``, on the gateway's event loop and in order, every choice
 ending with one delta that has ``finish_reason`` or ``error`` set and nothing after it. The sink
 must not block or raise (it is called from the backend's message handler, once per token of every
 running choice: no await and no timer per token). ``abort`` (idempotent) ends every unfinished choice
@@ -14,7 +14,7 @@ them could serve is refused with a 400 before it is submitted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +32,24 @@ class Unavailable(Exception):
     pass
 
 
+class ChoiceRecord(Protocol):
+    """One choice of a request: the single record of it, kept by the HTTP layer
+    (dsinfer/gateway/choice.py's ChoiceState) and read by the backend.
+
+    ``number`` is the choice's one numbering: prompt index x n + its place among the prompt's n
+    choices, as OpenAI numbers choices; sinks, ``abort`` and worker request ids all use it (its
+    place, ``number % n``, is the sampler's key, as offline generation numbers choices).
+    ``token_ids`` are the tokens the choice holds: every token the backend delivered to it over
+    all its attempts, up to a stop string (a choice moved to another rank continues from them).
+    """
+
+    @property
+    def number(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+
 @dataclass
 class Job:
     """One prompt of a client request, with its ``params.n`` choices."""
@@ -40,15 +58,15 @@ class Job:
     prompt_token_ids: list[int]
     params: SamplingParams  # n may be > 1; seed None = the router draws one for all choices
     deadline: float  # time.monotonic() when the HTTP layer ends the request (a timeout); never retried after
-    first_choice: int = 0  # the request's index of this job's first choice (prompt index x n)
+    choices: Sequence[ChoiceRecord]  # its params.n choices, in order
     arrival_time: float = 0.0  # time.monotonic() at the HTTP layer
 
 
-DeltaSink = Callable[[int, TokenDelta], None]  # (choice, delta), called on the gateway's event loop
+DeltaSink = Callable[[int, TokenDelta], None]  # (choice number, delta), on the gateway's event loop
 
 
 class JobHandle(Protocol):
-    async def abort(self, choice: int | None = None) -> None: ...
+    async def abort(self, choice: int | None = None) -> None: ...  # a choice number, or all
 
 
 @dataclass(frozen=True)

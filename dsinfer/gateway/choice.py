@@ -54,10 +54,15 @@ def held_back(text: str, stops: list[str]) -> int:
 
 
 class ChoiceState:
+    """One choice of a request: its text, tokens and end. It is the request's one record of the
+    choice: the backend reads its ``number`` and ``token_ids`` (dsinfer/gateway/backend.py
+    ChoiceRecord)."""
+
     def __init__(
         self,
         tokenizer: Tokenizer,
         *,
+        number: int = 0,
         stops: list[str],
         skip_special_tokens: bool,
         include_stop_str: bool,
@@ -69,6 +74,7 @@ class ChoiceState:
         parser): the text is decoded once, when the choice ends; until then updates carry tokens
         only. The text is the same: an incremental detokenization concatenates to the decode of
         all the ids."""
+        self.number = number
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.incremental = incremental or bool(stops) or reasoning is not None or tools is not None
         self.matcher = StopStringMatcher(tokenizer, stops, skip_special_tokens)

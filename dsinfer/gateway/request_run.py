@@ -1,11 +1,12 @@
 """Running one HTTP request on the backend: jobs in, per-choice updates out, aborts and deadline.
 
 A request becomes one ``Job`` per prompt (each with ``params.n`` choices); its choices are
-numbered ``prompt_index * n + choice`` as OpenAI numbers them (the jobs' ``first_choice``).
+numbered ``prompt_index * n + choice`` as OpenAI numbers them, once: each is one ``ChoiceState``
+that the HTTP layer fills and the backend reads (its number and tokens).
 Admission is one limit, ``--max-queued-requests``: while that many choices are queued (dispatched
 with no first token yet: the backend's ``queue_length``), a new request gets 429. The
 request has one deadline (arrival + ``--request-timeout``): the backend hands every job's deltas to the
-run's sink, which folds each into its choice's state and queues the ``(index, ChoiceUpdate)``
+run's sink, which folds each into its choice's state and queues the ``(number, ChoiceUpdate)``
 pairs that ``RequestRun.updates`` yields until every choice ended, raising ``RequestTimeout`` at
 the deadline (``complete``, a whole response, queues only the choices' last updates). A choice that the
 gateway ends on a stop string is aborted at its workers at once. ``close`` aborts what is still
@@ -15,7 +16,6 @@ running (client gone, timeout, error) and records the request's metrics.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -118,6 +118,7 @@ class RequestRun:
         self.choices = [
             ChoiceState(
                 ctx.tokenizer,
+                number=number,
                 stops=list(prepared.params.stop or []),
                 skip_special_tokens=prepared.params.skip_special_tokens,
                 include_stop_str=prepared.include_stop_str,
@@ -125,14 +126,12 @@ class RequestRun:
                 tools=prepared.tool_format.parser() if prepared.tool_format is not None else None,
                 incremental=prepared.stream,
             )
-            for _ in range(len(prepared.prompts) * self.n)
+            for number in range(len(prepared.prompts) * self.n)
         ]
         self.jobs: list[JobHandle] = []
-        # what wakes the request: (job, choice, index, update) pairs, the deadline (None) or an
+        # what wakes the request: (choice number, update) pairs, the deadline (None) or an
         # exception raised while folding a delta in
-        self._wakes: asyncio.Queue[tuple[int, int, int, ChoiceUpdate] | BaseException | None] = (
-            asyncio.Queue()
-        )
+        self._wakes: asyncio.Queue[tuple[int, ChoiceUpdate] | BaseException | None] = asyncio.Queue()
         self._endings_only = False  # set by complete(): a whole response wakes only as choices end
         self._aborted: set[int] = set()
         self.first_token_time: float | None = None
@@ -159,10 +158,10 @@ class RequestRun:
                     ids,
                     prepared.params,
                     deadline=self.deadline,
-                    first_choice=index * self.n,
+                    choices=self.choices[index * self.n : (index + 1) * self.n],
                     arrival_time=self.arrival,
                 )
-                self.jobs.append(ctx.backend.submit(job, functools.partial(self._on_delta, index)))
+                self.jobs.append(ctx.backend.submit(job, self._on_delta))
         except Overloaded as e:
             self.outcome = "overloaded"
             raise overloaded(str(e) or "the server is overloaded", e.retry_after) from None
@@ -177,17 +176,17 @@ class RequestRun:
             self.prompt_tokens,
         )
 
-    def _on_delta(self, job: int, choice: int, delta: TokenDelta) -> None:
+    def _on_delta(self, number: int, delta: TokenDelta) -> None:
         """The backend's sink: folds the delta into its choice at once and wakes the request only
         when it has something to send (every update of a stream; a choice's end for a whole
         response, so that it is woken once per choice, not once per token)."""
         try:
-            applied = self._apply(job, choice, delta)
+            update = self._apply(number, delta)
         except Exception as e:  # raised in the request, not in the backend's message handler
             self._wakes.put_nowait(e)
             return
-        if applied is not None and (not self._endings_only or applied[1].finished):
-            self._wakes.put_nowait((job, choice, *applied))
+        if update is not None and (not self._endings_only or update.finished):
+            self._wakes.put_nowait((number, update))
 
     async def updates(self) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
         # one timer for the whole request, not one per awaited delta (a timed wait per token was
@@ -205,10 +204,10 @@ class RequestRun:
                 raise RequestTimeout(f"request timed out after {self.ctx.args.request_timeout:g} s")
             if isinstance(wake, BaseException):
                 raise wake
-            job, choice, index, update = wake
-            if self.choices[index].stopped_by_string and update.finished:
-                await self.jobs[job].abort(choice)  # the workers may still be generating it
-            yield index, update
+            number, update = wake
+            if self.choices[number].stopped_by_string and update.finished:
+                await self.jobs[number // self.n].abort(number)  # the workers may still be generating it
+            yield number, update
         self._deadline_timer.cancel()
 
     async def complete(self) -> None:
@@ -220,21 +219,23 @@ class RequestRun:
                 await self.abort()
                 raise server_error(update.error)
 
-    def _apply(self, job: int, choice: int, delta: TokenDelta) -> tuple[int, ChoiceUpdate] | None:
-        if not 0 <= choice < self.n:
+    def _apply(self, number: int, delta: TokenDelta) -> ChoiceUpdate | None:
+        if not 0 <= number < len(self.choices):
             log.warning(
-                "%s: backend sent choice %d of a job with n=%d; ignored", self.request_id, choice, self.n
+                "%s: backend sent choice %d of a request with %d; ignored",
+                self.request_id,
+                number,
+                len(self.choices),
             )
             return None
-        index = job * self.n + choice
-        if self.choices[index].finished:
+        if self.choices[number].finished:
             return None  # e.g. the workers' tokens after the stop string, until the abort reached them
-        update = self.choices[index].update(delta)
+        update = self.choices[number].update(delta)
         if update.token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if update.error is not None:
             self.outcome = "error"
-        return index, update
+        return update
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,7 @@
 """The gateway's Backend over worker pools: dispatch, PD pairing, retries, ending choices.
 
 A job with n choices becomes n worker requests (ids by dsinfer.base.request_id: request, choice,
-attempt; the request part is the client request's id and this gateway's ``instance`` tag, so
+attempt; the choice part is the request's choice number, see backend.ChoiceRecord; the request part is the client request's id and this gateway's ``instance`` tag, so
 that replicas behind one load balancer never send a rank the same id) sharing one seed, with no
 stop strings (the gateway owns them). With healthy prefill and decode ranks a choice goes PD
 (DecodeAdmit to the decode rank the decode balancer picks; its KVDestination is forwarded, with
@@ -15,7 +15,7 @@ Migration: a choice whose rank dies, stops answering or refuses it (draining) is
 again, as its next attempt (``_retry_or_end``, the one place a choice moves between ranks), at
 most ``max_migrations`` times; while no pool is ready (the only one restarting) it is parked and
 goes out when one is, or ends at the request's deadline. The router keeps the token ids each
-choice delivered; a choice that already streamed moves as a continuation
+choice holds (its ChoiceRecord, the HTTP layer's one record of it); a choice that already streamed moves as a continuation
 (``WorkerRequest.output_token_ids``): the new ranks prefill the prompt and those tokens, and the
 counter-based sampler, keyed by the output position, goes on with the tokens the undisturbed
 choice would have had. Tokens of the old
@@ -60,7 +60,15 @@ from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.connector import pairing
 from dsinfer.connector.messages import AnyMessage, DecodeAdmit, KVDestination
 from dsinfer.gateway.authorize import RefusalLog, refusal
-from dsinfer.gateway.backend import BackendMetrics, Capacity, DeltaSink, Job, MigrationStats, Unavailable
+from dsinfer.gateway.backend import (
+    BackendMetrics,
+    Capacity,
+    ChoiceRecord,
+    DeltaSink,
+    Job,
+    MigrationStats,
+    Unavailable,
+)
 from dsinfer.gateway.control import ControlSocket
 from dsinfer.gateway.pools import Pools
 from dsinfer.gateway.registry import WorkerInfo
@@ -74,15 +82,15 @@ MAX_ORPHANS = 4096  # unknown request ids answered with Abort, remembered to ans
 
 @dataclasses.dataclass(eq=False)
 class _Choice:
+    """Where a choice runs: its current attempt and ranks (its tokens are its ``record``'s)."""
+
     stream: RouterJob
-    index: int  # among the job's n choices (the sampler's key)
+    record: ChoiceRecord
     key: RequestKey  # its current attempt's id
     request: WorkerRequest = dataclasses.field(init=False)  # its current attempt
     decode_worker: str = ""  # decode or colocated rank
     prefill_worker: str | None = None
     started: bool = False  # the current attempt's first token arrived (PD: the prefill rank is done)
-    finished: bool = False
-    output: list[int] = dataclasses.field(default_factory=list)  # token ids delivered, every attempt
     moved_at: float | None = None  # when the current attempt was dispatched as a migration
 
     @property
@@ -94,8 +102,8 @@ class _Choice:
 
 
 class RouterJob:
-    """One job's choices: hands their (choice, TokenDelta) pairs to the HTTP layer's sink, nothing
-    after a choice's final delta."""
+    """One job's choices: the router hands each running choice's (number, TokenDelta) pairs to the
+    HTTP layer's sink, its final delta last (the router forgets a choice before delivering that)."""
 
     def __init__(
         self, router: Router, job: Job, sink: DeltaSink, params: SamplingParams, route: RouteRequest
@@ -105,15 +113,11 @@ class RouterJob:
         self.choices: list[_Choice] = []
 
     def put(self, choice: _Choice, delta: TokenDelta) -> None:
-        if choice.finished:
-            return
-        if delta.finish_reason is not None or delta.error is not None:
-            choice.finished = True
-        self.sink(choice.index, delta)
+        self.sink(choice.record.number, delta)
 
     async def abort(self, choice: int | None = None) -> None:
         for c in self.choices:
-            if not c.finished and choice in (None, c.index):
+            if choice in (None, c.record.number):
                 self.router.end_choice(c, TokenDelta(request_id=c.request.request_id, finish_reason="abort"))
 
 
@@ -165,9 +169,8 @@ class Router:
         params = dataclasses.replace(job.params, n=1, seed=seed, stop=[])  # the gateway owns stop strings
         route = self.pools.route_request(job.request_id, job.prompt_token_ids, job.params.max_tokens)
         stream = RouterJob(self, job, sink, params, route)
-        for i in range(job.params.n):
-            key = RequestKey(f"{job.request_id}@{self.instance}", job.first_choice + i)
-            choice = _Choice(stream, i, key)
+        for record in job.choices:
+            choice = _Choice(stream, record, RequestKey(f"{job.request_id}@{self.instance}", record.number))
             stream.choices.append(choice)
             self._dispatch(choice)
         return stream
@@ -176,14 +179,15 @@ class Router:
         """Send the choice's current attempt to a prefill + decode pair (PD) or a colocated rank."""
         stream = choice.stream
         params = stream.params
-        if choice.output:  # a continuation: the prompt's logprobs came with the first attempt
+        delivered = choice.record.token_ids
+        if delivered:  # a continuation: the prompt's logprobs came with the first attempt
             params = dataclasses.replace(params, prompt_logprobs=None)
         fields = dict(
             request_id=format_request_id(choice.key),
             prompt_token_ids=stream.job.prompt_token_ids,
             params=params,
-            choice=choice.index,
-            output_token_ids=list(choice.output),
+            choice=choice.record.number % stream.job.params.n,  # the sampler's key
+            output_token_ids=list(delivered),
         )
         now = time.monotonic()
         # the balancers count the choice under its worker request id, the one ``_forget`` reports
@@ -202,14 +206,17 @@ class Router:
 
     # Ending ----------------------------------------------------------------------------------
     def end_choice(self, choice: _Choice, delta: TokenDelta) -> None:
-        """Deliver the choice's last delta and tell its ranks to drop it."""
-        if choice.finished:
+        """Deliver the choice's last delta and tell its ranks to drop it (nothing if it ended already)."""
+        if not self._running(choice):
             return
         self._parked.pop(choice, None)
         self._forget(choice)
         for worker in choice.workers:
             self.control.send(worker, Abort(request_id=choice.request.request_id))
         choice.stream.put(choice, delta)
+
+    def _running(self, choice: _Choice) -> bool:
+        return self._choices.get(choice.request.request_id) is choice or choice in self._parked
 
     def _forget(self, choice: _Choice) -> None:
         self._choices.pop(choice.request.request_id, None)
@@ -244,7 +251,7 @@ class Router:
                 self.control.send(worker, Abort(request_id=old_id))
         choice.key = choice.key.next_attempt()
         choice.started, choice.moved_at = False, time.monotonic()
-        self.migrations.moved(cause, streaming=bool(choice.output))
+        self.migrations.moved(cause, streaming=bool(choice.record.token_ids))
         if not self.pools.ready():
             log.info(
                 "%s: %s; attempt %d waits for a pool to serve again (until the request's deadline)",
@@ -260,7 +267,7 @@ class Router:
             old_id,
             reason,
             choice.key.attempt,
-            len(choice.output),
+            len(choice.record.token_ids),
             cause,
         )
         self._dispatch(choice)
@@ -341,11 +348,9 @@ class Router:
                 for worker in choice.workers:
                     self.control.send(worker, Abort(request_id=delta.request_id))
         choice.started = True
-        if delta.token_ids:
-            choice.output.extend(delta.token_ids)
-            if choice.moved_at is not None:
-                self.migrations.resumed_after(time.monotonic() - choice.moved_at)
-                choice.moved_at = None
+        if delta.token_ids and choice.moved_at is not None:
+            self.migrations.resumed_after(time.monotonic() - choice.moved_at)
+            choice.moved_at = None
         choice.stream.put(choice, delta)
 
     def _orphan(self, sender: str, delta: TokenDelta) -> None:
