@@ -1,6 +1,8 @@
 """`dsinfer serve`: --dry-run layouts and memory plans (all-in-one, deployment profiles, --config
 with command-line overrides), one-line flag errors, and the all-in-one supervisor driving fake
-``dsinfer serve --role ...`` children (a fake CLI module from tmp_path)."""
+``dsinfer serve --role ...`` children (a fake CLI module from tmp_path): a gateway that dies after
+it listened is restarted, a child failing at start ends the command with its error line (once),
+a second Ctrl-C cuts the drain short."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dsinfer.base.processes import free_port
 from dsinfer.cli.main import main
 from tests.test_launcher import TIMEOUT, alive, wait_for
 
@@ -201,7 +205,7 @@ def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 # All-in-one supervision with fake children -----------------------------------------------------
 FAKE_CLI = """
-import json, os, signal, sys, time
+import json, os, signal, socket, sys, time
 from pathlib import Path
 
 argv = sys.argv[1:]
@@ -209,12 +213,26 @@ flags = argv[argv.index("serve") + 1 :]
 role = flags[flags.index("--role") + 1]
 tag = "gateway" if role == "gateway" else f"{role}.{flags[flags.index('--pool-id') + 1]}"
 out = Path(os.environ["FAKE_CLI_DIR"])
+with (out / f"{tag}.starts").open("a") as starts:
+    starts.write(f"{os.getpid()}\\n")
 
 def on_term(signum, frame):
     (out / f"{tag}.term").write_text("")
     sys.exit(0)
 
-signal.signal(signal.SIGTERM, on_term)
+ignore_term = role != "gateway" and os.environ.get("FAKE_CLI_IGNORE_TERM")
+signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else on_term)
+fail_tag, _, fail = os.environ.get("FAKE_CLI_FAIL", "").partition(":")
+if fail_tag == tag:  # at start, as a bad flag or checkpoint would: before the gateway listens
+    code, _, message = fail.partition(":")
+    print("starting", file=sys.stderr)
+    print(f"dsinfer: error: {message}", file=sys.stderr)
+    sys.exit(int(code))
+if role == "gateway":
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", int(flags[flags.index("--port") + 1])))
+    listener.listen()
 info = {
     "pid": os.getpid(), "argv": argv, "api_key": os.environ.get("DSINFER_API_KEY"),
     "secret": os.environ.get("DSINFER_CLUSTER_SECRET"),
@@ -238,16 +256,29 @@ sys.exit(run_all_in_one(build_parser().parse_args(sys.argv[1:]), cli_module="fak
 
 
 class AllInOne:
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, **env: str) -> None:
         self.dir = tmp_path / "children"
         self.dir.mkdir()
         (tmp_path / "fake_cli.py").write_text(FAKE_CLI)
         pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": pythonpath, "FAKE_CLI_DIR": str(self.dir)}
-        env.pop("DSINFER_API_KEY", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, "serve", *args], env=env, stderr=subprocess.PIPE, text=True
-        )
+        environ = {**os.environ, "PYTHONPATH": pythonpath, "FAKE_CLI_DIR": str(self.dir), **env}
+        environ.pop("DSINFER_API_KEY", None)
+        port = [] if "--port" in args else ["--port", str(free_port())]
+        self.log_path = tmp_path / "all-in-one.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", DRIVER, "serve", *port, *args], env=environ, stderr=log
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str) -> None:
+        wait_for(lambda: text in self.log(), repr(text))
+
+    def starts(self, tag: str) -> int:
+        path = self.dir / f"{tag}.starts"
+        return len(path.read_text().split()) if path.exists() else 0
 
     def child(self, tag: str) -> dict[str, Any]:
         path = self.dir / f"{tag}.json"
@@ -258,13 +289,12 @@ class AllInOne:
         return sorted(p.stem for p in self.dir.glob("*.json"))
 
     def wait(self) -> tuple[int, str]:
-        _, err = self.proc.communicate(timeout=TIMEOUT)
-        return self.proc.returncode, err
+        return self.proc.wait(timeout=TIMEOUT), self.log()
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.communicate(timeout=TIMEOUT)
+            self.proc.wait(timeout=TIMEOUT)
         for path in self.dir.glob("*.json"):
             pid = json.loads(path.read_text())["pid"]
             if alive(pid):
@@ -324,6 +354,7 @@ def test_all_in_one_restarts_a_dead_gateway_and_keeps_the_pools(
     secrets = {p["secret"] for p in [*pools, first]}  # one secret per run, for every child
     assert len(secrets) == 1 and len(secrets.pop() or "") >= 32
     assert not any(first["secret"] in " ".join(p["argv"]) for p in [*pools, first])
+    server.wait_log("the gateway listens on port")  # it was ready: it is restarted
     (server.dir / "die.gateway").write_text("")
     wait_for(lambda: server.child("gateway")["pid"] != first["pid"], "a new gateway")
     second = server.child("gateway")
@@ -345,6 +376,7 @@ def test_all_in_one_stops_everything_when_the_gateway_dies_past_max_restarts(
     pools = [server.child(f"colocated.{i}") for i in range(2)]
     assert [flag(p["argv"], "--pool-size") for p in pools] == ["3", "3"]
     server.child("gateway")
+    server.wait_log("the gateway listens on port")
     (server.dir / "die.gateway").write_text("")
     code, err = server.wait()
     assert code == 1, err
@@ -352,6 +384,55 @@ def test_all_in_one_stops_everything_when_the_gateway_dies_past_max_restarts(
     assert server.children() == ["colocated.0", "colocated.1", "gateway"]
     assert all((server.dir / f"colocated.{i}.term").exists() for i in range(2))
     assert not any(alive(p["pid"]) for p in pools)
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("dsinfer: error:")]
+
+
+@pytest.mark.parametrize(
+    ("failing", "code", "message"),
+    [
+        ("gateway", 3, "--tool-call-parser: no such parser"),
+        (
+            "decode.0",
+            2,
+            "decode pool 0: rank 0 exited with code 1 before the pool was up: CheckpointError: x",
+        ),
+    ],
+)
+def test_all_in_one_child_failing_at_start_ends_the_command(
+    tmp_path: Path, servers: list[AllInOne], failing: str, code: int, message: str
+) -> None:
+    """A gateway exiting before it listened, or a launcher whose ranks never came up (exit 2), is
+    not restarted: the others stop at once, the child's error line is printed once (last) and the
+    command exits 2."""
+    started = time.monotonic()
+    server = AllInOne(tmp_path, "--drain-timeout", "60", FAKE_CLI_FAIL=f"{failing}:{code}:{message}")
+    servers.append(server)
+    exit_code, err = server.wait()
+    assert exit_code == 2, err
+    assert time.monotonic() - started < 15, err
+    assert error_lines(err) == [f"dsinfer: error: {message}"], err
+    assert err.strip().splitlines()[-1] == f"dsinfer: error: {message}"
+    assert server.starts(failing) == 1 and "restart" not in err, err
+    others = [server.child(tag) for tag in ("gateway", "prefill.0", "decode.0") if tag != failing]
+    assert not any(alive(child["pid"]) for child in others)
+
+
+def test_all_in_one_second_ctrl_c_stops_at_once(tmp_path: Path, servers: list[AllInOne]) -> None:
+    server = AllInOne(tmp_path, "--drain-timeout", "60", FAKE_CLI_IGNORE_TERM="1")
+    servers.append(server)
+    children = [server.child(tag) for tag in ("gateway", "prefill.0", "decode.0")]
+    server.proc.send_signal(signal.SIGINT)
+    server.wait_log("all-in-one: stopping")
+    started = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    code, err = server.wait()
+    assert code == 0, err
+    assert time.monotonic() - started < 10, err
+    assert err.count("second stop signal") == 1, err
+    assert not any(alive(child["pid"]) for child in children)
 
 
 # Per-GPU memory plan and --gpu-memory (deployment) ------------------------------------------

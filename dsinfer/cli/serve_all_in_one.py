@@ -7,7 +7,14 @@ restart their own ranks (their launcher); a gateway that dies is started again o
 ports while the pools keep running (their ranks register with the new one as soon as it is up),
 with a back-off that doubles up to 30 s and ``--max-restarts`` restarts. A launcher giving up
 stops everything with exit code 1. SIGTERM or Ctrl-C drains the pools, then stops the gateway,
-and exits 0.
+and exits 0; a second Ctrl-C stops everything at once.
+
+A child that fails before it was ever ready is not restarted: it would fail alike (a bad flag, a
+checkpoint the ranks cannot load, a port in use). The gateway is ready once it listens on its
+HTTP port; a launcher exits with ``STARTUP_FAILED`` itself when its ranks fail before its pool was
+up. Then everything else stops at once and the command exits with ``STARTUP_FAILED``, its last
+line the child's error. The children's stderr goes through this process (dsinfer/base/processes.py
+``Child``), their ``dsinfer: error:`` lines held back so that the one reported is printed once.
 """
 
 from __future__ import annotations
@@ -15,27 +22,39 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
 from dsinfer.base.cluster_secret import SECRET_ENV, generate_secret, load_secret
+from dsinfer.base.processes import (
+    ERROR_PREFIX,
+    KILL_GRACE,
+    STARTUP_FAILED,
+    Backoff,
+    Child,
+    StopSignals,
+    free_port,
+    kill,
+    listening_ports,
+    send,
+    wait_all,
+)
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.flags import POOL_ONLY, actions_of
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
 from dsinfer.cli.layout import Layout, layout_of
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
 from dsinfer.workers.args import PoolArgs
-from dsinfer.workers.launcher import KILL_GRACE, POLL_INTERVAL, StopSignals, free_port, spawn, terminate
 
 log = logging.getLogger("dsinfer.serve")
 
 CLI_MODULE = "dsinfer.cli.main"
 ANY_ADDRESS = ("", "0.0.0.0", "::")
 GATEWAY_BACKOFF = 0.5  # seconds before the first restart of a dead gateway (doubles, capped)
-MAX_BACKOFF = 30.0
-HEALTHY_RESET = 60.0  # a gateway that ran this long resets the back-off and the restart count
+POLL_INTERVAL = 0.2  # seconds between checks of the children
 
 
 def connect_host(host: str) -> str:
@@ -80,7 +99,7 @@ def flags_of(
 
 
 @dataclass(frozen=True)
-class Child:
+class ChildCommand:
     name: str
     argv: list[str]
     env: dict[str, str] | None = None  # None = this process's environment
@@ -92,7 +111,7 @@ def children_of(
     control_port: int,
     secret: str,
     cli_module: str = CLI_MODULE,
-) -> list[Child]:
+) -> list[ChildCommand]:
     """The gateway, then every pool, as ``dsinfer serve --role ...`` with this command's flags.
 
     The cluster secret and the API key go through the environment, not the command line other
@@ -103,13 +122,13 @@ def children_of(
     gateway_flags = flags_of(gateway_ns, actions_of(add_gateway_args), skip=("api_key",))
     env = {**os.environ, SECRET_ENV: secret}
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
-    children = [Child("gateway", [*base, "--role", "gateway", *engine, *gateway_flags], gateway_env)]
+    children = [ChildCommand("gateway", [*base, "--role", "gateway", *engine, *gateway_flags], gateway_env)]
     pool_flags = flags_of(args, actions_of(add_pool_args), skip=(*POOL_ONLY, "threads_per_rank"))
     gateway_addr = f"{connect_host(args.host)}:{control_port}"
     for spec in layout.pools:
         own = ["--role", spec.role, "--pool-id", str(spec.pool_id), "--pool-size", str(spec.size)]
         own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_by_role[spec.role])]
-        children.append(Child(spec.name, [*base, *own, *engine, *pool_flags], env))
+        children.append(ChildCommand(spec.name, [*base, *own, *engine, *pool_flags], env))
     return children
 
 
@@ -127,57 +146,78 @@ def run_all_in_one(args: argparse.Namespace, *, cli_module: str = CLI_MODULE) ->
     secret = load_secret(args.cluster_secret_file) or generate_secret()
     specs = children_of(args, layout, control_port, secret, cli_module)
     signals = StopSignals()
-    children: list[tuple[str, subprocess.Popen[bytes]]] = []
+    children: list[Child] = []
+    failure: _Failure | None = None
     try:
-        for child in specs:
-            children.append((child.name, spawn(child.argv, child.env)))
+        for spec in specs:
+            children.append(Child(spec.name, spec.argv, spec.env))
         log.info(
             "all-in-one: API at http://%s:%d/v1; pools register on control port %d; %s",
             connect_host(gateway.host),
             gateway.port,
             control_port,
-            ", ".join(f"{name} pid {proc.pid}" for name, proc in children),
+            ", ".join(f"{child.name} pid {child.pid}" for child in children),
         )
-        return _supervise(children, specs[0], signals, args)
+        gateway_ports = _GatewayPorts(gateway.port, control_port)
+        failure = _supervise(children, specs[0], gateway_ports, signals, args.max_restarts)
     finally:
-        _stop(children, args.drain_timeout)
+        if failure is not None and failure.at_once:
+            _stop_at_once(children)
+            _log_stopped(children)
+        else:
+            _stop(children, args.drain_timeout, signals)
         signals.restore()
+    if failure is None:
+        return 0
+    print(failure.line, file=sys.stderr)
+    return failure.code
 
 
-class _Restarts:
-    """The gateway's restart budget: a doubling back-off, reset by a long enough run."""
+@dataclass(frozen=True)
+class _GatewayPorts:
+    http: int  # 0: any free port
+    control: int
 
-    def __init__(self, max_restarts: int) -> None:
-        self.max_restarts, self.count, self.backoff = max_restarts, 0, GATEWAY_BACKOFF
-        self.started_at = time.monotonic()
+    def ready(self, gateway: Child) -> bool:
+        """The gateway listens on its HTTP port (this process, not another one on that port)."""
+        ports = listening_ports(gateway.pid)
+        return self.http in ports if self.http else bool(ports - {self.control})
 
-    def next_delay(self) -> float | None:
-        """Seconds to wait before the next start, or None when the budget is spent."""
-        if time.monotonic() - self.started_at >= HEALTHY_RESET:
-            self.count, self.backoff = 0, GATEWAY_BACKOFF
-        if self.count >= self.max_restarts:
-            return None
-        self.count += 1
-        delay, self.backoff = self.backoff, min(self.backoff * 2, MAX_BACKOFF)
-        return delay
+
+@dataclass(frozen=True)
+class _Failure:
+    line: str  # printed once everything stopped
+    code: int  # the command's exit status
+    at_once: bool  # nothing ever served: the others stop without a drain
 
 
 def _supervise(
-    children: list[tuple[str, subprocess.Popen[bytes]]],
-    gateway: Child,
+    children: list[Child],
+    gateway: ChildCommand,
+    ports: _GatewayPorts,
     signals: StopSignals,
-    args: argparse.Namespace,
-) -> int:
-    restarts = _Restarts(args.max_restarts)
+    max_restarts: int,
+) -> _Failure | None:
+    """Watch the children until a stop is requested (-> None) or one fails for good."""
+    restarts = Backoff(GATEWAY_BACKOFF, max_restarts)
+    gateway_up = False  # the gateway listened once: from then on its exits are restarted
     while signals.requested is None:
-        for i, (name, proc) in enumerate(children):
-            code = proc.poll()
+        if not gateway_up and ports.ready(children[0]):
+            gateway_up = True
+            log.info("all-in-one: the gateway listens on port %d", ports.http)
+        for i, child in enumerate(children):
+            code = child.proc.poll()
             if code is None:
                 continue
-            delay = restarts.next_delay() if name == gateway.name else None
+            if child.name != gateway.name:
+                return _pool_failure(child, code)
+            if not gateway_up:
+                return _Failure(_startup_failure(child, code), STARTUP_FAILED, at_once=True)
+            delay = restarts.next_delay()
             if delay is None:
-                print(f"dsinfer: error: {name} exited with code {code}; stopping everything", file=sys.stderr)
-                return 1
+                line = f"{ERROR_PREFIX}{child.name} exited with code {code}; stopping everything"
+                return _Failure(line, 1, at_once=False)
+            child.release()
             log.warning(
                 "all-in-one: the gateway exited with code %d; restart %d/%d in %.1f s (the pools keep running)",
                 code,
@@ -185,33 +225,79 @@ def _supervise(
                 restarts.max_restarts,
                 delay,
             )
-            if not _sleep(delay, signals):
+            if not signals.sleep(delay, POLL_INTERVAL):
                 break
-            children[i] = (name, spawn(gateway.argv, gateway.env))
-            restarts.started_at = time.monotonic()
-            log.info("all-in-one: gateway pid %d", children[i][1].pid)
+            children[i] = Child(gateway.name, gateway.argv, gateway.env)
+            restarts.started()
+            log.info("all-in-one: gateway pid %d", children[i].pid)
         time.sleep(POLL_INTERVAL)
+    return None
+
+
+def _pool_failure(launcher: Child, code: int) -> _Failure:
+    """A pool launcher exited: never restarted here (it restarts its own ranks). Its own error
+    line, if it printed one, is the one to show."""
+    reported = launcher.reported_error()
+    line = reported or f"{ERROR_PREFIX}{launcher.name} exited with code {code}; stopping everything"
+    startup = code == STARTUP_FAILED
+    return _Failure(line, STARTUP_FAILED if startup else 1, at_once=startup)
+
+
+def _startup_failure(child: Child, code: int) -> str:
+    reported = child.reported_error()
+    if reported is not None:
+        return reported
+    line = f"{ERROR_PREFIX}{child.name} exited with code {code} before it was ready"
+    detail = child.error_detail()
+    return f"{line}: {detail}" if detail else line
+
+
+def _split(children: list[Child]) -> tuple[list[Child], list[Child]]:
+    """-> (the pool launchers, the gateway)."""
+    pools = [child for child in children if child.name != "gateway"]
+    return pools, [child for child in children if child.name == "gateway"]
+
+
+def _stop(children: list[Child], drain_timeout: float, signals: StopSignals) -> None:
+    """Pools first (they drain, their tokens still reach the gateway), then the gateway; a second
+    Ctrl-C (or SIGTERM) on the way stops whatever is left at once."""
     log.info(
-        "all-in-one: stopping (pools drain for up to %.0f s, then the gateway stops)", args.drain_timeout
+        "all-in-one: stopping (pools drain for up to %.0f s, then the gateway stops; a second "
+        "Ctrl-C stops everything at once)",
+        drain_timeout,
     )
-    return 0
+    pools, gateway = (_procs(group) for group in _split(children))
+    send(pools, signal.SIGTERM)
+    wait_all(pools, drain_timeout + KILL_GRACE, cut_short=signals.is_forced)
+    if not signals.forced:
+        kill(pools)
+        send(gateway, signal.SIGTERM)
+        wait_all(gateway, KILL_GRACE, cut_short=signals.is_forced)
+    if signals.forced:
+        log.warning("all-in-one: second stop signal: stopping every process now, not waiting for the drain")
+        _stop_at_once(children)
+    kill(_procs(children))
+    for child in children:
+        child.release()
+    _log_stopped(children)
 
 
-def _sleep(seconds: float, signals: StopSignals) -> bool:
-    """Sleep unless a stop is requested; False if one was."""
-    deadline = time.monotonic() + seconds
-    while signals.requested is None:
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
-    return False
+def _stop_at_once(children: list[Child]) -> None:
+    """Nothing to drain: the gateway is killed; a launcher gets a second stop signal, on which it
+    kills its ranks and cleans up, and SIGKILL if it is not gone after ``KILL_GRACE``."""
+    pools, gateway = (_procs(group) for group in _split(children))
+    kill(gateway)
+    send(pools, signal.SIGTERM)
+    send(pools, signal.SIGINT)
+    wait_all(pools, KILL_GRACE)
+    kill(pools)
 
 
-def _stop(children: list[tuple[str, subprocess.Popen[bytes]]], drain_timeout: float) -> None:
-    """Pools first (they drain, their tokens still reach the gateway), then the gateway."""
-    pools = [proc for name, proc in children if name != "gateway"]
-    terminate(pools, drain_timeout + KILL_GRACE)
-    terminate([proc for name, proc in children if name == "gateway"], KILL_GRACE)
+def _log_stopped(children: list[Child]) -> None:
     if children:
-        codes = ", ".join(f"{name} {proc.returncode}" for name, proc in children)
+        codes = ", ".join(f"{child.name} {child.proc.returncode}" for child in children)
         log.info("all-in-one: stopped (exit codes: %s)", codes)
+
+
+def _procs(children: list[Child]) -> list[subprocess.Popen[bytes]]:
+    return [child.proc for child in children]
