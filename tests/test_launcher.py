@@ -1,13 +1,16 @@
 """The pool launcher (dsinfer.workers.launcher) with a fake rank module: restart on a rank's death
-with PoolDown to the gateway (over CURVE, as the pool's launcher), drain on SIGTERM,
-max_restarts, children dying with the launcher; the ranks get the cluster secret in their
+with PoolDown to the gateway (over CURVE, as the pool's launcher), drain on SIGTERM (a second
+SIGINT: at once), max_restarts, children dying with the launcher, no restart of a rank that fails
+before the pool was up (one error line, exit 2); the ranks get the cluster secret in their
 environment (not their command line), the loopback interface for their libraries' listeners and
 a FileStore in a private directory per incarnation.
 
 Each test runs the launcher in a subprocess (it installs signal handlers) with ``fake_rank.py``
-from tmp_path on PYTHONPATH. A fake rank writes ``<incarnation>.<rank>.json`` (pid, threads),
-exits with code 3 when ``die.<incarnation>.<rank>`` appears, and on SIGTERM writes
-``<incarnation>.<rank>.term`` then exits 0 (or ignores SIGTERM when FAKE_RANK_IGNORE_TERM=1).
+from tmp_path on PYTHONPATH, its stderr in a file. A fake rank logs that it is up (the line a
+real rank logs), writes ``<incarnation>.<rank>.json`` (pid, threads), exits with code 3 when
+``die.<incarnation>.<rank>`` appears, and on SIGTERM writes ``<incarnation>.<rank>.term`` then
+exits 0 (or ignores SIGTERM when FAKE_RANK_IGNORE_TERM=1). FAKE_RANK_FAIL=<rank>:raise or
+<rank>:report makes that rank fail before it is up, with a traceback or a ``dsinfer: error:`` line.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import psutil
 import pytest
 import zmq
 
+from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import PoolDown, decode, launcher_identity
 from dsinfer.workers.args import PoolArgs
-from dsinfer.workers.launcher import free_port
 from tests.fixtures.control import TEST_SECRET, curve_router
 
 pytestmark = pytest.mark.system
@@ -50,6 +53,16 @@ def on_term(signum, frame):
     sys.exit(0)
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_RANK_IGNORE_TERM") else on_term)
+fail_rank, _, fail_how = os.environ.get("FAKE_RANK_FAIL", "").partition(":")
+if fail_rank == str(args["rank"]):
+    print("loading the checkpoint", file=sys.stderr, flush=True)
+    if fail_how == "report":
+        print("dsinfer: error: --fake-flag: not a good value", file=sys.stderr)
+        sys.exit(2)
+    raise RuntimeError("no weights in /nowhere")
+pool = args["pool"]
+worker = f"{pool['role']}/{pool['pool_id']}/{args['rank']}"
+print(f"2026-01-01 00:00:00,000 INFO dsinfer.worker: rank {worker} up on cpu", file=sys.stderr, flush=True)
 info = {
     "pid": os.getpid(), "rank": args["rank"], "local_rank": args["local_rank"],
     "incarnation": args["incarnation"], "omp": os.environ.get("OMP_NUM_THREADS"),
@@ -60,6 +73,7 @@ info = {
 (out / f"{tag}.tmp").write_text(json.dumps(info))
 (out / f"{tag}.tmp").rename(out / f"{tag}.json")
 if os.environ.get("FAKE_RANK_EXIT_AT_ONCE"):
+    time.sleep(0.3)
     sys.exit(3)
 die = out / f"die.{tag}"
 while not die.exists():
@@ -104,13 +118,19 @@ class Launcher:
         self.dir.mkdir()
         (tmp_path / "fake_rank.py").write_text(FAKE_RANK)
         pythonpath = os.pathsep.join(filter(None, [str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, pool.model_dump_json(), str(drain_timeout)],
-            env={**os.environ, "PYTHONPATH": pythonpath, "FAKE_RANK_DIR": str(self.dir), **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self.log_path = tmp_path / "launcher.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", DRIVER, pool.model_dump_json(), str(drain_timeout)],
+                env={**os.environ, "PYTHONPATH": pythonpath, "FAKE_RANK_DIR": str(self.dir), **env},
+                stderr=log,
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, text: str) -> None:
+        wait_for(lambda: text in self.log(), repr(text))
 
     def ranks(self) -> list[dict[str, Any]]:
         return [json.loads(p.read_text()) for p in self.dir.glob("*.json")]
@@ -131,13 +151,12 @@ class Launcher:
         return sorted(seen, key=seen.__getitem__)
 
     def wait(self, timeout: float = TIMEOUT) -> tuple[int, str]:
-        _, err = self.proc.communicate(timeout=timeout)
-        return self.proc.returncode, err
+        return self.proc.wait(timeout=timeout), self.log()
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.communicate(timeout=TIMEOUT)
+            self.proc.wait(timeout=TIMEOUT)
         for rank in self.ranks():
             if alive(rank["pid"]):
                 os.kill(rank["pid"], signal.SIGKILL)
@@ -193,6 +212,7 @@ def test_dead_rank_restarts_pool_and_reports_pool_down(
     assert {r["store"] for r in first} == {str(store)} and first[0]["dist_init_addr"] == ""
     assert store.parent.stat().st_mode & 0o777 == 0o700
 
+    launcher.wait_log(f"decode pool 2: ranks 0-2 up (incarnation {first_inc})")
     (launcher.dir / f"die.{first_inc}.1").write_text("")
     sender, down = recv_pool_down(sock)
     assert sender == launcher_identity("decode", 2, 0)
@@ -244,6 +264,7 @@ def test_max_restarts_with_absent_gateway(tmp_path: Path, launchers: list[Launch
     assert code == 1, err
     assert time.monotonic() - started < 20
     assert len(launcher.incarnations()) == 3  # the first start and two restarts
+    assert "prefill pool 0: ranks 0-1 up" in err  # so they are restarted
     last = err.strip().splitlines()[-1]
     assert last.startswith("dsinfer: error: prefill pool 0: gave up after 2 restarts"), err
     assert "exited with code 3" in last
@@ -274,3 +295,46 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path, launchers: list[Launch
     launcher.proc.kill()
     launcher.wait()
     wait_for(lambda: not any(alive(r["pid"]) for r in ranks), "the ranks to die with their launcher")
+
+
+@pytest.mark.parametrize(
+    ("how", "code", "detail"),
+    [("raise", 1, "RuntimeError: no weights in /nowhere"), ("report", 2, "--fake-flag: not a good value")],
+)
+def test_a_rank_failing_before_the_pool_is_up_ends_the_launcher(
+    tmp_path: Path, launchers: list[Launcher], how: str, code: int, detail: str
+) -> None:
+    """Not restarted (it would fail alike): the other ranks stop and the launcher exits 2 at once,
+    its last line the rank's error (not its traceback), printed once."""
+    pool = PoolArgs(role="decode", pool_size=3, gateway_addr=f"127.0.0.1:{free_port()}", elastic_ep=False)
+    started = time.monotonic()
+    launcher = Launcher(tmp_path, pool, FAKE_RANK_FAIL=f"1:{how}")
+    launchers.append(launcher)
+    exit_code, err = launcher.wait()
+    assert exit_code == 2, err
+    assert time.monotonic() - started < 15, err
+    errors = [line for line in err.splitlines() if line.startswith("dsinfer: error:")]
+    expected = (
+        f"dsinfer: error: decode pool 0: rank 1 exited with code {code} before the pool was up: {detail}"
+    )
+    assert errors == [expected], err
+    assert err.strip().splitlines()[-1] == expected
+    assert len(launcher.incarnations()) <= 1 and "restart 1/" not in err, err
+    ranks = launcher.ranks()
+    assert 1 not in {r["rank"] for r in ranks} and not any(alive(r["pid"]) for r in ranks)
+
+
+def test_a_second_sigint_stops_the_drain_at_once(tmp_path: Path, launchers: list[Launcher]) -> None:
+    pool = PoolArgs(role="decode", pool_size=2, gateway_addr=f"127.0.0.1:{free_port()}")
+    launcher = Launcher(tmp_path, pool, drain_timeout=60.0, FAKE_RANK_IGNORE_TERM="1")
+    launchers.append(launcher)
+    ranks = launcher.incarnation(wait_for(launcher.incarnations, "the pool to start")[0], 2)
+    launcher.proc.send_signal(signal.SIGINT)
+    launcher.wait_log("draining")
+    started = time.monotonic()
+    launcher.proc.send_signal(signal.SIGINT)
+    code, err = launcher.wait()
+    assert code == 0, err
+    assert time.monotonic() - started < 5, err
+    assert err.count("second stop signal") == 1 and "drain timed out" not in err, err
+    assert not any(alive(r["pid"]) for r in ranks)

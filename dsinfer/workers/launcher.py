@@ -11,8 +11,15 @@ Otherwise (one rank, several nodes, ``--no-elastic-ep``) a collective cannot los
 any rank exit while the pool should be running (whatever its exit code) takes the pool down:
 the survivors are killed, the gateway is told (``PoolDown``) and, after a back-off, every rank
 starts again under a new incarnation. SIGTERM or SIGINT to the launcher drains instead: the
-ranks get SIGTERM, finish what they hold and exit. The back-off doubles up to 30 s; a pool that
-ran 60 s since its last restart resets it and the count of restarts.
+ranks get SIGTERM, finish what they hold and exit; a second one (a second Ctrl-C) kills them at
+once. The back-off doubles up to 30 s; a pool that ran 60 s since its last restart resets it and
+the count of restarts.
+
+Until the pool was up once (every local rank logged that it serves: warmed up, registered),
+nothing is restarted: a rank that exits then (a broken checkpoint, a bad flag, a port in use)
+would fail alike on every restart. The launcher stops the others, prints the rank's error in one
+line and exits with ``STARTUP_FAILED``. The ranks' stderr goes through the launcher (dsinfer/base/
+processes.py ``Child``), which is how it sees them come up and why they failed.
 
 The ranks get the cluster secret in their environment (never on a command line, which any user
 can read), and the interface of the worker host for their libraries' listeners
@@ -21,27 +28,22 @@ socket on any outside interface: an elastic pool through the launcher's store, w
 loopback only; any other one-node pool through a FileStore in a private directory of the
 launcher's (torch's own TCPStore would listen on every interface).
 
-Children die with the launcher even when it is SIGKILLed: on Linux each child asks the kernel
-for SIGKILL on its parent's death (``PR_SET_PDEATHSIG``) between fork and exec. They also run in
-their own session, so a terminal's Ctrl-C reaches only the launcher, which stops them in order.
+Children die with the launcher even when it is SIGKILLed and run in their own session, so a
+terminal's Ctrl-C reaches only the launcher, which stops them in order (dsinfer/base/processes.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import FrameType
 
 import msgspec
 import torch.distributed as dist
@@ -49,6 +51,18 @@ import zmq
 
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
 from dsinfer.base.control_auth import connect_curve
+from dsinfer.base.processes import (
+    ERROR_PREFIX,
+    KILL_GRACE,
+    STARTUP_FAILED,
+    Backoff,
+    Child,
+    StopSignals,
+    kill,
+    send,
+    terminate,
+    wait_all,
+)
 from dsinfer.base.protocol import PoolDown, RankDown, encode, launcher_identity, worker_name
 from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import gateway_endpoints
@@ -58,95 +72,27 @@ from dsinfer.workers.network import rank_network_env
 log = logging.getLogger("dsinfer.launcher")
 
 POLL_INTERVAL = 0.2  # seconds between checks of the children
-KILL_GRACE = 5.0  # seconds between SIGTERM and SIGKILL when a pool is torn down
-MAX_BACKOFF = 30.0  # cap of the doubling restart back-off
-HEALTHY_RESET = 60.0  # a pool that ran this long resets the back-off and the restart count
 POOL_DOWN_LINGER_MS = 500  # how long an unsent PoolDown may delay the launcher
 STORE_TIMEOUT = 600.0  # seconds a client of the launcher's store waits for a key
-_PR_SET_PDEATHSIG = 1
-
-
-# Child processes ---------------------------------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: SIGKILL this child when the process that forked it dies (Linux only)."""
-
-    def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != parent_pid:  # the parent died before prctl took effect
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
-def spawn(cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a child that dies with this process and ignores the terminal's Ctrl-C."""
-    return subprocess.Popen(
-        list(cmd), env=env, start_new_session=True, preexec_fn=_die_with_parent(os.getpid())
-    )
-
-
-def terminate(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
-    """SIGTERM every live process, wait up to ``timeout`` s for all, then SIGKILL the rest."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    wait_all(procs, timeout)
-    kill(procs)
-
-
-def wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> bool:
-    """Poll until every process exited or ``timeout`` s passed; True if all exited."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-    return True
-
-
-def kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in procs:
-        proc.wait()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-class StopSignals:
-    """SIGTERM/SIGINT set ``requested`` instead of killing the process; ``restore`` undoes it."""
-
-    def __init__(self) -> None:
-        self.requested: int | None = None
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+RANK_UP = "rank {worker} up on "  # what dsinfer/workers/rank.py logs once the rank serves
 
 
 # The pool ----------------------------------------------------------------------------------------
 @dataclass
 class _Start:
     incarnation: str
-    procs: list[subprocess.Popen[bytes]]  # index = local rank
+    children: list[Child]  # index = local rank
     first_rank: int
     dist_init_addr: str
     store: PoolStore | None = None  # an elastic pool's membership
     incarnations: list[str] = field(default_factory=list)  # each local rank's (a restarted one: its own)
     restarting: dict[int, float] = field(default_factory=dict)  # local rank -> when it starts again
     store_dir: str | None = None  # the FileStore's private directory (a one-node pool, not elastic)
+    up: bool = False  # every local rank of this start logged that it serves
+
+    @property
+    def procs(self) -> list[subprocess.Popen[bytes]]:
+        return [child.proc for child in self.children]
 
     def cleanup(self) -> None:
         if self.store_dir is not None:
@@ -169,8 +115,8 @@ class PoolLauncher:
         self.kill_grace = kill_grace
         self.name = f"{pool.role} pool {pool.pool_id}"
         self.threads = pool.threads
-        self.restarts, self.backoff = 0, pool.restart_backoff
-        self._last_restart = time.monotonic()
+        self.backoff = Backoff(pool.restart_backoff, pool.max_restarts)
+        self.was_up = False  # the pool was up once: from then on a rank's exit restarts it
         self._store: dist.TCPStore | None = None  # hosted for the launcher's lifetime (elastic)
         self._store_addr = ""
         self.secret = secret
@@ -178,7 +124,8 @@ class PoolLauncher:
         self.network_env = rank_network_env(pool.host, os.environ)
 
     def run(self, signals: StopSignals) -> int:
-        """Restarts count since the pool last ran ``HEALTHY_RESET`` s; past ``max_restarts`` -> 1."""
+        """-> 0 once stopped; ``STARTUP_FAILED`` when a rank exits before the pool was ever up;
+        1 past ``max_restarts`` (counted since the pool last ran ``HEALTHY_RESET`` s)."""
         if self.pool.elastic:
             self._store, self._store_addr = host_store(STORE_TIMEOUT)
         while True:
@@ -190,13 +137,15 @@ class PoolLauncher:
                 start.cleanup()
                 raise
             if exited is None:
-                self._drain(start, signals.requested)
+                self._drain(start, signals)
                 start.cleanup()
                 return 0
-            rank, code = exited
-            reason = f"rank {rank} exited with code {code}"
+            local, code = exited
+            failed = start.children[local]
+            reason = f"rank {start.first_rank + local} exited with code {code}"
+            self._settle_up(start)
             log.warning("%s: %s; stopping incarnation %s", self.name, reason, start.incarnation)
-            terminate(start.procs, self.kill_grace)
+            terminate(start.procs, self.kill_grace, cut_short=signals.is_forced)
             start.cleanup()
             self._send(
                 PoolDown(
@@ -208,28 +157,35 @@ class PoolLauncher:
                     self._send(
                         RankDown(worker=self._worker(start, local), incarnation=incarnation, reason=reason)
                     )
+            if not self.was_up:
+                print(self._startup_failure(failed, reason), file=sys.stderr)
+                return STARTUP_FAILED
+            for child in start.children:
+                child.release()
             backoff = self._next_backoff(reason)
             if backoff is None:
                 return 1
-            log.info("%s: restart %d/%d in %.1f s", self.name, self.restarts, self.pool.max_restarts, backoff)
-            if not self._sleep(backoff, signals):
+            log.info(
+                "%s: restart %d/%d in %.1f s", self.name, self.backoff.count, self.pool.max_restarts, backoff
+            )
+            if not signals.sleep(backoff, POLL_INTERVAL):
                 log.info("%s: stopped during restart back-off", self.name)
                 return 0
 
+    def _startup_failure(self, child: Child, reason: str) -> str:
+        """The one line that says why the pool never came up: the rank's error, not a traceback."""
+        line = f"{ERROR_PREFIX}{self.name}: {reason} before the pool was up"
+        detail = child.error_detail()
+        return f"{line}: {detail}" if detail else line
+
     def _next_backoff(self, reason: str) -> float | None:
         """Count a restart (of the pool or of one rank); its back-off, None past ``max_restarts``."""
-        now = time.monotonic()
-        if now - self._last_restart >= HEALTHY_RESET:
-            self.restarts, self.backoff = 0, self.pool.restart_backoff
-        if self.restarts >= self.pool.max_restarts:
+        backoff = self.backoff.next_delay()
+        if backoff is None:
             print(
-                f"dsinfer: error: {self.name}: gave up after {self.restarts} restarts (last: {reason})",
+                f"{ERROR_PREFIX}{self.name}: gave up after {self.backoff.count} restarts (last: {reason})",
                 file=sys.stderr,
             )
-            return None
-        self.restarts += 1
-        self._last_restart = now
-        backoff, self.backoff = self.backoff, min(self.backoff * 2, MAX_BACKOFF)
         return backoff
 
     def _worker(self, start: _Start, local: int) -> str:
@@ -243,13 +199,14 @@ class PoolLauncher:
             store_dir = tempfile.mkdtemp(prefix="dsinfer-pool-")  # mode 0700
         dist_init_addr = self._store_addr or pool.dist_init_addr or ""
         start = _Start(incarnation, [], pool.node_rank * pool.ranks_per_node, dist_init_addr)
+        self.backoff.started()
         start.store_dir = store_dir
         if self._store is not None:
             start.store = PoolStore(self._store, incarnation)
             start.store.start(pool.pool_size)
         try:
             for local in range(pool.ranks_per_node):
-                start.procs.append(self._spawn_rank(start, local, incarnation))
+                start.children.append(self._spawn_rank(start, local, incarnation))
                 start.incarnations.append(incarnation)
         except BaseException:
             kill(start.procs)
@@ -268,7 +225,7 @@ class PoolLauncher:
         )
         return start
 
-    def _spawn_rank(self, start: _Start, local: int, incarnation: str) -> subprocess.Popen[bytes]:
+    def _spawn_rank(self, start: _Start, local: int, incarnation: str) -> Child:
         resolved = self.pool.model_copy(
             update={"threads_per_rank": self.threads, "dist_init_addr": start.dist_init_addr or None}
         )
@@ -290,20 +247,26 @@ class PoolLauncher:
             "OMP_NUM_THREADS": threads,
             "NUMBA_NUM_THREADS": threads,
         }
-        return spawn([sys.executable, "-m", self.rank_module, "--args-json", args.model_dump_json()], env)
+        return Child(
+            f"rank {args.rank}",
+            [sys.executable, "-m", self.rank_module, "--args-json", args.model_dump_json()],
+            env,
+            ready_marker=RANK_UP.format(worker=self._worker(start, local)),
+        )
 
     def _watch(self, start: _Start, signals: StopSignals) -> tuple[int, int] | None:
-        """Block until the pool must restart whole (-> the rank that exited and its exit code) or
-        a stop is requested (-> None); in an elastic pool a dead rank is restarted alone."""
+        """Block until the pool must restart whole (-> the local rank that exited and its exit
+        code) or a stop is requested (-> None); in an elastic pool a dead rank is restarted alone."""
         while signals.requested is None:
+            self._note_up(start)
             for local, proc in enumerate(start.procs):
                 code = proc.poll()
                 if code is None or local in start.restarting:
                     continue
                 if not self._can_shrink(start, local):
-                    return start.first_rank + local, code
+                    return local, code
                 if not self._shrink(start, local, code):
-                    return start.first_rank + local, code
+                    return local, code
             now = time.monotonic()
             for local, at in list(start.restarting.items()):
                 if now >= at:
@@ -311,6 +274,20 @@ class PoolLauncher:
                     self._rejoin(start, local)
             time.sleep(POLL_INTERVAL)
         return None
+
+    def _settle_up(self, start: _Start) -> None:
+        """Whether the pool came up, once the last lines of the ranks that exited are in."""
+        for child in start.children:
+            if child.proc.poll() is not None:
+                child.lines()
+        self._note_up(start)
+
+    def _note_up(self, start: _Start) -> None:
+        if start.up or not all(child.ready.is_set() for child in start.children):
+            return
+        start.up = self.was_up = True
+        last = start.first_rank + len(start.children) - 1
+        log.info("%s: ranks %d-%d up (incarnation %s)", self.name, start.first_rank, last, start.incarnation)
 
     # Elastic pools --------------------------------------------------------------------------------
     def _can_shrink(self, start: _Start, local: int) -> bool:
@@ -356,18 +333,19 @@ class PoolLauncher:
 
     def _rejoin(self, start: _Start, local: int) -> None:
         incarnation = uuid.uuid4().hex
-        start.procs[local] = self._spawn_rank(start, local, incarnation)
+        start.children[local] = self._spawn_rank(start, local, incarnation)
         start.incarnations[local] = incarnation
+        self.backoff.started()
         log.info(
             "%s: rank %d started again (pid %d, incarnation %s): it rejoins the pool",
             self.name,
             start.first_rank + local,
-            start.procs[local].pid,
+            start.children[local].pid,
             incarnation,
         )
 
-    def _drain(self, start: _Start, signum: int | None) -> None:
-        sig = signal.Signals(signum).name if signum else "stop"
+    def _drain(self, start: _Start, signals: StopSignals) -> None:
+        sig = signal.Signals(signals.requested).name if signals.requested else "stop"
         log.info(
             "%s: %s: draining incarnation %s (SIGTERM to %d rank(s), up to %.0f s)",
             self.name,
@@ -376,25 +354,21 @@ class PoolLauncher:
             len(start.procs),
             self.drain_timeout,
         )
-        for proc in start.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        if not wait_all(start.procs, self.drain_timeout):
-            left = [p.pid for p in start.procs if p.poll() is None]
-            log.warning("%s: drain timed out; SIGKILL to pids %s", self.name, ",".join(map(str, left)))
-        kill(start.procs)
-        codes = ",".join(str(p.returncode) for p in start.procs)
+        procs = start.procs
+        send(procs, signal.SIGTERM)
+        if not wait_all(procs, self.drain_timeout, cut_short=signals.is_forced):
+            left = ",".join(str(p.pid) for p in procs if p.poll() is None)
+            if signals.forced:
+                log.warning(
+                    "%s: second stop signal: SIGKILL to pids %s, not waiting for the drain", self.name, left
+                )
+            else:
+                log.warning("%s: drain timed out; SIGKILL to pids %s", self.name, left)
+        kill(procs)
+        for child in start.children:
+            child.release()
+        codes = ",".join(str(p.returncode) for p in procs)
         log.info("%s: stopped (rank exit codes %s)", self.name, codes)
-
-    def _sleep(self, seconds: float, signals: StopSignals) -> bool:
-        """Sleep unless a stop is requested; False if one was."""
-        deadline = time.monotonic() + seconds
-        while signals.requested is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return True
-            time.sleep(min(POLL_INTERVAL, left))
-        return False
 
     def _send(self, struct: msgspec.Struct) -> None:
         """PoolDown or RankDown to every gateway. Best effort: an absent one delays the launcher by
@@ -435,7 +409,8 @@ def run_pool(
     drain_timeout: float = 30.0,
     kill_grace: float = KILL_GRACE,
 ) -> int:
-    """Run one pool's local ranks until SIGTERM/SIGINT (-> 0) or ``max_restarts`` is spent (-> 1)."""
+    """Run one pool's local ranks until SIGTERM/SIGINT (-> 0), a rank exits before the pool was
+    ever up (-> ``STARTUP_FAILED``) or ``max_restarts`` is spent (-> 1)."""
     launcher = PoolLauncher(
         pool, secret, rank_module=rank_module, drain_timeout=drain_timeout, kill_grace=kill_grace
     )
