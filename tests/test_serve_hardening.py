@@ -10,6 +10,10 @@ tokens, or an error event).
 The all-in-one server with default flags: no process listens beyond loopback; kill -9 of the
 gateway brings a new one that serves within 15 s, with the pools not restarted (same rank pids);
 forged workers without the secret (the drill of issue 17) change nothing.
+
+``dsinfer serve`` that cannot start (an unsupported checkpoint, a bad flag value, its port in use,
+a checkpoint its ranks cannot load) exits within seconds, non-zero, its last line its one error
+line, leaving no process behind: nothing is restarted.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,10 +38,10 @@ import pytest
 import zmq
 
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
-from dsinfer.base.presets import RANDOM_MODEL
+from dsinfer.base.presets import DEFAULT_MODEL, RANDOM_MODEL, presets_dir
 from dsinfer.base.protocol import LoadReport, PoolDown, Register, encode
 from tests.fixtures.control import TEST_SECRET, PlayedRank, curve_dealer
-from tests.fixtures.servers import Server, free_port, serve
+from tests.fixtures.servers import Server, free_port, serve, serve_until_exit
 
 pytestmark = pytest.mark.system
 
@@ -248,6 +253,14 @@ def test_no_process_listens_beyond_loopback(all_in_one: Server) -> None:
     assert len(listeners) >= 6 and {port for *_, port in listeners} >= {all_in_one.port}, listeners
 
 
+def test_the_supervisors_see_their_children_come_up(all_in_one: Server) -> None:
+    """What tells a failure at start from a crash later: the gateway listening, each rank's "up"
+    line as its launcher reads it."""
+    log = all_in_one.log()
+    assert f"all-in-one: the gateway listens on port {all_in_one.port}" in log
+    assert "prefill pool 0: ranks 0-0 up" in log and "decode pool 0: ranks 0-0 up" in log
+
+
 def _gateway_pid(server: Server) -> int:
     return next(p.pid for p in _processes(server) if "gateway" in p.cmdline() and "--role" in p.cmdline())
 
@@ -346,3 +359,51 @@ def test_killed_gateway_is_replaced_and_the_pools_keep_running(all_in_one: Serve
     assert _gateway_pid(all_in_one) != old
     assert all_in_one.rank_pids("prefill") + all_in_one.rank_pids("decode") == ranks  # pools not restarted
     assert "restart 1/100" in all_in_one.log()
+
+
+# Failing at start ------------------------------------------------------------------------------------
+def _unsupported_checkpoint(path: Path) -> Path:
+    path.mkdir()
+    config = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _weightless_checkpoint(path: Path) -> Path:
+    """The built-in model without its weights: the gateway starts (config, tokenizer), the ranks
+    cannot load it."""
+    shutil.copytree(presets_dir() / DEFAULT_MODEL, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "needle"),
+    [
+        ("unsupported checkpoint", "model_type 'deepseek_v4' (DeepseekV4ForCausalLM) is not supported"),
+        ("bad flag value", "max_num_seqs must be at least 1"),
+        ("port in use", "address already in use"),
+        ("ranks cannot load the checkpoint", "before the pool was up: CheckpointError: "),
+    ],
+)
+def test_serve_that_cannot_start_exits_with_one_error_line(tmp_path: Path, case: str, needle: str) -> None:
+    port = free_port()
+    args = ["--port", str(port)]
+    if case == "unsupported checkpoint":
+        args += ["--model", str(_unsupported_checkpoint(tmp_path / "v4"))]
+    elif case == "bad flag value":
+        args += ["--max-num-seqs", "0"]
+    elif case == "ranks cannot load the checkpoint":
+        args += ["--model", str(_weightless_checkpoint(tmp_path / "weightless"))]
+    with socket.socket() as taken:
+        if case == "port in use":
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+        ended = serve_until_exit(args, tmp_path, timeout=30.0)
+    assert ended.code is not None, f"still running after 30 s:\n{ended.log[-4000:]}"
+    assert ended.code == 2, ended.log[-4000:]
+    errors = [line for line in ended.log.splitlines() if line.startswith("dsinfer: error:")]
+    assert len(errors) == 1 and needle in errors[0], ended.log[-4000:]
+    assert ended.log.strip().splitlines()[-1] == errors[0]
+    assert "restart" not in ended.log, ended.log[-4000:]
+    assert ended.left == [], f"processes left behind: {ended.left}"
+    print(f"{case}: exit {ended.code} after {ended.seconds:.1f} s: {errors[0]}")
