@@ -22,7 +22,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,13 +31,9 @@ from pathlib import Path
 
 import httpx
 
+from dsinfer.base.processes import free_port
+
 API_KEY = "fuzz"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

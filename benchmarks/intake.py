@@ -44,18 +44,11 @@ from pd_serving import export_commit, machine_info, progress
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
+from dsinfer.base.processes import free_port
 from tests.fixtures.control import PlayedRank
 
 CONTEXT = 163_840
 TEXT = "hello world, this is an oversized prompt. "
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _memory(pid: int, key: str) -> int:

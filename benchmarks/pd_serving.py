@@ -82,7 +82,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -94,6 +93,8 @@ from typing import Any
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
+
+from dsinfer.base.processes import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = 4096  # the tiny preset's vocabulary
@@ -148,12 +149,6 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 # Server process (own process group; always stopped) --------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stat_fields(pid: int) -> list[str]:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2 :].split()

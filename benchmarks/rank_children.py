@@ -6,21 +6,13 @@ Shared by eplb_stall.py and overlap.py (run as scripts: this folder is on sys.pa
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 from types import TracebackType
 
-
-def die_with_parent() -> None:
-    """In a child, Linux: SIGKILL this process when the parent dies, so no rank outlives the benchmark."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(1)
+from dsinfer.base.processes import die_with_parent as die_with_parent
+from dsinfer.base.processes import free_port as free_port
 
 
 def exit_on_sigterm() -> None:
@@ -30,12 +22,6 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RankChildren:
