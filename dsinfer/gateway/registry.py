@@ -4,6 +4,11 @@ The first rank to register fixes what every later one must agree with: the model
 the KV page size and ``max_model_len``. A rank that disagrees is refused with one log line per
 incarnation (it keeps registering; nothing of it is routed to), so the gateway's validation
 (``capacity``) holds for every rank a request can reach.
+
+A rank out of rotation (silent, or its incarnation dead) stays listed, unhealthy, while it may
+come back; once it was silent for ``FORGET_AFTER_TIMEOUTS`` heartbeat timeouts it is forgotten
+(gone from /metrics too): a pool that gave up restarting, a rank an elastic pool left behind, or a
+host taken away. Coming back later, it registers afresh.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from dsinfer.base.protocol import HEARTBEAT_TIMEOUT, LoadReport, Register
 from dsinfer.gateway.backend import Capacity
 
 log = logging.getLogger("dsinfer.gateway")
+
+FORGET_AFTER_TIMEOUTS = 12  # a rank out of rotation and silent this many heartbeat timeouts is forgotten
 
 
 @dataclass
@@ -113,6 +120,18 @@ class WorkerRegistry:
                 "worker %s missed heartbeats for %.1f s: out of rotation", info.name, now - info.last_seen
             )
         return dead
+
+    def forget_silent(self, now: float) -> list[WorkerInfo]:
+        """Forget ranks out of rotation that have been silent for ``FORGET_AFTER_TIMEOUTS``
+        heartbeat timeouts (they were failed when they went out of rotation)."""
+        limit = self.heartbeat_timeout * FORGET_AFTER_TIMEOUTS
+        gone = [w for w in self.workers.values() if not w.healthy and now - w.last_seen > limit]
+        for info in gone:
+            del self.workers[info.name]
+            log.info(
+                "forgot worker %s: out of rotation and silent for %.0f s", info.name, now - info.last_seen
+            )
+        return gone
 
     def pool_down(self, role: str, pool: int, incarnation: str) -> list[WorkerInfo]:
         down = [

@@ -389,6 +389,8 @@ class Router:
             now = time.monotonic()
             for info in self.pools.registry.expired(now):
                 self._fail_worker(info, f"worker {info.name} stopped answering", "unresponsive", dead=False)
+            if self.pools.registry.forget_silent(now):
+                self.pools.announce_readiness()
             self._end_overdue_parked(now)
 
     # Metrics ---------------------------------------------------------------------------------
