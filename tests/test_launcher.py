@@ -236,22 +236,25 @@ def test_dead_rank_restarts_pool_and_reports_pool_down(
     assert "draining" in err and "restart 1/100" in err, err
 
 
-def test_elastic_pool_store_listens_on_loopback_only(tmp_path: Path, launchers: list[Launcher]) -> None:
-    """An elastic pool's ranks meet on their launcher's membership store, which no other host
-    can reach (torch's TCPStore alone would listen on every interface)."""
+def test_elastic_pool_store_is_private_to_the_user(tmp_path: Path, launchers: list[Launcher]) -> None:
+    """An elastic pool's ranks meet on their launcher's membership store: a FileStore in a
+    directory only this user can enter, kept across the pool's restarts and removed when the
+    launcher exits. No socket listens (a TCPStore, even on loopback, answers any local user)."""
     pool = PoolArgs(role="decode", pool_size=2, gateway_addr=f"127.0.0.1:{free_port()}")
     assert pool.elastic
     launcher = Launcher(tmp_path, pool)
     launchers.append(launcher)
     ranks = launcher.incarnation(wait_for(launcher.incarnations, "the pool to start")[0], 2)
-    addrs = {r["dist_init_addr"] for r in ranks}
-    assert len(addrs) == 1 and all(r["store"] is None for r in ranks), ranks
-    host, port = addrs.pop().rsplit(":", 1)
-    assert host == "127.0.0.1"
-    listening = [
-        c.laddr for c in psutil.Process(launcher.proc.pid).net_connections("inet") if c.status == "LISTEN"
-    ]
-    assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", int(port))], listening
+    stores = {r["store"] for r in ranks}
+    assert len(stores) == 1 and all(r["dist_init_addr"] == "" for r in ranks), ranks
+    store = Path(stores.pop())
+    assert store.parent.stat().st_mode & 0o777 == 0o700
+    listening = [c for c in psutil.Process(launcher.proc.pid).net_connections("inet") if c.status == "LISTEN"]
+    assert listening == []
+    launcher.proc.send_signal(signal.SIGTERM)
+    code, err = launcher.wait()
+    assert code == 0, err
+    assert not store.parent.exists()
 
 
 def test_max_restarts_with_absent_gateway(tmp_path: Path, launchers: list[Launcher]) -> None:

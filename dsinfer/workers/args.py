@@ -104,8 +104,9 @@ class RankArgs(BaseModel):
     pool: PoolArgs
     rank: int  # global rank in the pool
     local_rank: int
-    dist_init_addr: str  # resolved by the launcher (an elastic pool: the launcher's store)
+    dist_init_addr: str  # resolved by the launcher ("" for a pool on one node: it meets in a FileStore)
     incarnation: str
     pool_incarnation: str = ""  # the pool start's (its keys in the launcher's store); "" = incarnation
     joining: bool = False  # restarted alone: rejoins its running pool (elastic EP)
     dist_store_file: str | None = None  # a pool on one node: torch's FileStore here, no TCPStore
+    # (an elastic pool's: the launcher's, with its membership)

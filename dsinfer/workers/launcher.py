@@ -1,7 +1,7 @@
 """The pool launcher: starts the local ranks of one pool, watches them and restarts them.
 
-Elastic pools (``PoolArgs.elastic``: several ranks on one node): the launcher hosts the pool's
-store (a torch.distributed TCPStore, dsinfer/workers/membership.py). When a rank exits while
+Elastic pools (``PoolArgs.elastic``: several ranks on one node): the launcher keeps the pool's
+store (a torch.distributed FileStore in a private directory, dsinfer/workers/membership.py). When a rank exits while
 the pool serves, the launcher removes it from the membership, tells the gateway (``RankDown``:
 its choices move to other ranks) and, after a back-off, starts it again alone: it rejoins the
 pool (dsinfer/workers/elastic.py) while the others serve on. A rank that exits before every
@@ -24,9 +24,9 @@ processes.py ``Child``), which is how it sees them come up and why they failed.
 The ranks get the cluster secret in their environment (never on a command line, which any user
 can read), and the interface of the worker host for their libraries' listeners
 (dsinfer/workers/network.py). A pool on one node forms its torch.distributed group without a
-socket on any outside interface: an elastic pool through the launcher's store, which listens on
-loopback only; any other one-node pool through a FileStore in a private directory of the
-launcher's (torch's own TCPStore would listen on every interface).
+socket: through a FileStore in a private directory of the launcher's (the launcher's lifetime
+for an elastic pool, one per incarnation for any other); torch's own TCPStore would listen on
+every interface, and even on loopback it answers any local user.
 
 Children die with the launcher even when it is SIGKILLed and run in their own session, so a
 terminal's Ctrl-C reaches only the launcher, which stops them in order (dsinfer/base/processes.py).
@@ -66,7 +66,7 @@ from dsinfer.base.processes import (
 from dsinfer.base.protocol import PoolDown, RankDown, encode, launcher_identity, worker_name
 from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.channel import gateway_endpoints
-from dsinfer.workers.membership import PoolStore, host_store
+from dsinfer.workers.membership import PoolStore, private_store
 from dsinfer.workers.network import rank_network_env
 
 log = logging.getLogger("dsinfer.launcher")
@@ -87,7 +87,8 @@ class _Start:
     store: PoolStore | None = None  # an elastic pool's membership
     incarnations: list[str] = field(default_factory=list)  # each local rank's (a restarted one: its own)
     restarting: dict[int, float] = field(default_factory=dict)  # local rank -> when it starts again
-    store_dir: str | None = None  # the FileStore's private directory (a one-node pool, not elastic)
+    store_dir: str | None = None  # this start's FileStore directory (a one-node pool, not elastic)
+    store_file: str | None = None  # the FileStore its ranks meet in (one-node pools)
     up: bool = False  # every local rank of this start logged that it serves
 
     @property
@@ -117,8 +118,8 @@ class PoolLauncher:
         self.threads = pool.threads
         self.backoff = Backoff(pool.restart_backoff, pool.max_restarts)
         self.was_up = False  # the pool was up once: from then on a rank's exit restarts it
-        self._store: dist.TCPStore | None = None  # hosted for the launcher's lifetime (elastic)
-        self._store_addr = ""
+        self._store: dist.FileStore | None = None  # kept for the launcher's lifetime (elastic)
+        self._store_file = ""
         self.secret = secret
         self.keys = ControlKeys.from_secret(secret)
         self.network_env = rank_network_env(pool.host, os.environ)
@@ -126,8 +127,15 @@ class PoolLauncher:
     def run(self, signals: StopSignals) -> int:
         """-> 0 once stopped; ``STARTUP_FAILED`` when a rank exits before the pool was ever up;
         1 past ``max_restarts`` (counted since the pool last ran ``HEALTHY_RESET`` s)."""
-        if self.pool.elastic:
-            self._store, self._store_addr = host_store(STORE_TIMEOUT)
+        if not self.pool.elastic:
+            return self._run(signals)
+        self._store, self._store_file = private_store(STORE_TIMEOUT)
+        try:
+            return self._run(signals)
+        finally:
+            shutil.rmtree(os.path.dirname(self._store_file), ignore_errors=True)
+
+    def _run(self, signals: StopSignals) -> int:
         while True:
             start = self._start()
             try:
@@ -197,10 +205,13 @@ class PoolLauncher:
         store_dir = None
         if self._store is None and pool.dist_init_addr is None and pool.nnodes == 1:
             store_dir = tempfile.mkdtemp(prefix="dsinfer-pool-")  # mode 0700
-        dist_init_addr = self._store_addr or pool.dist_init_addr or ""
+        dist_init_addr = pool.dist_init_addr or ""
         start = _Start(incarnation, [], pool.node_rank * pool.ranks_per_node, dist_init_addr)
         self.backoff.started()
         start.store_dir = store_dir
+        start.store_file = self._store_file or (
+            None if store_dir is None else os.path.join(store_dir, "store")
+        )
         if self._store is not None:
             start.store = PoolStore(self._store, incarnation)
             start.store.start(pool.pool_size)
@@ -221,7 +232,7 @@ class PoolLauncher:
             first + len(procs) - 1,
             ",".join(str(p.pid) for p in procs),
             self.threads,
-            dist_init_addr or f"a FileStore in {store_dir}",
+            dist_init_addr or f"a FileStore in {os.path.dirname(start.store_file or '')}",
         )
         return start
 
@@ -237,7 +248,7 @@ class PoolLauncher:
             incarnation=incarnation,
             pool_incarnation=start.incarnation,
             joining=incarnation != start.incarnation,
-            dist_store_file=None if start.store_dir is None else os.path.join(start.store_dir, "store"),
+            dist_store_file=start.store_file,
         )
         threads = str(self.threads)
         env = {

@@ -1,7 +1,9 @@
-"""A pool's membership (elastic EP), kept in the torch.distributed TCPStore its launcher hosts.
+"""A pool's membership (elastic EP), kept in a torch.distributed FileStore its launcher owns.
 
-The launcher hosts one store for its lifetime; each pool start (incarnation) has its keys under
-its own prefix:
+The launcher keeps one store for its lifetime, in a directory only its user can enter (mode
+0700): no socket, so no other local user can read or write it (a TCPStore, even on loopback,
+answers any local client and has no credential). Each pool start (incarnation) has its keys
+under its own prefix:
 
 - ``members``: the latest membership, JSON ``{"generation": g, "ranks": [...]}`` (the original
   ranks of the pool, in the order of the group's ranks). Only ``change`` writes it, by
@@ -18,14 +20,16 @@ its own prefix:
 from __future__ import annotations
 
 import json
+import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["Membership", "PoolStore", "bound_store", "host_store"]
+__all__ = ["Membership", "PoolStore", "bound_store", "private_store"]
 
 POLL = 0.02  # seconds between reads of a key another process is about to write
 
@@ -47,11 +51,17 @@ class Membership:
         return self.ranks.index(rank)
 
 
-def host_store(timeout: float) -> tuple[dist.TCPStore, str]:
-    """The launcher's store and its address (HOST:PORT), on loopback only (an elastic pool is on
-    one node)."""
-    store, port = bound_store("127.0.0.1", 0, timeout)
-    return store, f"127.0.0.1:{port}"
+def private_store(timeout: float) -> tuple[dist.FileStore, str]:
+    """The launcher's store and its file, in a new directory of mode 0700 (an elastic pool is on
+    one node); the launcher removes the directory when it exits."""
+    path = os.path.join(tempfile.mkdtemp(prefix="dsinfer-members-"), "store")
+    return open_store(path, timeout), path
+
+
+def open_store(path: str, timeout: float) -> dist.FileStore:
+    store = dist.FileStore(path, -1)  # -1: never removed by torch, whoever opens or closes it
+    store.set_timeout(timedelta(seconds=timeout))
+    return store
 
 
 def bound_store(host: str, port: int, timeout: float) -> tuple[dist.TCPStore, int]:
@@ -83,10 +93,8 @@ class PoolStore:
         self._store = dist.PrefixStore(incarnation, store)
 
     @classmethod
-    def connect(cls, addr: str, incarnation: str, timeout: float) -> PoolStore:
-        host, port = addr.rsplit(":", 1)
-        client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
-        return cls(client, incarnation)
+    def open(cls, path: str, incarnation: str, timeout: float) -> PoolStore:
+        return cls(open_store(path, timeout), incarnation)
 
     # Membership -----------------------------------------------------------------------------------
     def start(self, num_ranks: int) -> Membership:

@@ -137,8 +137,9 @@ def _initial_placement(pool: PoolArgs) -> ExpertPlacement:
 
 def _elastic_pool(args: RankArgs, backend: str) -> ElasticPool:
     pool = args.pool
-    store = PoolStore.connect(
-        args.dist_init_addr, args.pool_incarnation or args.incarnation, DIST_TIMEOUT.total_seconds()
+    assert args.dist_store_file is not None  # the launcher's FileStore (an elastic pool is on one node)
+    store = PoolStore.open(
+        args.dist_store_file, args.pool_incarnation or args.incarnation, DIST_TIMEOUT.total_seconds()
     )
     return ElasticPool(
         args.rank,
