@@ -3,8 +3,9 @@
 A request becomes one ``Job`` per prompt (each with ``params.n`` choices); its choices are
 numbered ``prompt_index * n + choice`` as OpenAI numbers them, once: each is one ``ChoiceState``
 that the HTTP layer fills and the backend reads (its number and tokens).
-Admission is one limit, ``--max-queued-requests``: while that many choices are queued (dispatched
-with no first token yet: the backend's ``queue_length``), a new request gets 429. The
+Admission has two limits: while ``--max-queued-requests`` choices are queued (dispatched with no
+first token yet: the backend's ``queue_length``), or while the queue would keep a new request
+waiting for more than half its deadline (dsinfer/gateway/admission.py), a new request gets 429. The
 request has one deadline (arrival + ``--request-timeout``): the backend hands every job's deltas to the
 run's sink, which folds each into its choice's state and queues the ``(number, ChoiceUpdate)``
 pairs that ``RequestRun.updates`` yields until every choice ended, raising ``RequestTimeout`` at
@@ -26,6 +27,7 @@ from starlette.requests import Request
 
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.gateway.admission import QueueDrain
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend, BackendMetrics, Job, JobHandle, Overloaded, Unavailable
 from dsinfer.gateway.choice import ChoiceState, ChoiceUpdate
@@ -58,6 +60,7 @@ class GatewayContext:
     preparer: Preparer  # parsing, templating and tokenizing, off the event loop
     max_token_chars: int | None = None  # the tokenizer's bound on one token's characters
     draining: bool = False  # SIGTERM: new requests get 503, running streams finish
+    queue_drain: QueueDrain = field(default_factory=QueueDrain)  # first tokens, for admission
     active_ids: set[str] = field(default_factory=set)
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -151,6 +154,10 @@ class RequestRun:
                 f"{limit} (--max-queued-requests)",
                 RETRY_AFTER,
             )
+        too_long = ctx.queue_drain.refusal(queued, ctx.args.request_timeout, time.monotonic())
+        if too_long is not None:
+            self.outcome = "overloaded"
+            raise overloaded(*too_long)
         try:
             for index, ids in enumerate(prepared.prompts):
                 job = Job(
@@ -231,6 +238,8 @@ class RequestRun:
         if self.choices[number].finished:
             return None  # e.g. the workers' tokens after the stop string, until the abort reached them
         update = self.choices[number].update(delta)
+        if update.first:
+            self.ctx.queue_drain.started(time.monotonic())
         if update.token_ids and self.first_token_time is None:
             self.first_token_time = time.monotonic()
         if update.error is not None:
