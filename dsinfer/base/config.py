@@ -9,12 +9,13 @@ cannot run is refused here, with the offending field named, instead of failing l
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from dsinfer.base.documents import read_document
 
 # model_type -> the models that config.json describes with it
 FAMILIES = {"deepseek_v3": "DeepSeek-V3/R1, V3.1", "deepseek_v32": "DeepSeek-V3.2", "kimi_k2": "Kimi-K2"}
@@ -51,10 +52,13 @@ class RopeConfig(BaseModel):
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     truncate: bool = True
+    attention_factor_override: float | None = None  # a fixed multiplier on cos/sin (V4: 1.0)
 
     @property
     def attention_factor(self) -> float:
         """Multiplier on cos/sin (YaRN's mscale ratio)."""
+        if self.attention_factor_override is not None:
+            return self.attention_factor_override
         if self.type != "yarn":
             return 1.0
         if self.mscale and self.mscale_all_dim:
@@ -271,12 +275,7 @@ class ModelConfig(BaseModel):
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such config file") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        data = read_document(path, "JSON", "config", ConfigError)
         return cls.from_dict(data, source=str(path))
 
 

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import yaml
-
 from dsinfer.base.cluster_secret import load_secret, missing_secret_error
 from dsinfer.base.config import ModelConfig
+from dsinfer.base.documents import read_document
 from dsinfer.base.presets import resolve_model
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
@@ -104,12 +103,7 @@ def apply_config(args: argparse.Namespace, argv: Sequence[str]) -> argparse.Name
 
 def config_tokens(path: Path) -> list[str]:
     """The file's settings as command-line tokens, checked by the serve parser (errors name the file)."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such config file") from None
-    except yaml.YAMLError as e:
-        raise UsageError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    data = read_document(path, "YAML", "config", UsageError)
     if data is None:
         return []
     if not isinstance(data, dict):

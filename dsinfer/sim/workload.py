@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dsinfer.base.documents import read_document
 
 DAY = 86400.0
 PAGE = 64
@@ -87,12 +88,7 @@ class TrafficProfile(BaseModel):
     @classmethod
     def load(cls, path: str | Path) -> TrafficProfile:
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise TrafficError(f"{path}: no such traffic file") from None
-        except yaml.YAMLError as e:
-            raise TrafficError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+        data = read_document(path, "YAML", "traffic", TrafficError)
         try:
             return cls.model_validate(data)
         except ValidationError as e:
