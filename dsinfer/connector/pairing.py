@@ -5,21 +5,17 @@ decode rank's inbox and transfer agent. A dead prefill rank is announced to ever
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
 from dsinfer.base.protocol import Register, WorkerRequest
 from dsinfer.connector.messages import DecodeAdmit, KVDestination, PeerDown, PrefillRequest
 
 
 def decode_admit(request: WorkerRequest, prefill: Register) -> DecodeAdmit:
     """``request`` (its fields) as the decode rank's admission, paired with ``prefill``."""
-    return DecodeAdmit(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        params=request.params,
-        choice=request.choice,
-        output_token_ids=request.output_token_ids,
-        prefill_worker=prefill.worker,
-        prefill_inbox=prefill.inbox,
-    )
+    return DecodeAdmit(**_request_fields(request), prefill_worker=prefill.worker, prefill_inbox=prefill.inbox)
 
 
 def prefill_request(admit: DecodeAdmit, dest: KVDestination, decode: Register) -> PrefillRequest | None:
@@ -28,16 +24,17 @@ def prefill_request(admit: DecodeAdmit, dest: KVDestination, decode: Register) -
     if dest.request_id != admit.request_id or dest.worker != decode.worker:
         return None
     return PrefillRequest(
-        request_id=admit.request_id,
-        prompt_token_ids=admit.prompt_token_ids,
-        params=admit.params,
-        choice=admit.choice,
-        output_token_ids=admit.output_token_ids,
+        **_request_fields(admit),
         destination=dest,
         decode_inbox=decode.inbox,
         decode_agent=decode.transfer_agent,
         decode_transfer_metadata=decode.transfer_metadata,
     )
+
+
+def _request_fields(request: WorkerRequest) -> dict[str, Any]:
+    """``request``'s values of the fields every WorkerRequest has: what the handoff passes on."""
+    return {field.name: getattr(request, field.name) for field in msgspec.structs.fields(WorkerRequest)}
 
 
 def peer_down(prefill_worker: str) -> PeerDown:

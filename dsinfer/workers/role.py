@@ -8,6 +8,7 @@ prefill.py) route their messages to the KV connector's sides (dsinfer/connector)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 
@@ -52,23 +53,17 @@ def load_report(
     """A rank's LoadReport: its engine's load, the requests its role holds outside the engine's
     queues (``queued_elsewhere``, counted as waiting) and its KV transfers."""
     transfers = transfers or TransferCounters()
+    # every field of EngineLoad is a LoadReport field of its name
+    engine = {field.name: getattr(load, field.name) for field in dataclasses.fields(load)}
+    engine["num_waiting"] += queued_elsewhere
     return LoadReport(
         worker=worker,
         incarnation=incarnation,
-        num_running=load.num_running,
-        num_waiting=load.num_waiting + queued_elsewhere,
-        kv_pages_used=load.kv_pages_used,
-        kv_pages_total=load.kv_pages_total,
-        pending_prefill_tokens=load.pending_prefill_tokens,
-        pending_attention_load=load.pending_attention_load,
-        prompt_tokens=load.prompt_tokens,
-        memory_hit_tokens=load.memory_hit_tokens,
-        disk_hit_tokens=load.disk_hit_tokens,
+        **engine,
         transfer_bytes=transfers.bytes,
         transfer_seconds=transfers.seconds,
         transfers=transfers.count,
         draining=draining,
-        expert_load=load.expert_load,
     )
 
 
