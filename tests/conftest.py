@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures.checkpoints import (
+from harness.checkpoints import (
     FP8_OVERRIDES,
     V32_OVERRIDES,
     YARN_V3,

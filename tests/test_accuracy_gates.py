@@ -23,8 +23,8 @@ from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
 from dsinfer.evals.runner import MAX_ANSWER_TOKENS, EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import held_out
-from tests.fixtures.checkpoints import fp8_copy, fp8_weights_kept
-from tests.fixtures.servers import Server, serve
+from harness.checkpoints import fp8_copy, fp8_weights_kept
+from harness.server import Server, serve
 from tests.test_ep import run_pool
 
 pytestmark = pytest.mark.system

@@ -22,9 +22,9 @@ import openai
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.hf_reference import LOGIT_RTOL, hf_logits
-from tests.fixtures.servers import Server, serve
+from harness.checkpoints import BuiltCheckpoint
+from harness.hf_reference import LOGIT_RTOL, hf_logits
+from harness.server import Server, serve
 
 pytestmark = pytest.mark.system
 

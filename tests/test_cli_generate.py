@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from tests.fixtures.checkpoints import (
+from harness.checkpoints import (
     BuiltCheckpoint,
     build_checkpoint,
     drop_tensor,
@@ -21,7 +21,7 @@ from tests.fixtures.checkpoints import (
     set_config_field,
     truncate_shard,
 )
-from tests.fixtures.hf_reference import compare_tokens, hf_greedy_steps
+from harness.hf_reference import compare_tokens, hf_greedy_steps
 
 pytestmark = pytest.mark.system
 

@@ -15,7 +15,7 @@ import torch
 from dsinfer import LLM, SamplingParams
 from dsinfer.base import grammar
 from dsinfer.ops.bitmask import apply_token_bitmask, bitmask_words
-from tests.fixtures.checkpoints import BuiltCheckpoint
+from harness.checkpoints import BuiltCheckpoint
 
 pytestmark = pytest.mark.system
 

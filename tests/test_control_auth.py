@@ -21,6 +21,7 @@ import zmq
 from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys, SecretError, load_secret
 from dsinfer.base.control_auth import HandshakeLog
 from dsinfer.base.presets import RANDOM_MODEL, resolve_model
+from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import (
     Abort,
     GenerateRequest,
@@ -39,9 +40,9 @@ from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.router import Router
 from dsinfer.workers.channel import WorkerChannel
-from tests.fixtures.control import KEYS, TEST_SECRET, curve_dealer, curve_router
+from harness.played_rank import curve_dealer
+from tests.fixtures.control import KEYS, TEST_SECRET, curve_router
 from tests.fixtures.engine_backend import serve
-from tests.fixtures.servers import free_port
 
 MODEL = "ab" * 32
 TIMEOUT = 30.0
@@ -78,7 +79,7 @@ def test_forged_workers_cannot_register_receive_requests_or_take_a_pool_down(
     caplog.set_level(logging.INFO)
     ctx = zmq.Context()
     try:
-        real = curve_dealer(ctx, "colocated/0/0", control)
+        real = curve_dealer(ctx, "colocated/0/0", control, KEYS)
         real.send(encode(_register("colocated/0/0")))
         real.send(encode(LoadReport(worker="colocated/0/0", incarnation="i1", kv_pages_total=64)))
         _wait(lambda: httpx.get(f"{url}/ready").status_code == 200, "the real rank to register")
@@ -93,7 +94,7 @@ def test_forged_workers_cannot_register_receive_requests_or_take_a_pool_down(
             forger.send(encode(_register(identity)))
             forger.send(encode(down))
         # With the secret, but neither a rank nor the launcher of pool 0: ignored too.
-        insider = curve_dealer(ctx, "colocated/5/launcher/0", control)
+        insider = curve_dealer(ctx, "colocated/5/launcher/0", control, KEYS)
         insider.send(encode(down))
         _wait(lambda: router.control.handshakes.failures >= 4, "the forgers' handshakes to fail")
         _wait(
@@ -172,7 +173,7 @@ def test_deltas_of_requests_the_gateway_does_not_know_are_answered_with_abort(
     url, control, _ = gateway
     ctx = zmq.Context()
     try:
-        rank = curve_dealer(ctx, "colocated/0/0", control)
+        rank = curve_dealer(ctx, "colocated/0/0", control, KEYS)
         rank.send(encode(_register("colocated/0/0")))
         _wait(lambda: httpx.get(f"{url}/ready").status_code == 200, "the rank to register")
         for _ in range(3):  # answered once

@@ -19,8 +19,8 @@ from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
 from dsinfer.ops import select_ops
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.hf_reference import compare, hf_logits
+from harness.checkpoints import BuiltCheckpoint
+from harness.hf_reference import compare, hf_logits
 
 PAGE = 16
 

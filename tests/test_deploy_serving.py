@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.servers import free_port
+from dsinfer.base.processes import free_port
 from tests.test_deploy_chart import (
     CHART,
     LWS_GROUP_INDEX,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsinfer import LLM, SamplingParams
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.hf_reference import compare, compare_tokens, hf_greedy_steps, hf_logits
+from harness.checkpoints import BuiltCheckpoint
+from harness.hf_reference import compare, compare_tokens, hf_greedy_steps, hf_logits
 
 pytestmark = pytest.mark.system
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dsinfer import LLM, SamplingParams
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.servers import free_port
+from dsinfer.base.processes import free_port
+from harness.checkpoints import BuiltCheckpoint
 
 pytestmark = pytest.mark.system
 

@@ -20,7 +20,7 @@ from dsinfer.model.moe import Experts, MoE
 from dsinfer.ops import select_ops
 from dsinfer.parallel.ep import DispatchHandle, EPGroup
 from dsinfer.parallel.placement import ExpertPlacement
-from tests.fixtures.checkpoints import FP8_OVERRIDES, BuiltCheckpoint, build_checkpoint
+from harness.checkpoints import FP8_OVERRIDES, BuiltCheckpoint, build_checkpoint
 
 OPS = select_ops(torch.device("cpu"))
 FP8_OPS = replace(OPS, supports_fp8_gemm=True)

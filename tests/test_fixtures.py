@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import DeepseekV3ForCausalLM
 
-from tests.fixtures.checkpoints import (
+from harness.checkpoints import (
     DELETE,
     ROPE_VARIANTS,
     TINY_BASE,
@@ -33,7 +33,7 @@ from tests.fixtures.checkpoints import (
     to_hf_memory_layout,
     truncate_shard,
 )
-from tests.fixtures.hf_reference import (
+from harness.hf_reference import (
     compare,
     compare_tokens,
     hf_decode_logits,

@@ -17,15 +17,16 @@ import pytest
 import zmq
 
 from dsinfer.base.presets import RANDOM_MODEL, resolve_model
+from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import GenerateRequest, LoadReport, Message, Register, TokenDelta, decode, encode
 from dsinfer.base.request_id import RequestKey, parse_request_id
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.router import Router
-from tests.fixtures.control import KEYS, curve_dealer
+from harness.played_rank import curve_dealer
+from tests.fixtures.control import KEYS
 from tests.fixtures.engine_backend import serve
-from tests.fixtures.servers import free_port
 
 MODEL = "ab" * 32
 MAX_MODEL_LEN, PAGE, KV_PAGES = 256, 64, 2  # the rank holds 2 pages: 128 tokens of KV
@@ -36,7 +37,7 @@ class FakeRank:
 
     def __init__(self, ctx: zmq.Context, control: str, worker: str, **register: object) -> None:
         self.worker = worker
-        self.sock = curve_dealer(ctx, worker, control)
+        self.sock = curve_dealer(ctx, worker, control, KEYS)
         fields: dict[str, object] = {
             "worker": worker, "role": "colocated", "pool": int(worker.split("/")[1]), "incarnation": "i1",
             "inbox": "tcp://127.0.0.1:1", "kv_pages_total": KV_PAGES, "page_size": PAGE,

@@ -23,7 +23,7 @@ from dsinfer.base.protocol import GenerateRequest, LoadReport, PoolDown, TokenDe
 from dsinfer.base.request_id import RequestKey, parse_request_id
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.engine import LLMEngine
-from tests.fixtures.checkpoints import BuiltCheckpoint
+from harness.checkpoints import BuiltCheckpoint
 from tests.test_gateway_router import FakeRank, _healthy, _wait, gateway_with_rank
 from tests.test_gateway_router import gateway as gateway
 from tests.test_gateway_router import one_rank as one_rank

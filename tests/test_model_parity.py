@@ -19,14 +19,14 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import LoadedModel, load_model
 from dsinfer.ops import select_ops
-from tests.fixtures.checkpoints import (
+from harness.checkpoints import (
     FP8_OVERRIDES,
     ROPE_VARIANTS,
     V32_OVERRIDES,
     BuiltCheckpoint,
     build_checkpoint,
 )
-from tests.fixtures.hf_reference import compare, hf_last_hidden, hf_logits, indexer_cut, mtp_reference
+from harness.hf_reference import compare, hf_last_hidden, hf_logits, indexer_cut, mtp_reference
 
 DECOMPRESSED, ABSORBED = False, True  # which MLA path a step takes
 PAGE = 16  # small pages so that a 40-token prompt spans three of them, one partial
@@ -191,7 +191,7 @@ def test_fp8_weights_kept_where_ops_run_fp8(tmp_path: Path) -> None:
     block scales are placed as they are on disk, gate/up stacked per expert."""
     from dataclasses import replace
 
-    from tests.fixtures.checkpoints import load_tensors
+    from harness.checkpoints import load_tensors
 
     built = build_checkpoint(
         tmp_path / "fp8k", {**FP8_OVERRIDES, "moe_intermediate_size": 128}, fp8=True, bias_scale=0.3, seed=12
@@ -278,7 +278,7 @@ def test_batched_fresh_prefill_matches_transformers(built: BuiltCheckpoint) -> N
 def test_v32_fp8_checkpoint_dequantized_matches(tmp_path: Path) -> None:
     """V3.2 shipped as DeepSeek ships it: the indexer's wq_b and wk in FP8 with block scales, its
     head weights and key norm in high precision. Dequantized on CPU, the logits are the reference's."""
-    from tests.fixtures.checkpoints import load_tensors
+    from harness.checkpoints import load_tensors
 
     built = build_checkpoint(tmp_path / "v32fp8", {**FP8_OVERRIDES, **V32_OVERRIDES}, fp8=True, seed=13)
     disk = load_tensors(built.path)

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from dsinfer import LLM, SamplingParams
-from tests.fixtures.checkpoints import BuiltCheckpoint, load_tensors
-from tests.fixtures.hf_reference import compare_tokens, hf_greedy_steps
+from harness.checkpoints import BuiltCheckpoint, load_tensors
+from harness.hf_reference import compare_tokens, hf_greedy_steps
 
 pytestmark = pytest.mark.system
 
@@ -48,7 +48,7 @@ def test_mtp_gives_the_same_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
 
 def test_asking_mtp_of_a_checkpoint_without_it_fails_clearly(tmp_path: Path) -> None:
     from dsinfer.model.loader import CheckpointError
-    from tests.fixtures.checkpoints import build_checkpoint
+    from harness.checkpoints import build_checkpoint
 
     built = build_checkpoint(tmp_path / "nomtp", with_mtp=False)
     with pytest.raises(CheckpointError, match="MTP layer"):

@@ -18,7 +18,7 @@ from dsinfer.engine.engine import LLMEngine
 from dsinfer.engine.forward import balanced_split
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.overlap import DECODE, PREFILL, MicroBatch, forward_two
-from tests.fixtures.checkpoints import BuiltCheckpoint
+from harness.checkpoints import BuiltCheckpoint
 from tests.test_ep import ENGINE, MAX_TOKENS, _prompts, run_pool
 
 pytestmark = pytest.mark.system

@@ -28,7 +28,7 @@ from dsinfer.transfer.base import TransferBackend, TransferError
 from dsinfer.transfer.factory import make_transfer_backend
 from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
-from tests.fixtures.checkpoints import BuiltCheckpoint
+from harness.checkpoints import BuiltCheckpoint
 
 pytestmark = pytest.mark.system
 

@@ -12,10 +12,10 @@ import sys
 import psutil
 import pytest
 
+from dsinfer.base.processes import free_port
 from dsinfer.workers.args import PoolArgs, RankArgs
 from dsinfer.workers.membership import bound_store
 from dsinfer.workers.rank import rendezvous
-from tests.fixtures.servers import free_port
 
 pytestmark = pytest.mark.system
 

@@ -22,9 +22,9 @@ import openai
 import pytest
 
 from dsinfer import LLM, SamplingParams
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.servers import Server, serve
-from tests.fixtures.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
+from harness.checkpoints import BuiltCheckpoint
+from harness.server import Server, serve
+from harness.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 
 pytestmark = pytest.mark.system
 

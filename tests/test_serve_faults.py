@@ -20,9 +20,9 @@ import openai
 import pytest
 
 from dsinfer import LLM
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.servers import Server, serve
-from tests.fixtures.streams import (
+from harness.checkpoints import BuiltCheckpoint
+from harness.server import Server, serve
+from harness.streams import (
     TokenStream,
     join_streams,
     mixed_specs,

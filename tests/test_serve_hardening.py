@@ -24,12 +24,9 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,11 +34,14 @@ import psutil
 import pytest
 import zmq
 
-from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
+from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.presets import DEFAULT_MODEL, RANDOM_MODEL, presets_dir
+from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import LoadReport, PoolDown, Register, encode
-from tests.fixtures.control import TEST_SECRET, PlayedRank, curve_dealer
-from tests.fixtures.servers import Server, free_port, serve, serve_until_exit
+from harness.played_rank import PlayedRank, curve_dealer
+from harness.server import Server, serve, serve_until_exit
+from harness.server import gateway as harness_gateway
+from tests.fixtures.control import KEYS, TEST_SECRET
 
 pytestmark = pytest.mark.system
 
@@ -51,40 +51,13 @@ BODY_LIMIT = 8 * MIB  # the gateway's default --max-request-body
 
 
 # A gateway process and a rank played by the test ---------------------------------------------------
-@dataclass
-class Gateway:
-    proc: subprocess.Popen[bytes]
-    url: str
-    control: str
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture()
-def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Gateway]:
-    port, control_port = free_port(), free_port()
-    flags = getattr(request, "param", [])
-    log_path = tmp_path / "gateway.log"
-    env = {**os.environ, SECRET_ENV: TEST_SECRET, "PYTHONUNBUFFERED": "1"}
-    with log_path.open("wb") as log:
-        argv = ["serve", "--role", "gateway", "--model", RANDOM_MODEL, "--port", str(port)]
-        argv += ["--control-port", str(control_port)]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dsinfer.cli.main", *argv, *flags],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{control_port}", log_path)
-    try:
-        _wait(lambda: _answers(f"{gw.url}/health"), "the gateway to answer", proc=gw)
+def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    flags = ["--model", RANDOM_MODEL, *getattr(request, "param", [])]
+    with harness_gateway(
+        tmp_path / "gateway.log", TEST_SECRET, flags, startup_timeout=TIMEOUT, stop_grace=0.0
+    ) as gw:
         yield gw
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=30)
 
 
 def _answers(url: str) -> bool:
@@ -94,20 +67,21 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _wait(condition: object, what: str, timeout: float = TIMEOUT, proc: Gateway | None = None) -> None:
+def _wait(condition: object, what: str, timeout: float = TIMEOUT, proc: Server | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
-        if proc is not None and proc.proc.poll() is not None:
+        if proc is not None and proc.process is not None and proc.process.poll() is not None:
             raise AssertionError(f"the gateway exited while waiting for {what}:\n{proc.log()[-3000:]}")
         assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
         time.sleep(0.05)
 
 
 @pytest.fixture()
-def rank(gateway: Gateway, request: pytest.FixtureRequest) -> Iterator[PlayedRank]:
-    fake = PlayedRank(gateway.control, **getattr(request, "param", {}))
+def rank(gateway: Server, request: pytest.FixtureRequest) -> Iterator[PlayedRank]:
+    assert gateway.control is not None
+    fake = PlayedRank(gateway.control, KEYS, **getattr(request, "param", {}))
     try:
-        _wait(lambda: _answers(f"{gateway.url}/ready"), "the rank to register", proc=gateway)
+        _wait(lambda: _answers(f"{gateway.base_url}/ready"), "the rank to register", proc=gateway)
         yield fake
     finally:
         fake.stop()
@@ -123,11 +97,11 @@ def _memory(pid: int) -> dict[str, int]:
     return fields
 
 
-def test_20mb_body_gets_413_and_memory_stays_bounded(gateway: Gateway) -> None:
-    pid = gateway.proc.pid
+def test_20mb_body_gets_413_and_memory_stays_bounded(gateway: Server) -> None:
+    pid = gateway.pid
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current RSS
     baseline = _memory(pid)["VmRSS"]
-    host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+    host, port = gateway.base_url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
         # no Content-Length: the gateway learns the size only by reading (chunks of 64 KiB)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -146,7 +120,7 @@ def test_20mb_body_gets_413_and_memory_stays_bounded(gateway: Gateway) -> None:
     assert b'"code":"request_too_large"' in answer
     growth = _memory(pid)["VmHWM"] - baseline
     assert growth < 2 * BODY_LIMIT, f"peak memory grew by {growth / MIB:.1f} MiB"
-    announced = httpx.post(f"{gateway.url}/v1/completions", content=b"x" * (20 * MIB), timeout=TIMEOUT)
+    announced = httpx.post(f"{gateway.base_url}/v1/completions", content=b"x" * (20 * MIB), timeout=TIMEOUT)
     assert announced.status_code == 413 and announced.json()["error"]["code"] == "request_too_large"
 
 
@@ -158,7 +132,7 @@ def _recv(sock: socket.socket) -> bytes:
 
 
 @pytest.mark.parametrize("rank", [{"max_model_len": 163840}], indirect=True)
-def test_multi_mb_prompts_get_400_while_health_answers(gateway: Gateway, rank: PlayedRank) -> None:
+def test_multi_mb_prompts_get_400_while_health_answers(gateway: Server, rank: PlayedRank) -> None:
     latencies: list[float] = []
     stop = threading.Event()
 
@@ -166,7 +140,7 @@ def test_multi_mb_prompts_get_400_while_health_answers(gateway: Gateway, rank: P
         with httpx.Client(timeout=TIMEOUT) as client:
             while not stop.is_set():
                 started = time.monotonic()
-                assert client.get(f"{gateway.url}/health").status_code == 200
+                assert client.get(f"{gateway.base_url}/health").status_code == 200
                 latencies.append(time.monotonic() - started)
                 time.sleep(0.05)
 
@@ -175,16 +149,18 @@ def test_multi_mb_prompts_get_400_while_health_answers(gateway: Gateway, rank: P
     try:
         with httpx.Client(timeout=TIMEOUT) as client:
             # 5 MB: more characters than 163840 tokens can hold, refused before tokenizing
-            refused = client.post(f"{gateway.url}/v1/completions", json={"prompt": "hello world " * 436_000})
+            refused = client.post(
+                f"{gateway.base_url}/v1/completions", json={"prompt": "hello world " * 436_000}
+            )
             assert refused.status_code == 400, refused.text
             assert "characters" in refused.json()["error"]["message"]
             # 3.5 MB: under that bound, so tokenized (on the tokenizer pool), then refused in tokens
             tokenized = client.post(
-                f"{gateway.url}/v1/completions", json={"prompt": "hello world " * 290_000}
+                f"{gateway.base_url}/v1/completions", json={"prompt": "hello world " * 290_000}
             )
             assert tokenized.status_code == 400, tokenized.text
             assert "tokens" in tokenized.json()["error"]["message"]
-            short = client.post(f"{gateway.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            short = client.post(f"{gateway.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert short.status_code == 200, short.text
     finally:
         stop.set()
@@ -204,19 +180,19 @@ def _stream(url: str, max_tokens: int, events: list[str], started: threading.Eve
 
 
 @pytest.mark.parametrize("gateway", [["--drain-timeout", "3"]], indirect=True)
-def test_sigterm_ends_every_stream_with_done(gateway: Gateway, rank: PlayedRank) -> None:
+def test_sigterm_ends_every_stream_with_done(gateway: Server, rank: PlayedRank) -> None:
     streams: list[list[str]] = [[], []]
     started = [threading.Event(), threading.Event()]
     # 10 tokens at 0.1 s finish within the drain; 1000 do not
     threads = [
-        threading.Thread(target=_stream, args=(gateway.url, n, events, first), daemon=True)
+        threading.Thread(target=_stream, args=(gateway.base_url, n, events, first), daemon=True)
         for n, events, first in zip((10, 1000), streams, started, strict=True)
     ]
     for thread in threads:
         thread.start()
     for first in started:
         assert first.wait(TIMEOUT), "a stream never started"
-    gateway.proc.send_signal(signal.SIGTERM)
+    gateway.process.send_signal(signal.SIGTERM)
     for thread in threads:
         thread.join(TIMEOUT)
         assert not thread.is_alive(), "a stream never ended"
@@ -225,7 +201,9 @@ def test_sigterm_ends_every_stream_with_done(gateway: Gateway, rank: PlayedRank)
     assert sum(len(json.loads(e)["choices"][0]["text"]) > 0 for e in finished[:-1]) >= 1
     assert cut[-1] == "[DONE]" and "shutting down" in json.loads(cut[-2])["error"]["message"], cut[-3:]
     # uvicorn re-raises the signal once it has shut down: the exit status says SIGTERM ended it
-    assert gateway.proc.wait(TIMEOUT) in (0, -signal.SIGTERM), gateway.log()[-3000:]
+    assert gateway.process is not None and gateway.process.wait(TIMEOUT) in (0, -signal.SIGTERM), (
+        gateway.log()[-3000:]
+    )
     _wait(lambda: len(rank.aborted) == 1, "the rank to be told Abort of the cut stream")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fixtures.servers import serve
+from harness.server import serve
 
 pytestmark = pytest.mark.system
 

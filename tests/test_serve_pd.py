@@ -16,8 +16,8 @@ from dsinfer import LLM, SamplingParams
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.expert_load import read_expert_load
 from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.servers import Server, serve
+from harness.checkpoints import BuiltCheckpoint
+from harness.server import Server, serve
 
 pytestmark = pytest.mark.system
 

@@ -15,7 +15,7 @@ from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.evals.runner import OfflineClient, run_eval
 from dsinfer.evals.tasks import TOKENIZER_WORDS, held_out
-from tests.fixtures.hf_reference import compare_tokens, hf_greedy_steps
+from harness.hf_reference import compare_tokens, hf_greedy_steps
 
 PATH = resolve_model(DEFAULT_MODEL)[0]
 PER_TASK = 2

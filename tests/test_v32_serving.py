@@ -21,9 +21,9 @@ import torch
 from transformers import AutoTokenizer
 
 from dsinfer import LLM, SamplingParams
-from tests.fixtures.checkpoints import BuiltCheckpoint
-from tests.fixtures.hf_reference import GreedyReference, indexer_cut
-from tests.fixtures.servers import serve
+from harness.checkpoints import BuiltCheckpoint
+from harness.hf_reference import GreedyReference, indexer_cut
+from harness.server import serve
 from tests.test_cli_generate import generate_json
 from tests.test_ep import run_pool
 

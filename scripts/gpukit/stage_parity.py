@@ -64,7 +64,7 @@ def _make(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) -> Any:
 
 
 def _exact(result: StageResult, mode: str, ref: list[tuple[list[int], Any]], got: list[list[int]]) -> None:
-    from tests.fixtures.hf_reference import compare_tokens
+    from harness.hf_reference import compare_tokens
 
     forgiven, failures = [], []
     for i, ((ref_tokens, ref_logits), tokens) in enumerate(zip(ref, got, strict=True)):
@@ -121,7 +121,7 @@ def _statistical(result: StageResult, mode: str, stats: dict[str, float]) -> Non
 def _make_fp8_kept(path: str, ctx: StageContext, graphs: bool, **kwargs: Any) -> Any:
     """``_make`` with the checkpoint's FP8 weights kept FP8 on any device (on CUDA the loader keeps
     them anyway; on a CPU the torch GEMMs then quantize activations 1x128 as the GPU kernels do)."""
-    from tests.fixtures.checkpoints import fp8_weights_kept
+    from harness.checkpoints import fp8_weights_kept
 
     with fp8_weights_kept():
         return _make(path, ctx, graphs=graphs, **kwargs)
@@ -171,7 +171,7 @@ def _fp8_trained(result: StageResult, ctx: StageContext) -> None:
     from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
     from dsinfer.evals.runner import OfflineClient, run_eval
     from dsinfer.evals.tasks import TASKS
-    from tests.fixtures.checkpoints import fp8_copy
+    from harness.checkpoints import fp8_copy
 
     target = ctx.out / "fp8_tiny_chat"
     shutil.rmtree(target, ignore_errors=True)  # a rerun into the same --out
@@ -203,8 +203,8 @@ def _fp8_trained(result: StageResult, ctx: StageContext) -> None:
 def run(ctx: StageContext, result: StageResult) -> None:
     import torch
 
-    from tests.fixtures.checkpoints import FP8_OVERRIDES, build_checkpoint
-    from tests.fixtures.hf_reference import hf_greedy_steps
+    from harness.checkpoints import FP8_OVERRIDES, build_checkpoint
+    from harness.hf_reference import hf_greedy_steps
 
     max_new = 6 if ctx.cpu_smoke else 12
     lens = PROMPT_LENS[:4] if ctx.cpu_smoke else PROMPT_LENS

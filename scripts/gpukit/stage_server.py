@@ -23,7 +23,7 @@ def run(ctx: StageContext, result: StageResult) -> None:
     import openai
 
     from dsinfer import LLM, SamplingParams
-    from tests.fixtures.servers import serve
+    from harness.server import serve
 
     engine_flags = [
         "--device",

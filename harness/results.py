@@ -1,0 +1,74 @@
+"""Results: percentiles and medians of measurements, numbers and markdown tables for reports, and
+the JSON and markdown files a benchmark writes."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """``{"p50", "p90", "p99", "mean"}`` of ``values`` (each None for no values)."""
+    out: dict[str, float | None] = {f"p{q}": percentile(values, q) for q in PERCENTILES}
+    out["mean"] = sum(values) / len(values) if values else None
+    return out
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are not None, or None."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    """``value * scale`` with thousands separators and ``digits`` decimals; "-" for None."""
+    return "-" if value is None else f"{value * scale:,.{digits}f}"
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> list[str]:
+    """A markdown table: ``align`` has one letter per column, ``l`` (default) or ``r``."""
+    marks = [("---:" if (align[i : i + 1] == "r") else "---") for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def write_json(path: Path, doc: Any, indent: int = 1) -> None:
+    """``doc`` as JSON in ``path`` (folders made), replaced whole (a reader never sees half)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=indent, default=str) + "\n")
+    tmp.replace(path)
+
+
+def save_report(
+    report: dict[str, Any], text: str, out: Path | None, markdown: Path | None, indent: int = 2
+) -> None:
+    """Print the markdown ``text``; write it to ``markdown`` and the JSON ``report`` to ``out``
+    where asked."""
+    print(text)
+    if out is not None:
+        write_json(out, report, indent)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(text)
