@@ -1,0 +1,145 @@
+"""DeepSeek-V4 assembly: embedding into ``hc_mult`` streams, decoder layers (V4 attention and MoE,
+each between hyper-connections), the streams' head, final norm, lm head.
+
+Module names follow DeepSeek's release layout (``layers.N.attn.wq_a``, ``layers.N.ffn.gate``,
+``embed``, ``head``); ``checkpoint_key`` maps transformers' names onto them. Routed experts are
+stacked per layer (``ffn.w13``: gate then up; ``ffn.w2``).
+
+A forward takes one sequence's next tokens and its ``SequenceState`` (dsinfer/model/v4_state.py):
+a prompt, a chunk of it, or one decode token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from dsinfer.base.v4_config import V4Config
+from dsinfer.model.hyper_connection import HyperConnection, HyperHead
+from dsinfer.model.layers import Embedding, Linear
+from dsinfer.model.v4_attention import V4Attention
+from dsinfer.model.v4_compressor import V4RMSNorm
+from dsinfer.model.v4_moe import V4MoE
+from dsinfer.model.v4_state import SequenceState
+from dsinfer.ops import Ops
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config: V4Config, ops: Ops, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attn = V4Attention(config, ops, layer)
+        self.ffn = V4MoE(config, ops, layer)
+        self.attn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+
+    def forward(
+        self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, state: SequenceState
+    ) -> torch.Tensor:
+        pre, post, comb = self.attn_hc.weights(streams)
+        h = self.attn(
+            self.attn_norm(HyperConnection.collapse(streams, pre)), positions, state.layers[self.layer]
+        )
+        streams = HyperConnection.expand(streams, h, post, comb)
+        pre, post, comb = self.ffn_hc.weights(streams)
+        h = self.ffn(self.ffn_norm(HyperConnection.collapse(streams, pre)), token_ids)
+        return HyperConnection.expand(streams, h, post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: V4Config, ops: Ops) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(V4DecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
+        self.hc_head = HyperHead(config)
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size, ops)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """The sequence's next tokens ``[T]`` -> final-normed hidden states [T, hidden]; ``state``
+        takes them in."""
+        positions = torch.arange(state.length, state.length + token_ids.shape[0], device=token_ids.device)
+        x = self.embed(token_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, token_ids, positions, state)
+        state.length += token_ids.shape[0]
+        return self.norm(self.hc_head(streams))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.config, self.embed.weight.dtype, self.embed.weight.device)
+
+
+_RENAMES = (
+    (r"^model\.", ""),
+    (r"^embed_tokens\.", "embed."),
+    (r"^hc_head[._](hc_)?(fn|base|scale)$", r"hc_head.\2"),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+)
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def checkpoint_key(name: str) -> str:
+    """A tensor's name in the release layout (transformers saves some names its own way)."""
+    for pattern, replacement in _RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name.replace(".ffn.gate.e_score_correction_bias", ".ffn.gate.bias")
+
+
+def load_v4(path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
+    """A V4 checkpoint directory (config.json and high-precision safetensors) -> the model."""
+    path = Path(path)
+    config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
+    model = DeepseekV4ForCausalLM(config, ops).to(dtype)
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for raw in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = checkpoint_key(raw)
+                expert = _EXPERT.match(name)
+                if expert:
+                    prefix, index, which = expert.groups()
+                    experts.setdefault((prefix, which), {})[int(index)] = f.get_tensor(raw)
+                    continue
+                if name not in params:
+                    raise ValueError(f"{file.name}: unexpected tensor {raw}")
+                _copy(params[name], f.get_tensor(raw), raw)
+                loaded.add(name)
+    for (prefix, which), per_expert in experts.items():
+        stacked = torch.stack([per_expert[e] for e in range(config.n_routed_experts)])
+        if which == "w2":
+            _copy(params[f"{prefix}.w2"], stacked, f"{prefix}.experts.*.w2")
+            loaded.add(f"{prefix}.w2")
+        else:
+            inner = config.moe_intermediate_size
+            params[f"{prefix}.w13"].data[
+                :, (0 if which == "w1" else inner) : (inner if which == "w1" else 2 * inner)
+            ] = stacked
+            loaded.add(f"{prefix}.w13")
+    missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n)
+    if missing:
+        raise ValueError(
+            f"{path}: no tensor for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
+    return model
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+    target.data.copy_(tensor.to(target.dtype))

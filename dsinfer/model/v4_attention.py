@@ -1,0 +1,102 @@
+"""DeepSeek-V4 attention: shared-K=V multi-query attention over a sliding window of raw tokens and
+(CSA, HCA layers) the compressed entries, with a learned sink per head.
+
+Per new token: ``q = rmsnorm_per_head(wq_b(q_norm(wq_a x)))`` and one K=V row
+``kv = norm(wkv x)``, both rotated on their trailing ``qk_rope_head_dim`` channels. The query
+attends to the raw rows of its window (itself and the ``sliding_window - 1`` tokens before) and
+to the entries it may see (``v4_compressor``; CSA: only those its indexer picked); the sink
+``exp(sink_h)`` joins the softmax's denominator. As K is V, the output's rope channels are
+rotated back by the query's angle. The output projection is grouped: ``o_groups`` blocks of
+heads each to ``o_lora_rank`` by ``wo_a``, then ``wo_b``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer.base.v4_config import CSA, HCA, V4Config
+from dsinfer.model.layers import Linear, RotaryEmbedding
+from dsinfer.model.v4_compressor import Compressor, Indexer, V4RMSNorm, entry_mask, rotate
+from dsinfer.model.v4_state import LayerState
+from dsinfer.ops import Ops
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config: V4Config, ops: Ops, layer: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.window = (
+            config.num_attention_heads,
+            config.head_dim,
+            config.sliding_window,
+        )
+        self.groups, self.eps = config.o_groups, config.rms_norm_eps
+        self.rate = config.compress_rate(layer)
+        self.wq_a = Linear(config.hidden_size, config.q_lora_rank, ops)
+        self.q_norm = V4RMSNorm(config.q_lora_rank, config.rms_norm_eps)
+        self.wq_b = Linear(config.q_lora_rank, self.heads * self.head_dim, ops)
+        self.wkv = Linear(config.hidden_size, self.head_dim, ops)
+        self.norm = V4RMSNorm(self.head_dim, config.rms_norm_eps)
+        per_group = self.heads * self.head_dim // self.groups
+        self.wo_a = Linear(per_group, self.groups * config.o_lora_rank, ops)
+        self.wo_b = Linear(self.groups * config.o_lora_rank, config.hidden_size, ops)
+        self.attn_sink = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        kind = config.layer_types[layer]
+        self.compressor = (
+            Compressor(config, ops, self.rate, self.head_dim, overlap=kind == CSA)
+            if kind in (CSA, HCA)
+            else None
+        )
+        self.indexer = Indexer(config, ops, self.rate) if kind == CSA else None
+        self.rope = RotaryEmbedding(config.rope(layer), config.qk_rope_head_dim, interleaved=True)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
+        """``x [T, hidden]``: the sequence's next T tokens at ``positions`` (consecutive, after the
+        tokens ``state`` holds) -> [T, hidden]; ``state`` takes them in."""
+        tokens = x.shape[0]
+        q_lora = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_lora).view(tokens, self.heads, self.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        q = rotate(self.rope, q, positions)
+        kv = rotate(self.rope, self.norm(self.wkv(x)), positions)
+
+        keys, mask = self._window(kv, positions, state)
+        if self.compressor is not None:
+            series = state.compressed
+            assert series is not None
+            picks = None
+            if self.indexer is not None:
+                assert state.indexer is not None
+                picks = self.indexer.select(x, q_lora, positions, state.indexer, self.rope)
+            self.compressor.compress(x, series, self.rope)
+            keys = torch.cat([keys, series.entries])
+            mask = torch.cat([mask, entry_mask(positions, series.entries.shape[0], self.rate, picks)], dim=1)
+
+        out = self._attend(q, keys, mask)
+        out = rotate(self.rope, out, positions, inverse=True)
+        grouped = out.reshape(tokens, self.groups, -1)
+        weight = self.wo_a.dense_weight(grouped.dtype).view(self.groups, -1, grouped.shape[-1])
+        mixed = torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1)
+        return self.wo_b(mixed)
+
+    def _window(
+        self, kv: torch.Tensor, positions: torch.Tensor, state: LayerState
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw rows the new queries may see and the mask [T, K] of which each sees; the state
+        keeps the last ``window - 1`` rows."""
+        keys = torch.cat([state.window, kv])
+        first = int(positions[0]) - state.window.shape[0]
+        key_pos = torch.arange(first, first + keys.shape[0], device=kv.device)
+        distance = positions[:, None] - key_pos[None, :]
+        state.window = keys[keys.shape[0] - (self.window - 1) :] if self.window > 1 else keys[:0]
+        return keys, (distance >= 0) & (distance < self.window)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of ``q [T, H, D]`` over ``keys [K, D]`` (also the values) with one sink
+        logit per head in the denominator -> [T, H, D]."""
+        logits = torch.einsum("thd,kd->thk", q, keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        sinks = self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+        combined = torch.cat([logits, sinks], dim=-1)
+        probs = (combined - combined.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
+        return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)

@@ -1,0 +1,147 @@
+"""DeepSeek-V4's token compressors and the lightning indexer over compressed keys.
+
+A compressor turns every ``rate`` source tokens into one entry: the projected rows ``C = x Wkv``
+weighted by ``softmax(x Wgate + ape)`` over the window, summed, RMS-normed and rotated at the
+window's first position. CSA's windows overlap: ``Wkv``/``Wgate`` emit two series of ``dim``
+channels, and entry ``e`` mixes the first series of window ``e - 1`` with the second of window
+``e`` (``2 * rate`` rows; window 0 has no predecessor). HCA's windows do not overlap.
+
+A query at position ``t`` may see entry ``e`` once its window is complete: ``e < (t + 1) // rate``.
+The indexer keeps each query's ``index_topk`` entries by ``sum_h w_h * relu(q_h . k)`` (its own
+compressor at ``index_head_dim``); picks beyond what the query may see are ``-1``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsinfer.base.v4_config import V4Config
+from dsinfer.model.layers import Linear, RotaryEmbedding
+from dsinfer.model.v4_state import Series
+from dsinfer.ops import Ops
+
+
+class V4RMSNorm(nn.Module):
+    """RMSNorm whose float32 weight multiplies before the cast back (V4 keeps norms in fp32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (self.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(
+            x.dtype
+        )
+
+
+def rotate(
+    rope: RotaryEmbedding, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """RoPE on the trailing channels of ``x [T, ..., D]`` at ``positions [T]`` (``inverse``: by
+    minus the angle): cos and sin rounded to ``x``'s dtype, the rotation in float32."""
+    cos, sin = (t.float() for t in rope.cos_sin(positions, x.dtype))
+    dim = cos.shape[-1]
+    rotated = rope(x[..., -dim:].float(), (cos, -sin if inverse else sin)).to(x.dtype)
+    return torch.cat([x[..., :-dim], rotated], dim=-1)
+
+
+class Compressor(nn.Module):
+    def __init__(self, config: V4Config, ops: Ops, rate: int, dim: int, overlap: bool) -> None:
+        super().__init__()
+        self.rate, self.dim, self.overlap = rate, dim, overlap
+        width = dim * (2 if overlap else 1)
+        self.wkv = Linear(config.hidden_size, width, ops)
+        self.wgate = Linear(config.hidden_size, width, ops)
+        self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
+        self.norm = V4RMSNorm(dim, config.rms_norm_eps)
+
+    def compress(self, x: torch.Tensor, series: Series, rope: RotaryEmbedding) -> None:
+        """Feed ``x [T, hidden]`` (the sequence's next tokens); the windows they complete become
+        entries of ``series``, the rest stays pending."""
+        kv = torch.cat([series.pending_kv, self.wkv(x)])
+        gate = torch.cat([series.pending_gate, self.wgate(x)])
+        windows = kv.shape[0] // self.rate
+        usable = windows * self.rate
+        series.pending_kv, series.pending_gate = kv[usable:], gate[usable:]
+        if windows == 0:
+            return
+        kv = kv[:usable].view(windows, self.rate, -1)
+        gate = gate[:usable].view(windows, self.rate, -1) + self.ape.to(gate.dtype)
+        if self.overlap:
+            kv, gate = self._overlapped(kv, gate, series)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        entries = self.norm((kv * weights).sum(dim=1))
+        first = series.entries.shape[0]
+        positions = (torch.arange(windows, device=x.device) + first) * self.rate
+        series.entries = torch.cat([series.entries, rotate(rope, entries, positions)])
+
+    def _overlapped(
+        self, kv: torch.Tensor, gate: torch.Tensor, series: Series
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[W, rate, 2 dim] -> [W, 2 rate, dim]: window w's rows are window w-1's first series and
+        its own second series (an absent predecessor weighs nothing)."""
+        windows, rate, dim = kv.shape[0], self.rate, self.dim
+        mixed_kv = kv.new_zeros(windows, 2 * rate, dim)
+        mixed_gate = gate.new_full((windows, 2 * rate, dim), float("-inf"))
+        mixed_kv[:, rate:], mixed_gate[:, rate:] = kv[..., dim:], gate[..., dim:]
+        mixed_kv[1:, :rate], mixed_gate[1:, :rate] = kv[:-1, :, :dim], gate[:-1, :, :dim]
+        if series.overlap_kv is not None and series.overlap_gate is not None:
+            mixed_kv[0, :rate], mixed_gate[0, :rate] = series.overlap_kv, series.overlap_gate
+        series.overlap_kv, series.overlap_gate = kv[-1, :, :dim].clone(), gate[-1, :, :dim].clone()
+        return mixed_kv, mixed_gate
+
+
+def visible_entries(positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """How many entries each query at ``positions [T]`` may see: those whose window is complete."""
+    return (positions + 1) // rate
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: V4Config, ops: Ops, rate: int) -> None:
+        super().__init__()
+        self.heads, self.dim, self.topk, self.rate = (
+            config.index_n_heads,
+            config.index_head_dim,
+            config.index_topk,
+            rate,
+        )
+        self.compressor = Compressor(config, ops, rate, self.dim, overlap=True)
+        self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, ops)
+        self.weights_proj = Linear(config.hidden_size, self.heads, ops)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_lora: torch.Tensor,
+        positions: torch.Tensor,
+        series: Series,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
+        """The entries each query attends to [T, min(topk, E)], -1 where it may see fewer."""
+        self.compressor.compress(x, series, rope)
+        keys = series.entries.float()  # [E, d]
+        q = rotate(rope, self.wq_b(q_lora).view(x.shape[0], self.heads, self.dim), positions)
+        scores = torch.einsum("thd,ed->the", q.float(), keys).relu() * self.dim**-0.5
+        weights = self.weights_proj(x).float() * self.heads**-0.5  # [T, heads]
+        index_scores = torch.einsum("the,th->te", scores, weights)
+        visible = visible_entries(positions, self.rate)[:, None]
+        entry = torch.arange(keys.shape[0], device=x.device)[None, :]
+        index_scores = index_scores.masked_fill(entry >= visible, float("-inf"))
+        picks = index_scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return torch.where(picks >= visible, torch.full_like(picks, -1), picks)
+
+
+def entry_mask(
+    positions: torch.Tensor, num_entries: int, rate: int, picks: torch.Tensor | None
+) -> torch.Tensor:
+    """[T, E] True where a query attends to an entry: complete, and (CSA) picked by the indexer."""
+    entry = torch.arange(num_entries, device=positions.device)[None, :]
+    allowed = entry < visible_entries(positions, rate)[:, None]
+    if picks is None:
+        return allowed
+    chosen = torch.zeros(positions.shape[0], num_entries + 1, dtype=torch.bool, device=positions.device)
+    chosen.scatter_(1, torch.where(picks >= 0, picks, num_entries), True)
+    return allowed & chosen[:, :num_entries]
