@@ -17,7 +17,7 @@ and a transfer must agree with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +60,6 @@ class SequenceState:
 
     layers: list[LayerState]
     length: int = 0
-    groups: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, config: V4Config, dtype: torch.dtype, device: torch.device | str = "cpu") -> SequenceState:
