@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import _scaled_dot, _store_tile, _swizzle, check_operands, tile_config
+from .fp8_gemm import _scaled_dot, _store_tile, _swizzle, _tile_offsets, check_operands, tile_config
 
 __all__ = ["contiguous_tile_config", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
 
@@ -64,9 +64,7 @@ def _contiguous_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n = _tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     group = tl.load(idx_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int32)
     group = tl.where((group >= 0) & (group < G), group, -1)  # no such expert: skipped like -1
     # int64 expert ids: expert * stride_bg can pass 2^31 (256 experts of 4096 x 7168).

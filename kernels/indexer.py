@@ -19,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import FLOAT_DTYPES
+
 __all__ = ["indexer_logits"]
 
 SCALE_BYTES = 4
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def indexer_logits(
     fp8 = k_cache.dtype == torch.uint8
     if fp8 and width != dim + SCALE_BYTES:
         raise ValueError(f"an FP8 key cache holds {dim} + {SCALE_BYTES} bytes per key, got {width}")
-    if not fp8 and (width != dim or k_cache.dtype not in _FLOATS):
+    if not fp8 and (width != dim or k_cache.dtype not in FLOAT_DTYPES):
         raise ValueError(f"key cache {k_cache.dtype} [.., {width}] does not hold {dim}-wide keys")
     if weights.shape != (bsz, s_q, heads):
         raise ValueError(f"weights must be [{bsz}, {s_q}, {heads}], got {tuple(weights.shape)}")

@@ -41,6 +41,7 @@ from .mla_launch import (
     pointer_fallback,
     sm_count,
 )
+from .online_softmax import FLOAT_DTYPES, LOG2E, channel_constants, online_softmax_finish, online_softmax_step
 
 __all__ = [
     "CPU_SMS",
@@ -54,9 +55,6 @@ __all__ = [
     "mla_decode_split_kv",
     "pointer_fallback",
 ]
-
-_LOG2E = 1.4426950408889634
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -147,17 +145,10 @@ def _mla_decode_split_kernel(
             scores += tl.dot(q_pe, tl.trans(k_pe.to(COMPUTE).to(DOT)), input_precision=DOT_PRECISION)
         visible = key_ok[None, :] & (pos[None, :] <= last_key[:, None])
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE).to(DOT), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # ln 2: back to natural log
+    out, lse, seen = online_softmax_finish(acc, m_i, l_i)
     if SPLIT:
         part = (b * rows + offs_m).to(tl.int64) * num_splits + split
         tl.store(
@@ -224,7 +215,7 @@ _INTERPRETED = not isinstance(_mla_decode_split_kernel, triton.runtime.jit.JITFu
 
 def _compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     for t in (q, k_cache):
-        if t.dtype not in _DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"mla_decode takes float32, bfloat16 or float16 tensors, got {t.dtype}")
     if torch.float32 in (q.dtype, k_cache.dtype):
         return torch.float32
@@ -344,14 +335,10 @@ def mla_decode_split_kv(
             part_out,
             part_lse,
             head_dim_v=head_dim_v,
-            scale_log2=softmax_scale * _LOG2E,
+            scale_log2=softmax_scale * LOG2E,
             causal=bool(causal),
             num_splits=num_splits,
-            block_m=launch.block_m,
-            block_n=launch.block_n,
-            dv_parts=launch.dv_parts,
-            num_warps=launch.num_warps,
-            num_stages=launch.num_stages,
+            launch=launch,
             dot=_tl_dtype(dot),
         )
     else:
@@ -380,7 +367,7 @@ def _launch_pointer(
     dot: torch.dtype,
 ) -> None:
     bsz, s_q, h_q, dim = q.shape
-    rows, dpe = s_q * h_q, dim - head_dim_v
+    rows = s_q * h_q
     _mla_decode_split_kernel[(-(-rows // launch.block_m), bsz, num_splits)](
         q,
         k_cache,
@@ -388,7 +375,7 @@ def _launch_pointer(
         lens,
         out,
         lse,
-        softmax_scale * _LOG2E,
+        softmax_scale * LOG2E,
         num_splits,
         rows,
         h_q,
@@ -400,10 +387,7 @@ def _launch_pointer(
         k_cache.stride(0),
         k_cache.stride(1),
         table.stride(0),
-        DV=head_dim_v,
-        DPE=dpe,
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
-        BLOCK_PE=max(16, triton.next_power_of_2(max(dpe, 1))),
+        **channel_constants(head_dim_v, dim),
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,

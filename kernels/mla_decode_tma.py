@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .mla_launch import MlaLaunch
+from .online_softmax import online_softmax_finish, online_softmax_step
+
 __all__ = ["MAX_PART_CHANNELS", "launch_tma", "tma_unsupported"]
 
 MAX_PART_CHANNELS = 256  # a TMA box is at most 256 elements per dimension
@@ -102,18 +105,11 @@ def _mla_decode_tma_kernel(
         key_ok = pos < stop
         visible = key_ok[None, :] & (pos[None, :] <= last_key[:, None])
         scores = tl.where(visible, scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         kv = tl.where(key_ok[:, None], kv, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv)
-        m_i = m_new
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # ln 2: back to natural log
+    out, lse, seen = online_softmax_finish(acc, m_i, l_i)
     lse_ok = row_ok & (offs_m * 0 + part == 0)  # one part writes the lse
     if SPLIT:
         at = (b * rows + offs_m).to(tl.int64) * num_splits + split
@@ -167,23 +163,21 @@ def launch_tma(
     scale_log2: float,
     causal: bool,
     num_splits: int,
-    block_m: int,
-    block_n: int,
-    dv_parts: int,
-    num_warps: int,
-    num_stages: int,
+    launch: MlaLaunch,
     dot: tl.dtype,
 ) -> None:
-    """One launch over ``(row blocks x dv_parts, B, num_splits)``; ``out``/``lse`` as the pointer
-    kernel's (partials when ``num_splits > 1``). The caller checked :func:`tma_unsupported`."""
+    """One launch over ``(row blocks x launch.dv_parts, B, num_splits)``; ``out``/``lse`` as the
+    pointer kernel's (partials when ``num_splits > 1``). The caller checked :func:`tma_unsupported`."""
     bsz, s_q, h_q, dim = q.shape
     num_blocks, page_size = k_cache.shape[:2]
     rows = s_q * h_q
     slots = k_cache.as_strided((num_blocks * page_size, dim), (k_cache.stride(1), 1))
-    part = head_dim_v // dv_parts
-    kv_desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [block_n, part])
-    pe_desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [block_n, dim - head_dim_v])
-    grid = (-(-rows // block_m) * dv_parts, bsz, num_splits)
+    part = head_dim_v // launch.dv_parts
+    kv_desc = TensorDescriptor(slots, list(slots.shape), list(slots.stride()), [launch.block_n, part])
+    pe_desc = TensorDescriptor(
+        slots, list(slots.shape), list(slots.stride()), [launch.block_n, dim - head_dim_v]
+    )
+    grid = (-(-rows // launch.block_m) * launch.dv_parts, bsz, num_splits)
     _mla_decode_tma_kernel[grid](
         q,
         kv_desc,
@@ -204,12 +198,12 @@ def launch_tma(
         DV=head_dim_v,
         DPE=dim - head_dim_v,
         PAGE_SIZE=page_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        DV_PARTS=dv_parts,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        DV_PARTS=launch.dv_parts,
         CAUSAL=causal,
         SPLIT=num_splits > 1,
         DOT=dot,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )

@@ -17,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_mla_decode", "sparse_mla_decode_tiled"]
+from .online_softmax import FLOAT_DTYPES, LOG2E, channel_constants, online_softmax_finish, online_softmax_step
 
-_LOG2E = 1.4426950408889634
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["sparse_mla_decode", "sparse_mla_decode_tiled"]
 
 
 @triton.jit
@@ -85,17 +84,10 @@ def _sparse_mla_kernel(
             )
             scores += tl.dot(q_pe, tl.trans(k_pe.to(tl.float32)), input_precision="ieee")
         scores = tl.where(key_ok[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")
-        m_i = m_new
 
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # ln 2: back to natural log
+    out, lse, seen = online_softmax_finish(acc, m_i, l_i)
     out_rows = ((b * s_q + j) * h_q + heads).to(tl.int64) * DV
     tl.store(
         out_ptr + out_rows[:, None] + offs_dv[None, :],
@@ -138,7 +130,7 @@ def sparse_mla_decode_tiled(
         raise ValueError(f"indices must be [{bsz}, {s_q}, topk], got {tuple(indices.shape)}")
     if not 0 < head_dim_v <= dim:
         raise ValueError(f"head_dim_v must be in (0, {dim}], got {head_dim_v}")
-    if q.dtype not in _FLOATS or k_cache.dtype not in _FLOATS:
+    if q.dtype not in FLOAT_DTYPES or k_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"sparse_mla_decode takes float32, bfloat16 or float16, got {q.dtype}, {k_cache.dtype}"
         )
@@ -152,7 +144,6 @@ def sparse_mla_decode_tiled(
         raise ValueError("k_cache channels must be contiguous")
     q = q if q.stride(-1) == 1 else q.contiguous()
     idx = indices.to(device=device, dtype=torch.int32).contiguous()
-    dpe = dim - head_dim_v
     grid = (bsz, s_q, triton.cdiv(h_q, block_m))
     _sparse_mla_kernel[grid](
         q,
@@ -160,7 +151,7 @@ def sparse_mla_decode_tiled(
         idx,
         out,
         lse,
-        softmax_scale * _LOG2E,
+        softmax_scale * LOG2E,
         s_q,
         h_q,
         topk,
@@ -171,10 +162,7 @@ def sparse_mla_decode_tiled(
         k_cache.stride(1),
         idx.stride(0),
         idx.stride(1),
-        DV=head_dim_v,
-        DPE=dpe,
-        BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
-        BLOCK_PE=max(16, triton.next_power_of_2(max(dpe, 1))),
+        **channel_constants(head_dim_v, dim),
         PAGE_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
