@@ -35,46 +35,25 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pd_serving import ServeProcess, free_port, machine_info
-
 from dsinfer import LLM
 from dsinfer.base.presets import DEFAULT_MODEL, resolve_model
+from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL
 from dsinfer.evals.runner import EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import HELD_OUT_SEED, HELD_OUT_SIZE, TASKS
+from harness.progress import progress
+from harness.provenance import REPO, git, machine_info, source_env
+from harness.server import Server, dsinfer_command, running
 
-REPO = Path(__file__).resolve().parent.parent
 MODES = ("dsinfer-offline", "dsinfer-offline-mtp", "dsinfer-serve", "dsinfer-colocated", "vllm-serve")
-T0 = time.monotonic()
-
-
-def progress(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
-
-
-@contextlib.contextmanager
-def running(
-    argv: list[str], env: dict[str, str], log: Path, name: str, timeout: float
-) -> Iterator[ServeProcess]:
-    port = int(argv[argv.index("--port") + 1])
-    server = ServeProcess(argv, port, log)
-    progress(f"[{name}] starting: {' '.join(argv)}")
-    try:
-        server.start(None, env)
-        server.wait_healthy(timeout)
-        progress(f"[{name}] healthy (log {log})")
-        yield server
-    finally:
-        server.stop()
-        progress(f"[{name}] stopped")
 
 
 def dsinfer_argv(args: argparse.Namespace, model: Path, port: int, colocated: bool) -> list[str]:
-    argv = [sys.executable, "-m", "dsinfer.cli.main", "serve", "--port", str(port), "--model", str(model)]
+    argv = dsinfer_command("serve", "--port", str(port), "--model", str(model))
     argv += ["--dtype", args.dtype, "--kv-cache-memory", "1GiB", "--threads-per-rank"]
     argv += ["2", "--colocated", "--decode-pool-size", "1"] if colocated else ["1"]
     return argv
@@ -125,7 +104,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, scratch: Path) ->
         argv, env, timeout = vllm_argv(args, model, port), vllm_env(scratch), 600.0
     else:
         argv, env, timeout = dsinfer_argv(args, model, port, mode == "dsinfer-colocated"), {}, 180.0
-    with running(argv, env, scratch / f"{mode}.log", mode, timeout) as server:
+    server = Server(argv, port, scratch / f"{mode}.log")
+    with running(server, timeout, env=source_env(None, env), say=lambda msg: progress(f"[{mode}] {msg}")):
         report = evaluate_endpoint(server.base_url, args)
         if mode == "dsinfer-serve" and args.expert_load_out is not None:
             args.expert_load_out.write_text(json.dumps(reported_expert_load(server.base_url)) + "\n")
@@ -238,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": args.concurrency,
         "machine": machine_info(),
         "load_start": os.getloadavg(),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip(),
+        "commit": git("rev-parse", "--short", "HEAD"),
         "vllm": vllm_version(args.vllm_python),
         "python": platform.python_version(),
     }

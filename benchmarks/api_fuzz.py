@@ -21,7 +21,6 @@ import datetime
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,57 +28,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
-from dsinfer.base.processes import free_port
+from harness.server import serve
 
 API_KEY = "fuzz"
 
 
 @contextlib.contextmanager
-def server(
-    mode: str,
-    log_path: Path,
-    max_model_len: int,
-    timeout: float = 180.0,
-    served_model_name: str | None = None,
-) -> Iterator[str]:
-    """``dsinfer serve`` until ready (/ready), stopped with its whole process group on exit."""
-    port = free_port()
+def server(mode: str, log_path: Path, max_model_len: int, timeout: float = 180.0) -> Iterator[str]:
+    """``dsinfer serve`` (PD, or ``colocated``) on the tiny model until ready; its URL."""
     args = [
         *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "32MiB"),
         *("--max-model-len", str(max_model_len), "--max-n", "4", "--api-key", API_KEY),
         *(["--colocated"] if mode == "colocated" else []),
-        *(["--served-model-name", served_model_name] if served_model_name else []),
     ]
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "dsinfer.cli.main", "serve", "--port", str(port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy after {timeout:.0f} s; see {log_path}")
-            time.sleep(0.25)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=10)
+    with serve(args, log_path.parent, name=log_path.stem, startup_timeout=timeout, stop_grace=30.0) as s:
+        yield s.base_url
 
 
 def fuzz(url: str, max_examples: int, seed: int, timeout: float, phases: str) -> tuple[int, str]:

@@ -2,7 +2,7 @@ r"""Per-step time of a 2-rank decode pool, served for real, on two commits (befo
 
 Each run starts an all-in-one ``dsinfer serve`` (gateway, a prefill pool of one rank, a decode pool
 of two ranks; the built-in tiny model with dummy weights, float32, CPU, one torch thread per rank)
-on a clean ``git archive`` of the commit (``pd_serving.export_commit``), warms it up, then sends
+on a clean ``git archive`` of the commit (``harness.provenance.export_commit``), warms it up, then sends
 ``--concurrency`` streamed completions at once (prompts of ``--prompt-len`` random token ids,
 ``--output-len`` tokens with ``ignore_eos``, greedy, ``logprobs=0`` so each chunk says how many
 tokens it carries). While every request is decoding (from the last first token to the first last
@@ -25,36 +25,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import json
+import itertools
 import os
 import random
 import statistics
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from pd_serving import export_commit, git, machine_info, progress, save_report, serve, wait_ready
+from harness.clients import Stream, client_for, completion_body, stream_all
+from harness.metrics import wait_healthy_count
+from harness.progress import progress
+from harness.provenance import command_line, export_commit, git, machine_info, utc_now
+from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs
+from harness.server import TINY_CPU, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
 RANKS = 3  # prefill/0/0, decode/0/0, decode/0/1
 SETTINGS = {"default": [], "overlap": ["--enable-overlap"]}
 
 
-@dataclass
-class Stream:
-    sent: float
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in the chunk)
-    error: str | None = None
-
-
 def server_flags(args: argparse.Namespace, setting: str) -> list[str]:
     return [
-        *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--device", "cpu", "--seed", "0"),
+        *TINY_CPU,
         *("--prefill-pool-size", "1", "--decode-pool-size", "2"),
         *("--threads-per-rank", "1", "--kv-cache-memory", args.kv_cache_memory, "--drain-timeout", "5"),
         *("--max-num-seqs", str(max(args.concurrency, 8))),
@@ -62,42 +56,14 @@ def server_flags(args: argparse.Namespace, setting: str) -> list[str]:
     ]  # fmt: skip
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Stream:
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "logprobs": 0,
-    }
-    out = Stream(time.perf_counter())
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now, chunk = time.perf_counter(), json.loads(line[len("data: ") :])
-                for choice in chunk.get("choices", []):
-                    tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
-                    if tokens:
-                        out.chunks.append((now, tokens))
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        out.error = f"{type(e).__name__}: {e}"
-    return out
-
-
 def step_gaps(streams: list[Stream]) -> tuple[list[float], float, float]:
     """Per-token gaps inside the window where every request decodes -> (gaps, window s, tokens)."""
-    start = max(s.chunks[0][0] for s in streams)
-    end = min(s.chunks[-1][0] for s in streams)
+    chunks = [s.token_chunks for s in streams]
+    start = max(c[0][0] for c in chunks)
+    end = min(c[-1][0] for c in chunks)
     gaps, tokens = [], 0
-    for s in streams:
-        for (t0, _), (t1, n) in zip(s.chunks, s.chunks[1:], strict=False):
+    for c in chunks:
+        for (t0, _), (t1, n) in itertools.pairwise(c):
             if start <= t0 and t1 <= end:
                 gaps += [(t1 - t0) / n] * n
                 tokens += n
@@ -107,19 +73,18 @@ def step_gaps(streams: list[Stream]) -> tuple[list[float], float, float]:
 async def measure(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
 
-    def prompt() -> list[int]:
-        return [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(args.prompt_len)]
+    def body(max_tokens: int) -> dict[str, Any]:
+        prompt = [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(args.prompt_len)]
+        return completion_body(prompt, max_tokens, logprobs=0)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        await wait_ready(client, url, RANKS, 300.0)
+    async with client_for(args.concurrency) as client:
+        await wait_healthy_count(client, url, RANKS, 300.0)
         for _ in range(2):  # warm-up: both decode ranks compile and run a batch
-            warm = await asyncio.gather(*(stream_one(client, url, prompt(), 8) for _ in range(4)))
+            warm = await stream_all(client, url, [body(8) for _ in range(4)])
             if any(s.error for s in warm):
                 raise RuntimeError(f"warm-up failed: {next(s.error for s in warm if s.error)}")
         load_start = os.getloadavg()[0]
-        streams = await asyncio.gather(
-            *(stream_one(client, url, prompt(), args.output_len) for _ in range(args.concurrency))
-        )
+        streams = await stream_all(client, url, [body(args.output_len) for _ in range(args.concurrency)])
         load_end = os.getloadavg()[0]
     errors = [s.error for s in streams if s.error]
     if errors:
@@ -139,27 +104,12 @@ async def measure(url: str, args: argparse.Namespace, seed: int) -> dict[str, An
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for key in sorted({(r["label"], r["setting"]) for r in runs}):
-        mine = [r for r in runs if (r["label"], r["setting"]) == key]
-        out[f"{key[0]} {key[1]}"] = {
-            "step_ms_median": statistics.median(r["step_ms_median"] for r in mine),
-            "step_ms_p90": statistics.median(r["step_ms_p90"] for r in mine),
-            "output_tok_s": statistics.median(r["output_tok_s"] for r in mine),
-            "repeats": len(mine),
-        }
-    return out
-
-
 def markdown(report: dict[str, Any]) -> str:
     a = report["args"]
     lines = [
         "# Per-step time of a 2-rank decode pool (benchmarks/decode_step.py)",
         "",
-        f"- date: {report['date']}",
-        "- machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()),
-        f"- command: `{report['command']}`",
+        *report_header(report),
         "- commits: " + ", ".join(f"{c['label']} = {c['sha']}" for c in report["commits"]),
         f"- workload: {a['concurrency']} streamed requests at once, {a['prompt_len']} prompt tokens, "
         f"{a['output_len']} output tokens, greedy; one torch thread per rank; {a['repeats']} repeat(s)",
@@ -197,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
+    add_output_args(parser)
     args = parser.parse_args(argv)
     settings = args.settings.split(",")
     unknown = [s for s in settings if s not in SETTINGS]
@@ -217,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             order = [(c, s) for s in settings for c in commits]
             for commit, setting in order if repeat % 2 == 0 else order[::-1]:
                 name = f"{commit['label']}-{setting}-r{repeat}"
+                flags = server_flags(args, setting)
                 with serve(
-                    server_flags(args, setting), log_dir, name, 300.0, source=commit["source"]
+                    flags, log_dir, name=name, startup_timeout=300.0, source=commit["source"]
                 ) as server:
                     result = asyncio.run(measure(server.base_url, args, args.seed + repeat))
                 progress(
@@ -227,13 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 runs.append({"repeat": repeat, "label": commit["label"], "setting": setting, **result})
     report = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": machine_info(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "commits": [{"label": c["label"], "sha": c["sha"]} for c in commits],
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": jsonable_args(args),
         "runs": runs,
-        "summary": summarize(runs),
+        "summary": summarize_runs(
+            runs, lambda r: (r["label"], r["setting"]), ("step_ms_median", "step_ms_p90", "output_tok_s")
+        ),
     }
     save_report(report, markdown(report), args.out, args.markdown)
     return 0

@@ -40,26 +40,23 @@ Internal: ``eplb_stall.py --rank-child SPEC_JSON`` is one rank of the pool.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rank_children import RankChildren, die_with_parent, exit_on_sigterm, free_port
+from harness.provenance import REPO, git_commit, machine_info
+from harness.rank_pool import PORT_TAKEN, exit_on_sigterm, grown_preset, join_pool, random_prompts, run_pool
+from harness.results import ratio as _ratio
+from harness.results import write_json
 
-REPO = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 2.0  # the issue: no step longer than twice the median while weights move
-PORT_TAKEN = 75  # a rank's exit status when the rendezvous port was in use
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 # name -> overrides of the tiny preset's config.json
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -99,11 +96,9 @@ def _schedstat(tid: int) -> tuple[float, float]:
 
 
 def rank_main(spec: dict[str, Any]) -> int:
-    die_with_parent()
     import logging
     import threading
 
-    import torch
     import torch.distributed as dist
 
     from dsinfer.base.sampling_params import SamplingParams
@@ -112,25 +107,10 @@ def rank_main(spec: dict[str, Any]) -> int:
     from dsinfer.model.moe import MoE
     from dsinfer.parallel.ep import TorchEPGroup
 
-    rank, world, label = spec["rank"], spec["world"], spec["label"]
+    rank, label = spec["rank"], spec["label"]
     logging.basicConfig(level=logging.WARNING, format=f"    [{label} rank {rank}] %(name)s: %(message)s")
     logging.getLogger("dsinfer.eplb").setLevel(logging.INFO)
-    import dsinfer.model.loader as loader
-
-    # the loader's progress bars, twice per rank, would bury the progress lines
-    bar = loader.tqdm
-    loader.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=spec["init"],
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=spec["dist_timeout"]),
-        )
-    except dist.DistNetworkError as e:  # the port was taken meanwhile: the parent retries
-        print(f"    [{label} rank {rank}] rendezvous failed: {e}", file=sys.stderr, flush=True)
+    if not join_pool(spec, spec["dist_timeout"]):  # the port was taken meanwhile: the parent retries
         return PORT_TAKEN
     t_load = time.perf_counter()
     engine = LLMEngine(EngineArgs(model=spec["model"], **spec["engine"]), ep_group=TorchEPGroup())
@@ -239,112 +219,27 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 
 # The parent: pools, statistics, report ---------------------------------------------------------
-def write_model(name: str, dest: Path) -> tuple[Path, dict[str, Any]]:
-    from dsinfer.base.presets import RANDOM_MODEL, resolve_model
+def pool_specs(
+    args: argparse.Namespace, world: int, model: Path, label: str, engine: dict[str, Any], tmp: Path
+) -> Callable[[str], list[dict[str, Any]]]:
+    """The ranks' specs for a rendezvous at ``init``: the prompts dealt round-robin."""
+    ids = random_prompts(args.num_prompts, args.input_len, args.seed)
 
-    preset, _ = resolve_model(RANDOM_MODEL)
-    config = json.loads((preset / "config.json").read_text())
-    config.update(CONFIGS[name])
-    path = dest / name
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    for file in TOKENIZER_FILES:
-        if (preset / file).is_file():
-            shutil.copy(preset / file, path / file)
-    return path, config
+    def spec(init: str, rank: int) -> dict[str, Any]:
+        out = tmp / f"{label.replace(' ', '_')}-rank{rank}.json"
+        mine = {f"p{i}": p for i, p in enumerate(ids) if i % world == rank}
+        shared = dict(world=world, init=init, label=label, model=str(model), engine=engine)
+        timing = dict(progress_every=args.progress_every, dist_timeout=args.dist_timeout)
+        return dict(rank=rank, prompts=mine, max_tokens=args.output_len, out=str(out), **shared, **timing)
 
+    def specs(init: str) -> list[dict[str, Any]]:
+        return [spec(init, rank) for rank in range(world)]
 
-def prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 4000) for _ in range(length)] for _ in range(count)]
-
-
-class PortTaken(RuntimeError):
-    pass
-
-
-def run_pool(
-    args: argparse.Namespace,
-    world: int,
-    model: Path,
-    label: str,
-    engine: dict[str, Any],
-    tmp: Path,
-) -> list[dict[str, Any]]:
-    """One pool run: ``world`` rank processes; their results, rank by rank. A rendezvous port
-    taken by another process between choosing and binding it costs a retry on a new port."""
-    for attempt in range(3):
-        try:
-            return _run_pool_once(args, world, model, label, engine, tmp)
-        except PortTaken:
-            print(f"   {label}: rendezvous port taken, retrying ({attempt + 1})", flush=True)
-    raise RuntimeError(f"{label}: rendezvous failed three times")
-
-
-def _run_pool_once(
-    args: argparse.Namespace,
-    world: int,
-    model: Path,
-    label: str,
-    engine: dict[str, Any],
-    tmp: Path,
-) -> list[dict[str, Any]]:
-    ids = prompts(args.num_prompts, args.input_len, args.seed)
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "NUMBA_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-    }
-    outs = []
-    deadline = time.monotonic() + args.run_timeout
-    with RankChildren() as children:
-        for rank in range(world):
-            out = tmp / f"{label.replace(' ', '_')}-rank{rank}.json"
-            out.unlink(missing_ok=True)
-            spec = {
-                "rank": rank,
-                "world": world,
-                "init": init,
-                "label": label,
-                "model": str(model),
-                "engine": engine,
-                "prompts": {f"p{i}": p for i, p in enumerate(ids) if i % world == rank},
-                "max_tokens": args.output_len,
-                "out": str(out),
-                "progress_every": args.progress_every,
-                "dist_timeout": args.dist_timeout,
-            }
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-child", json.dumps(spec)]
-            children.start(cmd, env, REPO)
-            outs.append(out)
-        pending = list(children.procs)
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{label}: pool did not finish within {args.run_timeout} s")
-            for p in list(pending):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                pending.remove(p)
-                if rc == PORT_TAKEN:
-                    raise PortTaken(label)
-                if rc != 0:
-                    raise RuntimeError(f"{label}: a rank exited with status {rc}")
-            time.sleep(0.2)
-    return [json.loads(o.read_text()) for o in outs]
+    return specs
 
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -490,39 +385,6 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         out["max_moving_ratio"] = out["window_max_ms"] / out["median_ms"] if moving else None
         out["target_met"] = (max(moving) / median <= TARGET_RATIO) if moving else None
     return out
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"online_cpus": os.cpu_count(), "python": platform.python_version()}
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        info["cpu_model"] = fields.get("Model name", "").strip()
-        info["cores_per_socket"] = fields.get("Core(s) per socket", "").strip()
-        info["threads_per_core"] = fields.get("Thread(s) per core", "").strip()
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
-        info["mem_total_gib"] = round(int(mem[1]) / (1 << 20), 1)
-    info["kernel"] = platform.release()
-    with contextlib.suppress(ImportError):
-        import torch
-
-        info["torch"] = torch.__version__
-    return info
-
-
-def git_commit() -> str:
-    def git(*argv: str) -> str:
-        return subprocess.run(
-            ["git", *argv], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-        ).stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short=12", "HEAD")
-        dirty = git("status", "--porcelain", "--", "dsinfer", "kernels", "configs")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}{' (uncommitted changes in dsinfer/, kernels/ or configs/)' if dirty else ''}"
 
 
 def _f(x: float | None, fmt: str = ".1f") -> str:
@@ -738,8 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         pools.append((world, parts[1], repeats))
     doc: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(),
-        "commit": git_commit(),
+        "machine": machine_info(torch=True),
+        "commit": git_commit(short=True),
         "command": "python " + " ".join([os.path.relpath(__file__, REPO), *sys.argv[1:]]),
         "load_avg_start": list(os.getloadavg()),
         "args": {
@@ -763,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         models: dict[str, tuple[Path, dict[str, Any]]] = {}
         for world, config_name, repeats in pools:
             if config_name not in models:
-                models[config_name] = write_model(config_name, tmp / "models")
+                models[config_name] = grown_preset(CONFIGS[config_name], tmp / "models" / config_name)
                 doc["configs"][config_name] = {
                     k: models[config_name][1][k] for k in (*CONFIGS[config_name], "first_k_dense_replace")
                 }
@@ -783,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                     label = f"EP{world} {config_name} {variant} #{repeat}"
                     print(f"== {label}", flush=True)
                     t = time.monotonic()
-                    ranks = run_pool(args, world, model, label, {**base, **extra}, tmp)
+                    specs = pool_specs(args, world, model, label, {**base, **extra}, tmp)
+                    ranks = run_pool(Path(__file__).resolve(), specs, label, args.run_timeout)
                     r = entry[variant] = analyze(ranks, args.warmup)
                     print(
                         f"   {label}: {r['steps']} steps in {time.monotonic() - t:.0f} s, median "
@@ -802,8 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 doc["results"].append(entry)
     doc["load_avg_end"] = list(os.getloadavg())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(args.out, doc)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.write_text(markdown(doc))
     print(markdown(doc))

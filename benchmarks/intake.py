@@ -2,8 +2,8 @@ r"""Intake under oversized prompts: /health latency and a short request's latenc
 prompts arrive at the gateway, on two commits (before and after bounded, non-blocking intake).
 
 Each run starts a gateway process (``dsinfer serve --role gateway``) on a clean ``git archive`` of
-the commit (``pd_serving.export_commit``) and a colocated rank played by this script over the real
-control protocol (``tests.fixtures.control.PlayedRank``, CURVE with the cluster secret where the
+the commit (``harness.provenance.export_commit``) and a colocated rank played by this script over the
+real control protocol (``harness.played_rank.PlayedRank``, CURVE with the cluster secret where the
 commit has it): it registers with a 163840-token context (DeepSeek-V3's, so that MB-sized prompts
 are not refused on length before they are tokenized, except by the newer character check) and
 answers every request with ``--short-tokens`` tokens, one per 10 ms. No model runs: what is
@@ -26,26 +26,25 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import json
 import os
 import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pd_serving import export_commit, machine_info, progress
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dsinfer.base.cluster_secret import SECRET_ENV, ControlKeys
-from dsinfer.base.processes import free_port
-from tests.fixtures.control import PlayedRank
+from dsinfer.base.cluster_secret import ControlKeys
+from harness.played_rank import PlayedRank
+from harness.progress import progress
+from harness.provenance import export_commit, machine_info
+from harness.results import add_output_args, save_report
+from harness.server import gateway
 
 CONTEXT = 163_840
 TEXT = "hello world, this is an oversized prompt. "
@@ -101,92 +100,67 @@ def _probe(
         t.join()
 
 
+def _window(url: str, during: Callable[[], None]) -> dict[str, Any]:
+    """The probes (``_probe``) while ``during()`` runs: /health and short-request latencies."""
+    stop, health, short, errors = threading.Event(), [], [], []
+    prober = threading.Thread(target=_probe, args=(url, stop, health, short, errors), daemon=True)
+    prober.start()
+    during()
+    stop.set()
+    prober.join()
+    return {"health_s": _stats(health), "short_s": _stats(short), "errors": errors[:5]}
+
+
 def run_once(source: Path, args: argparse.Namespace, prompt_mb: float, log_path: Path) -> dict[str, Any]:
-    port, control = free_port(), free_port()
     secret = secrets.token_urlsafe(32)
     curve = (source / "dsinfer/base/control_auth.py").exists()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", SECRET_ENV: secret}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
-    argv = [sys.executable, "-m", "dsinfer.cli.main", "serve", "--role", "gateway"]
-    argv += ["--port", str(port), "--control-port", str(control)]
-    url = f"http://127.0.0.1:{port}"
     load_start = os.getloadavg()[0]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=source)
-    rank: PlayedRank | None = None
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.2)
+    with gateway(log_path, secret, source=source) as gw:
+        assert gw.control is not None
+        url, deadline = gw.base_url, time.monotonic() + 120
         keys = ControlKeys.from_secret(secret) if curve else None
-        rank = PlayedRank(
-            f"127.0.0.1:{control}", keys, max_model_len=CONTEXT, interval=0.01, tokens=args.short_tokens
-        )
-        while (
-            httpx.post(
-                f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30
-            ).status_code
-            != 200
-        ):
-            assert time.monotonic() < deadline, "the rank did not register"
-            time.sleep(0.2)
-        windows: dict[str, Any] = {}
-        # idle
-        stop, health, short, errors = threading.Event(), [], [], []
-        prober = threading.Thread(target=_probe, args=(url, stop, health, short, errors), daemon=True)
-        prober.start()
-        time.sleep(args.idle_seconds)
-        stop.set()
-        prober.join()
-        windows["idle"] = {"health_s": _stats(health), "short_s": _stats(short), "errors": errors[:5]}
-        # oversized prompts
-        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
-        rss_before = _memory(proc.pid, "VmRSS")
-        text = TEXT * int(prompt_mb * 1e6 / len(TEXT))
-        stop, health, short, errors = threading.Event(), [], [], []
-        prober = threading.Thread(target=_probe, args=(url, stop, health, short, errors), daemon=True)
-        prober.start()
-        time.sleep(0.5)
+        rank = PlayedRank(gw.control, keys, max_model_len=CONTEXT, interval=0.01, tokens=args.short_tokens)
+        try:
+            while (
+                httpx.post(
+                    f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30
+                ).status_code
+                != 200
+            ):
+                assert time.monotonic() < deadline, "the rank did not register"
+                time.sleep(0.2)
+            windows: dict[str, Any] = {"idle": _window(url, lambda: time.sleep(args.idle_seconds))}
+            # oversized prompts
+            Path(f"/proc/{gw.pid}/clear_refs").write_text("5")
+            rss_before = _memory(gw.pid, "VmRSS")
+            text = TEXT * int(prompt_mb * 1e6 / len(TEXT))
+            answers: list[tuple[int, float]] = []
 
-        def oversized() -> tuple[int, float]:
-            started = time.monotonic()
-            try:
-                r = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=600)
-                return r.status_code, time.monotonic() - started
-            except httpx.HTTPError:
-                return 0, time.monotonic() - started
+            def oversized() -> tuple[int, float]:
+                started = time.monotonic()
+                try:
+                    r = httpx.post(
+                        f"{url}/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=600
+                    )
+                    return r.status_code, time.monotonic() - started
+                except httpx.HTTPError:
+                    return 0, time.monotonic() - started
 
-        with concurrent.futures.ThreadPoolExecutor(args.concurrent) as pool:
-            answers = list(pool.map(lambda _: oversized(), range(args.concurrent)))
-        time.sleep(0.5)
-        stop.set()
-        prober.join()
-        windows["oversized"] = {
-            "health_s": _stats(health),
-            "short_s": _stats(short),
-            "errors": errors[:5],
-            "statuses": [a[0] for a in answers],
-            "oversized_s": [round(a[1], 3) for a in answers],
-            "peak_rss_growth_mib": round((_memory(proc.pid, "VmHWM") - rss_before) / 2**20, 1),
-        }
-        return {"prompt_mb": prompt_mb, "curve": curve, "load": [load_start, os.getloadavg()[0]], **windows}
-    finally:
-        if rank is not None:
+            def burst() -> None:
+                time.sleep(0.5)
+                with concurrent.futures.ThreadPoolExecutor(args.concurrent) as pool:
+                    answers.extend(pool.map(lambda _: oversized(), range(args.concurrent)))
+                time.sleep(0.5)
+
+            windows["oversized"] = {
+                **_window(url, burst),
+                "statuses": [a[0] for a in answers],
+                "oversized_s": [round(a[1], 3) for a in answers],
+                "peak_rss_growth_mib": round((_memory(gw.pid, "VmHWM") - rss_before) / 2**20, 1),
+            }
+        finally:
             rank.stop()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    return {"prompt_mb": prompt_mb, "curve": curve, "load": [load_start, os.getloadavg()[0]], **windows}
 
 
 def _fmt(value: float | None, scale: float = 1000.0) -> str:
@@ -234,8 +208,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--idle-seconds", type=float, default=3.0)
     parser.add_argument("--short-tokens", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
+    add_output_args(parser)
     args = parser.parse_args()
     sizes = [float(x) for x in args.prompt_mb.split(",")]
     runs: list[dict[str, Any]] = []
@@ -266,12 +239,7 @@ def main() -> int:
         "commits": [{"label": c["label"], "sha": c["sha"]} for c in commits],
         "runs": runs,
     }
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(report)
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    save_report(report, markdown(report), args.out, args.markdown, indent=1)
     return 0
 
 

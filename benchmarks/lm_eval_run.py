@@ -23,11 +23,24 @@ import sys
 import time
 from pathlib import Path
 
-from api_fuzz import API_KEY, server  # benchmarks/api_fuzz.py
+from harness.provenance import REPO
+from harness.server import serve
 
-REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "configs" / "models" / "tiny"
 MODEL = "dsinfer-tiny"
+API_KEY = "lm-eval"
+# the tiny model with dummy weights, its context kept short, behind an API key
+SERVER_FLAGS = [
+    "--model",
+    "tiny",
+    "--load-format",
+    "dummy",
+    "--dtype",
+    "float32",
+    "--kv-cache-memory",
+    "32MiB",
+]
+SERVER_FLAGS += ["--max-model-len", "512", "--api-key", API_KEY, "--served-model-name", MODEL]
 
 MC = [
     ("The capital of France is", [" Paris", " Rome", " Berlin", " Madrid"], 0),
@@ -106,8 +119,9 @@ def main() -> None:
     include = write_tasks(args.work)
     load = os.getloadavg()
     start = time.monotonic()
-    with server(args.mode, args.work / "server.log", 512, served_model_name=MODEL) as url:
-        code, output = run_lm_eval(url, include, args.work / "results", args.timeout)
+    flags = [*SERVER_FLAGS, *(["--colocated"] if args.mode == "colocated" else [])]
+    with serve(flags, args.work, name="server", startup_timeout=180.0) as server:
+        code, output = run_lm_eval(server.base_url, include, args.work / "results", args.timeout)
     seconds = time.monotonic() - start
     lines = [
         "# lm-eval local-completions against dsinfer serve",

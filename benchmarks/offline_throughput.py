@@ -30,7 +30,9 @@ Example (the committed results):
         --out benchmarks/results/offline_batch64_peers.json \\
         --markdown benchmarks/results/offline_batch64_peers.md
 
-The driver uses only the standard library; `--worker SPEC` is the subprocess entry point.
+`--worker SPEC` is the subprocess entry point: it runs under the engine's interpreter (vLLM's
+virtualenv has neither dsinfer nor the harness), so this file imports only the standard library
+at the top, the engines in their workers and the harness in the driver's functions.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import shlex
@@ -60,7 +61,6 @@ DTYPES = ("bfloat16", "float32")
 VLLM_MODES = ("compile", "eager")
 # peers.md: vLLM's custom CPU rotary-embedding op is wrong for 3-D queries; always switch it off.
 VLLM_CUSTOM_OPS = ["all", "-rotary_embedding"]
-PERCENTILES = (50, 90, 99)
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,23 +71,6 @@ PERCENTILES = (50, 90, 99)
 def progress(msg: str) -> None:
     """One progress line; the driver relays lines with this prefix."""
     print(f"{PROGRESS}{msg}", flush=True)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default), None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(values: Sequence[float]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {f"p{q}": percentile(values, q) for q in PERCENTILES}
-    out["mean"] = sum(values) / len(values) if values else None
-    return out
 
 
 def make_workload(
@@ -156,8 +139,31 @@ def _pass_record(
         "output_tokens": n_out,
         "input_tok_s": n_in / wall,
         "output_tok_s": n_out / wall,
-        "ttft_s": summarize(ttft),
-        "tpot_s": summarize(tpot),
+        "ttft_s": ttft,  # per request: the driver turns them into percentiles
+        "tpot_s": tpot,
+    }
+
+
+def _run_record(
+    versions: dict[str, str],
+    options: dict[str, Any],
+    seconds: tuple[float, float, float],
+    timed: dict[str, Any],
+    method: str,
+    tokens: list[list[int]],
+) -> dict[str, Any]:
+    """What a worker reports: versions, options, (load, warm-up, prefill pass) seconds, the timed
+    pass, how its timings were measured and its tokens."""
+    load_s, warmup_s, prefill_s = seconds
+    return {
+        "versions": versions,
+        "engine_options": options,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "prefill_pass_s": prefill_s,
+        "timed": timed,
+        "timing_method": method,
+        "tokens": tokens,
     }
 
 
@@ -231,16 +237,14 @@ def run_vllm(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         "per request from RequestOutput.metrics: TTFT = first_token_latency (arrival -> first token), "
         "TPOT = (last_token_ts - first_token_ts) / (generated - 1)"
     )
-    return {
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-        "engine_options": {k: v for k, v in kwargs.items() if k != "model"},
-        "load_s": load_s,
-        "warmup_s": warmup_s,
-        "prefill_pass_s": prefill_s,
-        "timed": _pass_record(wall, prompts, tokens, ttft, tpot),
-        "timing_method": method,
-        "tokens": tokens,
-    }
+    return _run_record(
+        {"vllm": vllm.__version__, "torch": torch.__version__},
+        {k: v for k, v in kwargs.items() if k != "model"},
+        (load_s, warmup_s, prefill_s),
+        _pass_record(wall, prompts, tokens, ttft, tpot),
+        method,
+        tokens,
+    )
 
 
 def run_transformers(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
@@ -304,16 +308,14 @@ def run_transformers(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         "batched generate(): a streamer timestamps each step; all requests share TTFT = start -> first "
         "generated step, TPOT = mean time per step after it"
     )
-    return {
-        "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
-        "engine_options": {"threads": torch.get_num_threads(), "batch": len(prompts), "padding": "left"},
-        "load_s": load_s,
-        "warmup_s": warmup_s,
-        "prefill_pass_s": prefill_s,
-        "timed": _pass_record(wall, prompts, tokens, [ttft_one] * len(prompts), [tpot_one] * len(prompts)),
-        "timing_method": method,
-        "tokens": tokens,
-    }
+    return _run_record(
+        {"transformers": transformers.__version__, "torch": torch.__version__},
+        {"threads": torch.get_num_threads(), "batch": len(prompts), "padding": "left"},
+        (load_s, warmup_s, prefill_s),
+        _pass_record(wall, prompts, tokens, [ttft_one] * len(prompts), [tpot_one] * len(prompts)),
+        method,
+        tokens,
+    )
 
 
 def run_dsinfer(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
@@ -349,16 +351,14 @@ def run_dsinfer(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
         )
         ttft = [prefill_s] * len(prompts)
         tpot = [(wall - prefill_s) / max(spec.output_len - 1, 1)] * len(prompts)
-    return {
-        "versions": {"dsinfer": getattr(dsinfer, "__version__", "?"), "torch": torch.__version__},
-        "engine_options": {"threads": torch.get_num_threads()},
-        "load_s": load_s,
-        "warmup_s": warmup_s,
-        "prefill_pass_s": prefill_s,
-        "timed": _pass_record(wall, prompts, tokens, ttft, tpot),
-        "timing_method": method,
-        "tokens": tokens,
-    }
+    return _run_record(
+        {"dsinfer": getattr(dsinfer, "__version__", "?"), "torch": torch.__version__},
+        {"threads": torch.get_num_threads()},
+        (load_s, warmup_s, prefill_s),
+        _pass_record(wall, prompts, tokens, ttft, tpot),
+        method,
+        tokens,
+    )
 
 
 def _dsinfer_request_timings(outs: list[Any]) -> tuple[list[float], list[float]]:
@@ -407,75 +407,6 @@ def worker_main(spec_path: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _session_rss_mib(sid: int) -> float:
-    """Sum of VmRSS over every process in session `sid` (the worker and all it started), from /proc."""
-    total_kib = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) != sid:  # fields after the name: state ppid pgrp session ...
-                continue
-            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total_kib += int(line.split()[1])
-                    break
-        except (OSError, ValueError, IndexError):
-            continue
-    return total_kib / 1024
-
-
-class RssSampler(threading.Thread):
-    """Samples the RSS of a worker's session every `interval` seconds; keeps the peak."""
-
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval, self.peak_mib = pid, interval, 0.0
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.peak_mib = max(self.peak_mib, _session_rss_mib(self.pid))
-            self._stop_event.wait(self.interval)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
-
-def worker_env(
-    engine: str, scratch: Path, cores: str, kv_space_gb: int, vllm_reserved_cpus: int | None
-) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "TMPDIR": str(scratch / "tmp"),
-            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
-            "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor-cache"),
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gb),
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-    )
-    n = len(parse_cpu_list(cores))
-    if engine == "vllm":
-        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads
-        if vllm_reserved_cpus is not None:  # default: it keeps one core for its scheduler
-            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
-    else:
-        env["OMP_NUM_THREADS"] = str(n)
-    return env
-
-
-def parse_cpu_list(cores: str) -> list[int]:
-    out: list[int] = []
-    for part in cores.split(","):
-        a, _, b = part.partition("-")
-        out.extend(range(int(a), int(b or a) + 1))
-    return out
-
-
 def _relay(proc: subprocess.Popen[str], log: Any, name: str, t0: float) -> None:
     """Copy the worker's output to its log; print its progress lines."""
     assert proc.stdout is not None
@@ -509,8 +440,12 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
     log_path = log_dir / f"{spec.name.replace('/', '_')}.log"
     spec_path.write_text(json.dumps(asdict(spec)))
     Path(spec.result).unlink(missing_ok=True)
+    from harness.metrics import RssSampler, session_pids
+    from harness.results import percentiles
+    from harness.server import engine_env
+
     cmd = ["taskset", "-c", args.cores, python, str(SCRIPT), "--worker", str(spec_path)]
-    env = worker_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
+    env = engine_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
     print(f"[{spec.name}] start: {shlex.join(cmd)} (log {log_path})", flush=True)
     t0 = time.perf_counter()
     with log_path.open("w") as log:
@@ -525,8 +460,7 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
             text=True,
             start_new_session=True,
         )
-        sampler = RssSampler(proc.pid)
-        sampler.start()
+        sampler = RssSampler(lambda: session_pids(proc.pid)).start()
         reader = threading.Thread(target=_relay, args=(proc, log, spec.name, t0), daemon=True)
         reader.start()
         try:
@@ -540,6 +474,9 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
     result_file = Path(spec.result)
     if result_file.exists():
         result = json.loads(result_file.read_text())
+        if "timed" in result:
+            for key in ("ttft_s", "tpot_s"):
+                result["timed"][key] = percentiles(result["timed"][key])
     else:
         reason = f"worker exited with {rc} and no result (see {log_path})"
         result = {"status": "failed", "reason": reason}
@@ -562,38 +499,6 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
             flush=True,
         )
     return result
-
-
-def machine_info(args: argparse.Namespace) -> dict[str, Any]:
-    model_name, flags = "?", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model_name == "?":
-            model_name = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    isa = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
-    try:
-        mem_kib = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
-    except (OSError, ValueError, IndexError):
-        mem_kib = 0
-    return {
-        "cpu_model": model_name,
-        "cpu_isa": isa,
-        "online_cpus": os.cpu_count(),
-        "cores_used": parse_cpu_list(args.cores),
-        "mem_total_gib": round(mem_kib / 2**20, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-    }
-
-
-def git_state() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        r = subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
-        return r.stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "dsinfer"))}
 
 
 def compare_tokens(results: list[dict[str, Any]], k: int) -> None:
@@ -628,7 +533,7 @@ def _ms(x: float | None) -> str:
 
 
 def _pcts(d: dict[str, float | None]) -> str:
-    return " / ".join(_ms(d.get(f"p{q}")) for q in PERCENTILES)
+    return " / ".join(_ms(d.get(f"p{q}")) for q in (50, 90, 99))
 
 
 def markdown_report(report: dict[str, Any]) -> str:
@@ -771,6 +676,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    from harness.provenance import command_line, git_state, machine_info, parse_cpu_list
+    from harness.results import write_json
+
     if args.render:  # re-render the markdown of an existing results JSON
         md = markdown_report(json.loads(args.render.read_text()))
         print(md, end="")
@@ -778,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.markdown.write_text(md)
         return 0
 
-    command = shlex.join([Path(sys.executable).as_posix(), *sys.argv])
+    command = command_line()
     scratch: Path = args.scratch
     for sub in ("tmp", "vllm-cache", "inductor-cache"):
         (scratch / sub).mkdir(parents=True, exist_ok=True)
@@ -810,8 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "offline_throughput",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": command,
-        "machine": machine_info(args),
-        "dsinfer_git": git_state(),
+        "machine": {**machine_info(), "cores_used": parse_cpu_list(args.cores)},
+        "dsinfer_git": git_state(("dsinfer",)),
         "model": str(args.model),
         "workload": {
             "num_prompts": args.num_prompts,
@@ -834,8 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = markdown_report(report)
     print(md, flush=True)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.out, report)
         print(f"wrote {args.out}", flush=True)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

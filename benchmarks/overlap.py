@@ -32,24 +32,20 @@ Internal: ``overlap.py --rank-child SPEC_JSON`` is one rank of a pool.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from rank_children import RankChildren, die_with_parent, exit_on_sigterm, free_port
+from harness.provenance import git_commit, machine_info
+from harness.rank_pool import exit_on_sigterm, grown_preset, join_pool, random_prompts, run_pool
+from harness.results import report_header, save_report
 
-REPO = Path(__file__).resolve().parent.parent
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 PHASES = ("warmup", "prefill", "decode")
 
 # overrides of the tiny preset's config.json
@@ -72,13 +68,10 @@ MODEL: dict[str, Any] = {
 
 # The rank child --------------------------------------------------------------------------------
 def rank_main(spec: dict[str, Any]) -> int:
-    die_with_parent()
     import logging
 
-    import torch
     import torch.distributed as dist
 
-    import dsinfer.model.loader as loader
     from dsinfer.base.sampling_params import SamplingParams
     from dsinfer.engine.args import EngineArgs
     from dsinfer.engine.engine import LLMEngine
@@ -86,17 +79,9 @@ def rank_main(spec: dict[str, Any]) -> int:
     from dsinfer.parallel.ep import TorchEPGroup
 
     logging.basicConfig(level=logging.WARNING)
-    bar = loader.tqdm  # the loader's progress bars, per rank, would bury the progress lines
-    loader.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
-    torch.set_num_threads(1)
-    rank, world = spec["rank"], spec["world"]
-    dist.init_process_group(
-        "gloo",
-        init_method=spec["init"],
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    if not join_pool(spec):
+        return 1
+    rank = spec["rank"]
     engine = LLMEngine(EngineArgs(model=spec["model"], **spec["engine"]), ep_group=TorchEPGroup())
     batches: list[dict[str, Any]] = []  # what each runner step held on this rank
     run = engine.runner.run
@@ -138,27 +123,7 @@ def rank_main(spec: dict[str, Any]) -> int:
 
 
 # The parent: pools -----------------------------------------------------------------------------
-def write_model(dest: Path) -> tuple[Path, dict[str, Any]]:
-    from dsinfer.base.presets import RANDOM_MODEL, resolve_model
-
-    preset, _ = resolve_model(RANDOM_MODEL)
-    config = {**json.loads((preset / "config.json").read_text()), **MODEL}
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(config, indent=2))
-    for file in TOKENIZER_FILES:
-        if (preset / file).is_file():
-            shutil.copy(preset / file, dest / file)
-    return dest, config
-
-
-def prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(2, 4000) for _ in range(length)] for _ in range(count)]
-
-
-def run_pool(
+def run(
     args: argparse.Namespace, world: int, model: Path, overlap: bool, label: str, tmp: Path
 ) -> tuple[list[dict[str, Any]], Path | None]:
     """One pool: ``world`` rank processes; their results rank by rank, and the trace folder."""
@@ -175,43 +140,30 @@ def run_pool(
         "trace_dir": str(trace) if trace else None,
         "trace_flush_steps": 1000,
     }
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-    outs = []
-    with RankChildren() as children:
-        for rank in range(world):
-            seed = 1000 * rank + args.seed
-            work = {
-                "warmup": {"prompts": prompts(4, 64, seed), "max_tokens": 4},
-                "prefill": {
-                    "prompts": prompts(args.prefill_prompts, args.prefill_len, seed + 1),
-                    "max_tokens": 1,
-                },
-                "decode": {
-                    "prompts": prompts(args.decode_seqs, args.decode_len, seed + 2),
-                    "max_tokens": args.decode_steps,
-                },
-            }
-            out = tmp / f"{label.replace(' ', '_')}-rank{rank}.json"
-            spec = {
-                "rank": rank,
-                "world": world,
-                "init": init,
-                "label": label,
-                "model": str(model),
-                "engine": engine,
-                "phases": work,
-                "out": str(out),
-            }
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--rank-child", json.dumps(spec)]
-            children.start(cmd, env, REPO)
-            outs.append(out)
-        deadline = time.monotonic() + args.run_timeout
-        for p in children.procs:
-            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if rc != 0:
-                raise RuntimeError(f"{label}: a rank exited with status {rc}")
-    return [json.loads(o.read_text()) for o in outs], trace
+
+    def work(rank: int) -> dict[str, Any]:
+        seed = 1000 * rank + args.seed
+        return {
+            "warmup": {"prompts": random_prompts(4, 64, seed), "max_tokens": 4},
+            "prefill": {
+                "prompts": random_prompts(args.prefill_prompts, args.prefill_len, seed + 1),
+                "max_tokens": 1,
+            },
+            "decode": {
+                "prompts": random_prompts(args.decode_seqs, args.decode_len, seed + 2),
+                "max_tokens": args.decode_steps,
+            },
+        }
+
+    def specs(init: str) -> list[dict[str, Any]]:
+        name = label.replace(" ", "_")
+        shared = {"world": world, "init": init, "label": label, "model": str(model), "engine": engine}
+        return [
+            {"rank": r, **shared, "phases": work(r), "out": str(tmp / f"{name}-rank{r}.json")}
+            for r in range(world)
+        ]
+
+    return run_pool(Path(__file__).resolve(), specs, label, args.run_timeout, attempts=1), trace
 
 
 # Analysis --------------------------------------------------------------------------------------
@@ -321,27 +273,6 @@ def analyze(ranks: list[dict[str, Any]], trace: Path | None) -> dict[str, Any]:
 
 
 # Report ----------------------------------------------------------------------------------------
-def _git(*cmd: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *cmd], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    import torch
-
-    return f"{cpu}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}"
-
-
 def _f(x: float | None, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
@@ -380,10 +311,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Two-micro-batch overlap: EP pool step time with and without `--enable-overlap`",
         "",
-        f"- date: {report['date']}",
-        f"- machine: {report['machine']}",
-        f"- commit: {report['commit']}",
-        f"- command: `{report['command']}`",
+        *report_header(report),
         f"- load average (1 min) at start / end: {report['load_start']:.2f} / {report['load_end']:.2f}",
         f"- model: tiny preset grown to {json.dumps(MODEL)}, dummy weights, float32",
         f"- per rank: prefill {a['prefill_prompts']} x {a['prefill_len']} tokens (budget {a['max_batched_tokens']} "
@@ -459,9 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     report: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "commit": _git("rev-parse", "--short", "HEAD")
-        + (" (uncommitted changes)" if _git("status", "--porcelain") else ""),
+        "machine": machine_info(torch=True),
+        "commit": git_commit(short=True),
         "command": "python benchmarks/overlap.py " + " ".join(sys.argv[1:]),
         "load_start": os.getloadavg()[0],
         "args": {k: v for k, v in vars(args).items() if k not in ("rank_child", "out", "markdown")},
@@ -469,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="dsinfer-overlap-") as tmp_name:
         tmp = Path(tmp_name)
-        model, _ = write_model(tmp / "model")
+        model, _ = grown_preset(MODEL, tmp / "model")
         for world in args.worlds:
             for repeat in range(args.repeats):
                 settings = ("off", "on") if repeat % 2 == 0 else ("on", "off")
@@ -478,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {label} (load {os.getloadavg()[0]:.2f}) ...", flush=True)
                     load_before = os.getloadavg()[0]
                     t = time.perf_counter()
-                    ranks, trace = run_pool(args, world, model, setting == "on", label, tmp)
+                    ranks, trace = run(args, world, model, setting == "on", label, tmp)
                     result = analyze(ranks, trace)
                     print(
                         f"  {label}: {time.perf_counter() - t:.0f} s; prefill {_f(result['prefill']['median_ms'])} ms, "
@@ -496,14 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
     report["load_end"] = os.getloadavg()[0]
     report["summary"] = summarize(report["runs"])
-    text = markdown(report)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
+    save_report(report, markdown(report), args.out, args.markdown, indent=1)
     return 0
 
 

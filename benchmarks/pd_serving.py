@@ -73,38 +73,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import hashlib
 import json
 import math
 import os
-import platform
 import shlex
-import shutil
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
+import psutil
 
-from dsinfer.base.processes import free_port
+from harness.clients import Stream, client_for, completion_body, stream_completion
+from harness.metrics import (
+    GATEWAY,
+    GATEWAY_SERIES,
+    Workers,
+    cpu_seconds,
+    machine_cpu,
+    poll,
+    scrape_async,
+    wait_healthy_count,
+)
+from harness.progress import progress
+from harness.provenance import REPO, command_line, export_commit, git_commit, machine_info, utc_now
+from harness.results import fmt, percentiles, write_json
+from harness.server import Server, serve
 
-REPO = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = 4096  # the tiny preset's vocabulary
 FIRST_TOKEN_ID = 2  # 0 is BOS and 1 is EOS in the tiny preset: prompts avoid both
-T0 = time.monotonic()
 CONFIG_NAMES = ("pd-load", "pd-round-robin", "colocated")
-
-
-def progress(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
 # Server configurations -------------------------------------------------------------------------
@@ -146,145 +149,6 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         "--drain-timeout",
         "5",
     ]
-
-
-# Server process (own process group; always stopped) --------------------------------------------
-def _stat_fields(pid: int) -> list[str]:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2 :].split()
-
-
-def _descendants(root: int) -> list[tuple[int, str]]:
-    """(pid, start time) of every live process below ``root`` (the ranks live in sessions of
-    their own, so the process group does not reach them; the start time guards against reuse)."""
-    parents: dict[int, tuple[int, str]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                fields = _stat_fields(int(entry.name))
-                parents[int(entry.name)] = (int(fields[1]), fields[19])
-    found: list[tuple[int, str]] = []
-    for pid, (_, started) in parents.items():
-        p = pid
-        while p in parents and p > 1:
-            p = parents[p][0]
-            if p == root:
-                found.append((pid, started))
-                break
-    return found
-
-
-def ready(base_url: str) -> bool:
-    """The gateway can serve: /ready says 200 (or /health, on commits before /ready existed)."""
-    status = httpx.get(f"{base_url}/ready", timeout=2).status_code
-    if status == 404:
-        status = httpx.get(f"{base_url}/health", timeout=2).status_code
-    return status == 200
-
-
-@dataclass
-class ServeProcess:
-    argv: list[str]
-    port: int
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, source: Path | None, extra_env: dict[str, str]) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
-        if source is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), env.get("PYTHONPATH")]))
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-                cwd=source or REPO,
-            )
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_healthy(self, timeout: float) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
-            if ": restart 3/" in self.log_path.read_text(errors="replace"):
-                raise RuntimeError(
-                    f"a pool restarted 3 times before the server got healthy:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if ready(self.base_url):
-                    return
-            time.sleep(0.25)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, grace: float = 30.0) -> int | None:
-        """SIGINT to the group (the supervisor drains its pools), bounded waits, then SIGKILL of
-        the group and of every process recorded below it that is still the same process."""
-        proc = self.process
-        if proc is None:
-            return None
-        below = _descendants(proc.pid)
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=grace)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
-        deadline = time.monotonic() + 5
-        for pid, started in below:
-            with contextlib.suppress(OSError, IndexError):
-                if _stat_fields(pid)[19] == started:
-                    os.kill(pid, signal.SIGKILL)
-        while time.monotonic() < deadline and any(_alive(pid, started) for pid, started in below):
-            time.sleep(0.1)
-        return proc.returncode
-
-
-def _alive(pid: int, started: str) -> bool:
-    try:
-        fields = _stat_fields(pid)
-    except (OSError, IndexError):
-        return False
-    return fields[19] == started and fields[0] != "Z"
-
-
-@contextlib.contextmanager
-def serve(
-    flags: list[str],
-    log_dir: Path,
-    name: str,
-    startup_timeout: float,
-    source: Path | None = None,
-    extra_env: dict[str, str] | None = None,
-) -> Iterator[ServeProcess]:
-    port = free_port()
-    argv = [sys.executable, "-m", "dsinfer.cli.main", "serve", "--port", str(port), *flags]
-    server = ServeProcess(argv, port, log_dir / f"pd_serving-{name}.log")
-    env_words = [f"{k}={v}" for k, v in (extra_env or {}).items()]
-    progress(f"[{name}] starting server: {shlex.join([*env_words, *argv[1:]])}")
-    started = time.monotonic()
-    try:
-        server.start(source, extra_env or {})
-        server.wait_healthy(startup_timeout)
-        progress(f"[{name}] server healthy after {time.monotonic() - started:.1f} s (log {server.log_path})")
-        yield server
-    finally:
-        progress(f"[{name}] stopping server")
-        stopping = time.monotonic()
-        code = server.stop()
-        progress(f"[{name}] server stopped in {time.monotonic() - stopping:.1f} s (exit code {code})")
 
 
 # Workload --------------------------------------------------------------------------------------
@@ -414,110 +278,44 @@ async def send_one(client: httpx.AsyncClient, base_url: str, item: Item, start: 
     if delay > 0:
         await asyncio.sleep(delay)
     res = Result(item.index, len(item.prompt), item.prefix, item.max_tokens, item.kind)
-    body = {
-        "model": "tiny",
-        "prompt": item.prompt,
-        "max_tokens": item.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    res.sent = sent - start
-    first = last = None
-    usage: dict[str, Any] | None = None
-    try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    res.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
-                    return res
-                if chunk.get("choices"):
-                    first = now if first is None else first
-                    last = now
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        res.error = f"{type(e).__name__}: {e}"
+    body = completion_body(item.prompt, item.max_tokens, stream_options={"include_usage": True})
+    stream = Stream()
+    res.sent = stream.sent - start
+    await stream_completion(client, base_url, body, out=stream)
+    if stream.error is not None:
+        res.error = stream.error
         return res
-    if first is None or last is None or usage is None:
+    if not stream.chunks or stream.usage is None:
         res.error = "stream ended without tokens or usage"
         return res
-    res.output_tokens = int(usage.get("completion_tokens", 0))
-    res.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    res.ttft = first - sent
-    res.e2e = last - sent
-    if res.output_tokens > 1:
-        res.tpot = (last - first) / (res.output_tokens - 1)
+    res.output_tokens = stream.completion_tokens
+    res.cached_tokens = int((stream.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    res.ttft, res.e2e, res.tpot = stream.ttft, stream.e2e, stream.tpot
     if res.output_tokens != item.max_tokens:
         res.error = f"got {res.output_tokens} tokens, asked {item.max_tokens} with ignore_eos"
     return res
 
 
 # Rank processes and server log -----------------------------------------------------------------
-def rank_processes(server: ServeProcess) -> list[dict[str, Any]]:
-    """pid, thread count and thread-related environment of every rank process under the server
-    (ranks are the processes started with ``--args-json``)."""
-    assert server.process is not None
+def rank_processes(server: Server) -> list[dict[str, Any]]:
+    """pid, thread count and thread-related environment of every rank process under the server."""
     found = []
-    for pid, _ in _descendants(server.process.pid):
-        with contextlib.suppress(OSError):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"--args-json" not in argv:
-                continue
-            spec = json.loads(argv[argv.index(b"--args-json") + 1])
-            environ = dict(
-                kv.split("=", 1)
-                for kv in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-                if "=" in kv
-            )
-            status = dict(
-                line.split(":", 1)
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if ":" in line
-            )
+    for pid, spec in server.ranks():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            environ = proc.environ()
             found.append(
                 {
                     "pid": pid,
                     "role": (spec.get("pool") or {}).get("role"),
                     "rank": spec.get("rank"),
-                    "threads": int(status.get("Threads", "0").strip() or 0),
+                    "threads": proc.num_threads(),
                     **{
                         k: environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "MKL_NUM_THREADS")
                     },
                 }
             )
     return sorted(found, key=lambda r: (str(r["role"]), r["rank"] if r["rank"] is not None else -1))
-
-
-def cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """User + system CPU seconds of each live process (all its threads)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for pid in pids:
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = _stat_fields(pid)
-            out[pid] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return (sum(values[:8]) - idle) / tick, sum(values[:8]) / tick
 
 
 def cpu_window(
@@ -565,63 +363,6 @@ def log_events(path: Path) -> dict[str, Any]:
     return events
 
 
-# Metrics polling -------------------------------------------------------------------------------
-WORKER_SERIES = {
-    "dsinfer_worker_healthy": "healthy",
-    "dsinfer_worker_running_requests": "running",
-    "dsinfer_worker_waiting_requests": "waiting",
-    "dsinfer_kv_cache_usage_ratio": "kv",
-    "dsinfer_worker_prompt_tokens_total": "prompt_tokens",
-    "dsinfer_prefix_cache_hit_tokens_total": "hit_tokens",  # summed over tiers
-    "dsinfer_kv_transfer_bytes_total": "transfer_bytes",
-    "dsinfer_kv_transfers_total": "transfers",
-}
-
-
-GATEWAY = "gateway"  # the pseudo-worker that holds the gateway's own gauges
-GATEWAY_SERIES = {"dsinfer_queue_length": "queue", "dsinfer_in_flight_requests": "in_flight"}
-
-
-def parse_metrics(text: str) -> dict[str, dict[str, Any]]:
-    """worker name -> {"role": ..., series key -> value} from the gateway's Prometheus text; the
-    gateway's queue length and in-flight count under GATEWAY."""
-    workers: dict[str, dict[str, Any]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in GATEWAY_SERIES:
-                workers.setdefault(GATEWAY, {"role": GATEWAY})[GATEWAY_SERIES[sample.name]] = sample.value
-                continue
-            key = WORKER_SERIES.get(sample.name)
-            worker = sample.labels.get("worker")
-            if key is None or worker is None:
-                continue
-            entry = workers.setdefault(worker, {"role": sample.labels.get("role", "")})
-            entry[key] = entry.get(key, 0.0) + sample.value
-    return workers
-
-
-async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> dict[str, dict[str, Any]]:
-    resp = await client.get(f"{base_url}/metrics", timeout=10)
-    resp.raise_for_status()
-    return parse_metrics(resp.text)
-
-
-async def poll_metrics(
-    client: httpx.AsyncClient,
-    base_url: str,
-    interval: float,
-    start: float,
-    stop: asyncio.Event,
-    samples: list[tuple[float, dict[str, dict[str, Any]]]],
-) -> None:
-    while not stop.is_set():
-        t = time.perf_counter()
-        with contextlib.suppress(httpx.HTTPError):
-            samples.append((t - start, await fetch_metrics(client, base_url)))
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=max(0.0, interval - (time.perf_counter() - t)))
-
-
 def time_average(points: list[tuple[float, float]], a: float, b: float) -> float | None:
     """Sample-and-hold average of (t, value) points over [a, b] (time covered by samples only)."""
     total = covered = 0.0
@@ -642,31 +383,6 @@ def max_over_mean(values: list[float]) -> float | None:
 
 
 # One phase -------------------------------------------------------------------------------------
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    arr = np.array(values)
-    return {
-        "p50": float(np.percentile(arr, 50)),
-        "p90": float(np.percentile(arr, 90)),
-        "p99": float(np.percentile(arr, 99)),
-        "mean": float(arr.mean()),
-    }
-
-
-async def wait_ready(poller: httpx.AsyncClient, base_url: str, ranks: int, timeout: float) -> None:
-    """Until the gateway lists ``ranks`` workers, all healthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            workers = await fetch_metrics(poller, base_url)
-            workers.pop(GATEWAY, None)
-            if len(workers) == ranks and all(w.get("healthy") == 1 for w in workers.values()):
-                return
-        await asyncio.sleep(0.5)
-    raise TimeoutError(f"{base_url}: not {ranks} healthy workers after {timeout:.0f} s")
-
-
 async def warm_up(
     name: str,
     client: httpx.AsyncClient,
@@ -682,7 +398,7 @@ async def warm_up(
     half = (len(warm) + 1) // 2
     errors: list[str] = []
     for round_ in range(1, args.warmup_rounds + 1):
-        await wait_ready(poller, base_url, ranks, 120.0)
+        await wait_healthy_count(poller, base_url, ranks, 120.0)
         started = time.perf_counter()
         results: list[Result] = []
         for wave in (warm[:half], warm[half:]):
@@ -694,33 +410,31 @@ async def warm_up(
             f" {len(failed)} failed{' (' + failed[0] + ')' if failed else ''}"
         )
         if not failed:
-            await wait_ready(poller, base_url, ranks, 120.0)
+            await wait_healthy_count(poller, base_url, ranks, 120.0)
             return errors
     raise RuntimeError(f"[{name}] warm-up failed in each of {args.warmup_rounds} rounds: {errors[-1]}")
 
 
 async def run_phase(
-    name: str, ranks: int, server: ServeProcess, items: list[Item], args: argparse.Namespace
+    name: str, ranks: int, server: Server, items: list[Item], args: argparse.Namespace
 ) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=len(items) + 16, max_keepalive_connections=len(items) + 16)
-    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     async with (
-        httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+        client_for(len(items), args.request_timeout) as client,
         httpx.AsyncClient(timeout=10.0) as poller,
     ):
         warm_errors = await warm_up(name, client, poller, server.base_url, ranks, args)
         rank_procs = rank_processes(server)
         await asyncio.sleep(1.2)  # let every rank's next heartbeat carry the warm-up's counters
-        before = await fetch_metrics(poller, server.base_url)
+        before = await scrape_async(poller, server.base_url)
 
-        tree = [server.process.pid, *(pid for pid, _ in _descendants(server.process.pid))]
+        tree = [server.pid, *(p.pid for p in server.processes())]
         cpu_before = cpu_seconds(tree), machine_cpu()
         start = time.perf_counter()
         load_start = os.getloadavg()
-        samples: list[tuple[float, dict[str, dict[str, Any]]]] = []
+        samples: list[tuple[float, Workers]] = []
         stop = asyncio.Event()
         poll_task = asyncio.create_task(
-            poll_metrics(poller, server.base_url, args.poll_interval, start, stop, samples)
+            poll(poller, server.base_url, args.poll_interval, start, stop, samples)
         )
         tasks = [asyncio.create_task(send_one(client, server.base_url, it, start)) for it in items]
         progress(f"[{name}] measuring: {len(items)} requests at {args.rate} req/s")
@@ -743,7 +457,7 @@ async def run_phase(
         cpu_after = cpu_seconds(tree), machine_cpu()
         window_wall = time.perf_counter() - start
         await asyncio.sleep(1.2)
-        after = await fetch_metrics(poller, server.base_url)
+        after = await scrape_async(poller, server.base_url)
 
     ok = [r for r in results if r.error is None]
     window_end = max((r.sent + r.e2e for r in results if r.e2e is not None), default=0.0)
@@ -799,9 +513,9 @@ async def run_phase(
 
 
 def rank_load(
-    before: dict[str, dict[str, Any]],
-    after: dict[str, dict[str, Any]],
-    samples: list[tuple[float, dict[str, dict[str, Any]]]],
+    before: Workers,
+    after: Workers,
+    samples: list[tuple[float, Workers]],
     a: float,
     b: float,
 ) -> dict[str, Any]:
@@ -861,7 +575,7 @@ def rank_load(
 
 
 def instantaneous_ratio(
-    samples: list[tuple[float, dict[str, dict[str, Any]]]],
+    samples: list[tuple[float, Workers]],
     workers: list[str],
     value: Callable[[dict[str, Any]], float],
     a: float,
@@ -877,106 +591,6 @@ def instantaneous_ratio(
             mean.append((t, sum(values) / len(values)))
     avg_top, avg_mean = time_average(top, a, b), time_average(mean, a, b)
     return avg_top / avg_mean if avg_top is not None and avg_mean else None
-
-
-# Machine and report ----------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"online_cpus": os.cpu_count(), "python": platform.python_version()}
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-        info["cpu_model"] = fields.get("Model name", "").strip()
-        info["cores_per_socket"] = fields.get("Core(s) per socket", "").strip()
-        info["threads_per_core"] = fields.get("Thread(s) per core", "").strip()
-    with contextlib.suppress(OSError, ValueError):
-        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()
-        info["mem_total_gib"] = round(int(mem[1]) / (1 << 20), 1)
-    info["kernel"] = platform.release()
-    return info
-
-
-def git(*argv: str) -> str:
-    return subprocess.run(
-        ["git", *argv], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    ).stdout.strip()
-
-
-def save_report(report: dict[str, Any], text: str, out: Path | None, markdown: Path | None) -> None:
-    """Print the markdown ``text`` and write it and the JSON ``report`` where asked."""
-    print(text)
-    if out is not None:
-        out.write_text(json.dumps(report, indent=2) + "\n")
-    if markdown is not None:
-        markdown.write_text(text)
-
-
-def git_commit() -> str:
-    """HEAD of this checkout, flagged when dsinfer's tracked files or untracked sources differ."""
-    try:
-        head = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--", "dsinfer", "kernels", "configs")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{head}{' (uncommitted changes in dsinfer/, kernels/ or configs/)' if dirty else ''}"
-
-
-def export_commit(rev: str, dest: Path) -> tuple[str, Path]:
-    """A clean copy of ``rev`` (``git archive``) in ``dest``, laid out as the editable install maps
-    it (``kernels/`` -> ``dsinfer.kernels``, ``configs/models`` -> ``dsinfer.presets``), so that
-    servers started with PYTHONPATH=dest run that commit whatever the checkout holds meanwhile.
-    ``rev == "worktree"``: a copy of the checkout's files as they are now (tracked, and untracked
-    but not ignored), described as HEAD + the sha256 of ``git diff HEAD`` and the untracked files."""
-    dest.mkdir(parents=True, exist_ok=True)
-    if rev == "worktree":
-        head = git("rev-parse", "HEAD")
-        files = git("ls-files", "-z", "--cached", "--others", "--exclude-standard").split("\0")
-        present = [
-            f
-            for f in files
-            if f and (REPO / f).is_file() and f.split("/")[0] in ("dsinfer", "kernels", "configs")
-        ]
-        for f in present:
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dest / f)
-        diff = subprocess.run(
-            ["git", "diff", "HEAD", "--", "dsinfer", "kernels", "configs"],
-            cwd=REPO,
-            capture_output=True,
-            check=True,
-        ).stdout
-        untracked = git("ls-files", "--others", "--exclude-standard", "--", "dsinfer", "kernels", "configs")
-        sha = (
-            f"{head} + uncommitted working tree (git diff HEAD sha256 {hashlib.sha256(diff).hexdigest()[:16]},"
-            f" {len(diff.splitlines())} diff lines; untracked: {', '.join(untracked.split()) or 'none'})"
-        )
-    else:
-        sha = git("rev-parse", "--verify", f"{rev}^{{commit}}")
-        with subprocess.Popen(
-            ["git", "archive", "--format=tar", sha], cwd=REPO, stdout=subprocess.PIPE
-        ) as arch:
-            subprocess.run(["tar", "-x", "-C", str(dest)], stdin=arch.stdout, check=True, timeout=120)
-        if arch.returncode != 0:
-            raise RuntimeError(f"git archive {sha} failed with {arch.returncode}")
-    (dest / "dsinfer" / "kernels").symlink_to(dest / "kernels", target_is_directory=True)
-    (dest / "dsinfer" / "presets").symlink_to(dest / "configs" / "models", target_is_directory=True)
-    env = {**os.environ, "PYTHONPATH": str(dest)}
-    probe = "import dsinfer, dsinfer.kernels, dsinfer.presets as p; print(dsinfer.__file__, p.__file__)"
-    seen = subprocess.run(
-        [sys.executable, "-c", probe],
-        env=env,
-        cwd=dest,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    ).stdout.split()
-    if not all(Path(f).resolve().is_relative_to(dest.resolve()) for f in seen):
-        raise RuntimeError(f"the export at {dest} is not what python imports: {seen}")
-    return sha, dest
-
-
-def fmt(value: float | None, scale: float = 1.0, digits: int = 2) -> str:
-    return "-" if value is None else f"{value * scale:,.{digits}f}"
 
 
 def p3(stats: dict[str, float | None], scale: float, digits: int) -> str:
@@ -1310,8 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {seed: make_workload(argparse.Namespace(**{**vars(args), "seed": seed})) for seed in seeds}
     report: dict[str, Any] = {
         "benchmark": "pd_serving",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": shlex.join([Path(sys.executable).as_posix(), *sys.argv]),
+        "date": utc_now(),
+        "command": command_line(),
         "git_commit": commit,
         "machine": machine_info(),
         "load_avg_start": list(os.getloadavg()),
@@ -1325,8 +939,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["runs"][args.workload] = report
 
     def save() -> None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(args.out, doc)
 
     for seed, wl in report["workloads"].items():
         progress(
@@ -1340,7 +953,17 @@ def main(argv: list[str] | None = None) -> int:
         for position, name in enumerate(phase_order(args.configs.split(","), repeat, args.order)):
             flags = [*topology_flags(name), *engine_flags(args)]
             label = f"{args.workload}-{name}-seed{seed}"
-            with serve(flags, args.log_dir, label, args.startup_timeout, source, server_env(args)) as server:
+            with serve(
+                flags,
+                args.log_dir,
+                name=f"pd_serving-{label}",
+                startup_timeout=args.startup_timeout,
+                source=source,
+                env=server_env(args),
+                give_up_on=": restart 3/",  # a pool restarted 3 times before the server got ready
+                stop_grace=30.0,
+                say=lambda msg, label=label: progress(f"[{label}] {msg}"),
+            ) as server:
                 phase = asyncio.run(run_phase(label, num_ranks(name), server, workloads[seed], args))
             events = log_events(server.log_path)
             report["phases"].append(

@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import itertools
-import json
 import os
 import random
 import re
@@ -48,22 +46,17 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from pd_serving import (
-    ServeProcess,
-    fetch_metrics,
-    git,
-    git_commit,
-    machine_info,
-    progress,
-    save_report,
-    serve,
-    wait_ready,
-)
+
+from harness.clients import Stream, client_for, completion_body, stream_completion
+from harness.metrics import GATEWAY, scrape_async, wait_healthy_count
+from harness.progress import progress
+from harness.provenance import command_line, git, git_commit, machine_info, utc_now
+from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs
+from harness.server import TINY_CPU, Server, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
 MODES = {
@@ -78,18 +71,10 @@ MOVED = re.compile(
 STALL_WINDOW = 10.0  # s after the kill in which the unmoved streams' longest gap is taken
 
 
-@dataclass
-class Stream:
-    sent: float
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens in the chunk)
-    error: str | None = None
-    request_id: str | None = None  # the completion's id, as the gateway's log names it
-
-
 def server_flags(args: argparse.Namespace, mode: str, size: int) -> list[str]:
     pools, extra = MODES[mode]
     return [
-        *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--device", "cpu", "--seed", "0"),
+        *TINY_CPU,
         *("--colocated", "--decode-pools", str(pools), "--decode-pool-size", str(size)),
         *("--threads-per-rank", "1", "--kv-cache-memory", args.kv_cache_memory, "--drain-timeout", "5"),
         *("--max-num-seqs", str(max(args.streams, 8))),
@@ -97,41 +82,10 @@ def server_flags(args: argparse.Namespace, mode: str, size: int) -> list[str]:
     ]  # fmt: skip
 
 
-def body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "logprobs": 0,
-    }
-
-
 async def stream_one(
     client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, out: Stream | None = None
 ) -> Stream:
-    out = out or Stream(time.perf_counter())
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body(prompt, max_tokens)) as resp:
-            if resp.status_code != 200:
-                out.error = f"HTTP {resp.status_code}"
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now, chunk = time.perf_counter(), json.loads(line[len("data: ") :])
-                if "error" in chunk:
-                    out.error = str(chunk["error"])[:200]
-                out.request_id = out.request_id or chunk.get("id")
-                for choice in chunk.get("choices", []):
-                    tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
-                    if tokens:
-                        out.chunks.append((now, tokens))
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        out.error = f"{type(e).__name__}: {e}"
-    return out
+    return await stream_completion(client, url, completion_body(prompt, max_tokens, logprobs=0), out=out)
 
 
 async def first_new_token(
@@ -139,37 +93,11 @@ async def first_new_token(
 ) -> float | None:
     """perf_counter time of the first token of a new request, one sent every 0.1 s until one streams."""
     while time.perf_counter() < deadline:
-        got = await stream_one(client, url, prompt, 2)
-        if got.chunks:
-            return got.chunks[0][0]
+        got = (await stream_one(client, url, prompt, 2)).token_chunks
+        if got:
+            return got[0][0]
         await asyncio.sleep(0.1)
     return None
-
-
-def rank_pid(server_pid: int, pool: int, rank: int) -> int:
-    """The pid of colocated pool ``pool``'s rank ``rank`` under the server."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            if b"dsinfer.workers.rank" not in argv or not _descends_from(int(proc.name), server_pid):
-                continue
-        except OSError:
-            continue
-        spec = json.loads(argv[argv.index(b"--args-json") + 1])
-        if spec["pool"]["pool_id"] == pool and spec["rank"] == rank:
-            return int(proc.name)
-    raise LookupError(f"no rank {rank} of pool {pool} under pid {server_pid}")
-
-
-def _descends_from(pid: int, root: int) -> bool:
-    while pid > 1:
-        if pid == root:
-            return True
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        pid = int(stat[stat.rindex(")") + 2 :].split()[1])
-    return False
 
 
 async def whole(client: httpx.AsyncClient, url: str, ranks: int) -> float:
@@ -178,8 +106,8 @@ async def whole(client: httpx.AsyncClient, url: str, ranks: int) -> float:
     deadline, seen_down = time.perf_counter() + 300.0, False
     while time.perf_counter() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            workers = await fetch_metrics(client, url)
-            healthy = sum(1 for w, m in workers.items() if w != "gateway" and m.get("healthy") == 1)
+            workers = await scrape_async(client, url)
+            healthy = sum(1 for w, m in workers.items() if w != GATEWAY and m.get("healthy") == 1)
             if healthy < ranks:
                 seen_down = True
             elif seen_down:
@@ -200,20 +128,10 @@ def moved_streams(log_path: Path, offset: int) -> dict[str, int]:
     return moved
 
 
-def time_of_token(stream: Stream, index: int) -> float | None:
-    """When the chunk carrying output token ``index`` (0-based) arrived."""
-    seen = 0
-    for t, tokens in stream.chunks:
-        seen += tokens
-        if seen > index:
-            return t
-    return None
-
-
 def longest_gap(stream: Stream, start: float, end: float) -> float | None:
     """The longest wait between tokens from ``start`` (from the stream's last token before it)
     through ``end``."""
-    times = [t for t, _ in stream.chunks]
+    times = [t for t, _ in stream.token_chunks]
     before = [t for t in times if t <= start]
     window = [before[-1]] if before else []
     window += [t for t in times if start < t <= end]
@@ -222,16 +140,15 @@ def longest_gap(stream: Stream, start: float, end: float) -> float | None:
 
 
 async def one_kill(
-    url: str, server: ServeProcess, args: argparse.Namespace, mode: str, ranks: int, seed: int
+    url: str, server: Server, args: argparse.Namespace, mode: str, ranks: int, seed: int
 ) -> dict[str, Any]:
-    assert server.process is not None
-    server_pid, rng = server.process.pid, random.Random(seed)
+    rng = random.Random(seed)
 
     def prompt() -> list[int]:
         return [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(args.prompt_len)]
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        await wait_ready(client, url, ranks, 300.0)
+    async with client_for(args.streams) as client:
+        await wait_healthy_count(client, url, ranks, 300.0)
         streams = [Stream(time.perf_counter()) for _ in range(args.streams)]
         tasks = [asyncio.create_task(stream_one(client, url, prompt(), args.output_len, s)) for s in streams]
         deadline = time.perf_counter() + 300.0
@@ -240,7 +157,7 @@ async def one_kill(
                 raise TimeoutError("streams did not start within 300 s")
             await asyncio.sleep(0.05)
         await asyncio.sleep(args.kill_after)
-        victim = rank_pid(server_pid, 0, 1)
+        [victim] = server.rank_pids(pool=0, rank=1)
         load, log_offset = os.getloadavg()[0], server.log_path.stat().st_size
         os.kill(victim, signal.SIGKILL)
         killed = time.perf_counter()
@@ -255,7 +172,7 @@ async def one_kill(
     stalled: list[float] = []  # the unmoved streams' longest gaps after the kill
     for s in streams:
         if s.request_id in moved:
-            at = time_of_token(s, moved[s.request_id])
+            at = s.time_of_token(moved[s.request_id])
             if at is not None:
                 recovered.append(at - killed)
         elif probe is None and (gap := longest_gap(s, killed, killed + STALL_WINDOW)) is not None:
@@ -273,25 +190,14 @@ async def one_kill(
     }
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for key in sorted({(r["mode"], r["ep"]) for r in runs}, key=lambda k: (k[1], list(MODES).index(k[0]))):
-        mine = [r for r in runs if (r["mode"], r["ep"]) == key]
-
-        def med(name: str, mine: list[dict[str, Any]] = mine) -> float | None:
-            values = [r[name] for r in mine if r[name] is not None]
-            return statistics.median(values) if values else None
-
-        out[f"{key[0]} EP{key[1]}"] = {
-            "kill_to_token_median_s": med("kill_to_token_median_s"),
-            "kill_to_token_max_s": med("kill_to_token_max_s"),
-            "moved_streams": med("moved_streams"),
-            "others_max_gap_s": med("others_max_gap_s"),
-            "failed_streams": med("failed_streams"),
-            "kill_to_whole_s": med("kill_to_whole_s"),
-            "repeats": len(mine),
-        }
-    return out
+SUMMARY_FIELDS = (
+    "kill_to_token_median_s",
+    "kill_to_token_max_s",
+    "moved_streams",
+    "others_max_gap_s",
+    "failed_streams",
+    "kill_to_whole_s",
+)
 
 
 def _s(value: float | None) -> str:
@@ -303,10 +209,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Kill -9 of a rank to the next delivered token (benchmarks/rank_recovery.py)",
         "",
-        f"- date: {report['date']}",
-        "- machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items()),
-        f"- commit: {report['commit']}",
-        f"- command: `{report['command']}`",
+        *report_header(report),
         f"- workload: {a['streams']} streamed requests, {a['prompt_len']} prompt tokens, up to "
         f"{a['output_len']} output tokens, greedy; rank 1 of pool 0 killed {a['kill_after']:g} s in; "
         f"colocated pools, one torch thread per rank; {a['repeats']} repeat(s)",
@@ -359,9 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-after", type=float, default=2.0, help="seconds after every stream decodes")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None)
+    add_output_args(parser)
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -375,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 name = f"{mode}-ep{size}"
                 ranks = MODES[mode][0] * size
-                with serve(server_flags(args, mode, size), log_dir, name, 300.0) as server:
+                with serve(
+                    server_flags(args, mode, size), log_dir, name=name, startup_timeout=300.0
+                ) as server:
                     for repeat in range(args.repeats):
                         result = asyncio.run(
                             one_kill(server.base_url, server, args, mode, ranks, args.seed + repeat)
@@ -387,13 +291,19 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         runs.append({"repeat": repeat, "mode": mode, "ep": size, **result})
     report = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": machine_info(),
         "commit": git_commit(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": command_line(),
+        "args": jsonable_args(args),
         "runs": runs,
-        "summary": summarize(runs),
+        "summary": summarize_runs(
+            runs,
+            lambda r: (r["mode"], r["ep"]),
+            SUMMARY_FIELDS,
+            name=lambda k: f"{k[0]} EP{k[1]}",
+            order=lambda k: (k[1], list(MODES).index(str(k[0]))),
+        ),
     }
     save_report(report, markdown(report), args.out, args.markdown)
     return 0

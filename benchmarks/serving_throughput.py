@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,22 +34,16 @@ from typing import Any
 import httpx
 
 from dsinfer.base.processes import free_port
+from harness.clients import client_for, complete, completion_body
+from harness.metrics import cpu_seconds, rss_mib
+from harness.progress import progress
+from harness.provenance import REPO, command_line, git_state, load_average, machine_info, parse_cpu_list
+from harness.results import write_json
+from harness.server import Server, dsinfer_command, engine_env, role_of
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-sys.path.insert(0, str(BENCH_DIR))
-from offline_throughput import git_state, machine_info, worker_env  # noqa: E402
-
+BENCH_DIR = REPO / "benchmarks"
 SERVERS = ("dsinfer-colocated", "dsinfer-pd", "vllm")
 VLLM_COMPILATION = json.dumps({"custom_ops": ["all", "-rotary_embedding"]})  # peers.md
-
-
-def progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # Server processes -------------------------------------------------------------------------------
@@ -65,111 +57,29 @@ def server_command(name: str, args: argparse.Namespace, port: int) -> tuple[list
         cmd += ["--compilation-config", VLLM_COMPILATION]  # 0.32 logs no requests by default
         if dtype == "float32":
             cmd += ["--attention-backend", "CPU_MLA"]
-        env = worker_env("vllm", args.scratch, args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
+        env = engine_env("vllm", args.scratch, args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
     else:
-        cmd = [args.python, "-m", "dsinfer.cli.main", "serve", "--model", model, "--dtype", dtype]
+        cmd = dsinfer_command("serve", "--model", model, "--dtype", dtype, python=args.python)
         cmd += ["--port", str(port), "--host", "127.0.0.1"]
         if name == "dsinfer-colocated":
             cmd.append("--colocated")
         cmd += shlex.split(args.dsinfer_flags)
-        env = worker_env("dsinfer", args.scratch, args.cores, args.kv_cache_gb, None)
+        env = engine_env("dsinfer", args.scratch, args.cores, args.kv_cache_gb, None)
         env.pop("OMP_NUM_THREADS", None)  # the pool launchers give each rank its threads
     return ["taskset", "-c", args.cores, *cmd], env
 
 
-def process_tree(root: int) -> dict[int, str]:
-    """pid -> command line of ``root`` and every descendant."""
-    children: dict[int, list[int]] = {}
-    cmdlines: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            cmdlines[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in cmdlines:
-            tree[pid] = cmdlines[pid]
-        todo += children.get(pid, [])
-    return tree
-
-
-def role_of(cmdline: str) -> str:
-    for needle, role in (
-        ("--role gateway", "gateway"),
-        ("dsinfer.workers.rank", "rank"),
-        ("--role prefill", "launcher"),
-        ("--role decode", "launcher"),
-        ("--role colocated", "launcher"),
-        ("vllm.entrypoints", "vllm api server"),
-        ("dsinfer.cli.main serve", "all-in-one parent"),
-    ):
-        if needle in cmdline:
-            return role
-    return "vllm engine core" if "python" in cmdline or "VLLM" in cmdline else "other"
+def process_tree(server: Server) -> dict[int, str]:
+    """pid -> role (``role_of``) of the server and every process below it."""
+    return {p.pid: role_of(p.cmdline()) for p in server.tree()}
 
 
 def rss_mib_by_role(tree: dict[int, str]) -> dict[str, list[float]]:
     """Resident memory of each process of the tree, MiB, grouped by role."""
     out: dict[str, list[float]] = {}
-    for pid, cmdline in tree.items():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        out.setdefault(role_of(cmdline), []).append(round(kib / 1024, 1))
+    for pid, mib in rss_mib(tree).items():
+        out.setdefault(tree[pid], []).append(round(mib, 1))
     return out
-
-
-def cpu_seconds(tree: dict[int, str]) -> dict[int, float]:
-    ticks = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for pid in tree:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[pid] = (int(fields[11]) + int(fields[12])) / ticks
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
-
-
-class Server:
-    def __init__(self, name: str, args: argparse.Namespace, log_dir: Path) -> None:
-        self.name, self.port = name, free_port()
-        cmd, env = server_command(name, args, self.port)
-        self.log_path = log_dir / f"{name}.log"
-        progress(f"[{name}] start: {shlex.join(cmd)} (log {self.log_path})")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=self.log_path.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self, grace: float = 30.0) -> None:
-        for sig in (signal.SIGINT, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=grace)
-                os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
-            except subprocess.TimeoutExpired:
-                continue
-            except ProcessLookupError:
-                return
 
 
 # Client -----------------------------------------------------------------------------------------
@@ -180,46 +90,25 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
     ]
 
 
-async def complete(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int
-) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    response = await client.post(f"{url}/v1/completions", json=body)
-    response.raise_for_status()
-    return response.json()
-
-
-async def wait_ready(server: Server, model: str, timeout: float) -> float:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=30) as client:
-        while time.monotonic() < deadline:
-            if server.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{server.name} exited with {server.proc.returncode} (see {server.log_path})"
-                )
-            try:
-                await complete(client, server.url, model, [5, 6, 7], 1)
-                return time.monotonic() - server.started
-            except httpx.HTTPError:
-                await asyncio.sleep(0.5)
-    raise TimeoutError(f"{server.name} not ready after {timeout:.0f} s (see {server.log_path})")
+def body(model: str, prompt: list[int], n: int) -> dict[str, Any]:
+    return completion_body(prompt, n, model=model, stream=False, temperature=0)
 
 
 async def one_pass(server: Server, model: str, prompts: list[list[int]], n: int) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    tree = process_tree(server.proc.pid)
+    tree = process_tree(server)
     before = cpu_seconds(tree)
     load = load_average()
-    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+    async with client_for(len(prompts), timeout=600) as client:
         start = time.perf_counter()
-        bodies = await asyncio.gather(*(complete(client, server.url, model, p, n) for p in prompts))
+        bodies = await asyncio.gather(
+            *(complete(client, server.base_url, body(model, p, n)) for p in prompts)
+        )
         wall = time.perf_counter() - start
     after = cpu_seconds(tree)
     tokens = sum(b["usage"]["completion_tokens"] for b in bodies)
     cpu: dict[str, float] = {}
-    for pid, cmdline in tree.items():
+    for pid, role in tree.items():
         if pid in before and pid in after:
-            role = role_of(cmdline)
             cpu[role] = round(cpu.get(role, 0.0) + after[pid] - before[pid], 2)
     return {
         "wall_s": wall,
@@ -231,11 +120,27 @@ async def one_pass(server: Server, model: str, prompts: list[list[int]], n: int)
     }
 
 
-async def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    server = Server(name, args, log_dir)
+def start_server(name: str, args: argparse.Namespace, log_dir: Path) -> tuple[Server, float]:
+    """The server started and answering a completion -> (it, seconds to that)."""
+    port = free_port()
+    cmd, env = server_command(name, args, port)
+    server = Server(cmd, port, log_dir / f"{name}.log")
+    progress(f"[{name}] start: {shlex.join(cmd)} (log {server.log_path})")
+    server.start(env, cwd=REPO)
     model = str(args.model) if name == "vllm" else args.model.name
+
+    def answers() -> bool:
+        url = f"{server.base_url}/v1/completions"
+        return httpx.post(url, json=body(model, [5, 6, 7], 1), timeout=30).status_code == 200
+
+    return server, server.wait_ready(args.start_timeout, answers)
+
+
+async def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    model = str(args.model) if name == "vllm" else args.model.name
+    server: Server | None = None
     try:
-        ready_s = await wait_ready(server, model, args.start_timeout)
+        server, ready_s = start_server(name, args, log_dir)
         progress(f"[{name}] ready after {ready_s:.1f} s; warm-up pass")
         prompts = make_prompts(args)
         warm = await one_pass(server, model, prompts, args.output_len)
@@ -247,7 +152,7 @@ async def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict
                 f"[{name}] pass {i + 1}: {p['output_tok_s']:.0f} output tok/s, CPU s {p['cpu_s_by_role']}"
             )
             passes.append(p)
-        rss = rss_mib_by_role(process_tree(server.proc.pid))
+        rss = rss_mib_by_role(process_tree(server))
         progress(f"[{name}] resident memory after the passes, MiB: {rss}")
         expected = args.num_requests * args.output_len
         bad = [p["output_tokens"] for p in passes if p["output_tokens"] != expected]
@@ -263,9 +168,10 @@ async def run_server(name: str, args: argparse.Namespace, log_dir: Path) -> dict
         }
     except Exception as e:
         progress(f"[{name}] FAILED: {e}")
-        return {"server": name, "status": "failed", "reason": str(e), "log": str(server.log_path)}
+        return {"server": name, "status": "failed", "reason": str(e), "log": str(log_dir / f"{name}.log")}
     finally:
-        server.stop()
+        if server is not None:
+            server.stop(30.0)
 
 
 def run_offline(args: argparse.Namespace, log_dir: Path) -> dict[str, list[float]]:
@@ -280,7 +186,7 @@ def run_offline(args: argparse.Namespace, log_dir: Path) -> dict[str, list[float
         cmd += ["--scratch", str(args.scratch), "--python", args.python, "--vllm-python", args.vllm_python]
         cmd += ["--compare-prompts", "0", "--out", str(out)]
         progress(f"offline run {i + 1}: {shlex.join(cmd)}")
-        subprocess.run(cmd, cwd=REPO_ROOT, check=False, stdout=(log_dir / f"offline_{i}.log").open("w"))
+        subprocess.run(cmd, cwd=REPO, check=False, stdout=(log_dir / f"offline_{i}.log").open("w"))
         if not out.exists():
             progress(f"offline run {i + 1} wrote no results (see {log_dir}/offline_{i}.log)")
             continue
@@ -345,12 +251,12 @@ def write_report(
 ) -> str:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line(Path(sys.executable).name),
         "workload": f"{args.num_requests} concurrent /v1/completions, {args.input_len} prompt tokens (ids), "
         f"{args.output_len} output tokens, greedy, ignore_eos, not streamed, {args.dtype}; "
         f"warm-up pass then {args.repeats} timed passes per server",
-        "machine": machine_info(args),
-        "git": git_state(),
+        "machine": {**machine_info(), "cores_used": parse_cpu_list(args.cores)},
+        "git": git_state(("dsinfer",)),
         "load_average_start": load_start,
         "load_average_end": load_average(),
         "servers": servers,
@@ -358,7 +264,7 @@ def write_report(
     }
     text = markdown(report)
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        write_json(args.out, report)
     if args.markdown:
         args.markdown.write_text(text)
     return text

@@ -48,6 +48,7 @@ class Stream:
     request_id: str | None = None  # the completion's id, as the gateway's log names it
     error: str | None = None
     attempts: int = 0
+    text: str = ""  # the choices' text (completions) or content (chat), concatenated
 
     @property
     def token_chunks(self) -> list[tuple[float, int]]:
@@ -98,6 +99,7 @@ def _read_chunk(out: Stream, data: str, now: float) -> None:
     if choices:
         tokens = sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in choices)
         out.chunks.append((now, tokens))
+        out.text += "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
     if chunk.get("usage"):
         out.usage = chunk["usage"]
 

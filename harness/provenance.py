@@ -77,6 +77,15 @@ def machine_info(torch: bool = False) -> dict[str, Any]:
     return info
 
 
+def parse_cpu_list(cores: str) -> list[int]:
+    """``"0-3,8"`` (as ``taskset -c`` takes it) -> [0, 1, 2, 3, 8]."""
+    out: list[int] = []
+    for part in cores.split(","):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b or a) + 1))
+    return out
+
+
 def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages, rounded to 0.01 (a shared machine's noise)."""
     return [round(x, 2) for x in os.getloadavg()]

@@ -3,9 +3,10 @@ the JSON and markdown files a benchmark writes."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,50 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], align: str = ""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return lines
+
+
+def summarize_runs(
+    runs: list[dict[str, Any]],
+    key: Callable[[dict[str, Any]], tuple[Hashable, ...]],
+    fields: Sequence[str],
+    name: Callable[[tuple[Hashable, ...]], str] = lambda k: " ".join(map(str, k)),
+    order: Callable[[tuple[Hashable, ...]], Any] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Per ``key`` of the runs (named ``name(key)``, sorted, by ``order`` if given): the median of
+    each of ``fields`` over its runs, and ``repeats``, how many runs there were."""
+    out: dict[str, dict[str, Any]] = {}
+    for k in sorted({key(r) for r in runs}, key=order):
+        mine = [r for r in runs if key(r) == k]
+        out[name(k)] = {**{f: median(r[f] for r in mine) for f in fields}, "repeats": len(mine)}
+    return out
+
+
+def report_header(report: dict[str, Any]) -> list[str]:
+    """The markdown bullets a report starts with: date, machine, commit and command, those it has."""
+    lines = [f"- date: {report['date']}"] if "date" in report else []
+    machine = report.get("machine")
+    if machine:
+        text = machine if isinstance(machine, str) else ", ".join(f"{k} {v}" for k, v in machine.items())
+        lines.append(f"- machine: {text}")
+    if "commit" in report:
+        lines.append(f"- commit: {report['commit']}")
+    if "command" in report:
+        lines.append(f"- command: `{report['command']}`")
+    return lines
+
+
+def add_output_args(
+    parser: argparse.ArgumentParser, out: Path | None = None, markdown: Path | None = None
+) -> None:
+    """``--out`` (the JSON results) and ``--markdown`` (the tables, also printed)."""
+    parser.add_argument("--out", type=Path, default=out, help="JSON results")
+    parser.add_argument("--markdown", type=Path, default=markdown, help="markdown tables (also printed)")
+
+
+def jsonable_args(args: argparse.Namespace, leave_out: Iterable[str] = ()) -> dict[str, Any]:
+    """The parsed arguments for a report (paths as strings)."""
+    skip = set(leave_out)
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
 
 
 def write_json(path: Path, doc: Any, indent: int = 1) -> None:

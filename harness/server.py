@@ -30,16 +30,55 @@ import psutil
 
 from dsinfer.base.cluster_secret import SECRET_ENV
 from dsinfer.base.processes import free_port, terminate
-from harness.provenance import source_env
+from harness.provenance import parse_cpu_list, source_env
 
 STOP_GRACE = 20.0  # seconds from SIGINT (the supervisor drains its pools) to SIGKILL
 TAG_ENV = "DSINFER_TEST_SERVER_TAG"  # in a server's environment, so in every process it starts
 RANK_MODULE = "dsinfer.workers.rank"
+# The built-in tiny model with dummy weights in float32 on the CPU: what the CPU benchmarks serve.
+TINY_CPU = [
+    "--model",
+    "tiny",
+    "--load-format",
+    "dummy",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--seed",
+    "0",
+]
 
 
 def dsinfer_command(*args: str, python: str = sys.executable) -> list[str]:
     """``python -m dsinfer.cli.main ARGS``."""
     return [python, "-m", "dsinfer.cli.main", *args]
+
+
+def engine_env(
+    engine: str, scratch: Path, cores: str, kv_space_gb: int, vllm_reserved_cpus: int | None
+) -> dict[str, str]:
+    """This environment for an engine or server pinned to ``cores`` (``taskset -c``): vLLM's caches
+    and temporary files under ``scratch``, its KV space and reserved CPUs; the others one OpenMP
+    thread per core."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "TMPDIR": str(scratch / "tmp"),
+            "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor-cache"),
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gb),
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    if engine == "vllm":
+        env.pop("OMP_NUM_THREADS", None)  # vLLM binds its own OpenMP threads
+        if vllm_reserved_cpus is not None:  # default: it keeps one core for its scheduler
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(vllm_reserved_cpus)
+    else:
+        env["OMP_NUM_THREADS"] = str(len(parse_cpu_list(cores)))
+    return env
 
 
 def rank_spec(argv: list[str]) -> dict[str, Any] | None:
@@ -158,6 +197,10 @@ class Server:
     def processes(self) -> list[psutil.Process]:
         """Every live process below the server (the gateway, launchers, ranks...)."""
         return descendants(self.pid)
+
+    def tree(self) -> list[psutil.Process]:
+        """The server's process and every live process below it."""
+        return [psutil.Process(self.pid), *self.processes()]
 
     def pids(self) -> dict[str, list[int]]:
         """role (``role_of``) -> pids of the server's processes; "server" is the one started."""
