@@ -63,26 +63,32 @@ def _sources(req: CompletionRequest | ChatCompletionRequest) -> list[Source]:
         for name in ("whitespace_pattern", "structural_tag"):
             if getattr(so, name) is not None:
                 raise bad_request(f"structured_outputs.{name} is not supported", param="structured_outputs")
-        if so.json_ is not None:
-            schema = _schema(so.json_, "structured_outputs.json")
-            sources.append(("structured_outputs.json", lambda: grammar.json_schema(schema)))
-        if so.regex is not None:
-            sources.append(("structured_outputs.regex", lambda: grammar.regex(so.regex or "")))
-        if so.choice is not None:
-            sources.append(_choices(so.choice, "structured_outputs.choice"))
-        if so.grammar is not None:
-            sources.append(("structured_outputs.grammar", lambda: grammar.from_lark(so.grammar or "")))
+        sources += _named("structured_outputs.", so.json_, so.regex, so.choice, so.grammar)
         if so.json_object:
             sources.append(("structured_outputs.json_object", grammar.json_object))
-    if req.guided_json is not None:
-        guided = _schema(req.guided_json, "guided_json")
-        sources.append(("guided_json", lambda: grammar.json_schema(guided)))
-    if req.guided_regex is not None:
-        sources.append(("guided_regex", lambda: grammar.regex(req.guided_regex or "")))
-    if req.guided_choice is not None:
-        sources.append(_choices(req.guided_choice, "guided_choice"))
-    if req.guided_grammar is not None:
-        sources.append(("guided_grammar", lambda: grammar.from_lark(req.guided_grammar or "")))
+    sources += _named("guided_", req.guided_json, req.guided_regex, req.guided_choice, req.guided_grammar)
+    return sources
+
+
+def _named(
+    prefix: str,
+    schema: dict[str, Any] | bool | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    lark: str | None,
+) -> list[Source]:
+    """The json, regex, choice and grammar constraints of one naming (``structured_outputs.json``
+    or vLLM's earlier ``guided_json`` ...), in that order."""
+    sources: list[Source] = []
+    if schema is not None:
+        checked_schema = _schema(schema, f"{prefix}json")
+        sources.append((f"{prefix}json", lambda: grammar.json_schema(checked_schema)))
+    if regex is not None:
+        sources.append((f"{prefix}regex", lambda: grammar.regex(regex or "")))
+    if choice is not None:
+        sources.append(_choices(choice, f"{prefix}choice"))
+    if lark is not None:
+        sources.append((f"{prefix}grammar", lambda: grammar.from_lark(lark or "")))
     return sources
 
 
