@@ -111,15 +111,6 @@ class RankMemory:
     kv_budget_note: str
     kv_pages: int | None
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.weights.total
-
-    @property
-    def routed_experts(self) -> int:
-        """Routed expert slots this rank holds."""
-        return self.shape.expert_slots
-
 
 def rank_memory(plan: ModelPlan, engine: EngineArgs, pool_size: int, free: int | None = None) -> RankMemory:
     """``free``: the device memory left for the KV cache at start-up, when the plan knows it better

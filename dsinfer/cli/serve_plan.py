@@ -31,11 +31,11 @@ if TYPE_CHECKING:
 # What --dry-run prints ------------------------------------------------------------------------
 def describe(plan: ModelPlan, mem: RankMemory, label: str, pool_size: int) -> list[str]:
     c = plan.config
-    experts = f"{mem.routed_experts} of {c.n_routed_experts} routed experts"
-    slots = mem.routed_experts * pool_size
+    experts = f"{mem.shape.expert_slots} of {c.n_routed_experts} routed experts"
+    slots = mem.shape.expert_slots * pool_size
     if slots > c.n_routed_experts:
         experts += f"; {slots} slots = {c.n_routed_experts} + {slots - c.n_routed_experts} redundant"
-    lines = [f"  {label} (EP{pool_size}): weights {fmt_bytes(mem.weight_bytes)} per rank ({experts})"]
+    lines = [f"  {label} (EP{pool_size}): weights {fmt_bytes(mem.weights.total)} per rank ({experts})"]
     spec = plan.kv_spec
     page = (
         f"page {spec.page_size} tokens x {mem.shape.cache_layers} layers x ({spec.describe()}: "
@@ -218,5 +218,5 @@ def print_all_in_one_plan(
         mem = rank_memory(plan, pools[0].engine, size)
         print("\n".join(describe(plan, mem, f"{role} pools", size)))
         ranks = sum(p.pool_size for p in pools if (p.role, p.pool_size) == (role, size))
-        total += ranks * (mem.weight_bytes + (mem.kv_budget or 0))
+        total += ranks * (mem.weights.total + (mem.kv_budget or 0))
     print(f"  this machine: {fmt_bytes(total)} for {_plural(layout.num_ranks, 'rank')} (weights + KV caches)")
