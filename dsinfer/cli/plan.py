@@ -71,6 +71,17 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
+# PoolSpec fields that are the `dsinfer serve` flags of their name
+_SAME_NAMED_FLAGS = (
+    "pool_size",
+    "nnodes",
+    "num_redundant_experts",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "overlap_min_tokens",
+)
+
+
 def _override_tokens(overrides: list[str]) -> dict[str, list[str]]:
     tokens: dict[str, list[str]] = {role: [] for role in PLAN_ROLES}
     for item in overrides:
@@ -111,16 +122,11 @@ def load_pool_specs(configs: list[str], overrides: list[str]) -> dict[str, Any]:
             kv = parse_size(args.kv_cache_memory) if args.kv_cache_memory is not None else None
             specs[role] = PoolSpec(
                 role=role,
-                pool_size=args.pool_size,
-                nnodes=args.nnodes,
-                num_redundant_experts=args.num_redundant_experts,
                 overlap=args.enable_overlap,
                 mtp=args.speculative_mtp,
                 kv_cache_bytes=kv,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                overlap_min_tokens=args.overlap_min_tokens,
                 model=args.model or "deepseek-v3",
+                **{name: getattr(args, name) for name in _SAME_NAMED_FLAGS},
             )
         except ValueError as e:
             raise UsageError(f"{path}: {e}") from None

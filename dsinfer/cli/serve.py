@@ -63,22 +63,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_pool_args(parser)
     add_gateway_args(parser)
     group = parser.add_argument_group("all-in-one (no --role)")
-    group.add_argument(
-        "--prefill-pool-size", type=int, default=1, help="ranks per prefill pool (default: %(default)s)"
-    )
-    group.add_argument(
-        "--decode-pool-size",
-        type=int,
-        default=1,
-        help="ranks per decode (or colocated) pool (default: %(default)s)",
-    )
-    group.add_argument("--prefill-pools", type=int, default=1, help="prefill pools (default: %(default)s)")
-    group.add_argument(
-        "--decode-pools",
-        type=int,
-        default=1,
-        help="decode pools, colocated ones with --colocated (default: %(default)s)",
-    )
+    for flag, text in (
+        ("--prefill-pool-size", "ranks per prefill pool"),
+        ("--decode-pool-size", "ranks per decode (or colocated) pool"),
+        ("--prefill-pools", "prefill pools"),
+        ("--decode-pools", "decode pools, colocated ones with --colocated"),
+    ):
+        group.add_argument(flag, type=int, default=1, help=f"{text} (default: %(default)s)")
     group.add_argument(
         "--colocated", action="store_true", help="--decode-pools colocated pools and no prefill pools"
     )
