@@ -1,0 +1,34 @@
+"""The soak drill, three minutes of it: steady streams on the all-in-one server (PD, 2 prefill
+pools, 2 decode pools of EP2) while a rank, a whole pool and the gateway are killed and a pool is
+drained, in turn. No request may end with other text than its undisturbed run's, none may hang,
+every fault is recovered from, and no KV page is held once the load is over; the only errors
+allowed are streams cut by the gateway's own death (a client sees its connection drop)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.server import serve
+from harness.soak import FAULTS, TOPOLOGY, SoakPlan, run_soak
+
+pytestmark = pytest.mark.system
+
+DROPPED = ("RemoteProtocolError", "ReadError")  # the connection went down with the gateway
+
+
+def test_three_minute_soak_loses_nothing(tmp_path: Path) -> None:
+    plan = SoakPlan(duration=180.0, rate=1.0, fault_every=15.0, max_tokens=16, prompts=16, hang_after=120.0)
+    said: list[str] = []
+    with serve(TOPOLOGY, tmp_path, startup_timeout=300) as server:
+        result = run_soak(server, plan, said.append)
+    verdicts = result.verdicts()
+    assert verdicts["different"] == 0, [o.why for o in result.outcomes if o.verdict == "different"]
+    assert verdicts["hung"] == 0
+    assert verdicts["identical"] >= 0.9 * len(result.outcomes), verdicts
+    unexplained = {why: n for why, n in result.errors().items() if not why.startswith(DROPPED)}
+    assert not unexplained, unexplained
+    assert {f.kind for f in result.faults} == set(FAULTS), [vars(f) for f in result.faults]
+    assert all(f.recovered_after is not None for f in result.faults)
+    assert result.kv_after == {}, result.kv_after
