@@ -20,18 +20,12 @@ baselines: torch ``copy_`` with one thread and numpy ``copyto``, same sizes, in 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import importlib.metadata
 import json
 import os
-import platform
-import queue
-import shlex
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -42,17 +36,16 @@ import numpy as np
 import torch
 
 from dsinfer.transfer import TransferBackend, TransferHandle, make_transfer_backend
+from harness.children import JsonLinesChild, say
+from harness.progress import progress
+from harness.provenance import command_line, git_commit, machine_info, utc_now
+from harness.results import add_output_args, write_json
 
 PAGE_TOKENS, PAGE_VALUES, DTYPE = 64, 576, torch.bfloat16
 PAGE_BYTES = PAGE_TOKENS * PAGE_VALUES * DTYPE.itemsize
 MIB = 1 << 20
 MARK = "@@kv-bench "  # NIXL logs on stdout too
 WAIT_S = 120.0
-T0 = time.monotonic()
-
-
-def progress(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:6.1f}s] {msg}", flush=True)
 
 
 def digest(t: torch.Tensor) -> str:
@@ -74,46 +67,22 @@ def receiver_main(backend: str, specs: list[str]) -> None:
         pools[agent] = make_pool(layers, pages)
         txs[agent] = make_transfer_backend(backend, agent)
         txs[agent].register_pool([(layer,) for layer in pools[agent]])  # one cache per layer
-    print(MARK + json.dumps({a: tx.metadata().hex() for a, tx in txs.items()}), flush=True)
+    say(MARK, {a: tx.metadata().hex() for a, tx in txs.items()})
     for line in sys.stdin:
         req = json.loads(line)
         cache = pools[req["agent"]]
-        out = [digest(cache[layer][pages]) for layer, pages in req["pages"]]
-        print(MARK + json.dumps(out), flush=True)
+        say(MARK, [digest(cache[layer][pages]) for layer, pages in req["pages"]])
 
 
-class Receiver:
+class Receiver(JsonLinesChild):
     def __init__(self, backend: str, specs: dict[str, tuple[int, int]]) -> None:
         cmd = [sys.executable, __file__, "--receiver", backend]
         cmd += [f"{agent}={layers}x{pages}" for agent, (layers, pages) in specs.items()]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._lines: queue.Queue[Any] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.metadata = {a: bytes.fromhex(md) for a, md in self._recv().items()}
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._lines.put(json.loads(line[len(MARK) :]))
-        self._lines.put(None)
-
-    def _recv(self) -> Any:
-        msg = self._lines.get(timeout=WAIT_S)
-        if msg is None:
-            raise RuntimeError(f"receiver exited with status {self.proc.wait(timeout=WAIT_S)}")
-        return msg
+        super().__init__(cmd, MARK, WAIT_S)
+        self.metadata = {a: bytes.fromhex(md) for a, md in self.recv().items()}
 
     def digests(self, agent: str, pages: list[tuple[int, list[int]]]) -> list[str]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"agent": agent, "pages": pages}) + "\n")
-        self.proc.stdin.flush()
-        return self._recv()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=WAIT_S)
+        return list(self.ask({"agent": agent, "pages": pages}))
 
 
 # Measurements ------------------------------------------------------------------------------------
@@ -261,22 +230,6 @@ def bench_backend(backend: str, sizes: list[int], layers: int, iters: int) -> li
 
 
 # Report ------------------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    meminfo = Path("/proc/meminfo").read_text().splitlines()
-    mem_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemTotal"))
-    return {
-        "cpu_model": fields.get("Model name", "?").strip(),
-        "online_cpus": os.cpu_count(),
-        "cores_per_socket": int(fields.get("Core(s) per socket", "0").strip() or 0),
-        "mem_total_gib": round(mem_kib / 2**20, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "load_avg_start": os.getloadavg(),
-    }
-
-
 def versions() -> dict[str, str]:
     out = {}
     for dist in ("torch", "numpy", "nixl-cu12", "mooncake-transfer-engine-non-cuda"):
@@ -284,11 +237,7 @@ def versions() -> dict[str, str]:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "not installed"
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=False
-    )
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=False)
-    out["dsinfer"] = commit.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "")
+    out["dsinfer"] = git_commit(short=True)
     return out
 
 
@@ -335,15 +284,18 @@ def main() -> None:
     parser.add_argument("--sizes-mib", default="16,64,256")
     parser.add_argument("--layers", type=int, default=61, help="cache layers of the per-layer patterns")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_transfer_bandwidth.json"))
-    parser.add_argument("--markdown", type=Path, default=Path("benchmarks/results/kv_transfer_bandwidth.md"))
+    add_output_args(
+        parser,
+        Path("benchmarks/results/kv_transfer_bandwidth.json"),
+        Path("benchmarks/results/kv_transfer_bandwidth.md"),
+    )
     args = parser.parse_args()
     sizes = [int(s) * MIB for s in args.sizes_mib.split(",")]
     report: dict[str, Any] = {
         "benchmark": "kv_transfer_bandwidth",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "machine": machine_info(),
+        "date": utc_now(),
+        "command": command_line(sys.executable),
+        "machine": {**machine_info(), "load_avg_start": os.getloadavg()},
         "versions": versions(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "MC_"))},
         "layers": args.layers,
@@ -360,7 +312,7 @@ def main() -> None:
             progress(f"{backend}: skipped ({e})")
             report["skipped"][backend] = str(e)
     report["load_avg_end"] = os.getloadavg()
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     args.markdown.write_text(markdown(report))
     progress(f"wrote {args.out} and {args.markdown}")
 

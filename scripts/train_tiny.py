@@ -64,7 +64,6 @@ import os
 import random
 import re
 import string
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -86,19 +85,6 @@ from transformers import AttentionInterface, DeepseekV3Config, DeepseekV3ForCaus
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_tokenizer import (
-    ASSISTANT,
-    BOS,
-    CHAT_TEMPLATE,
-    EOS,
-    SKIPPED_ON_DECODE,
-    SPECIAL_TOKENS,
-    USER,
-    tokenizer_config,
-    write_json,
-)
-
 from dsinfer.evals.tasks import (
     END_THINK,
     LINE_TOKENS,
@@ -115,6 +101,17 @@ from dsinfer.evals.tasks import (
     make_question,
     multiplication,
     render_context,
+)
+from harness.tiny_tokenizer import (
+    ASSISTANT,
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    SKIPPED_ON_DECODE,
+    SPECIAL_TOKENS,
+    USER,
+    tokenizer_config,
+    write_json,
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from dsinfer.base.kv_spec import CacheComponent, KVCacheSpec
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import LayerCache
 from dsinfer.transfer import TransferBackend, TransferError, TransferHandle, make_transfer_backend
+from harness.children import JsonLinesChild, say
 
 pytestmark = pytest.mark.system
 
@@ -70,10 +70,7 @@ def peer_main(backend: str, pages: int, agents: list[str]) -> None:
         txs[name] = make_transfer_backend(backend, name)
         txs[name].register_pool(pools[name].layer_tensors())
 
-    def say(**msg: object) -> None:
-        print(MARK + json.dumps(msg), flush=True)
-
-    say(metadata={name: tx.metadata().hex() for name, tx in txs.items()})
+    say(MARK, {"metadata": {name: tx.metadata().hex() for name, tx in txs.items()}})
     lines: queue.Queue[str | None] = queue.Queue()
 
     def read_stdin() -> None:
@@ -91,52 +88,26 @@ def peer_main(backend: str, pages: int, agents: list[str]) -> None:
             continue
         if line is None:
             break
-        say(pages=page_digests(pools[json.loads(line)["digests"]].caches))
+        say(MARK, {"pages": page_digests(pools[json.loads(line)["digests"]].caches)})
 
 
-class Peer:
+class Peer(JsonLinesChild):
     """A child process with one registered pool per agent (name -> dtype); started without waiting."""
 
     def __init__(self, backend: str, agents: dict[str, str]) -> None:
         cmd = [sys.executable, __file__, "peer", backend, str(PEER_PAGES)]
         cmd += [f"{name}={dtype}" for name, dtype in agents.items()]
         self.agents = dict(agents)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._lines: queue.Queue[dict | None] = queue.Queue()
         self._metadata: dict[str, bytes] = {}
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                self._lines.put(json.loads(line[len(MARK) :]))
-        self._lines.put(None)
-
-    def _recv(self) -> dict:
-        try:
-            msg = self._lines.get(timeout=WAIT_S)
-        except queue.Empty:
-            pytest.fail(f"peer process {self.proc.pid} said nothing for {WAIT_S:.0f} s")
-        if msg is None:
-            pytest.fail(f"peer process {self.proc.pid} exited with status {self.proc.wait(timeout=WAIT_S)}")
-        return msg
+        super().__init__(cmd, MARK, WAIT_S)
 
     def metadata(self, agent: str) -> bytes:
         if not self._metadata:
-            self._metadata = {name: bytes.fromhex(md) for name, md in self._recv()["metadata"].items()}
+            self._metadata = {name: bytes.fromhex(md) for name, md in self.recv()["metadata"].items()}
         return self._metadata[agent]
 
     def digests(self, agent: str) -> list[list[str]]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"digests": agent}) + "\n")
-        self.proc.stdin.flush()
-        return self._recv()["pages"]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=WAIT_S)
+        return list(self.ask({"digests": agent})["pages"])
 
 
 # Fixtures ----------------------------------------------------------------------------------------

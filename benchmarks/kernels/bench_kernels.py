@@ -47,15 +47,11 @@ import argparse
 import datetime
 import importlib
 import importlib.metadata
-import json
 import math
 import os
 import platform
 import shlex
-import statistics
-import subprocess
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -65,16 +61,37 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "models" / "deepseek-v3" / "config.json"
-CONFIG_V32 = ROOT / "configs" / "models" / "deepseek-v3.2" / "config.json"
+from harness.kernels import (
+    CONFIG,
+    CONFIG_V32,
+    DEVICE,
+    FLUSH_BYTES,
+    FP8_BLOCK,
+    GEMM_TOL,
+    ROOT,
+    V3,
+    Timer,
+    V32Sparse,
+    fp8_weights,
+    free_memory,
+    gen,
+    has_fp8,
+    import_kernels,
+    jit_usage,
+    load_v3,
+    load_v32_sparse,
+    max_abs_err,
+    projection_shapes,
+    rel_err,
+    scaled_mm,
+)
+from harness.progress import log
+from harness.provenance import git_state
+from harness.results import write_json
+
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kernels_gpu.json"
 
-DEVICE = "cuda"  # one GPU: the current CUDA device (CUDA_VISIBLE_DEVICES picks it); --device cpu: smoke
 PAGE_SIZE = 64  # FlashMLA's page size, dsinfer's default KV page
-FP8_BLOCK = 128
-FLUSH_BYTES = 256 << 20  # > L2 of any current GPU (H100/H200: 50 MB)
-MIN_ITERS = 3
 BF16 = 2  # bytes
 
 # Targets of the brief (reported as met/missed, never enforced).
@@ -90,88 +107,7 @@ TRITON_ENTRIES = ("triton_pointer", "indexer", "indexer_topk", "sparse_mla")
 LIBRARY_ENTRIES = ("flashmla", "deepgemm", "ops_deepgemm")
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------------- model shapes
-
-
-@dataclass(frozen=True)
-class V3:
-    hidden: int
-    intermediate: int
-    moe_intermediate: int
-    heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope: int
-    qk_rope: int
-    v_head: int
-    experts: int
-    n_group: int
-    topk_group: int
-    top_k: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    softmax_scale: float
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope
-
-
-def load_v3(path: Path = CONFIG) -> V3:
-    from dsinfer.base.config import ModelConfig
-
-    c = ModelConfig.from_file(path)
-    return V3(
-        hidden=c.hidden_size,
-        intermediate=c.intermediate_size,
-        moe_intermediate=c.moe_intermediate_size,
-        heads=c.num_attention_heads,
-        q_lora_rank=c.q_lora_rank or c.hidden_size,
-        kv_lora_rank=c.kv_lora_rank,
-        qk_nope=c.qk_nope_head_dim,
-        qk_rope=c.qk_rope_head_dim,
-        v_head=c.v_head_dim,
-        experts=c.n_routed_experts,
-        n_group=c.n_group,
-        topk_group=c.topk_group,
-        top_k=c.num_experts_per_tok,
-        norm_topk_prob=c.norm_topk_prob,
-        routed_scaling_factor=c.routed_scaling_factor,
-        softmax_scale=c.softmax_scale,
-    )
-
-
-@dataclass(frozen=True)
-class V32Sparse:
-    """DeepSeek-V3.2's indexer and sparse MLA shapes."""
-
-    index_heads: int
-    index_dim: int
-    topk: int
-    heads: int
-    dim: int  # latent + rope values per cached token (576)
-    dim_v: int
-    softmax_scale: float
-
-
-def load_v32_sparse(path: Path = CONFIG_V32) -> V32Sparse:
-    from dsinfer.base.config import ModelConfig
-
-    c = ModelConfig.from_file(path)
-    assert c.index_n_heads and c.index_head_dim and c.index_topk, f"{path} has no indexer"
-    return V32Sparse(
-        index_heads=c.index_n_heads,
-        index_dim=c.index_head_dim,
-        topk=c.index_topk,
-        heads=c.num_attention_heads,
-        dim=c.kv_lora_rank + c.qk_rope_head_dim,
-        dim_v=c.kv_lora_rank,
-        softmax_scale=c.softmax_scale,
-    )
 
 
 # ---------------------------------------------------------------------------------------- cases
@@ -330,22 +266,6 @@ class Plan:
     sparse: list[SparseCase]
     copy_bytes: int
     matmul_sizes: tuple[int, ...]
-
-
-def projection_shapes(v3: V3) -> list[tuple[str, int, int]]:
-    """(name, n, k) of V3's block-FP8 linear layers (full, unsharded shapes)."""
-    qk = v3.qk_nope + v3.qk_rope
-    return [
-        ("q_a_proj", v3.q_lora_rank, v3.hidden),
-        ("q_b_proj", v3.heads * qk, v3.q_lora_rank),
-        ("kv_a_proj_with_mqa", v3.kv_dim, v3.hidden),
-        ("kv_b_proj", v3.heads * (v3.qk_nope + v3.v_head), v3.kv_lora_rank),
-        ("o_proj", v3.hidden, v3.heads * v3.v_head),
-        ("dense gate_proj/up_proj", v3.intermediate, v3.hidden),
-        ("dense down_proj", v3.hidden, v3.intermediate),
-        ("shared expert w13", 2 * v3.moe_intermediate, v3.hidden),
-        ("shared expert w2", v3.hidden, v3.moe_intermediate),
-    ]
 
 
 def sparse_cases(args: argparse.Namespace, v32: V32Sparse) -> list[SparseCase]:
@@ -533,93 +453,6 @@ def print_plan(plan: Plan, v3: V3) -> None:
 # ---------------------------------------------------------------------------------------- timing
 
 
-class Timer:
-    """GPU time of one call: first call, warm-up, then the median of ``iters`` Event-timed calls,
-    each after zeroing a buffer larger than L2. Slow functions get fewer calls (``max_s`` each).
-    On a CPU device (the smoke run) calls are timed on the host and nothing is flushed."""
-
-    def __init__(self, warmup: int, iters: int, max_s: float, device: str = DEVICE) -> None:
-        self.warmup, self.iters, self.max_s = warmup, iters, max_s
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.flush = torch.empty(FLUSH_BYTES // 4 if self.cuda else 1, dtype=torch.int32, device=self.device)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def __call__(self, fn: Callable[[], Any], flush: bool = True) -> dict[str, float]:
-        fn()  # compilation, autotuning, allocator growth
-        self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        once = max(time.perf_counter() - t0, 1e-6)
-        affordable = int(self.max_s / once)
-        iters = max(MIN_ITERS, min(self.iters, affordable))
-        for _ in range(min(self.warmup, max(0, affordable - iters))):
-            fn()
-        if not self.cuda:
-            ms = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                ms.append((time.perf_counter() - t0) * 1e3)
-            ms.sort()
-            return {
-                "median_us": 1e3 * statistics.median(ms),
-                "min_us": 1e3 * ms[0],
-                "max_us": 1e3 * ms[-1],
-                "iters": iters,
-            }
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-        for start, end in zip(starts, ends, strict=True):
-            if flush:
-                self.flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
-        return {
-            "median_us": 1e3 * statistics.median(ms),
-            "min_us": 1e3 * ms[0],
-            "max_us": 1e3 * ms[-1],
-            "iters": iters,
-        }
-
-
-# max |diff| / max |ref| of the bf16 outputs of FP8 GEMMs. Hopper's FP8 tensor cores accumulate each
-# 128-wide K block in reduced precision before the fp32 scaling (DeepGEMM's promotion point), which
-# leaves about two bf16 ulps at the largest outputs (1.02-1.07% measured on an H100): the adapters' 2%.
-GEMM_TOL = 2e-2
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref| (NaN anywhere gives NaN)."""
-    out, ref = out.float(), ref.float()
-    if out.shape != ref.shape:
-        return float("nan")
-    scale = ref.abs().max().item() if ref.numel() else 0.0
-    diff = (out - ref).abs().max().item() if ref.numel() else 0.0
-    if math.isnan(diff) or bool(torch.isnan(out).any()):
-        return float("nan")
-    return diff / (scale or 1.0)
-
-
-def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if out.shape != ref.shape:
-        return float("nan")
-    return (out.float() - ref.float()).abs().max().item() if ref.numel() else 0.0
-
-
-def free_memory() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 def guarded(
     kind: str, name: str, errors: list[dict[str, str]], fn: Callable[[], dict[str, Any]]
 ) -> dict[str, Any]:
@@ -709,19 +542,6 @@ def import_libraries(device: torch.device, skip: bool) -> tuple[dict[str, Module
 # -------------------------------------------------------------------------------------- ceilings
 
 
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, one: torch.Tensor, fast: bool) -> torch.Tensor:
-    """``a @ b`` in fp8 with per-tensor scales (``b`` column-major), bf16 out."""
-    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
-    return out[0] if isinstance(out, tuple) else out  # torch < 2.4 returned (out, amax)
-
-
-def has_fp8(device: torch.device) -> bool:
-    """fp8 e4m3 tensor cores (compute capability 8.9+); the Triton interpreter emulates them on a CPU."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "float8_e4m3fn")
-
-
 def measure_ceilings(plan: Plan, timer: Timer) -> dict[str, Any]:
     res: dict[str, Any] = {}
     n = plan.copy_bytes // 4
@@ -792,10 +612,6 @@ def roofline(flops: int, nbytes: int, time_us: float, tflops: float, tb_per_s: f
 
 
 # -------------------------------------------------------------------------------------- sections
-
-
-def gen(device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(0)
 
 
 MLA_OUT_TOL = 2e-2  # bf16 out: P is rounded to bf16 for P V in the kernels
@@ -1023,16 +839,6 @@ def sweep_mla(
     if results and "median_us" in results[0]:
         log(f"    sweep best: {results[0]}")
     return results
-
-
-def fp8_weights(
-    g: torch.Generator, lead: tuple[int, ...], n: int, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random fp8 e4m3 weights ``[*lead, n, k]`` with positive 128x128 block scales."""
-    w = torch.randn(*lead, n, k, device=g.device, dtype=torch.bfloat16, generator=g).to(torch.float8_e4m3fn)
-    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    s = torch.rand(*lead, nb, kb, device=g.device, generator=g) * 1e-2 + 1e-3
-    return w, s
 
 
 def gemm_entry(
@@ -1799,41 +1605,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def import_project() -> ModuleType:
-    """dsinfer (installed or from this checkout) and its kernels package."""
-    try:
-        import dsinfer  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-    try:
-        import dsinfer.kernels as kernels
-    except ImportError:  # a checkout on sys.path without the install's package mapping
-        sys.path.insert(0, str(ROOT))
-        import kernels  # type: ignore[no-redef]
-    return kernels
-
-
-def git_state() -> dict[str, Any]:
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "kernels", "dsinfer/ops"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        return {"commit": head, "kernels_or_ops_modified": bool(dirty)}
-    except Exception:
-        return {"commit": None}
-
-
 def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if args.device == "cpu":
         return {
@@ -1867,19 +1638,12 @@ def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "git": git_state(),
+        "git": git_state(("kernels", "dsinfer/ops")),
         "ops_backends_selected": backends,
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "timing": "GPU time between torch.cuda.Event records around one call; median of N after warm-up; "
         f"{FLUSH_BYTES >> 20} MiB zeroed before each timed call (kernel sections)",
     }
-
-
-def write(results: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    tmp.replace(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1891,7 +1655,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("bench_kernels.py: --device cpu needs TRITON_INTERPRET=1 (set before triton is imported)")
         return 2
-    kernels = import_project()
+    kernels = import_kernels()
     v3, v32 = load_v3(), load_v32_sparse()
     plan = make_plan(args, v3, v32)
     if args.list:
@@ -1916,7 +1680,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log("ceilings")
     results["ceilings"] = ceil = measure_ceilings(plan, timer)
-    write(results, args.out)
+    write_json(args.out, results)
     fp8_ok = has_fp8(timer.device)
     if not fp8_ok and (plan.gemm or plan.grouped):
         msg = f"compute capability {results['meta']['capability']} < 8.9: no fp8 e4m3, GEMM sections skipped"
@@ -1958,18 +1722,16 @@ def main(argv: list[str] | None = None) -> int:
             results[key].append(record)
             errors.extend(entry_errors(kind, record, TRITON_ENTRIES))
             results["library_errors"].extend(entry_errors(kind, record, LIBRARY_ENTRIES))
-            write(results, args.out)  # after every case: a run cut short keeps what it measured
+            write_json(args.out, results)  # after every case: a run cut short keeps what it measured
 
     if timer.cuda:  # the launched builds' registers and spills, with the JIT's own specialization
-        from jit_usage import jit_usage
-
         results["jit_usage"] = jit_usage()
     text = report(results)
     print(text)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(text + "\n")
-    write(results, args.out)
+    write_json(args.out, results)
     log(f"wrote {args.out}")
     return 0
 

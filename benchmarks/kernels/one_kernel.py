@@ -15,11 +15,9 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ("mla", "mla-pointer", "masked")
 
 
@@ -60,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="interpreter-sized shapes (with --device cpu)")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     device = torch.device(args.device)
     if args.kernel == "masked":
         call = masked_call(device, args.tiny)

@@ -23,10 +23,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import bench_kernels as bk
+import harness.kernels as bk
+from harness.progress import log
 
 CANDIDATES = (  # BLOCK_M, BLOCK_N, num_warps, num_stages
     (32, 128, 4, 3),
@@ -81,7 +79,7 @@ def sweep_case(
         })  # fmt: skip
     good = [r for r in rows if r.get("ok")]
     best = min(good, key=lambda r: r["us"]) if good else None
-    bk.log(f"  {name}: default {rows[0].get('us', math.nan):.1f} us, best {best and best['config']} "
+    log(f"  {name}: default {rows[0].get('us', math.nan):.1f} us, best {best and best['config']} "
            f"{best and round(best['us'], 1)} us")  # fmt: skip
     return {"case": name, "flops": flops, "best": best and best["config"], "rows": rows}
 
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.deadline_s
-    kernels = bk.import_project()
+    kernels = bk.import_kernels()
     from dsinfer.ops import gemm as torch_gemm
 
     device = torch.device(args.device)
@@ -130,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         t = timer(lambda: bk.scaled_mm(a, a.t(), one, True))
         fp8_tflops = 2 * 8192**3 / (t["median_us"] * 1e-6) / 1e12
         del a
-    bk.log(
+    log(
         f"sweep_gemm on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}: fp8 {fp8_tflops:.0f} TFLOP/s"
     )
     candidates = CANDIDATES if not args.tiny else ((16, 32, 4, 2), (32, 32, 4, 2))

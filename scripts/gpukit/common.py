@@ -4,7 +4,6 @@ its result (pass, fail or skip, with figures and checks) and small helpers."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -14,7 +13,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,16 +94,6 @@ class StageResult:
 
 def log(msg: str) -> None:
     print(f"gpu-check: {msg}", file=sys.stderr, flush=True)
-
-
-def load_script(path: Path) -> ModuleType:
-    """A script that is not in a package (benchmarks/kernels/*.py) as a module."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_logged(

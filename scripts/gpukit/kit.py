@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.gpukit.common import RESULT_FILE, ROOT, StageContext, log, run_logged
-from scripts.gpukit.stages import BY_NAME, STAGES, Stage
+from .common import RESULT_FILE, ROOT, StageContext, log, run_logged
+from .stages import BY_NAME, STAGES, Stage
 
 MIN_STAGE_S = 20.0  # a stage with less time than this left is skipped, not started
 

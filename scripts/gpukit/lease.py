@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scripts.gpukit.common import ROOT, kill_session, log, run_logged
-from scripts.gpukit.kit import install_wheels
-from scripts.gpukit.stages import BY_NAME
+from .common import ROOT, kill_session, log, run_logged
+from .kit import install_wheels
+from .stages import BY_NAME
 
 PHASE1 = ("env", "triton-compile", "gpu-tests", "kernels", "v3-graphs", "ncu", "sweeps")
 PHASE2 = ("adapters", "kernels", "v3-graphs", "parity")

@@ -8,8 +8,8 @@ import sys
 import time
 import traceback
 
-from scripts.gpukit.common import StageContext, StageResult, log
-from scripts.gpukit.stages import BY_NAME
+from .common import StageContext, StageResult, log
+from .stages import BY_NAME
 
 
 def main(argv: list[str]) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from scripts.gpukit.common import ROOT, StageContext, StageResult, load_script
+from .common import StageContext, StageResult
 
 GEMM_TOL = 2e-2  # bf16 outputs of fp8 products: max |diff| / max |ref|
 MLA_TOL, LSE_TOL = 2e-2, 1e-3
@@ -27,10 +27,10 @@ MLA_TOL, LSE_TOL = 2e-2, 1e-3
 def _gemm_checks(result: StageResult, name: str, adapter: Any, device: Any, smoke: bool) -> None:
     import torch
 
+    import harness.kernels as bench
     from dsinfer.ops import gemm as ref
     from dsinfer.ops.fp8 import quantize_weight_128x128
 
-    bench = load_script(ROOT / "benchmarks" / "kernels" / "bench_kernels.py")
     g = torch.Generator(device=device).manual_seed(1)
     n, k = (256, 256) if smoke else (2048, 7168)
     x = torch.randn(24, k, device=device, dtype=torch.bfloat16, generator=g)
@@ -60,9 +60,9 @@ def _mla_checks(
 ) -> None:
     import torch
 
+    import harness.kernels as bench
     from dsinfer.ops import mla as ref
 
-    bench = load_script(ROOT / "benchmarks" / "kernels" / "bench_kernels.py")
     g = torch.Generator(device=device).manual_seed(2)
     batch, heads, page = 3, 16 if smoke else 128, 64
     lens = torch.tensor([70, 5, 129] if smoke else [4000, 17, 1025], dtype=torch.int32, device=device)

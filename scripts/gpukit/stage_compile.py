@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scripts.gpukit.common import StageContext, StageResult
+from .common import StageContext, StageResult
 
 ROWS = (1, 16, 64, 256, 4096)  # per expert (grouped) or per GEMM (dense)
 N = (576, 4096, 7168)  # V3's kv_a_proj_with_mqa, expert w13 (gate + up), hidden

@@ -11,7 +11,7 @@ import platform
 import shutil
 import subprocess
 
-from scripts.gpukit.common import StageContext, StageResult
+from .common import StageContext, StageResult
 
 NEEDED = (  # import name -> what needs it
     ("torch", "dsinfer"),

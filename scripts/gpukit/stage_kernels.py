@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from scripts.gpukit.common import StageContext, StageResult, run_logged
+from .common import StageContext, StageResult, run_logged
 
 BENCH = "benchmarks/kernels/bench_kernels.py"
 SECTIONS = ("mla", "dense_gemm", "grouped_gemm", "gate", "sparse")

@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from scripts.gpukit.common import StageContext, StageResult, run_logged
+from .common import StageContext, StageResult, run_logged
 
 DRIVER = "benchmarks/kernels/one_kernel.py"
 TARGETS = {"mla": "_mla_decode_tma_kernel", "masked": "_masked_kernel"}  # driver kernel -> name regex

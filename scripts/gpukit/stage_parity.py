@@ -34,7 +34,7 @@ from __future__ import annotations
 import shutil
 from typing import Any
 
-from scripts.gpukit.common import StageContext, StageResult
+from .common import StageContext, StageResult
 
 PROMPT_LENS = (5, 19, 11, 27, 8, 14, 22)
 MIN_PREFIX_AGREEMENT = 0.5  # mean share of a sequence generated before its first difference

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from scripts.gpukit.common import StageContext, StageResult
+from .common import StageContext, StageResult
 
 PROMPTS = ("Hello, DeepSeek", "The capital of France is", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16")
 MAX_TOKENS = 16

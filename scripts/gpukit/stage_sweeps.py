@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from scripts.gpukit.common import StageContext, StageResult, run_logged
+from .common import StageContext, StageResult, run_logged
 
 MLA_ARGS = ["--only", "mla", "--sweep-mla", "--quick", "--no-torch", "--no-libraries", "--mla-batches", "128",
             "--mla-s-q", "1"]  # fmt: skip

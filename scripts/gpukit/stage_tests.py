@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import xml.etree.ElementTree as ET
 
-from scripts.gpukit.common import ROOT, StageContext, StageResult, run_logged
+from .common import ROOT, StageContext, StageResult, run_logged
 
 
 def marked_files() -> list[str]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scripts.gpukit.common import ROOT, StageContext, StageResult
+from .common import ROOT, StageContext, StageResult
 
 V3_CONFIG = ROOT / "configs" / "models" / "deepseek-v3" / "config.json"
 TINY = ROOT / "configs" / "models" / "tiny"

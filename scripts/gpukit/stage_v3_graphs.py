@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from scripts.gpukit.common import StageContext, StageResult, run_logged
+from .common import StageContext, StageResult, run_logged
 
 BENCH = "benchmarks/kernels/bench_decode_graph.py"
 GPU_ARGS = [
