@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -28,7 +26,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness.server import serve
+from harness.results import tool_report
+from harness.server import TINY_DUMMY, serve
 
 API_KEY = "fuzz"
 
@@ -37,7 +36,8 @@ API_KEY = "fuzz"
 def server(mode: str, log_path: Path, max_model_len: int, timeout: float = 180.0) -> Iterator[str]:
     """``dsinfer serve`` (PD, or ``colocated``) on the tiny model until ready; its URL."""
     args = [
-        *("--model", "tiny", "--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "32MiB"),
+        *TINY_DUMMY,
+        *("--kv-cache-memory", "32MiB"),
         *("--max-model-len", str(max_model_len), "--max-n", "4", "--api-key", API_KEY),
         *(["--colocated"] if mode == "colocated" else []),
     ]
@@ -83,26 +83,15 @@ def main() -> None:
         code, output = fuzz(url, args.max_examples, args.seed, args.timeout, args.phases)
     seconds = time.monotonic() - start
     cases = count_cases(output)
-    summary = [
-        "# schemathesis over the served OpenAPI schema (not_a_server_error)",
-        "",
-        f"- result: exit code {code} ({'no failures' if code == 0 else 'FAILURES'}), {cases} test cases",
-        f"- server: dsinfer serve{' --colocated' if args.mode == 'colocated' else ''}, tiny model, dummy "
+    facts = [
+        f"result: exit code {code} ({'no failures' if code == 0 else 'FAILURES'}), {cases} test cases",
+        f"server: dsinfer serve{' --colocated' if args.mode == 'colocated' else ''}, tiny model, dummy "
         f"weights, --max-model-len {args.max_model_len}",
-        f"- command: python benchmarks/api_fuzz.py --mode {args.mode} --max-examples {args.max_examples} "
+        f"command: python benchmarks/api_fuzz.py --mode {args.mode} --max-examples {args.max_examples} "
         f"--seed {args.seed} --max-model-len {args.max_model_len} --phases {args.phases}",
-        f"- machine: {platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}; load "
-        f"average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {seconds:.0f} s",
-        "",
-        "schemathesis' output:",
-        "",
-        "```",
-        output.strip(),
-        "```",
-        "",
     ]
-    args.out.write_text("\n".join(summary), encoding="utf-8")
+    title = "schemathesis over the served OpenAPI schema (not_a_server_error)"
+    args.out.write_text(tool_report(title, facts, "schemathesis", output, load, seconds), encoding="utf-8")
     print(f"{cases} cases, exit code {code}, {seconds:.0f} s -> {args.out}")
     sys.exit(code)
 

@@ -38,7 +38,7 @@ from harness.clients import Stream, client_for, completion_body, stream_all
 from harness.metrics import wait_healthy_count
 from harness.progress import progress
 from harness.provenance import command_line, export_commit, git, machine_info, utc_now
-from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs
+from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs, table
 from harness.server import TINY_CPU, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
@@ -115,23 +115,32 @@ def markdown(report: dict[str, Any]) -> str:
         f"{a['output_len']} output tokens, greedy; one torch thread per rank; {a['repeats']} repeat(s)",
         f"- load average (1 min) over the runs: {min(r['load_start'] for r in report['runs']):.2f} to "
         f"{max(r['load_end'] for r in report['runs']):.2f}",
-        "",
-        "| commit | setting | step ms (median) | step ms (p90) | output tok/s | repeats |",
-        "|---|---|---:|---:|---:|---:|",
     ]
-    for key, row in report["summary"].items():
-        label, setting = key.split(" ", 1)
-        lines.append(
-            f"| {label} | {setting} | {row['step_ms_median']:.1f} | {row['step_ms_p90']:.1f} | "
-            f"{row['output_tok_s']:.0f} | {row['repeats']} |"
+    summary = [
+        (
+            *key.split(" ", 1),
+            f"{r['step_ms_median']:.1f}",
+            f"{r['step_ms_p90']:.1f}",
+            f"{r['output_tok_s']:.0f}",
+            r["repeats"],
         )
-    lines += ["", "Runs (in order):", "", "| repeat | commit | setting | step ms | p90 | load start/end |"]
-    lines.append("|---:|---|---|---:|---:|---|")
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['repeat']} | {r['label']} | {r['setting']} | {r['step_ms_median']:.1f} | "
-            f"{r['step_ms_p90']:.1f} | {r['load_start']:.2f} / {r['load_end']:.2f} |"
-        )
+        for key, r in report["summary"].items()
+    ]
+    lines += [
+        "",
+        *table(
+            ("commit", "setting", "step ms (median)", "step ms (p90)", "output tok/s", "repeats"),
+            summary,
+            "llrrrr",
+        ),
+    ]
+    runs = [
+        (r["repeat"], r["label"], r["setting"], f"{r['step_ms_median']:.1f}", f"{r['step_ms_p90']:.1f}",
+         f"{r['load_start']:.2f} / {r['load_end']:.2f}")
+        for r in report["runs"]
+    ]  # fmt: skip
+    lines += ["", "Runs (in order):", ""]
+    lines += table(("repeat", "commit", "setting", "step ms", "p90", "load start/end"), runs, "rllrrl")
     return "\n".join(lines) + "\n"
 
 

@@ -14,33 +14,23 @@ table and a summary, in ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from harness.provenance import REPO
-from harness.server import serve
+from harness.results import tool_report
+from harness.server import TINY_DUMMY, serve
 
 TOKENIZER = REPO / "configs" / "models" / "tiny"
 MODEL = "dsinfer-tiny"
 API_KEY = "lm-eval"
 # the tiny model with dummy weights, its context kept short, behind an API key
-SERVER_FLAGS = [
-    "--model",
-    "tiny",
-    "--load-format",
-    "dummy",
-    "--dtype",
-    "float32",
-    "--kv-cache-memory",
-    "32MiB",
-]
-SERVER_FLAGS += ["--max-model-len", "512", "--api-key", API_KEY, "--served-model-name", MODEL]
+SERVER_FLAGS = [*TINY_DUMMY, "--kv-cache-memory", "32MiB", "--max-model-len", "512"]
+SERVER_FLAGS += ["--api-key", API_KEY, "--served-model-name", MODEL]
 
 MC = [
     ("The capital of France is", [" Paris", " Rome", " Berlin", " Madrid"], 0),
@@ -123,24 +113,14 @@ def main() -> None:
     with serve(flags, args.work, name="server", startup_timeout=180.0) as server:
         code, output = run_lm_eval(server.base_url, include, args.work / "results", args.timeout)
     seconds = time.monotonic() - start
-    lines = [
-        "# lm-eval local-completions against dsinfer serve",
-        "",
-        f"- result: lm-eval exit code {code}; tasks dsinfer_mc ({len(MC)} questions x 4 choices, "
+    facts = [
+        f"result: lm-eval exit code {code}; tasks dsinfer_mc ({len(MC)} questions x 4 choices, "
         f"loglikelihood) and dsinfer_gen ({len(GEN)} questions, generate_until)",
-        "- the scores are chance (dummy weights): what counts is that every request completed",
-        f"- command: python benchmarks/lm_eval_run.py --mode {args.mode}",
-        f"- machine: {platform.node()}, {os.cpu_count()} cores; load average at start {load[0]:.1f}",
-        f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {seconds:.0f} s",
-        "",
-        "lm-eval's output:",
-        "",
-        "```",
-        output.strip(),
-        "```",
-        "",
+        "the scores are chance (dummy weights): what counts is that every request completed",
+        f"command: python benchmarks/lm_eval_run.py --mode {args.mode}",
     ]
-    args.out.write_text("\n".join(lines), encoding="utf-8")
+    title = "lm-eval local-completions against dsinfer serve"
+    args.out.write_text(tool_report(title, facts, "lm-eval", output, load, seconds), encoding="utf-8")
     print(f"lm-eval exit code {code}, {seconds:.0f} s -> {args.out}")
     sys.exit(code)
 

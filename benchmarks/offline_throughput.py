@@ -407,15 +407,18 @@ def worker_main(spec_path: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _relay(proc: subprocess.Popen[str], log: Any, name: str, t0: float) -> None:
-    """Copy the worker's output to its log; print its progress lines."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        log.write(line)
-        log.flush()
-        if line.startswith(PROGRESS):
-            elapsed = time.perf_counter() - t0
-            print(f"[{name}] {elapsed:7.1f}s {line[len(PROGRESS) :].rstrip()}", flush=True)
+def _relay(log_path: Path, done: threading.Event, name: str, t0: float) -> None:
+    """Print the worker's progress lines as they reach its log, until ``done`` and the log's end."""
+    with log_path.open(errors="replace") as log:
+        while True:
+            line = log.readline()
+            if not line:
+                if done.is_set():
+                    return
+                time.sleep(0.1)
+            elif line.startswith(PROGRESS):
+                elapsed = time.perf_counter() - t0
+                print(f"[{name}] {elapsed:7.1f}s {line[len(PROGRESS) :].rstrip()}", flush=True)
 
 
 def _end_group(pgid: int, grace: float = 10.0) -> None:
@@ -442,35 +445,30 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
     Path(spec.result).unlink(missing_ok=True)
     from harness.metrics import RssSampler, session_pids
     from harness.results import percentiles
-    from harness.server import engine_env
+    from harness.server import Server, engine_env
 
     cmd = ["taskset", "-c", args.cores, python, str(SCRIPT), "--worker", str(spec_path)]
     env = engine_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
     print(f"[{spec.name}] start: {shlex.join(cmd)} (log {log_path})", flush=True)
     t0 = time.perf_counter()
-    with log_path.open("w") as log:
-        # A new session, so that whatever the worker leaves behind (vLLM's engine processes,
-        # multiprocessing's resource tracker, all holding the stdout pipe) can be ended as a group.
-        proc = subprocess.Popen(
-            cmd,
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        sampler = RssSampler(lambda: session_pids(proc.pid)).start()
-        reader = threading.Thread(target=_relay, args=(proc, log, spec.name, t0), daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"[{spec.name}] timed out after {args.timeout:.0f}s", flush=True)
-            rc = -9
-        sampler.stop()
-        _end_group(proc.pid)
-        reader.join(timeout=30)
+    # A session of its own (as a server's), so that whatever the worker leaves behind (vLLM's
+    # engine processes, multiprocessing's resource tracker) can be ended as a group.
+    worker = Server(cmd, 0, log_path)
+    worker.start(env, cwd=REPO_ROOT)
+    proc, done = worker.process, threading.Event()
+    assert proc is not None
+    sampler = RssSampler(lambda: session_pids(proc.pid)).start()
+    reader = threading.Thread(target=_relay, args=(log_path, done, spec.name, t0), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{spec.name}] timed out after {args.timeout:.0f}s", flush=True)
+        rc = -9
+    sampler.stop()
+    _end_group(proc.pid)
+    done.set()
+    reader.join(timeout=30)
     result_file = Path(spec.result)
     if result_file.exists():
         result = json.loads(result_file.read_text())

@@ -103,7 +103,7 @@ from harness.metrics import (
 from harness.progress import progress
 from harness.provenance import REPO, command_line, export_commit, git_commit, machine_info, utc_now
 from harness.results import fmt, percentiles, write_json
-from harness.server import Server, serve
+from harness.server import TINY_CPU, Server, serve
 
 VOCAB_SIZE = 4096  # the tiny preset's vocabulary
 FIRST_TOKEN_ID = 2  # 0 is BOS and 1 is EOS in the tiny preset: prompts avoid both
@@ -132,16 +132,7 @@ def num_ranks(name: str) -> int:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     return [
-        "--model",
-        "tiny",
-        "--load-format",
-        "dummy",
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--seed",
-        "0",
+        *TINY_CPU,
         "--threads-per-rank",
         str(args.threads_per_rank),
         "--kv-cache-memory",

@@ -55,7 +55,7 @@ from harness.clients import Stream, client_for, completion_body, stream_completi
 from harness.metrics import GATEWAY, scrape_async, wait_healthy_count
 from harness.progress import progress
 from harness.provenance import command_line, git, git_commit, machine_info, utc_now
-from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs
+from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs, table
 from harness.server import TINY_CPU, Server, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
@@ -190,6 +190,13 @@ async def one_kill(
     }
 
 
+SUMMARY_COLUMNS = (
+    "mode", "kill to next token, median s", "max s", "streams moved", "others' longest gap s",
+    "streams failed", "kill to pool whole again s", "repeats",
+)  # fmt: skip
+RUN_COLUMNS = (
+    "repeat", "mode", "EP", "next token median / max s", "moved", "others' gap s", "failed", "whole again s", "load",
+)  # fmt: skip
 SUMMARY_FIELDS = (
     "kill_to_token_median_s",
     "kill_to_token_max_s",
@@ -215,17 +222,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"colocated pools, one torch thread per rank; {a['repeats']} repeat(s)",
         f"- load average (1 min) at the kills: {min(r['load_at_kill'] for r in report['runs']):.2f} to "
         f"{max(r['load_at_kill'] for r in report['runs']):.2f}",
-        "",
-        "| mode | kill to next token, median s | max s | streams moved | others' longest gap s "
-        "| streams failed | kill to pool whole again s | repeats |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for key, row in report["summary"].items():
-        lines.append(
-            f"| {key} | {_s(row['kill_to_token_median_s'])} | {_s(row['kill_to_token_max_s'])} | "
-            f"{row['moved_streams']:g} | {_s(row['others_max_gap_s'])} | "
-            f"{row['failed_streams']:g} | {_s(row['kill_to_whole_s'])} | {row['repeats']} |"
-        )
+    summary = [
+        (key, _s(r["kill_to_token_median_s"]), _s(r["kill_to_token_max_s"]), f"{r['moved_streams']:g}",
+         _s(r["others_max_gap_s"]), f"{r['failed_streams']:g}", _s(r["kill_to_whole_s"]), r["repeats"])
+        for key, r in report["summary"].items()
+    ]  # fmt: skip
+    lines += ["", *table(SUMMARY_COLUMNS, summary, "lrrrrrrr")]
     lines += [
         "",
         "`restart`: kill to the first token of a new request (the streams of the killed pool fail); "
@@ -235,17 +238,14 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Runs (in order):",
         "",
-        "| repeat | mode | EP | next token median / max s | moved | others' gap s | failed "
-        "| whole again s | load |",
-        "|---:|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['repeat']} | {r['mode']} | {r['ep']} | {_s(r['kill_to_token_median_s'])} / "
-            f"{_s(r['kill_to_token_max_s'])} | {r['moved_streams']} | {_s(r['others_max_gap_s'])} | "
-            f"{r['failed_streams']} | "
-            f"{_s(r['kill_to_whole_s'])} | {r['load_at_kill']:.2f} |"
-        )
+    runs = [
+        (r["repeat"], r["mode"], r["ep"], f"{_s(r['kill_to_token_median_s'])} / {_s(r['kill_to_token_max_s'])}",
+         r["moved_streams"], _s(r["others_max_gap_s"]), r["failed_streams"], _s(r["kill_to_whole_s"]),
+         f"{r['load_at_kill']:.2f}")
+        for r in report["runs"]
+    ]  # fmt: skip
+    lines += table(RUN_COLUMNS, runs, "rlrlrrrrr")
     return "\n".join(lines) + "\n"
 
 

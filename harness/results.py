@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from harness.provenance import utc_now
 
 PERCENTILES = (50, 90, 99)
 
@@ -82,6 +86,19 @@ def report_header(report: dict[str, Any]) -> list[str]:
     if "command" in report:
         lines.append(f"- command: `{report['command']}`")
     return lines
+
+
+def tool_report(
+    title: str, facts: Sequence[str], tool: str, output: str, load: Sequence[float], seconds: float
+) -> str:
+    """The markdown of a run of another tool against a server (schemathesis, lm-eval): the
+    ``facts`` as bullets, the machine and its load at the start, the date and how long it took,
+    then the tool's own output."""
+    machine = f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    lines = [f"# {title}", "", *(f"- {fact}" for fact in facts)]
+    lines += [f"- machine: {machine}; load average at start {' / '.join(f'{x:.1f}' for x in load)}"]
+    lines += [f"- date: {utc_now(seconds=False)}, {seconds:.0f} s", "", f"{tool}'s output:", ""]
+    return "\n".join([*lines, "```", output.strip(), "```", ""])
 
 
 def add_output_args(

@@ -35,19 +35,10 @@ from harness.provenance import parse_cpu_list, source_env
 STOP_GRACE = 20.0  # seconds from SIGINT (the supervisor drains its pools) to SIGKILL
 TAG_ENV = "DSINFER_TEST_SERVER_TAG"  # in a server's environment, so in every process it starts
 RANK_MODULE = "dsinfer.workers.rank"
-# The built-in tiny model with dummy weights in float32 on the CPU: what the CPU benchmarks serve.
-TINY_CPU = [
-    "--model",
-    "tiny",
-    "--load-format",
-    "dummy",
-    "--dtype",
-    "float32",
-    "--device",
-    "cpu",
-    "--seed",
-    "0",
-]
+# The built-in tiny model with dummy weights in float32 (on the CPU, seeded: what the CPU
+# benchmarks serve).
+TINY_DUMMY = ["--model", "tiny", "--load-format", "dummy", "--dtype", "float32"]
+TINY_CPU = [*TINY_DUMMY, "--device", "cpu", "--seed", "0"]
 
 
 def dsinfer_command(*args: str, python: str = sys.executable) -> list[str]:
