@@ -151,6 +151,14 @@ class Server:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log()[-chars:]
 
+    def openai_client(self, api_key: str = "unused", timeout: float = 60.0, max_retries: int = 0) -> Any:
+        """The official ``openai`` client for this server (no retries unless asked)."""
+        import openai  # a test dependency: only what talks to a server through it needs it
+
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key=api_key, timeout=timeout, max_retries=max_retries
+        )
+
     def metrics(self) -> str:
         """The Prometheus text of ``/metrics``."""
         return httpx.get(f"{self.base_url}/metrics", timeout=10).text

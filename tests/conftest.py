@@ -1,7 +1,8 @@
-"""Shared pytest fixtures: tiny DeepSeek-V3 checkpoints built once per session."""
+"""Shared pytest fixtures: tiny DeepSeek-V3 checkpoints built once per session; the openai client of a module's server."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from harness.checkpoints import (
@@ -11,6 +12,7 @@ from harness.checkpoints import (
     BuiltCheckpoint,
     build_checkpoint,
 )
+from harness.server import Server
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +37,9 @@ def tiny_ckpt_v32(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
         "rope_scaling": {**YARN_V3, "original_max_position_embeddings": 256},
     }
     return build_checkpoint(tmp_path_factory.mktemp("tiny_ckpt_v32"), overrides, bias_scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    """The official ``openai`` client of the module's ``server`` fixture (no retries)."""
+    return server.openai_client()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 
 from dsinfer import LLM, SamplingParams
 from harness.checkpoints import BuiltCheckpoint
+from harness.metrics import healthy, scrape, series, wait_kv_free, wait_workers
 from harness.server import Server, serve
 from harness.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 
@@ -46,13 +46,8 @@ STREAMS, STREAM_TOKENS = 8, 48
 def server(tiny_ckpt: BuiltCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     args = ["--model", str(tiny_ckpt.path), *ENGINE_FLAGS, *EP_FLAGS]
     with serve(args, tmp_path_factory.mktemp("serve_ep")) as s:
-        _wait_workers(s, WORKERS, timeout=120)
+        wait_workers(s.base_url, WORKERS, 120, s.log_tail)
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -67,48 +62,11 @@ def expected(offline: LLM) -> dict[str, list[int]]:
 
 
 # Metrics and processes ---------------------------------------------------------------------------
-def _metric(text: str, name: str) -> dict[str, float]:
-    """worker label -> value of one per-worker series."""
-    pattern = re.compile(rf'^{name}{{[^}}]*worker="([^"]+)"[^}}]*}} (\S+)$', re.MULTILINE)
-    return {m.group(1): float(m.group(2)) for m in pattern.finditer(text)}
-
-
-def _healthy_workers(server: Server) -> set[str]:
-    return {w for w, v in _metric(server.metrics(), "dsinfer_worker_healthy").items() if v == 1.0}
-
-
-def _wait_workers(server: Server, workers: set[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not workers <= _healthy_workers(server):
-        assert time.monotonic() < deadline, (
-            f"workers {workers - _healthy_workers(server)} not healthy:\n{server.log()[-4000:]}"
-        )
-        time.sleep(0.5)
-
-
-def _wait_kv_free(server: Server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = server.metrics()
-        used = {w: v for w, v in _metric(text, "dsinfer_kv_cache_usage_ratio").items() if v > 0}
-        in_flight = re.search(r"^dsinfer_in_flight_requests (\S+)$", text, re.MULTILINE)
-        if not used and in_flight is not None and float(in_flight.group(1)) == 0:
-            return
-        assert time.monotonic() < deadline, (
-            f"KV still held: {used}, in flight {in_flight and in_flight.group(1)}"
-        )
-        time.sleep(0.5)
-
-
-def _prompt_tokens(server: Server) -> dict[str, float]:
-    return _metric(server.metrics(), "dsinfer_worker_prompt_tokens_total")
-
-
 def _wait_served(server: Server, before: dict[str, float], timeout: float = 10.0) -> None:
     """Every worker's admitted prompt tokens grew past ``before`` (load reports lag a heartbeat)."""
     deadline = time.monotonic() + timeout
     while True:
-        now = _prompt_tokens(server)
+        now = series(scrape(server.base_url), "prompt_tokens")
         idle = {w for w in WORKERS if now.get(w, 0.0) <= before.get(w, 0.0)}
         if not idle:
             return
@@ -163,13 +121,13 @@ def test_ep_completions_equal_offline(
     server: Server, client: openai.OpenAI, expected: dict[str, list[int]]
 ) -> None:
     model = _model(client)
-    before = _prompt_tokens(server)
+    before = series(scrape(server.base_url), "prompt_tokens")
     for i, prompt in enumerate(PROMPTS):
         assert _greedy(client, model, prompt, logprobs=i % 2) == expected[prompt], prompt
     # concurrently, every prompt twice: both DP ranks of each pool get work
     _concurrent_equal(client, model, PROMPTS * 2, expected)
     _wait_served(server, before)
-    _wait_kv_free(server)
+    wait_kv_free(server.base_url)
 
 
 def test_decode_rank_killed_the_ep_pool_serves_on(
@@ -190,7 +148,7 @@ def test_decode_rank_killed_the_ep_pool_serves_on(
     health = []
     while any(s.is_alive() for s in streams):
         health.append(httpx.get(f"{server.base_url}/ready", timeout=5).status_code)
-        assert "decode/0/0" in _healthy_workers(server), "the surviving rank left rotation"
+        assert "decode/0/0" in healthy(scrape(server.base_url)), "the surviving rank left rotation"
         time.sleep(0.05)
     join_streams(streams, timeout=120)
     assert set(health) == {200}, health
@@ -206,7 +164,7 @@ def test_decode_rank_killed_the_ep_pool_serves_on(
     while True:
         after = _pids_by_rank(server, "decode")
         rejoined = 'dsinfer_pool_events_total{event="rank_rejoined",pool="decode/0"} 1.0' in server.metrics()
-        if rejoined and sorted(after) == [0, 1] and _healthy_workers(server) >= WORKERS:
+        if rejoined and sorted(after) == [0, 1] and healthy(scrape(server.base_url)) >= WORKERS:
             break
         assert time.monotonic() < deadline, f"rank 1 did not rejoin: {after}\n{server.log()[-3000:]}"
         time.sleep(0.5)
@@ -215,7 +173,7 @@ def test_decode_rank_killed_the_ep_pool_serves_on(
 
     # a later burst runs on both decode ranks, with the offline tokens
     model = _model(client)
-    served = _prompt_tokens(server)
+    served = series(scrape(server.base_url), "prompt_tokens")
     _concurrent_equal(client, model, PROMPTS * 2, expected)
     _wait_served(server, served)
-    _wait_kv_free(server)
+    wait_kv_free(server.base_url)

@@ -21,6 +21,7 @@ import pytest
 
 from dsinfer import LLM
 from harness.checkpoints import BuiltCheckpoint
+from harness.metrics import healthy, scrape, series, wait_kv_free, wait_workers
 from harness.server import Server, serve
 from harness.streams import (
     TokenStream,
@@ -49,49 +50,13 @@ STREAMS, STREAM_TOKENS = 20, 48
 @pytest.fixture(scope="module")
 def server(tiny_ckpt: BuiltCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     with serve(["--model", str(tiny_ckpt.path), *FLAGS], tmp_path_factory.mktemp("faults")) as s:
-        _wait_workers(s, {"prefill/0/0", "prefill/1/0", "decode/0/0", "decode/1/0"}, timeout=120)
+        wait_workers(s.base_url, {"prefill/0/0", "prefill/1/0", "decode/0/0", "decode/1/0"}, 120, s.log_tail)
         yield s
 
 
 @pytest.fixture(scope="module")
 def offline(tiny_ckpt: BuiltCheckpoint) -> LLM:
     return LLM(str(tiny_ckpt.path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
-
-
-def _metric(text: str, name: str) -> dict[str, float]:
-    """worker label -> value of one per-worker series."""
-    pattern = re.compile(rf'^{name}{{[^}}]*worker="([^"]+)"[^}}]*}} (\S+)$', re.MULTILINE)
-    return {m.group(1): float(m.group(2)) for m in pattern.finditer(text)}
-
-
-def _healthy_workers(server: Server) -> set[str]:
-    return {w for w, v in _metric(server.metrics(), "dsinfer_worker_healthy").items() if v == 1.0}
-
-
-def _wait_workers(server: Server, workers: set[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not workers <= _healthy_workers(server):
-        assert time.monotonic() < deadline, f"workers {workers - _healthy_workers(server)} not healthy"
-        time.sleep(0.5)
-
-
-def _wait_kv_free(server: Server, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        text = server.metrics()
-        used = {w: v for w, v in _metric(text, "dsinfer_kv_cache_usage_ratio").items() if v > 0}
-        in_flight = re.search(r"^dsinfer_in_flight_requests (\S+)$", text, re.MULTILINE)
-        if not used and in_flight is not None and float(in_flight.group(1)) == 0:
-            return
-        assert time.monotonic() < deadline, (
-            f"KV still held: {used}, in flight {in_flight and in_flight.group(1)}"
-        )
-        time.sleep(0.5)
 
 
 def test_idle_keep_alive_connection_is_not_closed_under_the_client(server: Server) -> None:
@@ -120,7 +85,7 @@ def test_client_disconnect_frees_kv_on_both_sides(server: Server, client: openai
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
-    _wait_kv_free(server)
+    wait_kv_free(server.base_url)
 
 
 def _kill_and_check(
@@ -150,17 +115,17 @@ def _kill_and_check(
     # the gateway is up and routes around the dead pool
     assert httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200
     # the pool comes back whole and serves again
-    _wait_workers(server, {f"{role}/0/0"}, timeout=120)
+    wait_workers(server.base_url, {f"{role}/0/0"}, 120, server.log_tail)
     assert server.rank_pids(role, pool=0) != before
-    served = _metric(server.metrics(), "dsinfer_worker_prompt_tokens_total").get(f"{role}/0/0", 0.0)
+    served = series(scrape(server.base_url), "prompt_tokens").get(f"{role}/0/0", 0.0)
     streams = start_streams(client, mixed_specs(4, "a b c d", 4))
     join_streams(streams, timeout=90)
     assert [s.result for s in streams] == [("ok", "length")] * 4
     deadline = time.monotonic() + 10
-    while _metric(server.metrics(), "dsinfer_worker_prompt_tokens_total").get(f"{role}/0/0", 0.0) <= served:
+    while series(scrape(server.base_url), "prompt_tokens").get(f"{role}/0/0", 0.0) <= served:
         assert time.monotonic() < deadline, f"restarted {role} pool 0 got no request"
         time.sleep(0.5)
-    _wait_kv_free(server)
+    wait_kv_free(server.base_url)
 
 
 def _wait_dispatched(server: Server, streams: list[TokenStream], timeout: float) -> None:
@@ -172,8 +137,8 @@ def _wait_dispatched(server: Server, streams: list[TokenStream], timeout: float)
         return in_flight > 0 and in_flight + sum(s.result is not None for s in streams) >= len(streams)
 
     def context() -> str:
-        healthy = sorted(_healthy_workers(server))
-        return f"{_in_flight(server):.0f} in flight at the gateway; healthy workers {healthy}\n{_log_tail(server)}"
+        workers = sorted(healthy(scrape(server.base_url)))
+        return f"{_in_flight(server):.0f} in flight at the gateway; healthy workers {workers}\n{_log_tail(server)}"
 
     wait_before_kill(streams, dispatched, timeout, context)
 

@@ -36,11 +36,6 @@ def server(tiny_ckpt: BuiltCheckpoint, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_ckpt: BuiltCheckpoint) -> LLM:
     return LLM(str(tiny_ckpt.path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=40)
 

@@ -34,7 +34,6 @@ import json
 import math
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,15 +50,12 @@ from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
+from harness.kernels import CONFIG, ROOT
+from harness.progress import log
+from harness.provenance import git_state
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "models" / "deepseek-v3" / "config.json"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "decode_graph_gpu.json"
 FULL_DEPTH = 61  # DeepSeek-V3's decoder layers
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -220,19 +216,6 @@ def profile_steps(step: Callable[[], Any], out: Path, device: torch.device, step
     return {"steps": steps, "kernel_us_per_step": total / steps, "top": rows[:25]}
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -305,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_state()["commit"],
         "command": " ".join(sys.argv),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "backends": backends,

@@ -20,7 +20,6 @@ def _token_ids(choice: Any) -> list[int]:
 
 
 def run(ctx: StageContext, result: StageResult) -> None:
-    import openai
 
     from dsinfer import LLM, SamplingParams
     from harness.server import serve
@@ -52,7 +51,7 @@ def run(ctx: StageContext, result: StageResult) -> None:
     start = time.monotonic()
     with serve(engine_flags, ctx.out, startup_timeout=ctx.budget_s * 0.6) as server:
         result.figures["seconds_to_healthy"] = round(time.monotonic() - start, 1)
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+        client = server.openai_client()
         model = client.models.list().data[0].id
         start = time.monotonic()
         got = []
