@@ -34,11 +34,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness import results
 from harness.clients import Stream, client_for, completion_body, stream_all
 from harness.metrics import wait_healthy_count
 from harness.progress import progress
 from harness.provenance import command_line, export_commit, git, machine_info, utc_now
-from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs, table
 from harness.server import TINY_CPU, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
@@ -109,7 +109,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Per-step time of a 2-rank decode pool (benchmarks/decode_step.py)",
         "",
-        *report_header(report),
+        *results.report_header(report),
         "- commits: " + ", ".join(f"{c['label']} = {c['sha']}" for c in report["commits"]),
         f"- workload: {a['concurrency']} streamed requests at once, {a['prompt_len']} prompt tokens, "
         f"{a['output_len']} output tokens, greedy; one torch thread per rank; {a['repeats']} repeat(s)",
@@ -128,7 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        *table(
+        *results.table(
             ("commit", "setting", "step ms (median)", "step ms (p90)", "output tok/s", "repeats"),
             summary,
             "llrrrr",
@@ -140,7 +140,9 @@ def markdown(report: dict[str, Any]) -> str:
         for r in report["runs"]
     ]  # fmt: skip
     lines += ["", "Runs (in order):", ""]
-    lines += table(("repeat", "commit", "setting", "step ms", "p90", "load start/end"), runs, "rllrrl")
+    lines += results.table(
+        ("repeat", "commit", "setting", "step ms", "p90", "load start/end"), runs, "rllrrl"
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -157,12 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, default=None)
-    add_output_args(parser)
+    results.add_output_args(parser)
     args = parser.parse_args(argv)
-    settings = args.settings.split(",")
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        parser.error(f"unknown setting {unknown[0]!r}; choose from {', '.join(SETTINGS)}")
+    settings = results.choose(parser, args.settings, SETTINGS, "setting")
     with tempfile.TemporaryDirectory(prefix="decode_step-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -190,13 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "command": command_line(),
         "commits": [{"label": c["label"], "sha": c["sha"]} for c in commits],
-        "args": jsonable_args(args),
+        "args": results.jsonable_args(args),
         "runs": runs,
-        "summary": summarize_runs(
+        "summary": results.summarize_runs(
             runs, lambda r: (r["label"], r["setting"]), ("step_ms_median", "step_ms_p90", "output_tok_s")
         ),
     }
-    save_report(report, markdown(report), args.out, args.markdown)
+    results.save_report(report, markdown(report), args.out, args.markdown)
     return 0
 
 

@@ -51,11 +51,11 @@ from typing import Any
 
 import httpx
 
+from harness import results
 from harness.clients import Stream, client_for, completion_body, stream_completion
 from harness.metrics import GATEWAY, scrape_async, wait_healthy_count
 from harness.progress import progress
 from harness.provenance import command_line, git, git_commit, machine_info, utc_now
-from harness.results import add_output_args, jsonable_args, report_header, save_report, summarize_runs, table
 from harness.server import TINY_CPU, Server, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
@@ -216,7 +216,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Kill -9 of a rank to the next delivered token (benchmarks/rank_recovery.py)",
         "",
-        *report_header(report),
+        *results.report_header(report),
         f"- workload: {a['streams']} streamed requests, {a['prompt_len']} prompt tokens, up to "
         f"{a['output_len']} output tokens, greedy; rank 1 of pool 0 killed {a['kill_after']:g} s in; "
         f"colocated pools, one torch thread per rank; {a['repeats']} repeat(s)",
@@ -228,7 +228,7 @@ def markdown(report: dict[str, Any]) -> str:
          _s(r["others_max_gap_s"]), f"{r['failed_streams']:g}", _s(r["kill_to_whole_s"]), r["repeats"])
         for key, r in report["summary"].items()
     ]  # fmt: skip
-    lines += ["", *table(SUMMARY_COLUMNS, summary, "lrrrrrrr")]
+    lines += ["", *results.table(SUMMARY_COLUMNS, summary, "lrrrrrrr")]
     lines += [
         "",
         "`restart`: kill to the first token of a new request (the streams of the killed pool fail); "
@@ -245,7 +245,7 @@ def markdown(report: dict[str, Any]) -> str:
          f"{r['load_at_kill']:.2f}")
         for r in report["runs"]
     ]  # fmt: skip
-    lines += table(RUN_COLUMNS, runs, "rlrlrrrrr")
+    lines += results.table(RUN_COLUMNS, runs, "rlrlrrrrr")
     return "\n".join(lines) + "\n"
 
 
@@ -263,12 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", type=Path, default=None)
-    add_output_args(parser)
+    results.add_output_args(parser)
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}")
+    modes = results.choose(parser, args.modes, MODES, "mode")
     runs = []
     with tempfile.TemporaryDirectory(prefix="rank_recovery-") as tmp:
         log_dir = args.log_dir or Path(tmp)
@@ -295,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "commit": git_commit(),
         "command": command_line(),
-        "args": jsonable_args(args),
+        "args": results.jsonable_args(args),
         "runs": runs,
-        "summary": summarize_runs(
+        "summary": results.summarize_runs(
             runs,
             lambda r: (r["mode"], r["ep"]),
             SUMMARY_FIELDS,
@@ -305,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             order=lambda k: (k[1], list(MODES).index(str(k[0]))),
         ),
     }
-    save_report(report, markdown(report), args.out, args.markdown)
+    results.save_report(report, markdown(report), args.out, args.markdown)
     return 0
 
 

@@ -21,12 +21,10 @@ bf16 latent, V3.2's indexer keys in FP8 (the GPU default: 128 e4m3 + one fp32 sc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,8 +40,9 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
+from harness.provenance import command_line, git_commit, utc_now
+from harness.results import add_output_args, save_report, table
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 ATTENTION = {  # DeepSeek-V3 / V3.2 attention, 2 dense layers, small MLP and vocabulary
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -133,55 +132,49 @@ def kv_bytes_per_token() -> list[dict[str, Any]]:
 
 
 def _machine() -> dict[str, Any]:
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True
-    )
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "dsinfer"], cwd=REPO_ROOT, capture_output=True, text=True
-    )
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average_before": os.getloadavg(),
-        "commit": rev.stdout.strip() + (" (dsinfer/ modified)" if dirty.stdout.strip() else ""),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": git_commit(short=True, paths=("dsinfer",)),
+        "command": command_line(Path(sys.executable).name),
     }
 
 
 def _markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
-    lines = [
-        "# V3.2 (sparse attention) vs V3 (dense MLA): decode step time and KV bytes per token",
-        "",
-        f"{m['date']}, commit {m['commit']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
-        f"load average before {m['load_average_before'][0]:.2f} / after {m['load_average_after'][0]:.2f}.",
-        f"Command: `{m['command']}`",
-        "",
-        "Decode step (2 layers with V3's attention shapes, float32, CPU), median of the timed steps "
-        "(min in brackets), ms:",
-        "",
-        "| batch | context | V3 dense | V3.2 sparse | V3.2 / V3 |",
-        "|---:|---:|---:|---:|---:|",
+    steps = [
+        (r["batch"], r["context"], f"{r['v3_ms']:.1f} ({r['v3_min_ms']:.1f})",
+         f"{r['v32_ms']:.1f} ({r['v32_min_ms']:.1f})", f"{r['v32_ms'] / r['v3_ms']:.2f}")
+        for r in result["steps"]
+    ]  # fmt: skip
+    kv = [
+        (r["model"], f"{r['cache']}: {r['bytes_per_token_per_layer']} B", f"{r['bytes_per_token']:,}")
+        for r in result["kv_bytes"]
     ]
-    for row in result["steps"]:
-        lines.append(
-            f"| {row['batch']} | {row['context']} | {row['v3_ms']:.1f} ({row['v3_min_ms']:.1f}) | "
-            f"{row['v32_ms']:.1f} ({row['v32_min_ms']:.1f}) | {row['v32_ms'] / row['v3_ms']:.2f} |"
+    return (
+        "\n".join(
+            [
+                "# V3.2 (sparse attention) vs V3 (dense MLA): decode step time and KV bytes per token",
+                "",
+                f"{m['date']}, commit {m['commit']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
+                f"load average before {m['load_average_before'][0]:.2f} / after {m['load_average_after'][0]:.2f}.",
+                f"Command: `{m['command']}`",
+                "",
+                "Decode step (2 layers with V3's attention shapes, float32, CPU), median of the timed steps "
+                "(min in brackets), ms:",
+                "",
+                *table(("batch", "context", "V3 dense", "V3.2 sparse", "V3.2 / V3"), steps, "rrrrr"),
+                "",
+                "KV cache per token (61 layers, bf16 latent):",
+                "",
+                *table(("model", "per layer", "bytes per token"), kv, "llr"),
+            ]
         )
-    lines += [
-        "",
-        "KV cache per token (61 layers, bf16 latent):",
-        "",
-        "| model | per layer | bytes per token |",
-        "|---|---|---:|",
-    ]
-    for row in result["kv_bytes"]:
-        lines.append(
-            f"| {row['model']} | {row['cache']}: {row['bytes_per_token_per_layer']} B | {row['bytes_per_token']:,} |"
-        )
-    return "\n".join(lines) + "\n"
+        + "\n"
+    )
 
 
 def main() -> None:
@@ -192,8 +185,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--markdown", type=Path, default=None)
+    add_output_args(parser)
     args = parser.parse_args()
     machine = _machine()
     rows = []
@@ -221,12 +213,7 @@ def main() -> None:
         "kv_bytes": kv_bytes_per_token(),
         "ops": select_ops("cpu").describe(),
     }
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    text = _markdown(result)
-    if args.markdown:
-        args.markdown.write_text(text)
-    print(text)
+    save_report(result, _markdown(result), args.out, args.markdown)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,15 @@ def add_output_args(
     parser.add_argument("--markdown", type=Path, default=markdown, help="markdown tables (also printed)")
 
 
+def choose(parser: argparse.ArgumentParser, value: str, allowed: Iterable[str], what: str) -> list[str]:
+    """The comma-separated names of ``value``; one not in ``allowed`` is the parser's error."""
+    names, known = value.split(","), list(allowed)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown[0]!r}; choose from {', '.join(known)}")
+    return names
+
+
 def jsonable_args(args: argparse.Namespace, leave_out: Iterable[str] = ()) -> dict[str, Any]:
     """The parsed arguments for a report (paths as strings)."""
     skip = set(leave_out)
