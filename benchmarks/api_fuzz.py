@@ -17,19 +17,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness.results import tool_report
+from harness.results import run_tool
 from harness.server import TINY_DUMMY, serve
 
 API_KEY = "fuzz"
+TITLE = "schemathesis over the served OpenAPI schema (not_a_server_error)"
 
 
 @contextlib.contextmanager
@@ -77,23 +76,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/api_fuzz.md"))
     parser.add_argument("--log", type=Path, default=Path("/tmp/api_fuzz_server.log"))
     args = parser.parse_args()
-    load = os.getloadavg()
-    start = time.monotonic()
-    with server(args.mode, args.log, args.max_model_len) as url:
-        code, output = fuzz(url, args.max_examples, args.seed, args.timeout, args.phases)
-    seconds = time.monotonic() - start
-    cases = count_cases(output)
+
+    def fuzz_served() -> tuple[int, str]:
+        with server(args.mode, args.log, args.max_model_len) as url:
+            return fuzz(url, args.max_examples, args.seed, args.timeout, args.phases)
+
+    done = run_tool(fuzz_served)
+    cases = count_cases(done.output)
     facts = [
-        f"result: exit code {code} ({'no failures' if code == 0 else 'FAILURES'}), {cases} test cases",
+        f"result: exit code {done.code} ({'no failures' if done.code == 0 else 'FAILURES'}), {cases} test cases",
         f"server: dsinfer serve{' --colocated' if args.mode == 'colocated' else ''}, tiny model, dummy "
         f"weights, --max-model-len {args.max_model_len}",
         f"command: python benchmarks/api_fuzz.py --mode {args.mode} --max-examples {args.max_examples} "
         f"--seed {args.seed} --max-model-len {args.max_model_len} --phases {args.phases}",
     ]
-    title = "schemathesis over the served OpenAPI schema (not_a_server_error)"
-    args.out.write_text(tool_report(title, facts, "schemathesis", output, load, seconds), encoding="utf-8")
-    print(f"{cases} cases, exit code {code}, {seconds:.0f} s -> {args.out}")
-    sys.exit(code)
+    sys.exit(done.write(args.out, TITLE, facts, "schemathesis", f"{cases} cases"))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from harness.clients import Stream, client_for, completion_body, stream_all
 from harness.metrics import wait_healthy_count
 from harness.progress import progress
 from harness.provenance import command_line, export_commit, git, machine_info, utc_now
-from harness.server import TINY_CPU, serve
+from harness.server import TINY_CPU, add_serving_args, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
 RANKS = 3  # prefill/0/0, decode/0/0, decode/0/1
@@ -154,12 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default="default,overlap")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=96)
-    parser.add_argument("--kv-cache-memory", default="256MiB")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-dir", type=Path, default=None)
-    results.add_output_args(parser)
+    add_serving_args(parser, output_len=96)
     args = parser.parse_args(argv)
     settings = results.choose(parser, args.settings, SETTINGS, "setting")
     with tempfile.TemporaryDirectory(prefix="decode_step-") as tmp:

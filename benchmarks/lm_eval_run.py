@@ -18,16 +18,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from harness.provenance import REPO
-from harness.results import tool_report
+from harness.results import run_tool
 from harness.server import TINY_DUMMY, serve
 
 TOKENIZER = REPO / "configs" / "models" / "tiny"
 MODEL = "dsinfer-tiny"
 API_KEY = "lm-eval"
+CHANCE = "the scores are chance (dummy weights): what counts is that every request completed"
 # the tiny model with dummy weights, its context kept short, behind an API key
 SERVER_FLAGS = [*TINY_DUMMY, "--kv-cache-memory", "32MiB", "--max-model-len", "512"]
 SERVER_FLAGS += ["--api-key", API_KEY, "--served-model-name", MODEL]
@@ -107,22 +107,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lm_eval.md"))
     args = parser.parse_args()
     include = write_tasks(args.work)
-    load = os.getloadavg()
-    start = time.monotonic()
     flags = [*SERVER_FLAGS, *(["--colocated"] if args.mode == "colocated" else [])]
-    with serve(flags, args.work, name="server", startup_timeout=180.0) as server:
-        code, output = run_lm_eval(server.base_url, include, args.work / "results", args.timeout)
-    seconds = time.monotonic() - start
+
+    def evaluate() -> tuple[int, str]:
+        with serve(flags, args.work, name="server", startup_timeout=180.0) as server:
+            return run_lm_eval(server.base_url, include, args.work / "results", args.timeout)
+
+    done = run_tool(evaluate)
+    tasks = f"dsinfer_mc ({len(MC)} questions x 4 choices, loglikelihood) and dsinfer_gen ({len(GEN)} questions, generate_until)"
     facts = [
-        f"result: lm-eval exit code {code}; tasks dsinfer_mc ({len(MC)} questions x 4 choices, "
-        f"loglikelihood) and dsinfer_gen ({len(GEN)} questions, generate_until)",
-        "the scores are chance (dummy weights): what counts is that every request completed",
+        f"result: lm-eval exit code {done.code}; tasks {tasks}",
+        CHANCE,
         f"command: python benchmarks/lm_eval_run.py --mode {args.mode}",
     ]
-    title = "lm-eval local-completions against dsinfer serve"
-    args.out.write_text(tool_report(title, facts, "lm-eval", output, load, seconds), encoding="utf-8")
-    print(f"lm-eval exit code {code}, {seconds:.0f} s -> {args.out}")
-    sys.exit(code)
+    sys.exit(
+        done.write(args.out, "lm-eval local-completions against dsinfer serve", facts, "lm-eval", "lm-eval")
+    )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from harness.clients import Stream, client_for, completion_body, stream_completi
 from harness.metrics import GATEWAY, scrape_async, wait_healthy_count
 from harness.progress import progress
 from harness.provenance import command_line, git, git_commit, machine_info, utc_now
-from harness.server import TINY_CPU, Server, serve
+from harness.server import TINY_CPU, Server, add_serving_args, serve
 
 VOCAB_SIZE, FIRST_TOKEN_ID = 4096, 2  # the tiny preset's vocabulary; 0/1 are BOS/EOS
 MODES = {
@@ -257,13 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="2,4", help="ranks per pool (EP sizes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=400)
     parser.add_argument("--kill-after", type=float, default=2.0, help="seconds after every stream decodes")
-    parser.add_argument("--kv-cache-memory", default="256MiB")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-dir", type=Path, default=None)
-    results.add_output_args(parser)
+    add_serving_args(parser, output_len=400)
     args = parser.parse_args(argv)
     modes = results.choose(parser, args.modes, MODES, "mode")
     runs = []

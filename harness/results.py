@@ -8,7 +8,9 @@ import json
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +90,33 @@ def report_header(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def tool_report(
-    title: str, facts: Sequence[str], tool: str, output: str, load: Sequence[float], seconds: float
-) -> str:
-    """The markdown of a run of another tool against a server (schemathesis, lm-eval): the
-    ``facts`` as bullets, the machine and its load at the start, the date and how long it took,
-    then the tool's own output."""
-    machine = f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    lines = [f"# {title}", "", *(f"- {fact}" for fact in facts)]
-    lines += [f"- machine: {machine}; load average at start {' / '.join(f'{x:.1f}' for x in load)}"]
-    lines += [f"- date: {utc_now(seconds=False)}, {seconds:.0f} s", "", f"{tool}'s output:", ""]
-    return "\n".join([*lines, "```", output.strip(), "```", ""])
+@dataclass
+class ToolRun:
+    """Another tool's run against a server (schemathesis, lm-eval): its exit code and output, the
+    load average at its start and how long it took."""
+
+    code: int
+    output: str
+    load: tuple[float, float, float]
+    seconds: float
+
+    def write(self, path: Path, title: str, facts: Sequence[str], tool: str, summary: str) -> int:
+        """The report to ``path``: the ``facts`` as bullets, the machine and its load, the date
+        and the seconds, then the tool's own output; ``summary`` printed. -> the tool's code."""
+        machine = f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+        lines = [f"# {title}", "", *(f"- {fact}" for fact in facts)]
+        lines += [f"- machine: {machine}; load average at start {' / '.join(f'{x:.1f}' for x in self.load)}"]
+        lines += [f"- date: {utc_now(seconds=False)}, {self.seconds:.0f} s", "", f"{tool}'s output:", ""]
+        path.write_text("\n".join([*lines, "```", self.output.strip(), "```", ""]), encoding="utf-8")
+        print(f"{summary}, exit code {self.code}, {self.seconds:.0f} s -> {path}")
+        return self.code
+
+
+def run_tool(run: Callable[[], tuple[int, str]]) -> ToolRun:
+    """``run()`` (a tool against a server it starts: -> its exit code and output), timed."""
+    load, start = os.getloadavg(), time.monotonic()
+    code, output = run()
+    return ToolRun(code, output, load, time.monotonic() - start)
 
 
 def add_output_args(

@@ -11,6 +11,7 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -31,6 +32,7 @@ import psutil
 from dsinfer.base.cluster_secret import SECRET_ENV
 from dsinfer.base.processes import free_port, terminate
 from harness.provenance import parse_cpu_list, source_env
+from harness.results import add_output_args
 
 STOP_GRACE = 20.0  # seconds from SIGINT (the supervisor drains its pools) to SIGKILL
 TAG_ENV = "DSINFER_TEST_SERVER_TAG"  # in a server's environment, so in every process it starts
@@ -44,6 +46,19 @@ TINY_CPU = [*TINY_DUMMY, "--device", "cpu", "--seed", "0"]
 def dsinfer_command(*args: str, python: str = sys.executable) -> list[str]:
     """``python -m dsinfer.cli.main ARGS``."""
     return [python, "-m", "dsinfer.cli.main", *args]
+
+
+def add_serving_args(parser: argparse.ArgumentParser, output_len: int) -> None:
+    """The flags a benchmark against tiny servers shares: prompt and output lengths, the KV budget
+    per rank, the seed, where the server logs go (default a temporary folder) and its results."""
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (random ids)")
+    parser.add_argument("--output-len", type=int, default=output_len, help="output tokens (ignore_eos)")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="server logs (default: a temporary folder)"
+    )
+    add_output_args(parser)
 
 
 def engine_env(
