@@ -102,6 +102,7 @@ from dsinfer.evals.tasks import (
     multiplication,
     render_context,
 )
+from harness.checkpoints import V3_ROUTING
 from harness.tiny_tokenizer import (
     ASSISTANT,
     BOS,
@@ -154,14 +155,7 @@ ARCHITECTURE: dict = {
     "n_routed_experts": 16,
     "n_shared_experts": 1,
     "num_experts_per_tok": 4,
-    "n_group": 4,
-    "topk_group": 2,
-    "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
+    **V3_ROUTING,
     "max_position_embeddings": MODEL_MAX_LENGTH,
     "rope_theta": 10000,
     "rope_scaling": None,
