@@ -831,18 +831,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--min-output", type=int, default=16, help="random: fewest output tokens")
     p.add_argument("--max-output", type=int, default=128, help="random: most output tokens")
-    p.add_argument(
-        "--heavy-prompt", type=int, default=1200, help="alternating: prompt tokens of a heavy request"
-    )
-    p.add_argument(
-        "--heavy-output", type=int, default=128, help="alternating: output tokens of a heavy request"
-    )
-    p.add_argument(
-        "--light-prompt", type=int, default=40, help="alternating: prompt tokens of a light request"
-    )
-    p.add_argument(
-        "--light-output", type=int, default=16, help="alternating: output tokens of a light request"
-    )
+    for kind, prompt, output in (("heavy", 1200, 128), ("light", 40, 16)):
+        for what, tokens in (("prompt", prompt), ("output", output)):
+            help_ = f"alternating: {what} tokens of a {kind} request"
+            p.add_argument(f"--{kind}-{what}", type=int, default=tokens, help=help_)
     p.add_argument("--threads-per-rank", type=int, default=1, help="torch threads per rank")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache per rank")
     p.add_argument(

@@ -57,7 +57,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -107,24 +107,28 @@ TRITON_ENTRIES = ("triton_pointer", "indexer", "indexer_topk", "sparse_mla")
 LIBRARY_ENTRIES = ("flashmla", "deepgemm", "ops_deepgemm")
 
 
-# ----------------------------------------------------------------------------------- model shapes
-
-
 # ---------------------------------------------------------------------------------------- cases
 
 
+class Named:
+    """A case named by its ``LABEL`` filled in with its fields."""
+
+    LABEL: ClassVar[str]
+
+    @property
+    def name(self) -> str:
+        return self.LABEL.format(**vars(self))
+
+
 @dataclass(frozen=True)
-class MlaCase:
+class MlaCase(Named):
+    LABEL = "B{batch} h{heads} s_q{s_q} ctx{ctx}"
     batch: int
     heads: int
     s_q: int
     ctx: int
     dim: int  # latent + rope values per cached token (576)
     dim_v: int  # latent values (512)
-
-    @property
-    def name(self) -> str:
-        return f"B{self.batch} h{self.heads} s_q{self.s_q} ctx{self.ctx}"
 
     @property
     def cache_bytes(self) -> int:
@@ -164,7 +168,8 @@ class GemmCase:
 
 
 @dataclass(frozen=True)
-class GroupedCase:
+class GroupedCase(Named):
+    LABEL = "{layout} {weight} E{experts} m{tokens}"
     layout: str  # "contiguous" or "masked"
     weight: str  # "w13" or "w2"
     experts: int
@@ -172,10 +177,6 @@ class GroupedCase:
     n: int
     k: int
     align: int  # contiguous: rows per expert segment rounded up to this (-1 rows pad); masked: m_max
-
-    @property
-    def name(self) -> str:
-        return f"{self.layout} {self.weight} E{self.experts} m{self.tokens}"
 
     @property
     def rows_per_expert(self) -> int:
@@ -195,16 +196,13 @@ class GroupedCase:
 
 
 @dataclass(frozen=True)
-class GateCase:
+class GateCase(Named):
+    LABEL = "T{tokens} E{experts}"
     tokens: int
     experts: int
     n_group: int
     topk_group: int
     top_k: int
-
-    @property
-    def name(self) -> str:
-        return f"T{self.tokens} E{self.experts}"
 
     @property
     def bytes(self) -> int:
@@ -213,7 +211,8 @@ class GateCase:
 
 
 @dataclass(frozen=True)
-class SparseCase:
+class SparseCase(Named):
+    LABEL = "B{batch} ctx{ctx} h{heads} topk{topk}"
     batch: int
     ctx: int  # visible keys per sequence (one query token: it sees them all)
     index_heads: int
@@ -222,10 +221,6 @@ class SparseCase:
     heads: int
     dim: int
     dim_v: int
-
-    @property
-    def name(self) -> str:
-        return f"B{self.batch} ctx{self.ctx} h{self.heads} topk{self.topk}"
 
     @property
     def picked(self) -> int:
@@ -363,91 +358,51 @@ def table(title: str, headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _mb(nbytes: float) -> str:
+    return fmt(nbytes / 1e6, ".1f")
+
+
+def _work(flops: int, nbytes: int, digits: str = ".2f") -> list[str]:
+    """GFLOP and FLOP per byte."""
+    return [fmt(flops / 1e9, digits), fmt(flops / nbytes, ".0f")]
+
+
 def print_plan(plan: Plan, v3: V3) -> None:
     """The cases with their FLOPs and bytes; needs no GPU."""
     print(f"DeepSeek-V3 shapes from {CONFIG.relative_to(ROOT)}; softmax scale {v3.softmax_scale:.6f}")
     print(f"sparse (V3.2) shapes from {CONFIG_V32.relative_to(ROOT)}")
     print(f"ceilings: copy {plan.copy_bytes >> 20} MiB buffers; bf16/fp8 matmul at n = {plan.matmul_sizes}")
-    print(
-        table(
-            "mla_decode (bf16 latent cache, page 64, causal)",
-            ["case", "cache MB", "total MB", "GFLOP", "FLOP/byte"],
-            [
-                [
-                    c.name,
-                    fmt(c.cache_bytes / 1e6, ".1f"),
-                    fmt(c.total_bytes / 1e6, ".1f"),
-                    fmt(c.flops / 1e9, ".1f"),
-                    fmt(c.flops / c.total_bytes, ".0f"),
-                ]
-                for c in plan.mla
-            ],
-        )
-    )
-    print(
-        table(
-            "fp8_gemm_nt (block-FP8 dense)",
-            ["projection", "m", "n", "k", "GFLOP", "MB", "FLOP/byte"],
-            [
-                [
-                    c.name,
-                    str(c.m),
-                    str(c.n),
-                    str(c.k),
-                    fmt(c.flops / 1e9, ".2f"),
-                    fmt(c.bytes / 1e6, ".1f"),
-                    fmt(c.flops / c.bytes, ".0f"),
-                ]
-                for c in plan.gemm
-            ],
-        )
-    )
-    print(
-        table(
-            "grouped FP8 GEMMs",
-            ["case", "n", "k", "rows/expert in A", "GFLOP", "MB", "FLOP/byte"],
-            [
-                [
-                    c.name,
-                    str(c.n),
-                    str(c.k),
-                    str(c.rows_per_expert),
-                    fmt(c.flops / 1e9, ".2f"),
-                    fmt(c.bytes / 1e6, ".1f"),
-                    fmt(c.flops / c.bytes, ".0f"),
-                ]
-                for c in plan.grouped
-            ],
-        )
-    )
-    print(
-        table(
-            "moe_gate (fp32 logits, noaux_tc)",
-            ["case", "n_group", "topk_group", "top_k", "MB"],
-            [
-                [c.name, str(c.n_group), str(c.topk_group), str(c.top_k), fmt(c.bytes / 1e6, ".3f")]
-                for c in plan.gate
-            ],
-        )
-    )
-    print(
-        table(
+    mla = [
+        [c.name, _mb(c.cache_bytes), _mb(c.total_bytes), *_work(c.flops, c.total_bytes, ".1f")]
+        for c in plan.mla
+    ]
+    gemm = [[c.name, str(c.m), str(c.n), str(c.k), _mb(c.bytes), *_work(c.flops, c.bytes)] for c in plan.gemm]
+    grouped = [
+        [c.name, str(c.n), str(c.k), str(c.rows_per_expert), _mb(c.bytes), *_work(c.flops, c.bytes)]
+        for c in plan.grouped
+    ]
+    gate = [
+        [c.name, str(c.n_group), str(c.topk_group), str(c.top_k), fmt(c.bytes / 1e6, ".3f")]
+        for c in plan.gate
+    ]
+    sparse = [
+        [c.name, f"{c.index_heads} x {c.index_dim}", _mb(c.key_bytes), _mb(c.logits_bytes), _mb(c.sparse_bytes),
+         *_work(c.sparse_flops, c.sparse_bytes, ".1f")]
+        for c in plan.sparse
+    ]  # fmt: skip
+    work = ["GFLOP", "FLOP/byte"]
+    for title, headers, rows in (
+        ("mla_decode (bf16 latent cache, page 64, causal)", ["case", "cache MB", "total MB", *work], mla),
+        ("fp8_gemm_nt (block-FP8 dense)", ["projection", "m", "n", "k", "MB", *work], gemm),
+        ("grouped FP8 GEMMs", ["case", "n", "k", "rows/expert in A", "MB", *work], grouped),
+        ("moe_gate (fp32 logits, noaux_tc)", ["case", "n_group", "topk_group", "top_k", "MB"], gate),
+        (
             "sparse (V3.2: indexer logits over FP8 keys, page 64; sparse MLA over the picked slots)",
-            ["case", "index heads x dim", "keys MB", "logits MB", "sparse MLA MB", "GFLOP", "FLOP/byte"],
-            [
-                [
-                    c.name,
-                    f"{c.index_heads} x {c.index_dim}",
-                    fmt(c.key_bytes / 1e6, ".1f"),
-                    fmt(c.logits_bytes / 1e6, ".1f"),
-                    fmt(c.sparse_bytes / 1e6, ".1f"),
-                    fmt(c.sparse_flops / 1e9, ".1f"),
-                    fmt(c.sparse_flops / c.sparse_bytes, ".0f"),
-                ]
-                for c in plan.sparse
-            ],
-        )
-    )
+            ["case", "index heads x dim", "keys MB", "logits MB", "sparse MLA MB", *work],
+            sparse,
+        ),
+    ):
+        print(table(title, headers, rows))
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -540,6 +495,18 @@ def import_libraries(device: torch.device, skip: bool) -> tuple[dict[str, Module
 
 
 # -------------------------------------------------------------------------------------- ceilings
+
+
+class Run(NamedTuple):
+    """What every kernel section measures with: dsinfer's kernels and their Ops GEMM adapter,
+    the libraries that imported, the ceilings, the timer and the arguments."""
+
+    kernels: ModuleType
+    adapter: Any
+    libs: dict[str, ModuleType]
+    ceil: dict[str, Any]
+    timer: Timer
+    args: argparse.Namespace
 
 
 def measure_ceilings(plan: Plan, timer: Timer) -> dict[str, Any]:
@@ -699,15 +666,8 @@ def flashmla_entry(
     return res
 
 
-def bench_mla(
-    case: MlaCase,
-    v3: V3,
-    kernels: ModuleType,
-    libs: dict[str, ModuleType],
-    ceil: dict[str, Any],
-    timer: Timer,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
+def bench_mla(case: MlaCase, v3: V3, run: Run) -> dict[str, Any]:
+    kernels, _, libs, ceil, timer, args = run
     from dsinfer.ops import mla as torch_mla
 
     # The submodules, for their launch heuristics (the package attribute mla_decode is the function).
@@ -842,55 +802,39 @@ def sweep_mla(
 
 
 def gemm_entry(
-    run: Callable[[], torch.Tensor],
+    fn: Callable[..., torch.Tensor],
     flops: int,
     nbytes: int,
-    ceil: dict[str, Any],
-    timer: Timer,
+    run: Run,
     expected: torch.Tensor | None,
     pick: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    deep_gemm: ModuleType | None = None,
 ) -> dict[str, Any]:
-    """One GEMM path (``run`` returns its output): time, rates against the fp8 rate, check."""
-    t = timer(run)
+    """One GEMM path (``fn`` returns its output): time, rates against the fp8 rate, check. With
+    ``deep_gemm``: ``fn(adapter)`` through dsinfer's DeepGEMM adapter, what the model calls (bf16
+    in and out, quantization and layout included)."""
+    call, extra = fn, {}
+    if deep_gemm is not None:
+        from dsinfer.ops.external import DeepGemmAdapter
+
+        adapter = DeepGemmAdapter(deep_gemm)
+        call, extra = (lambda: fn(adapter)), {"m_alignment": adapter.m_alignment}
+    t = run.timer(call)
+    fp8 = run.ceil["fp8_tflops"]
     res: dict[str, Any] = {
+        **extra,
         **t,
-        **roofline(flops, nbytes, t["median_us"], ceil["fp8_tflops"], ceil["copy_tb_per_s"]),
+        **roofline(flops, nbytes, t["median_us"], fp8, run.ceil["copy_tb_per_s"]),
     }
-    res["fraction_of_fp8"] = res["tflops"] / ceil["fp8_tflops"]
+    res["fraction_of_fp8"] = res["tflops"] / fp8
     if expected is not None:
-        err = rel_err(pick(run()), expected)
+        err = rel_err(pick(call()), expected)
         res["check"] = {"rel_err": err, "ok": err <= GEMM_TOL}
     return res
 
 
-def deepgemm_adapter_entry(
-    deep_gemm: ModuleType,
-    run: Callable[[Any], torch.Tensor],
-    flops: int,
-    nbytes: int,
-    ceil: dict[str, Any],
-    timer: Timer,
-    expected: torch.Tensor | None,
-    pick: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> dict[str, Any]:
-    """``run(adapter)`` through dsinfer's DeepGEMM adapter: what the model calls (bf16 in and out,
-    quantization and layout included)."""
-    from dsinfer.ops.external import DeepGemmAdapter
-
-    adapter = DeepGemmAdapter(deep_gemm)
-    res = gemm_entry(lambda: run(adapter), flops, nbytes, ceil, timer, expected, pick)
-    return {"m_alignment": adapter.m_alignment, **res}
-
-
-def bench_gemm(
-    case: GemmCase,
-    kernels: ModuleType,
-    adapter: Any,
-    libs: dict[str, ModuleType],
-    ceil: dict[str, Any],
-    timer: Timer,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
+def bench_gemm(case: GemmCase, run: Run) -> dict[str, Any]:
+    kernels, adapter, libs, ceil, timer, args = run
     from dsinfer.ops import gemm as torch_gemm
 
     device = timer.device
@@ -939,26 +883,17 @@ def bench_gemm(
             return out
 
         res["deepgemm"] = try_entry(
-            "DeepGEMM fp8_gemm_nt", lambda: gemm_entry(raw, case.flops, case.bytes, ceil, timer, ref)
+            "DeepGEMM fp8_gemm_nt", lambda: gemm_entry(raw, case.flops, case.bytes, run, ref)
         )
         res["ops_deepgemm"] = try_entry(
             "DeepGEMM adapter",
-            lambda: deepgemm_adapter_entry(
-                dg, lambda a: a.linear(x, w, ws), case.flops, case.bytes, ceil, timer, ref
-            ),
+            lambda: gemm_entry(lambda a: a.linear(x, w, ws), case.flops, case.bytes, run, ref, deep_gemm=dg),
         )
     return res
 
 
-def bench_grouped(
-    case: GroupedCase,
-    kernels: ModuleType,
-    adapter: Any,
-    libs: dict[str, ModuleType],
-    ceil: dict[str, Any],
-    timer: Timer,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
+def bench_grouped(case: GroupedCase, run: Run) -> dict[str, Any]:
+    kernels, adapter, libs, ceil, timer, args = run
     from dsinfer.ops import gemm as torch_gemm
 
     device = timer.device
@@ -1046,25 +981,22 @@ def bench_grouped(
                 return {"skipped": f"{rows}-row expert segments are not multiples of DeepGEMM's {align}"}
             out = torch.zeros_like(d)
 
-            def run() -> torch.Tensor:
+            def fn() -> torch.Tensor:
                 library(dg, out)
                 return out
 
-            return gemm_entry(run, case.flops, case.bytes, ceil, timer, expected, pick)
+            return gemm_entry(fn, case.flops, case.bytes, run, expected, pick)
 
         res["deepgemm"] = try_entry("DeepGEMM grouped GEMM", raw_entry)
         res["ops_deepgemm"] = try_entry(
             "DeepGEMM adapter",
-            lambda: deepgemm_adapter_entry(
-                dg, library_ops, case.flops, case.bytes, ceil, timer, expected, pick
-            ),
+            lambda: gemm_entry(library_ops, case.flops, case.bytes, run, expected, pick, deep_gemm=dg),
         )
     return res
 
 
-def bench_gate(
-    case: GateCase, v3: V3, kernels: ModuleType, timer: Timer, args: argparse.Namespace
-) -> dict[str, Any]:
+def bench_gate(case: GateCase, v3: V3, run: Run) -> dict[str, Any]:
+    kernels, _, _, _, timer, args = run
     from dsinfer.ops import gate as torch_gate
 
     device = timer.device
@@ -1206,34 +1138,28 @@ def indexer_entry(
     logits: Callable[..., torch.Tensor],
     inp: SparseInputs,
     case: SparseCase,
-    ceil: dict[str, Any],
-    timer: Timer,
+    run: Run,
     ref: torch.Tensor | None,
-    with_torch: bool,
 ) -> dict[str, Any]:
     """The logits kernel: time, key bytes/s, check; the torch reference's time."""
     from dsinfer.ops import indexer as ix
 
-    res: dict[str, Any] = dict(timer(lambda: logits(*inp.indexer_args())))
-    res.update(key_rates(case, res["median_us"], ceil))
+    res: dict[str, Any] = dict(run.timer(lambda: logits(*inp.indexer_args())))
+    res.update(key_rates(case, res["median_us"], run.ceil))
     if ref is not None:
         res["check"] = logits_check(logits(*inp.indexer_args()), ref)
-    if with_torch:
-        res["torch"] = timer(lambda: ix.indexer_logits(*inp.indexer_args()))
+    if not run.args.no_torch:
+        res["torch"] = run.timer(lambda: ix.indexer_logits(*inp.indexer_args()))
     return res
 
 
 def topk_entry(
-    indexer_topk: Callable[..., torch.Tensor],
-    inp: SparseInputs,
-    case: SparseCase,
-    timer: Timer,
-    ref: torch.Tensor | None,
+    topk: Callable[..., torch.Tensor], inp: SparseInputs, case: SparseCase, run: Run, ref: torch.Tensor | None
 ) -> dict[str, Any]:
     """An ``indexer_topk`` entry point (logits and top-k): time, picks judged by the reference."""
-    res: dict[str, Any] = dict(timer(lambda: indexer_topk(*inp.indexer_args(), case.topk)))
+    res: dict[str, Any] = dict(run.timer(lambda: topk(*inp.indexer_args(), case.topk)))
     if ref is not None:
-        res["check"] = picks_check(indexer_topk(*inp.indexer_args(), case.topk), ref, case.topk)
+        res["check"] = picks_check(topk(*inp.indexer_args(), case.topk), ref, case.topk)
     return res
 
 
@@ -1242,8 +1168,7 @@ def sparse_mla_entry(
     inp: SparseInputs,
     case: SparseCase,
     scale: float,
-    ceil: dict[str, Any],
-    timer: Timer,
+    run: Run,
     ref: tuple[torch.Tensor, torch.Tensor] | None,
     with_torch: bool,
 ) -> dict[str, Any]:
@@ -1251,24 +1176,17 @@ def sparse_mla_entry(
     from dsinfer.ops import sparse_mla as torch_sparse
 
     call = (inp.q, inp.kv, inp.slots, case.dim_v, scale)
-    res: dict[str, Any] = dict(timer(lambda: decode(*call)))
-    res.update(rates_of(case.sparse_flops, case.sparse_bytes, res["median_us"], ceil))
+    res: dict[str, Any] = dict(run.timer(lambda: decode(*call)))
+    res.update(rates_of(case.sparse_flops, case.sparse_bytes, res["median_us"], run.ceil))
     if ref is not None:
         res["check"] = mla_check(decode(*call), ref)
     if with_torch:
-        res["torch"] = timer(lambda: torch_sparse.sparse_mla_decode(*call))
+        res["torch"] = run.timer(lambda: torch_sparse.sparse_mla_decode(*call))
     return res
 
 
-def bench_sparse(
-    case: SparseCase,
-    v32: V32Sparse,
-    kernels: ModuleType,
-    libs: dict[str, ModuleType],
-    ceil: dict[str, Any],
-    timer: Timer,
-    args: argparse.Namespace,
-) -> dict[str, Any]:
+def bench_sparse(case: SparseCase, v32: V32Sparse, run: Run) -> dict[str, Any]:
+    kernels, _, libs, _, timer, args = run
     from dsinfer.ops import indexer as ix
     from dsinfer.ops import sparse_mla as torch_sparse
     from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
@@ -1288,26 +1206,25 @@ def bench_sparse(
     ref_mla = None
     if not args.no_check:
         ref_mla = torch_sparse.sparse_mla_decode(inp.q, inp.kv, inp.slots, case.dim_v, scale)
-    with_torch = not args.no_torch
     res["indexer"] = try_entry(
         "Triton indexer_logits",
-        lambda: indexer_entry(kernels.indexer_logits, inp, case, ceil, timer, ref_logits, with_torch),
+        lambda: indexer_entry(kernels.indexer_logits, inp, case, run, ref_logits),
     )
     res["indexer_topk"] = try_entry(
         "Triton indexer_topk",
-        lambda: topk_entry(ix.indexer_topk_with(kernels.indexer_logits), inp, case, timer, ref_logits),
+        lambda: topk_entry(ix.indexer_topk_with(kernels.indexer_logits), inp, case, run, ref_logits),
     )
     res["sparse_mla"] = try_entry(
         "Triton sparse_mla_decode",
         lambda: sparse_mla_entry(
-            kernels.sparse_mla_decode, inp, case, scale, ceil, timer, ref_mla, with_torch
+            kernels.sparse_mla_decode, inp, case, scale, run, ref_mla, not args.no_torch
         ),
     )
     if "deep_gemm" in libs:
         res["deepgemm"] = try_entry(
             "DeepGEMM indexer",
             lambda: topk_entry(
-                DeepGemmIndexerAdapter(libs["deep_gemm"]).indexer_topk, inp, case, timer, ref_logits
+                DeepGemmIndexerAdapter(libs["deep_gemm"]).indexer_topk, inp, case, run, ref_logits
             ),
         )
     if "flash_mla" in libs:
@@ -1318,8 +1235,7 @@ def bench_sparse(
                 inp,
                 case,
                 scale,
-                ceil,
-                timer,
+                run,
                 ref_mla,
                 False,
             ),
@@ -1377,70 +1293,69 @@ def kernel_str(launch: dict[str, Any]) -> str:
 
 Column = tuple[str, Callable[[dict[str, Any]], str]]
 
-MLA_COLUMNS: list[Column] = [
-    ("case", lambda r: r["case"]),
-    ("kernel", lambda r: kernel_str(r["launch"])),
-    ("splits", lambda r: str(r["launch"]["num_splits"])),
-    ("us", lambda r: us(r["triton"])),
-    ("cache TB/s", lambda r: fmt(r["cache_tb_per_s"], ".2f")),
-    ("of copy", lambda r: pct(r["cache_fraction_of_copy"])),
-    ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
-    ("of roofline", lambda r: pct(r["roofline_fraction"])),
-    ("bound", lambda r: r["bound"]),
-    ("target", lambda r: fmt(r.get("target_met"))),
-    ("pointer us", lambda r: us(r.get("triton_pointer"))),
+# Columns several tables share.
+CASE: Column = ("case", lambda r: r["case"])
+US: Column = ("us", lambda r: us(r["triton"]))
+TFLOPS: Column = ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f"))
+OF_FP8: Column = ("of fp8", lambda r: pct(r["fraction_of_fp8"]))
+OF_ROOFLINE: Column = ("of roofline", lambda r: pct(r["roofline_fraction"]))
+TARGET: Column = ("target", lambda r: fmt(r.get("target_met")))
+FLASHMLA: list[Column] = [
     ("FlashMLA us", lambda r: us(r.get("flashmla"))),
     ("FlashMLA of roofline", lambda r: pct(field(r, "flashmla", "roofline_fraction"))),
+]
+DEEPGEMM: list[Column] = [
+    ("ops us", lambda r: us(r["ops_triton"])),
+    ("DeepGEMM us", lambda r: us(r.get("deepgemm"))),
+    ("DeepGEMM of fp8", lambda r: pct(field(r, "deepgemm", "fraction_of_fp8"))),
+    ("DeepGEMM ops us", lambda r: us(r.get("ops_deepgemm"))),
+]
+TORCH: list[Column] = [
     ("torch us", lambda r: us(r.get("torch"))),
     ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
-    ("check", lambda r: check_str(r)),
-    ("library check", library_check_str),
+]
+CHECKS: list[Column] = [("check", lambda r: check_str(r)), ("library check", library_check_str)]
+
+MLA_COLUMNS: list[Column] = [
+    CASE,
+    ("kernel", lambda r: kernel_str(r["launch"])),
+    ("splits", lambda r: str(r["launch"]["num_splits"])),
+    US,
+    ("cache TB/s", lambda r: fmt(r["cache_tb_per_s"], ".2f")),
+    ("of copy", lambda r: pct(r["cache_fraction_of_copy"])),
+    TFLOPS,
+    OF_ROOFLINE,
+    ("bound", lambda r: r["bound"]),
+    TARGET,
+    ("pointer us", lambda r: us(r.get("triton_pointer"))),
+    *FLASHMLA,
+    *TORCH,
+    *CHECKS,
 ]
 GEMM_COLUMNS: list[Column] = [
-    ("case", lambda r: r["case"]),
+    CASE,
     ("n", lambda r: str(r["n"])),
     ("k", lambda r: str(r["k"])),
-    ("us", lambda r: us(r["triton"])),
-    ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
-    ("of fp8", lambda r: pct(r["fraction_of_fp8"])),
-    ("of roofline", lambda r: pct(r["roofline_fraction"])),
+    US,
+    TFLOPS,
+    OF_FP8,
+    OF_ROOFLINE,
     ("quant us", lambda r: us(r.get("quantize"))),
     ("cuBLAS us", lambda r: us(r.get("cublas_fp8_per_tensor"))),
-    ("ops us", lambda r: us(r["ops_triton"])),
-    ("DeepGEMM us", lambda r: us(r.get("deepgemm"))),
-    ("DeepGEMM of fp8", lambda r: pct(field(r, "deepgemm", "fraction_of_fp8"))),
-    ("DeepGEMM ops us", lambda r: us(r.get("ops_deepgemm"))),
-    ("torch us", lambda r: us(r.get("torch"))),
-    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
-    ("check", lambda r: check_str(r)),
-    ("library check", library_check_str),
+    *DEEPGEMM,
+    *TORCH,
+    *CHECKS,
 ]
-GROUPED_COLUMNS: list[Column] = [
-    ("case", lambda r: r["case"]),
-    ("us", lambda r: us(r["triton"])),
-    ("TFLOP/s", lambda r: fmt(r["tflops"], ".0f")),
-    ("of fp8", lambda r: pct(r["fraction_of_fp8"])),
-    ("of roofline", lambda r: pct(r["roofline_fraction"])),
-    ("target", lambda r: fmt(r.get("target_met"))),
-    ("ops us", lambda r: us(r["ops_triton"])),
-    ("DeepGEMM us", lambda r: us(r.get("deepgemm"))),
-    ("DeepGEMM of fp8", lambda r: pct(field(r, "deepgemm", "fraction_of_fp8"))),
-    ("DeepGEMM ops us", lambda r: us(r.get("ops_deepgemm"))),
-    ("torch us", lambda r: us(r.get("torch"))),
-    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
-    ("check", lambda r: check_str(r)),
-    ("library check", library_check_str),
-]
+GROUPED_COLUMNS: list[Column] = [CASE, US, TFLOPS, OF_FP8, OF_ROOFLINE, TARGET, *DEEPGEMM, *TORCH, *CHECKS]
 GATE_COLUMNS: list[Column] = [
-    ("case", lambda r: r["case"]),
-    ("us", lambda r: us(r["triton"])),
+    CASE,
+    US,
     ("Mtok/s", lambda r: fmt(r["tokens_per_s"] / 1e6, ".2f")),
-    ("torch us", lambda r: us(r.get("torch"))),
-    ("speedup", lambda r: fmt(r.get("speedup"), ".1f")),
-    ("check", lambda r: check_str(r)),
+    *TORCH,
+    CHECKS[0],
 ]
 SPARSE_COLUMNS: list[Column] = [
-    ("case", lambda r: r["case"]),
+    CASE,
     ("indexer us", lambda r: us(r.get("indexer"))),
     ("keys TB/s", lambda r: fmt(field(r, "indexer", "key_tb_per_s"), ".2f")),
     ("of copy", lambda r: pct(field(r, "indexer", "key_fraction_of_copy"))),
@@ -1449,12 +1364,10 @@ SPARSE_COLUMNS: list[Column] = [
     ("sparse MLA us", lambda r: us(r.get("sparse_mla"))),
     ("TFLOP/s", lambda r: fmt(field(r, "sparse_mla", "tflops"), ".0f")),
     ("of roofline", lambda r: pct(field(r, "sparse_mla", "roofline_fraction"))),
-    ("FlashMLA us", lambda r: us(r.get("flashmla"))),
-    ("FlashMLA of roofline", lambda r: pct(field(r, "flashmla", "roofline_fraction"))),
+    *FLASHMLA,
     ("torch indexer us", lambda r: us(field(r, "indexer", "torch"))),
     ("torch MLA us", lambda r: us(field(r, "sparse_mla", "torch"))),
-    ("check", lambda r: check_str(r)),
-    ("library check", library_check_str),
+    *CHECKS,
 ]
 
 
@@ -1693,24 +1606,24 @@ def main(argv: list[str] | None = None) -> int:
     from dsinfer.ops.external import triton_gemm_adapter
 
     # The Ops GEMM entry points over dsinfer.kernels: what select_ops builds for the 'triton' backend.
-    adapter = triton_gemm_adapter(kernels)
+    measure = Run(kernels, triton_gemm_adapter(kernels), libs, ceil, timer, args)
     sections: list[tuple[str, str, list[Any], Callable[[Any], dict[str, Any]]]] = [
-        ("mla", "mla", plan.mla, lambda c: bench_mla(c, v3, kernels, libs, ceil, timer, args)),
+        ("mla", "mla", plan.mla, lambda c: bench_mla(c, v3, measure)),
         # before the GEMMs, whose DeepGEMM JIT compilations may use up a caller's time limit
-        ("sparse", "sparse", plan.sparse, lambda c: bench_sparse(c, v32, kernels, libs, ceil, timer, args)),
+        ("sparse", "sparse", plan.sparse, lambda c: bench_sparse(c, v32, measure)),
         (
             "gemm",
             "dense_gemm",
             plan.gemm if fp8_ok else [],
-            lambda c: bench_gemm(c, kernels, adapter, libs, ceil, timer, args),
+            lambda c: bench_gemm(c, measure),
         ),
         (
             "grouped",
             "grouped_gemm",
             plan.grouped if fp8_ok else [],
-            lambda c: bench_grouped(c, kernels, adapter, libs, ceil, timer, args),
+            lambda c: bench_grouped(c, measure),
         ),
-        ("gate", "gate", plan.gate, lambda c: bench_gate(c, v3, kernels, timer, args)),
+        ("gate", "gate", plan.gate, lambda c: bench_gate(c, v3, measure)),
     ]
     for kind, key, cases, run in sections:
         if cases:
