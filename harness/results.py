@@ -142,11 +142,12 @@ def jsonable_args(args: argparse.Namespace, leave_out: Iterable[str] = ()) -> di
     return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
 
 
-def write_json(path: Path, doc: Any, indent: int = 1) -> None:
-    """``doc`` as JSON in ``path`` (folders made), replaced whole (a reader never sees half)."""
+def write_json(path: Path, doc: Any, indent: int = 1, default: Callable[[Any], Any] = str) -> None:
+    """``doc`` as JSON in ``path`` (folders made), replaced whole (a reader never sees half);
+    ``default``: what a value JSON has no type for becomes (numpy's floats: ``float``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=indent, default=str) + "\n")
+    tmp.write_text(json.dumps(doc, indent=indent, default=default) + "\n")
     tmp.replace(path)
 
 

@@ -103,6 +103,7 @@ from dsinfer.evals.tasks import (
     render_context,
 )
 from harness.checkpoints import V3_ROUTING
+from harness.provenance import REPO
 from harness.tiny_tokenizer import (
     ASSISTANT,
     BOS,
@@ -115,7 +116,6 @@ from harness.tiny_tokenizer import (
     write_json,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "configs" / "models" / "tiny-chat"
 MODEL_MAX_LENGTH = 2048
 SHORT_LOOKUP_LINES = (2, 9)  # [min, max) lines of the tables in short conversations

@@ -18,13 +18,13 @@ from dsinfer.sim.workload import (
     rate_at,
     sample,
 )
+from harness.provenance import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
-DEEPSEEK = ROOT / "configs" / "traffic" / "deepseek-v3-day-night.yaml"
+DEEPSEEK = REPO / "configs" / "traffic" / "deepseek-v3-day-night.yaml"
 
 
 def test_shipped_profiles_load() -> None:
-    for path in sorted((ROOT / "configs" / "traffic").glob("*.yaml")):
+    for path in sorted((REPO / "configs" / "traffic").glob("*.yaml")):
         profile = TrafficProfile.load(path)
         calibrate(profile)
 
