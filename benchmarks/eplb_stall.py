@@ -47,14 +47,14 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from harness.provenance import REPO, git_commit, machine_info
 from harness.rank_pool import PORT_TAKEN, exit_on_sigterm, grown_preset, join_pool, random_prompts, run_pool
 from harness.results import ratio as _ratio
-from harness.results import write_json
+from harness.results import table, write_json
 
 TARGET_RATIO = 2.0  # the issue: no step longer than twice the median while weights move
 
@@ -242,6 +242,15 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def at(series: list[float] | None, steps: list[int]) -> list[float]:
+    """The values of a per-step series at the 1-based ``steps`` (none without the series)."""
+    return [series[i - 1] for i in steps] if series else []
+
+
+def _median_ms(seconds: list[float]) -> float | None:
+    return 1e3 * statistics.median(seconds) if seconds else None
+
+
 def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Pool step times (max over ranks per step) and the rebalance windows of rank 0's history
     (every rank swaps at the same step; checked)."""
@@ -306,30 +315,20 @@ def analyze(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
                 "balance_before": e["balance_before"],
                 "balance_after": e["balance_after"],
                 "window_max_ms": 1e3 * max(win_times) if win_times else None,
-                "window_median_ms": 1e3 * statistics.median(win_times) if win_times else None,
-                "window_cpu_median_ms": 1e3 * statistics.median(win_cpu) if win_cpu else None,
+                "window_median_ms": _median_ms(win_times),
+                "window_cpu_median_ms": _median_ms(win_cpu),
                 "window_other_threads_cpu_seconds": other_cpu,
                 "decision_step_ms": 1e3 * steps[e["step"] - 1],
                 "swap_step_ms": 1e3 * steps[e["swap_step"] - 1] if e["swap_step"] is not None else None,
                 # inside those steps, the balancer's own time (load all-reduce + placement + staging
                 # plan; pieces + ready flag; swap), max over ranks
                 "decision_balancer_ms": 1e3 * own[e["step"] - 1] if own else None,
-                "staging_balancer_max_ms": 1e3 * max((own[i - 1] for i in staged), default=0.0)
-                if own
-                else None,
-                "staging_balancer_median_ms": 1e3 * statistics.median(own[i - 1] for i in staged)
-                if own and staged
-                else None,
+                "staging_balancer_max_ms": 1e3 * max(at(own, staged), default=0.0) if own else None,
+                "staging_balancer_median_ms": _median_ms(at(own, staged)),
                 # of which in pieces (the rest: the ready-flag all-reduce, waiting for the slowest rank)
-                "staging_pieces_median_ms": 1e3 * statistics.median(pieces[i - 1] for i in staged)
-                if pieces and staged
-                else None,
-                "staging_pieces_max_ms": 1e3 * max((pieces[i - 1] for i in staged), default=0.0)
-                if pieces
-                else None,
-                "staging_budget_median_ms": 1e3 * statistics.median(budget[i - 1] for i in staged)
-                if budget and staged
-                else None,
+                "staging_pieces_median_ms": _median_ms(at(pieces, staged)),
+                "staging_pieces_max_ms": 1e3 * max(at(pieces, staged), default=0.0) if pieces else None,
+                "staging_budget_median_ms": _median_ms(at(budget, staged)),
                 "swap_balancer_ms": 1e3 * own[e["swap_step"] - 1]
                 if own and e["swap_step"] is not None
                 else None,
@@ -439,29 +438,25 @@ def markdown(doc: dict[str, Any]) -> str:
         "| max freeing step ms (x median) | target met |",
         "|---:|---|---:|---|---:|---:|---:|---|---:|---|---|---|---|",
     ]
-    for r in doc["results"]:
-        for variant, label in VARIANTS.items():
-            e = r.get(variant)
-            if e is None:
-                continue
-            stage = ", ".join(_stage(ev) for ev in e["events"]) or "-"
-            windows = [ev["window_max_ms"] for ev in e["events"] if ev["window_max_ms"] is not None]
-            swaps = [ev["swap_step_ms"] for ev in e["events"] if ev["swap_step_ms"] is not None]
-            frees = [ev["freeing_max_ms"] for ev in e["events"] if ev["freeing_max_ms"] is not None]
-            moving = variant != "baseline"
-            lines.append(
-                f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {_f(e['median_ms'])} | "
-                f"{_f(e['steady_max_over_median'], '.2f')} | {len(e['events']) if moving else '-'} | {stage} | "
-                f"{_f(e['rebuild_all_experts_seconds'], '.2f') if moving else '-'} | "
-                + (
-                    f"{_f(max(windows, default=None))} ({_f(e['worst_window_ratio'], '.2f')}) | "
-                    f"{_f(max(swaps, default=None))} ({_f(e['worst_swap_ratio'], '.2f')}) | "
-                    f"{_f(max(frees, default=None))} ({_f(e.get('worst_freeing_ratio'), '.2f')}) | "
-                    f"{_yes(e.get('target_met'))} |"
-                    if moving
-                    else "- | - | - | - |"
-                )
+    for r, variant, label, e in _runs(doc):
+        stage = ", ".join(_stage(ev) for ev in e["events"]) or "-"
+        windows = [ev["window_max_ms"] for ev in e["events"] if ev["window_max_ms"] is not None]
+        swaps = [ev["swap_step_ms"] for ev in e["events"] if ev["swap_step_ms"] is not None]
+        frees = [ev["freeing_max_ms"] for ev in e["events"] if ev["freeing_max_ms"] is not None]
+        moving = variant != "baseline"
+        lines.append(
+            f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {_f(e['median_ms'])} | "
+            f"{_f(e['steady_max_over_median'], '.2f')} | {len(e['events']) if moving else '-'} | {stage} | "
+            f"{_f(e['rebuild_all_experts_seconds'], '.2f') if moving else '-'} | "
+            + (
+                f"{_f(max(windows, default=None))} ({_f(e['worst_window_ratio'], '.2f')}) | "
+                f"{_f(max(swaps, default=None))} ({_f(e['worst_swap_ratio'], '.2f')}) | "
+                f"{_f(max(frees, default=None))} ({_f(e.get('worst_freeing_ratio'), '.2f')}) | "
+                f"{_yes(e.get('target_met'))} |"
+                if moving
+                else "- | - | - | - |"
             )
+        )
     lines += [
         "",
         "Every rebalance (pool step times, ratios to the run's median; balancer ms = the balancer's own "
@@ -470,54 +465,34 @@ def markdown(doc: dict[str, Any]) -> str:
         "pieces at one boundary, max over ranks; pieces, boundaries and piece seconds per rank, max over "
         "ranks):",
         "",
-        "| EP | config | rep | run | decision step | swap step | freed at | balance before -> after | stage s "
-        "| pieces / boundaries / piece s | budget ms (median) | pieces ms per boundary, median / max "
-        "| balancer ms while staging, median / max "
-        "| window median ms | window max ms (x) | decision step ms (balancer ms) | swap step ms (x) "
-        "(balancer ms) | stepping thread CPU ms, window / steady median |",
-        "|---:|---|---:|---|---:|---:|---:|---|---:|---|---:|---|---|---:|---|---|---|---|",
     ]
-    for r in doc["results"]:
-        e = r.get("rebalance")
-        if e is None:
-            continue
-        med = e["median_ms"]
-        for ev in e["events"]:
-            lines.append(
-                f"| {r['world']} | {r['config']} | {r['repeat']} | {VARIANTS['rebalance']} | "
-                f"{ev['decision_step']} | {ev['swap_step']} | {ev['freed_step']} | "
-                f"{ev['balance_before']:.3f} -> {ev['balance_after']:.3f} | {_f(ev['stage_seconds'], '.2f')} | "
-                f"{ev['stage_pieces']} / {ev['stage_steps']} / {ev['stage_work_seconds']:.2f} | "
-                f"{_f(ev['staging_budget_median_ms'])} | {_f(ev.get('staging_pieces_median_ms'))} / "
-                f"{_f(ev.get('staging_pieces_max_ms'))} | {_f(ev['staging_balancer_median_ms'])} / "
-                f"{_f(ev['staging_balancer_max_ms'])} | {_f(ev['window_median_ms'])} | "
-                f"{_f(ev['window_max_ms'])} ({_f(_ratio(ev['window_max_ms'], med), '.2f')}) | "
-                f"{_f(ev['decision_step_ms'])} ({_f(ev['decision_balancer_ms'])}) | "
-                f"{_f(ev['swap_step_ms'])} ({_f(_ratio(ev['swap_step_ms'], med), '.2f')}) "
-                f"({_f(ev['swap_balancer_ms'])}) | {_f(ev['window_cpu_median_ms'])} / "
-                f"{_f(e['steady_cpu_median_ms'])} |"
-            )
+    rows = [
+        (*_event_cells(r, ev), ev["freed_step"], f"{ev['balance_before']:.3f} -> {ev['balance_after']:.3f}",
+         _f(ev["stage_seconds"], ".2f"), f"{ev['stage_pieces']} / {ev['stage_steps']} / {ev['stage_work_seconds']:.2f}",
+         _f(ev["staging_budget_median_ms"]),
+         f"{_f(ev.get('staging_pieces_median_ms'))} / {_f(ev.get('staging_pieces_max_ms'))}",
+         f"{_f(ev['staging_balancer_median_ms'])} / {_f(ev['staging_balancer_max_ms'])}", _f(ev["window_median_ms"]),
+         f"{_f(ev['window_max_ms'])} ({_f(_ratio(ev['window_max_ms'], e['median_ms']), '.2f')})",
+         f"{_f(ev['decision_step_ms'])} ({_f(ev['decision_balancer_ms'])})",
+         f"{_f(ev['swap_step_ms'])} ({_f(_ratio(ev['swap_step_ms'], e['median_ms']), '.2f')}) ({_f(ev['swap_balancer_ms'])})",
+         f"{_f(ev['window_cpu_median_ms'])} / {_f(e['steady_cpu_median_ms'])}")
+        for r, e, ev in _rebalances(doc)
+    ]  # fmt: skip
+    lines += table(REBALANCE_COLUMNS, rows, "rlrlrrrlrlrllrllll")
     lines += [
         "",
         "Where the stepping thread's time went during each staging window (kernel schedstat, summed "
         "over ranks: on a CPU / runnable but waiting for a CPU, i.e. other processes had it / blocked, "
         "in collectives waiting for the other rank):",
         "",
-        "| EP | config | rep | run | decision step | swap step | window s x ranks | on CPU / waiting / blocked s "
-        "| other threads' CPU s |",
-        "|---:|---|---:|---|---:|---:|---:|---|---:|",
     ]
-    for r in doc["results"]:
-        e = r.get("rebalance")
-        if e is None:
-            continue
-        for ev in e["events"]:
-            t = ev["stepping_thread_seconds_in_window"]
-            lines.append(
-                f"| {r['world']} | {r['config']} | {r['repeat']} | {VARIANTS['rebalance']} | "
-                f"{ev['decision_step']} | {ev['swap_step']} | {sum(t.values()):.1f} | {t['on_cpu']:.2f} / "
-                f"{t['waiting_for_cpu']:.2f} / {t['blocked']:.2f} | {ev['window_other_threads_cpu_seconds']:.2f} |"
-            )
+    states = [
+        (*_event_cells(r, ev), f"{sum(t.values()):.1f}",
+         f"{t['on_cpu']:.2f} / {t['waiting_for_cpu']:.2f} / {t['blocked']:.2f}", f"{ev['window_other_threads_cpu_seconds']:.2f}")
+        for r, _, ev in _rebalances(doc)
+        if (t := ev["stepping_thread_seconds_in_window"])
+    ]  # fmt: skip
+    lines += table(STATE_COLUMNS, states, "rlrlrrrlr")
     lines += [
         "",
         "Other figures per run:",
@@ -526,17 +501,45 @@ def markdown(doc: dict[str, Any]) -> str:
         "| output tok/s | load s |",
         "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
+    for r, _, label, e in _runs(doc):
+        lines.append(
+            f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {e['steps']} | "
+            f"{_f(e['steady_p90_ms'])} | {_f(e['steady_max_ms'])} | {_f(e['steady_cpu_median_ms'])} | "
+            f"{e['output_tokens'] / e['wall_seconds']:.0f} | {e['load_seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _runs(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str, str, dict[str, Any]]]:
+    """(result, variant, its label, its run) of every run of the document, in order."""
     for r in doc["results"]:
         for variant, label in VARIANTS.items():
-            e = r.get(variant)
-            if e is None:
-                continue
-            lines.append(
-                f"| {r['world']} | {r['config']} | {r['repeat']} | {label} | {e['steps']} | "
-                f"{_f(e['steady_p90_ms'])} | {_f(e['steady_max_ms'])} | {_f(e['steady_cpu_median_ms'])} | "
-                f"{e['output_tokens'] / e['wall_seconds']:.0f} | {e['load_seconds']:.1f} |"
-            )
-    return "\n".join(lines) + "\n"
+            if (e := r.get(variant)) is not None:
+                yield r, variant, label, e
+
+
+def _rebalances(doc: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """(result, its rebalancing run, one of the run's rebalances) of every rebalance, in order."""
+    for r in doc["results"]:
+        for ev in (r.get("rebalance") or {}).get("events", []):
+            yield r, r["rebalance"], ev
+
+
+def _event_cells(r: dict[str, Any], ev: dict[str, Any]) -> tuple[Any, ...]:
+    """The first cells of a rebalance's row: the pool, the run, the decision and swap steps."""
+    return r["world"], r["config"], r["repeat"], VARIANTS["rebalance"], ev["decision_step"], ev["swap_step"]
+
+
+REBALANCE_COLUMNS = (
+    "EP", "config", "rep", "run", "decision step", "swap step", "freed at", "balance before -> after", "stage s",
+    "pieces / boundaries / piece s", "budget ms (median)", "pieces ms per boundary, median / max",
+    "balancer ms while staging, median / max", "window median ms", "window max ms (x)",
+    "decision step ms (balancer ms)", "swap step ms (x) (balancer ms)", "stepping thread CPU ms, window / steady median",
+)  # fmt: skip
+STATE_COLUMNS = (
+    "EP", "config", "rep", "run", "decision step", "swap step", "window s x ranks", "on CPU / waiting / blocked s",
+    "other threads' CPU s",
+)  # fmt: skip
 
 
 def _stage(ev: dict[str, Any]) -> str:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +45,13 @@ from dsinfer.sim.hardware import H100, H800, with_measured
 from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import DAY, TrafficProfile, mean_rate
+from harness.provenance import REPO, git
+from harness.results import write_json
 
-ROOT = Path(__file__).resolve().parent.parent
-TRAFFIC = ROOT / "configs" / "traffic" / "deepseek-v3-day-night.yaml"
+TRAFFIC = REPO / "configs" / "traffic" / "deepseek-v3-day-night.yaml"
 PROFILES = [
-    str(ROOT / "configs" / "profiles" / "deepseek-v3-h800-prefill-ep32.yaml"),
-    str(ROOT / "configs" / "profiles" / "deepseek-v3-h800-decode-ep144.yaml"),
+    str(REPO / "configs" / "profiles" / "deepseek-v3-h800-prefill-ep32.yaml"),
+    str(REPO / "configs" / "profiles" / "deepseek-v3-h800-decode-ep144.yaml"),
 ]
 # DeepSeek's deployment as published (DESIGN.md; the profiles run two micro-batches in both roles):
 # the decode batch is whatever the SLO allows (max-num-seqs lifted), its KV cache what fits beside
@@ -163,20 +163,27 @@ def decode_operating_point(
 
 
 # Sections --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Study:
+    """What every section simulates against: the traffic, DeepSeek's pools, the assumptions, the
+    simulation window and the cache of pool models."""
+
+    traffic: TrafficProfile
+    specs: dict[str, PoolSpec]
+    a: Assumptions
+    window: planner.SimWindow
+    cache: SimCache
+
+
 def prefill_budgets(
-    traffic: TrafficProfile,
-    spec: PoolSpec,
-    a: Assumptions,
-    window: planner.SimWindow,
-    budgets: list[int],
-    cache: SimCache,
+    st: Study, spec: PoolSpec, budgets: list[int]
 ) -> tuple[list[dict[str, Any]], dict[int, planner.PoolCapacity]]:
     """The simulated capacity of one prefill pool at the SLO for each step budget."""
     rows, caps = [], {}
     for b in budgets:
         sb = replace(spec, max_num_batched_tokens=b)
         t0 = time.time()
-        cap = planner.pool_capacity(traffic, sb, a, window, progress=log, cache=cache)
+        cap = planner.pool_capacity(st.traffic, sb, st.a, st.window, progress=log, cache=st.cache)
         caps[b] = cap
         rows.append(
             {
@@ -196,18 +203,12 @@ def best_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return max(rows, key=lambda r: (r["requests_per_s_per_pool"], r["budget"]))
 
 
-def deepseek(
-    traffic: TrafficProfile,
-    specs: dict[str, PoolSpec],
-    a: Assumptions,
-    window: planner.SimWindow,
-    budgets: list[int],
-    cache: SimCache,
-) -> dict[str, Any]:
+def deepseek(st: Study, budgets: list[int]) -> dict[str, Any]:
+    traffic, specs, a, window, cache = st.traffic, st.specs, st.a, st.window, st.cache
     lengths = cache.lengths(traffic)
     out: dict[str, Any] = {"traffic": asdict(lengths), "requests_per_s_mean": mean_rate(traffic, lengths)}
     pspec = specs["prefill"]
-    rows, prefill_caps = prefill_budgets(traffic, pspec, a, window, budgets, cache)
+    rows, prefill_caps = prefill_budgets(st, pspec, budgets)
     out["prefill"] = {
         "spec": asdict(pspec),
         "budgets": rows,
@@ -318,33 +319,25 @@ def sglang_gap(a: Assumptions, ds: dict[str, Any], cache: SimCache) -> dict[str,
     return {"efficiency": efficiency, "residual_imbalance": residual, "tokens_per_node": rows}
 
 
-def balancers(
-    traffic: TrafficProfile,
-    specs: dict[str, PoolSpec],
-    a: Assumptions,
-    window: planner.SimWindow,
-    prefill_rate: float,
-    prefill_budget: int,
-    decode_rate: float,
-    cache: SimCache,
-) -> dict[str, Any]:
-    pre = replace(specs["prefill"], max_num_batched_tokens=prefill_budget)
-    dec = specs["decode"]
+def balancers(st: Study, prefill_rate: float, prefill_budget: int, decode_rate: float) -> dict[str, Any]:
+    pre = replace(st.specs["prefill"], max_num_batched_tokens=prefill_budget)
+    dec = st.specs["decode"]
     out: dict[str, Any] = {"prefill_rate": prefill_rate, "decode_rate": decode_rate}
     for name, kind, policy in (
         ("load+eplb", "load", "eplb"),
         ("round_robin+eplb", "round_robin", "eplb"),
         ("load+contiguous", "load", "contiguous"),
     ):
-        aa = replace(a, balancer=kind, expert_policy=policy)
+        aa = replace(st.a, balancer=kind, expert_policy=policy)
         log(f"balancers: {name}")
-        p = Simulation(traffic, pre, None, 1, 1, aa, cache).run(
-            prefill_rate, window.prefill_duration, window.warmup
+        w = st.window
+        p = Simulation(st.traffic, pre, None, 1, 1, aa, st.cache).run(
+            prefill_rate, w.prefill_duration, w.warmup
         )
-        d = Simulation(traffic, None, dec, 1, 1, aa, cache).run(decode_rate, window.duration, window.warmup)
+        d = Simulation(st.traffic, None, dec, 1, 1, aa, st.cache).run(decode_rate, w.duration, w.warmup)
         out[name] = {
-            "prefill_ep32": {"meets_slo": p.meets(traffic.slo), **p.summary()},
-            "decode_ep144": {"meets_slo": d.meets(traffic.slo), **d.summary()},
+            "prefill_ep32": {"meets_slo": p.meets(st.traffic.slo), **p.summary()},
+            "decode_ep144": {"meets_slo": d.meets(st.traffic.slo), **d.summary()},
         }
     return out
 
@@ -383,17 +376,10 @@ def sensitivity(
     return out
 
 
-def chunking_sensitivity(
-    traffic: TrafficProfile,
-    specs: dict[str, PoolSpec],
-    a: Assumptions,
-    window: planner.SimWindow,
-    budgets: list[int],
-    cache: SimCache,
-) -> dict[str, Any]:
+def chunking_sensitivity(st: Study, budgets: list[int]) -> dict[str, Any]:
     """Prefill capacity at the SLO without attention-aware chunking (token budget only, the engine
     scheduler's default) and with its attention weight halved and doubled."""
-    spec = specs["prefill"]
+    spec = st.specs["prefill"]
     w = spec.attention_token_weight
     assert w is not None
     cases = {
@@ -404,43 +390,32 @@ def chunking_sensitivity(
     out = {}
     for name, (sp, bs) in cases.items():
         log(f"prefill chunking: {name}")
-        rows, _ = prefill_budgets(traffic, sp, a, window, bs, cache)
+        rows, _ = prefill_budgets(st, sp, bs)
         out[name] = {"budgets": rows, "best": best_row(rows)}
     return out
 
 
-def ttft_sensitivity(
-    traffic: TrafficProfile,
-    specs: dict[str, PoolSpec],
-    a: Assumptions,
-    window: planner.SimWindow,
-    budgets: list[int],
-    cache: SimCache,
-) -> list[dict[str, Any]]:
+def ttft_sensitivity(st: Study, budgets: list[int]) -> list[dict[str, Any]]:
     """Prefill capacity per node under other TTFT SLOs (the 2 s SLO is an assumption)."""
     rows = []
     for ttft in (1.0, 4.0):
-        relaxed = traffic.model_copy(update={"slo": traffic.slo.model_copy(update={"ttft_p90_s": ttft})})
+        relaxed = st.traffic.model_copy(
+            update={"slo": st.traffic.slo.model_copy(update={"ttft_p90_s": ttft})}
+        )
         for b in budgets:
-            spec = replace(specs["prefill"], max_num_batched_tokens=b)
-            cap = planner.pool_capacity(relaxed, spec, a, window, progress=log, cache=cache)
+            spec = replace(st.specs["prefill"], max_num_batched_tokens=b)
+            cap = planner.pool_capacity(relaxed, spec, st.a, st.window, progress=log, cache=st.cache)
             rows.append({"ttft_p90_s": ttft, "budget": b, "input_tok_s_per_node": cap.tokens_per_node(spec)})
     return rows
 
 
-def the_plan(
-    traffic: TrafficProfile,
-    specs: dict[str, PoolSpec],
-    a: Assumptions,
-    window: planner.SimWindow,
-    budgets: list[int],
-    caps: dict[str, Any],
-    blocks: int,
-    cache: SimCache,
-) -> dict[str, Any]:
+def the_plan(st: Study, budgets: list[int], caps: dict[str, Any], blocks: int) -> dict[str, Any]:
+    traffic, specs = st.traffic, st.specs
     candidates = [replace(specs["prefill"], max_num_batched_tokens=b) for b in budgets]
     known = {"prefill": caps["prefill"], "decode": {specs["decode"].max_num_batched_tokens: caps["decode"]}}
-    result = planner.plan(traffic, candidates, specs["decode"], a, blocks, window, True, log, known, cache)
+    result = planner.plan(
+        traffic, candidates, specs["decode"], st.a, blocks, st.window, True, log, known, st.cache
+    )
     from dsinfer.cli.plan import format_plan, plan_to_dict
 
     data = plan_to_dict(result, traffic)
@@ -969,7 +944,7 @@ def main() -> int:
     start = time.time()
     cache = SimCache()  # pool models and the traffic's calibration, shared by every section
     traffic = TrafficProfile.load(TRAFFIC)
-    hw, measured = with_measured(H800, ROOT / "benchmarks" / "results")
+    hw, measured = with_measured(H800, REPO / "benchmarks" / "results")
     a = Assumptions(hardware=hw)
     specs = deepseek_specs()
     if args.quick:
@@ -980,37 +955,33 @@ def main() -> int:
         budgets = [b.max_num_batched_tokens for b in planner.budget_candidates(specs["prefill"])]
     report: dict[str, Any] = {"slo": traffic.slo.model_dump(), "published": PUBLISHED}
     log("DeepSeek H800 capacities")
-    ds = deepseek(traffic, specs, a, window, budgets, cache)
+    st = Study(traffic, specs, a, window, cache)
+    ds = deepseek(st, budgets)
     caps = ds.pop("capacities")
     report["deepseek"] = ds
     log("SGLang H100")
     report["sglang"] = sglang(a, cache)
     report["sglang_gap"] = sglang_gap(a, ds, cache)
     best = ds["prefill"]["best_budget"]
-    report["balancers"] = balancers(
-        traffic, specs, a, window, caps["prefill"][best].rate, best, caps["decode"].rate, cache
-    )
+    report["balancers"] = balancers(st, caps["prefill"][best].rate, best, caps["decode"].rate)
     report["sensitivity"] = sensitivity(specs, a, cache.lengths(traffic).mean_decode_context, cache)
-    report["chunking_sensitivity"] = chunking_sensitivity(traffic, specs, a, window, budgets, cache)
+    report["chunking_sensitivity"] = chunking_sensitivity(st, budgets)
     log("prefill capacity under other TTFT SLOs")
-    report["ttft_sensitivity"] = ttft_sensitivity(
-        traffic, specs, a, window, sorted(budgets)[-3:][::-1], cache
-    )
+    report["ttft_sensitivity"] = ttft_sensitivity(st, sorted(budgets)[-3:][::-1])
     log("plan")
-    report["plan"] = the_plan(traffic, specs, a, window, budgets, caps, args.blocks, cache)
+    report["plan"] = the_plan(st, budgets, caps, args.blocks)
     report["assumptions"] = assumptions_list(a, traffic, specs)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     report["meta"] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-        "commit": commit.stdout.strip() + " + working tree",
+        "commit": git("rev-parse", "--short", "HEAD") + " + working tree",
         "seconds": time.time() - start,
         "hardware": hw.name,
         "measured_ceilings": str(measured) if measured else None,
         "quick": args.quick,
         "window": asdict(window),
     }
-    Path(args.out).write_text(json.dumps(report, indent=1, default=float) + "\n")
+    write_json(Path(args.out), report, default=float)
     Path(args.markdown).write_text(markdown(report))
     log(f"wrote {args.out} and {args.markdown} in {(time.time() - start) / 60:.1f} min")
     return 0
