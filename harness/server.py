@@ -43,6 +43,26 @@ TINY_DUMMY = ["--model", "tiny", "--load-format", "dummy", "--dtype", "float32"]
 TINY_CPU = [*TINY_DUMMY, "--device", "cpu", "--seed", "0"]
 
 
+def alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float, interval: float = 0.02) -> Any:
+    """Poll ``predicate()`` every ``interval`` s until it gives something true (-> that), at most
+    ``timeout`` s (then AssertionError: a test's failure, naming ``what``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def dsinfer_command(*args: str, python: str = sys.executable) -> list[str]:
     """``python -m dsinfer.cli.main ARGS``."""
     return [python, "-m", "dsinfer.cli.main", *args]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import openai
 import pytest
 
@@ -43,3 +46,14 @@ def tiny_ckpt_v32(tmp_path_factory: pytest.TempPathFactory) -> BuiltCheckpoint:
 def client(server: Server) -> openai.OpenAI:
     """The official ``openai`` client of the module's ``server`` fixture (no retries)."""
     return server.openai_client()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    """The processes a test starts (each with ``close()``), closed when it ends, however it ends."""
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for process in started:
+            process.close()

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,23 +139,26 @@ def test_dry_run_through_the_command() -> None:
 
 
 # Errors ----------------------------------------------------------------------------------------
-def test_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    unknown = tmp_path / "unknown.yaml"
-    unknown.write_text("pool-size: 2\nbogus-flag: 1\n")
-    assert "unknown key 'bogus-flag'" in one_line_error(capsys, "--config", str(unknown))
-    bad_yaml = tmp_path / "bad.yaml"
-    bad_yaml.write_text("pool-size: [\n")
-    assert "not valid YAML" in one_line_error(capsys, "--config", str(bad_yaml))
-    bad_value = tmp_path / "value.yaml"
-    bad_value.write_text("pool-size: lots\n")
-    line = one_line_error(capsys, "--config", str(bad_value))
-    assert str(bad_value) in line and "--pool-size: invalid int value" in line
-    bad_bool = tmp_path / "bool.yaml"
-    bad_bool.write_text("colocated: 3\n")
-    assert "colocated takes true or false" in one_line_error(capsys, "--config", str(bad_bool))
-    not_a_map = tmp_path / "list.yaml"
-    not_a_map.write_text("- pool-size\n")
-    assert "expected a mapping" in one_line_error(capsys, "--config", str(not_a_map))
+@pytest.mark.parametrize(
+    ("content", "needles"),
+    [
+        ("pool-size: 2\nbogus-flag: 1\n", ["unknown key 'bogus-flag'"]),
+        ("pool-size: [\n", ["not valid YAML"]),
+        ("pool-size: lots\n", ["{path}", "--pool-size: invalid int value"]),
+        ("colocated: 3\n", ["colocated takes true or false"]),
+        ("- pool-size\n", ["expected a mapping"]),
+    ],
+)
+def test_config_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, needles: list[str]
+) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text(content)
+    line = one_line_error(capsys, "--config", str(config))
+    assert all(needle.format(path=config) in line for needle in needles), line
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "no such config file" in one_line_error(capsys, "--config", str(tmp_path / "missing.yaml"))
 
 
@@ -302,13 +304,8 @@ class AllInOne:
 
 
 @pytest.fixture
-def servers() -> Iterator[list[AllInOne]]:
-    started: list[AllInOne] = []
-    try:
-        yield started
-    finally:
-        for server in started:
-            server.close()
+def servers(closing: list[AllInOne]) -> list[AllInOne]:
+    return closing
 
 
 def flag(argv: list[str], name: str) -> str:

@@ -21,6 +21,7 @@ from dsinfer.model.moe import MoE
 from dsinfer.ops import select_ops
 from harness.checkpoints import BuiltCheckpoint
 from harness.hf_reference import compare, hf_logits
+from tests.test_engine import make_llm
 
 PAGE = 16
 
@@ -103,15 +104,6 @@ def test_padded_static_decode_matches_transformers(checkpoint: str, request: pyt
         compare(hf_logits(tiny_ckpt.hf_model, p)[-1], logits[i])
 
 
-def _make(ckpt: BuiltCheckpoint, **kwargs: object) -> LLM:
-    defaults: dict[str, object] = {
-        "dtype": "float32",
-        "kv_cache_memory": "16MiB",
-        "max_num_batched_tokens": 48,
-    }
-    return LLM(str(ckpt.path), **{**defaults, **kwargs})
-
-
 PROMPT_LENS = (5, 19, 11, 27, 8, 14, 22)
 MAX_TOKENS = (12, 3, 9, 6, 12, 1, 8)  # sequences finish at different steps: the batch shrinks
 
@@ -129,12 +121,12 @@ def test_engine_decode_through_static_buffers_gives_eager_tokens(
     checkpoint: str, request: pytest.FixtureRequest
 ) -> None:
     tiny_ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
-    eager = _make(tiny_ckpt)
+    eager = make_llm(tiny_ckpt)
     assert eager.engine.runner.decode_graphs is None  # CPU: no graphs unless asked for
     expected = _generate(eager)
     eager.engine.close()
 
-    llm = _make(tiny_ckpt)
+    llm = make_llm(tiny_ckpt)
     graphs = llm.engine.runner.enable_decode_graphs(
         max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
     )
@@ -148,12 +140,12 @@ def test_engine_decode_through_static_buffers_gives_eager_tokens(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint) -> None:
-    eager = _make(tiny_ckpt, device="cuda", enforce_eager=True)
+    eager = make_llm(tiny_ckpt, device="cuda", enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     expected = _generate(eager)
     eager.engine.close()
 
-    llm = _make(tiny_ckpt, device="cuda", max_num_seqs=8)
+    llm = make_llm(tiny_ckpt, device="cuda", max_num_seqs=8)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs.capture and graphs.batch_sizes == (1, 2, 4, 8)
     assert graphs._rows_host.is_pinned() and graphs._tables_host.is_pinned()  # async H2D copies

@@ -30,7 +30,8 @@ def _prompts(count: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     return prompts
 
 
-def _make(ckpt: BuiltCheckpoint, **kwargs: object) -> LLM:
+def make_llm(ckpt: BuiltCheckpoint, **kwargs: object) -> LLM:
+    """The offline engine on ``ckpt`` in float32 with a small KV cache and step budget (``kwargs`` on top)."""
     defaults: dict[str, object] = {
         "dtype": "float32",
         "kv_cache_memory": "16MiB",
@@ -41,7 +42,7 @@ def _make(ckpt: BuiltCheckpoint, **kwargs: object) -> LLM:
 
 @pytest.fixture
 def llm(tiny_ckpt: BuiltCheckpoint) -> Iterator[LLM]:
-    engine = _make(tiny_ckpt)
+    engine = make_llm(tiny_ckpt)
     yield engine
     assert engine.engine.kv.num_available_pages() == engine.engine.kv.num_pages, "KV pages leaked"
     engine.engine.close()
@@ -61,7 +62,7 @@ def _check_greedy(ckpt: BuiltCheckpoint, prompts: list[list[int]], outputs: list
 def test_greedy_batch_with_prefix_hits_and_disk_restart(tiny_ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
     prompts = _prompts(32, seed=1, shared_prefix=140)
     disk = tmp_path / "kv-disk"
-    first = _make(tiny_ckpt, kv_disk_cache_dir=disk)
+    first = make_llm(tiny_ckpt, kv_disk_cache_dir=disk)
     outputs = first.generate(prompts, GREEDY, use_tqdm=False)
     stats = first.engine.scheduler.stats
     assert first.engine.kv.stats.memory_hit_tokens > 0, "prompts sharing a prefix should hit the cache"
@@ -70,7 +71,7 @@ def test_greedy_batch_with_prefix_hits_and_disk_restart(tiny_ckpt: BuiltCheckpoi
     assert first.engine.kv.num_available_pages() == first.engine.kv.num_pages
     first.engine.close()  # flushes the disk writes
 
-    restarted = _make(tiny_ckpt, kv_disk_cache_dir=disk)
+    restarted = make_llm(tiny_ckpt, kv_disk_cache_dir=disk)
     again = restarted.generate(prompts[:8], GREEDY, use_tqdm=False)
     kv = restarted.engine.kv.stats
     assert kv.disk_hit_tokens > 0, kv
@@ -83,9 +84,9 @@ def test_greedy_batch_with_prefix_hits_and_disk_restart(tiny_ckpt: BuiltCheckpoi
 def test_preemption_gives_the_same_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
     prompts = _prompts(12, seed=2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = _make(tiny_ckpt, enable_prefix_caching=False)
+    roomy = make_llm(tiny_ckpt, enable_prefix_caching=False)
     expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
-    tight = _make(tiny_ckpt, kv_cache_memory=6 * _page_bytes(tiny_ckpt), enable_prefix_caching=False)
+    tight = make_llm(tiny_ckpt, kv_cache_memory=6 * _page_bytes(tiny_ckpt), enable_prefix_caching=False)
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.engine.scheduler.stats.preemptions > 0
     assert got == expected
@@ -96,9 +97,9 @@ def test_attention_aware_chunking_gives_the_same_tokens(tiny_ckpt: BuiltCheckpoi
     """Chunks sized by attention cost (long cached contexts get short chunks) change only how
     prompts are split over steps, never the tokens."""
     prompts = _prompts(8, seed=4, shared_prefix=140)
-    plain = _make(tiny_ckpt)
+    plain = make_llm(tiny_ckpt)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
-    chunked = _make(tiny_ckpt, prefill_attention_weight=64.0, prefill_context_weight=0.05)
+    chunked = make_llm(tiny_ckpt, prefill_attention_weight=64.0, prefill_context_weight=0.05)
     got = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected
     # the same prompt tokens took more steps: chunks were cut by their attention cost
@@ -179,7 +180,7 @@ def test_bad_input_names_the_problem(
 
 
 def test_request_larger_than_the_whole_pool_is_refused(tiny_ckpt: BuiltCheckpoint) -> None:
-    small = _make(tiny_ckpt, kv_cache_memory=4 * _page_bytes(tiny_ckpt))
+    small = make_llm(tiny_ckpt, kv_cache_memory=4 * _page_bytes(tiny_ckpt))
     assert small.engine.kv.num_pages == 4
     with pytest.raises(ValueError, match="whole KV cache has 4 pages"):
         small.generate([[5, 6]], SamplingParams(max_tokens=400), use_tqdm=False)

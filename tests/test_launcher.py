@@ -32,6 +32,7 @@ import zmq
 from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import PoolDown, decode, launcher_identity
 from dsinfer.workers.args import PoolArgs
+from harness.server import alive, wait_until
 from tests.fixtures.control import TEST_SECRET, curve_router
 
 pytestmark = pytest.mark.system
@@ -94,22 +95,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
+    return wait_until(predicate, what, timeout)
 
 
 class Launcher:
@@ -175,13 +161,8 @@ def router() -> Iterator[tuple[zmq.Socket, str]]:
 
 
 @pytest.fixture
-def launchers() -> Iterator[list[Launcher]]:
-    started: list[Launcher] = []
-    try:
-        yield started
-    finally:
-        for launcher in started:
-            launcher.close()
+def launchers(closing: list[Launcher]) -> list[Launcher]:
+    return closing
 
 
 def recv_pool_down(sock: zmq.Socket) -> tuple[str, PoolDown]:

@@ -29,24 +29,13 @@ from dsinfer.base.processes import (
     spawn,
     terminate,
 )
+from harness.server import alive, wait_until
 
 TIMEOUT = 20.0
 
 
 def wait_for(predicate: Callable[[], object], what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
-
-
-def alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
+    wait_until(predicate, what, timeout)
 
 
 def python(code: str) -> list[str]:
