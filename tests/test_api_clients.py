@@ -110,6 +110,14 @@ def _check_calls(calls: list[Any], allowed: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+def _forced(client: openai.OpenAI, model: str, tool: str) -> Any:
+    """A greedy chat completion of ``ASK`` that must call ``tool``."""
+    choice = {"type": "function", "function": {"name": tool}}
+    return client.chat.completions.create(
+        model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0
+    )
+
+
 def test_tool_choice_required_and_named(client: openai.OpenAI, model: str) -> None:
     for seed in range(2):
         r = client.chat.completions.create(
@@ -118,14 +126,7 @@ def test_tool_choice_required_and_named(client: openai.OpenAI, model: str) -> No
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls"
         _check_calls(choice.message.tool_calls or [], set(SCHEMAS))
-    r = client.chat.completions.create(
-        model=model,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "add"}},
-        max_tokens=80,
-        temperature=0,
-    )
+    r = _forced(client, model, "add")
     calls = r.choices[0].message.tool_calls or []
     assert len(calls) == 1 and r.choices[0].finish_reason == "tool_calls"
     _check_calls(calls, {"add"})
@@ -182,14 +183,7 @@ def test_streamed_tool_deltas_equal_whole(client: openai.OpenAI, model: str) -> 
 
 
 def test_tool_role_round_trip(server: Server, client: openai.OpenAI, model: str) -> None:
-    first = client.chat.completions.create(
-        model=model,
-        messages=ASK,
-        tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=80,
-        temperature=0,
-    )
+    first = _forced(client, model, "get_weather")
     call = (first.choices[0].message.tool_calls or [])[0]
     history: list[Any] = [
         *ASK,

@@ -204,21 +204,16 @@ BAD_CHATS: list[tuple[Any, int, str | None]] = [
 ]
 
 
-@pytest.mark.parametrize(("body", "status", "param"), BAD_COMPLETIONS)
-def test_bad_completion_requests(
-    url: str, backend: ScriptedBackend, body: Any, status: int, param: str | None
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [("/v1/completions", *case) for case in BAD_COMPLETIONS]
+    + [("/v1/chat/completions", *case) for case in BAD_CHATS],
+)
+def test_bad_requests(
+    url: str, backend: ScriptedBackend, path: str, body: Any, status: int, param: str | None
 ) -> None:
     before = len(backend.submitted)
-    _check_error(httpx.post(f"{url}/v1/completions", json=body), status, param)
-    assert len(backend.submitted) == before, "bad input reached the backend"
-
-
-@pytest.mark.parametrize(("body", "status", "param"), BAD_CHATS)
-def test_bad_chat_requests(
-    url: str, backend: ScriptedBackend, body: Any, status: int, param: str | None
-) -> None:
-    before = len(backend.submitted)
-    _check_error(httpx.post(f"{url}/v1/chat/completions", json=body), status, param)
+    _check_error(httpx.post(f"{url}{path}", json=body), status, param)
     assert len(backend.submitted) == before, "bad input reached the backend"
 
 

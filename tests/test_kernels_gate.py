@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.test_kernels_gemm import launches, run_checks, run_in_subprocess
+from tests.test_kernels_gemm import launches, run_checks, subprocess_checks
 
 pytestmark = pytest.mark.system
 
@@ -186,14 +186,7 @@ def check_gate_edges() -> None:
 CHECKS = (check_gate_matches_reference, check_gate_input_layouts, check_gate_ties, check_gate_edges)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_in_subprocess("tests.test_kernels_gate")
-
-
-@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-def test_kernel_check(results: dict[str, str], check: str) -> None:
-    assert results.get(check) == "ok", results.get(check, "not run")
+results, test_kernel_check = subprocess_checks("tests.test_kernels_gate", CHECKS)
 
 
 if __name__ == "__main__":

@@ -380,17 +380,25 @@ def run_in_subprocess(module: str) -> dict[str, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def subprocess_checks(module: str, checks: tuple[Callable[[], None], ...]) -> tuple[Any, Any]:
+    """A kernel test module's pytest side: a module fixture that runs its ``checks`` in one
+    interpreted subprocess (``python -m module``), and one test per check that reads its result."""
+
+    @pytest.fixture(scope="module")
+    def results() -> dict[str, str]:
+        return run_in_subprocess(module)
+
+    @pytest.mark.parametrize("check", [c.__name__ for c in checks])
+    def test_kernel_check(results: dict[str, str], check: str) -> None:
+        assert results.get(check) == "ok", results.get(check, "not run")
+
+    return results, test_kernel_check
+
+
 # ----------------------------------------------------------------------------- pytest side
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_in_subprocess("tests.test_kernels_gemm")
-
-
-@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-def test_kernel_check(results: dict[str, str], check: str) -> None:
-    assert results.get(check) == "ok", results.get(check, "not run")
+results, test_kernel_check = subprocess_checks("tests.test_kernels_gemm", CHECKS)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from tests.test_kernels_gemm import launches, run_checks, run_in_subprocess
+from tests.test_kernels_gemm import launches, run_checks, subprocess_checks
 from tests.test_ops_sparse import PS
 from tests.test_ops_sparse import paged_cache as _paged
 
@@ -167,14 +167,7 @@ CHECKS = (
 )
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, str]:
-    return run_in_subprocess("tests.test_kernels_sparse")
-
-
-@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
-def test_kernel_check(results: dict[str, str], check: str) -> None:
-    assert results.get(check) == "ok", results.get(check, "not run")
+results, test_kernel_check = subprocess_checks("tests.test_kernels_sparse", CHECKS)
 
 
 @pytest.mark.gpu

@@ -103,29 +103,10 @@ def _flash_mla(generation: str, *, hidden: bool = False) -> types.ModuleType:
     mod = types.ModuleType(f"fake_flash_mla_{generation}")
     if generation == "old":
 
-        def get_mla_metadata(
-            cache_seqlens,
-            num_q_tokens_per_head_k,
-            num_heads_k,
-            num_heads_q=None,
-            is_fp8_kvcache=False,
-            topk=None,
-        ):  # type: ignore[no-untyped-def]
+        def get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None, is_fp8_kvcache=False, topk=None):  # type: ignore[no-untyped-def]  # fmt: skip
             return ("tile", num_q_tokens_per_head_k, num_heads_k), "splits"
 
-        def flash_mla_with_kvcache(
-            q,
-            k_cache,
-            block_table,
-            cache_seqlens,
-            head_dim_v,
-            tile_scheduler_metadata,
-            num_splits,
-            softmax_scale=None,
-            causal=False,
-            is_fp8_kvcache=False,
-            indices=None,
-        ):  # type: ignore[no-untyped-def]
+        def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):  # type: ignore[no-untyped-def]  # fmt: skip
             assert tile_scheduler_metadata[0] == "tile" and num_splits == "splits"
             return _dense_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 
@@ -135,21 +116,7 @@ def _flash_mla(generation: str, *, hidden: bool = False) -> types.ModuleType:
         def get_mla_metadata(*args, **kwargs):  # type: ignore[no-untyped-def]
             return SchedMeta(), None
 
-        def flash_mla_with_kvcache(
-            q,
-            k_cache,
-            block_table,
-            cache_seqlens,
-            head_dim_v,
-            tile_scheduler_metadata,
-            num_splits=None,
-            softmax_scale=None,
-            causal=False,
-            is_fp8_kvcache=False,
-            indices=None,
-            attn_sink=None,
-            use_legacy=False,
-        ):  # type: ignore[no-untyped-def]
+        def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None, attn_sink=None, use_legacy=False):  # type: ignore[no-untyped-def]  # fmt: skip
             assert isinstance(tile_scheduler_metadata, SchedMeta) and num_splits is None
             return _dense_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 

@@ -16,42 +16,29 @@ from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
 from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
 
 
-def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
-    from dsinfer.ops import experts_cpu, mla_cpu
+def _protocol(name: str) -> type:
+    """The signature protocol of the entry point ``name`` (mla_decode -> MlaDecode)."""
+    return getattr(signatures, name.title().replace("_", ""))
 
-    impls: list[tuple[str, type, Callable[..., Any]]] = [
-        ("torch linear", signatures.Linear, gemm.linear),
-        ("torch pack_linear_weight", signatures.PackLinearWeight, gemm.pack_linear_weight),
-        ("torch grouped_gemm_contiguous", signatures.GroupedGemmContiguous, gemm.grouped_gemm_contiguous),
-        ("torch grouped_gemm_masked", signatures.GroupedGemmMasked, gemm.grouped_gemm_masked),
-        ("torch mla_decode", signatures.MlaDecode, mla.mla_decode),
-        ("torch moe_gate", signatures.MoeGate, gate.moe_gate),
-        ("torch sample", signatures.Sample, sampling.sample),
-        ("numba mla_decode", signatures.MlaDecode, mla_cpu.mla_decode),
-        ("torch fused_experts", signatures.FusedExperts, experts.fused_experts),
-        ("numba fused_experts", signatures.FusedExperts, experts_cpu.fused_experts),
-        (
-            "grouped fused_experts",
-            signatures.FusedExperts,
-            functools.partial(experts.grouped_experts, gemm.grouped_gemm_contiguous),
-        ),
-        ("deepgemm linear", signatures.Linear, DeepGemmAdapter.linear),
-        ("deepgemm contiguous", signatures.GroupedGemmContiguous, DeepGemmAdapter.grouped_gemm_contiguous),
-        ("deepgemm masked", signatures.GroupedGemmMasked, DeepGemmAdapter.grouped_gemm_masked),
-        ("flashmla mla_decode", signatures.MlaDecode, FlashMlaAdapter.mla_decode),
-        ("torch indexer_topk", signatures.IndexerTopk, indexer.indexer_topk),
-        ("torch sparse_mla_decode", signatures.SparseMlaDecode, sparse_mla.sparse_mla_decode),
-        ("deepgemm indexer_topk", signatures.IndexerTopk, DeepGemmIndexerAdapter.indexer_topk),
-        ("flashmla sparse_mla_decode", signatures.SparseMlaDecode, FlashMlaSparseAdapter.sparse_mla_decode),
-    ]
+
+def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
     import dsinfer.kernels as kernels
 
-    for name, protocol in (
-        ("mla_decode", signatures.MlaDecode),
-        ("moe_gate", signatures.MoeGate),
-        ("sparse_mla_decode", signatures.SparseMlaDecode),
-    ):
-        impls.append((f"triton {name}", protocol, getattr(kernels, name)))
+    from dsinfer.ops import experts_cpu, mla_cpu
+
+    backends: dict[str, list[Callable[..., Any]]] = {
+        "torch": [gemm.linear, gemm.pack_linear_weight, gemm.grouped_gemm_contiguous, gemm.grouped_gemm_masked,
+                  mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, indexer.indexer_topk,
+                  sparse_mla.sparse_mla_decode],
+        "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts],
+        "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
+                     DeepGemmAdapter.grouped_gemm_masked, DeepGemmIndexerAdapter.indexer_topk],
+        "flashmla": [FlashMlaAdapter.mla_decode, FlashMlaSparseAdapter.sparse_mla_decode],
+        "triton": [kernels.mla_decode, kernels.moe_gate, kernels.sparse_mla_decode],
+    }  # fmt: skip
+    impls = [(f"{b} {fn.__name__}", _protocol(fn.__name__), fn) for b, fns in backends.items() for fn in fns]
+    grouped = functools.partial(experts.grouped_experts, gemm.grouped_gemm_contiguous)
+    impls.append(("grouped fused_experts", signatures.FusedExperts, grouped))
     # the Triton indexer computes the logits; the entry point adds the shared top-k
     impls.append(
         ("triton indexer_topk", signatures.IndexerTopk, indexer.indexer_topk_with(kernels.indexer_logits))
