@@ -20,7 +20,7 @@ import pytest
 
 from dsinfer.base.processes import free_port
 from dsinfer.cli.main import main
-from tests.test_launcher import TIMEOUT, alive, wait_for
+from tests.test_launcher import TIMEOUT, alive, stop_twice, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PREFILL_PROFILE = REPO / "configs/profiles/deepseek-v3-h800-prefill-ep32.yaml"
@@ -421,13 +421,9 @@ def test_all_in_one_second_ctrl_c_stops_at_once(tmp_path: Path, servers: list[Al
     server = AllInOne(tmp_path, "--drain-timeout", "60", FAKE_CLI_IGNORE_TERM="1")
     servers.append(server)
     children = [server.child(tag) for tag in ("gateway", "prefill.0", "decode.0")]
-    server.proc.send_signal(signal.SIGINT)
-    server.wait_log("all-in-one: stopping")
-    started = time.monotonic()
-    server.proc.send_signal(signal.SIGINT)
-    code, err = server.wait()
+    code, err, seconds = stop_twice(server, "all-in-one: stopping")
     assert code == 0, err
-    assert time.monotonic() - started < 10, err
+    assert seconds < 10, err
     assert err.count("second stop signal") == 1, err
     assert not any(alive(child["pid"]) for child in children)
 

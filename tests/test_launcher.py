@@ -165,6 +165,17 @@ def launchers(closing: list[Launcher]) -> list[Launcher]:
     return closing
 
 
+def stop_twice(process: Any, stopping: str) -> tuple[int, str, float]:
+    """SIGINT to ``process`` (a Launcher, an all-in-one server) and, once its log says
+    ``stopping``, a second one: -> its exit code, its log and the seconds it took after the second."""
+    process.proc.send_signal(signal.SIGINT)
+    process.wait_log(stopping)
+    started = time.monotonic()
+    process.proc.send_signal(signal.SIGINT)
+    code, err = process.wait()
+    return code, err, time.monotonic() - started
+
+
 def recv_pool_down(sock: zmq.Socket) -> tuple[str, PoolDown]:
     assert sock.poll(int(TIMEOUT * 1000)), "no PoolDown reached the gateway"
     identity, frame = sock.recv_multipart()
@@ -313,12 +324,8 @@ def test_a_second_sigint_stops_the_drain_at_once(tmp_path: Path, launchers: list
     launcher = Launcher(tmp_path, pool, drain_timeout=60.0, FAKE_RANK_IGNORE_TERM="1")
     launchers.append(launcher)
     ranks = launcher.incarnation(wait_for(launcher.incarnations, "the pool to start")[0], 2)
-    launcher.proc.send_signal(signal.SIGINT)
-    launcher.wait_log("draining")
-    started = time.monotonic()
-    launcher.proc.send_signal(signal.SIGINT)
-    code, err = launcher.wait()
+    code, err, seconds = stop_twice(launcher, "draining")
     assert code == 0, err
-    assert time.monotonic() - started < 5, err
+    assert seconds < 5, err
     assert err.count("second stop signal") == 1 and "drain timed out" not in err, err
     assert not any(alive(r["pid"]) for r in ranks)
