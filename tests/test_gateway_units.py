@@ -32,35 +32,42 @@ def _parse(pieces: list[str], forced: bool = True) -> tuple[str, str, list[tuple
     return "".join(r for r, _ in out), "".join(c for _, c in out), out
 
 
-R1_SPLITS = [  # a thinking model's reply (the opening <think> is in the prompt)
-    ("thinking hard</think>\n\nThe answer", "thinking hard", "\n\nThe answer"),
-    ("<think>\nthinking</think>answer", "\nthinking", "answer"),
-    ("</think>answer", "", "answer"),
-    ("still thinking when cut off", "still thinking when cut off", ""),
-    ("a </think> b </think> c", "a ", " b </think> c"),
-    ("<thin", "<thin", ""),
-    ("", "", ""),
-]
-OPTIONAL_SPLITS = [  # think-optional (the built-in model's): only a reply that opens with <think> thinks
-    ("<think>7 * 8 = 56</think>56", "7 * 8 = 56", "56"),
-    ("42", "", "42"),
-    ("<thin", "", "<thin"),
-    ("4</think>2", "", "4</think>2"),
-    ("<think>cut off", "cut off", ""),
-    ("", "", ""),
-]
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        ("thinking hard</think>\n\nThe answer", "thinking hard", "\n\nThe answer"),
+        ("<think>\nthinking</think>answer", "\nthinking", "answer"),
+        ("</think>answer", "", "answer"),
+        ("still thinking when cut off", "still thinking when cut off", ""),
+        ("a </think> b </think> c", "a ", " b </think> c"),
+        ("<thin", "<thin", ""),
+        ("", "", ""),
+    ],
+)
+def test_r1_parser_every_split(text: str, reasoning: str, content: str) -> None:
+    """Whatever way the text is cut into deltas, the split is the same and no tag leaks."""
+    assert _parse([text])[:2] == (reasoning, content)
+    for cut in range(len(text) + 1):
+        assert _parse([text[:cut], text[cut:]])[:2] == (reasoning, content), cut
+    assert _parse(list(text))[:2] == (reasoning, content)
 
 
 @pytest.mark.parametrize(
-    ("forced", "text", "reasoning", "content"),
-    [(True, *split) for split in R1_SPLITS] + [(False, *split) for split in OPTIONAL_SPLITS],
+    ("text", "reasoning", "content"),
+    [
+        ("<think>7 * 8 = 56</think>56", "7 * 8 = 56", "56"),
+        ("42", "", "42"),
+        ("<thin", "", "<thin"),
+        ("4</think>2", "", "4</think>2"),
+        ("<think>cut off", "cut off", ""),
+        ("", "", ""),
+    ],
 )
-def test_reasoning_parser_every_split(forced: bool, text: str, reasoning: str, content: str) -> None:
-    """Whatever way the text is cut into deltas, the split is the same and no tag leaks."""
-    assert _parse([text], forced)[:2] == (reasoning, content)
+def test_think_optional_parser_every_split(text: str, reasoning: str, content: str) -> None:
+    """think-optional (the built-in model's): only a reply that opens with <think> thinks."""
     for cut in range(len(text) + 1):
-        assert _parse([text[:cut], text[cut:]], forced)[:2] == (reasoning, content), cut
-    assert _parse(list(text), forced)[:2] == (reasoning, content)
+        assert _parse([text[:cut], text[cut:]], forced=False)[:2] == (reasoning, content), cut
+    assert _parse(list(text), forced=False)[:2] == (reasoning, content)
 
 
 def test_r1_parser_streams_as_it_goes() -> None:
