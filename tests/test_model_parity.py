@@ -4,7 +4,7 @@ Both MLA paths are checked: full-prompt prefill through the decompressed path, a
 decode through the absorbed path over the paged latent cache (prompts span several pages). The
 "v32_sparse" configuration is DeepSeek-V3.2 (DeepseekV32ForCausalLM): its indexer keeps 12 keys per
 query, so from the 13th token on every path runs sparse attention; its comparisons stop at the
-indexer cut (tests/fixtures/hf_reference.py), which must leave the sparse positions compared.
+indexer cut (harness/hf_reference.py), which must leave the sparse positions compared.
 """
 
 from __future__ import annotations

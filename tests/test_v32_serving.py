@@ -5,7 +5,7 @@ the offline engine (chunked prefill, a 600-token prompt, preemption, MTP drafts)
 on-disk tier across a restart, an all-in-one PD server over HTTP, and a 2-rank EP pool with two
 micro-batches overlapped in prefill and decode steps.
 
-The comparison policy is tests/fixtures/hf_reference.py's, whose indexer cut stops a sequence's
+The comparison policy is harness/hf_reference.py's, whose indexer cut stops a sequence's
 comparison at a near-tie of the reference indexer's top-k; the prompts here are ones whose
 reference has none (``compare_greedy`` returns how many tokens it compared, asserted below).
 """

@@ -38,6 +38,7 @@ NEEDED = (  # import name -> what needs it
     ("transformers", "stages gpu-tests, parity"),
     ("openai", "stage server"),
     ("httpx", "stage server"),
+    ("harness.server", "stages server, parity, adapters (the harness, installed with dsinfer)"),
 )
 TRANSFER = ("nixl_cu13", "nixl_cu12")  # dsinfer's NIXL backend imports one of these
 IMPORT_NAMES = {

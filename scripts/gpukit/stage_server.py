@@ -1,6 +1,6 @@
 """Stage ``server``: ``dsinfer serve`` all-in-one (gateway, one prefill and one decode pool, KV over
 NIXL) with both pools' ranks on the one GPU (each with its own KV budget), started and stopped as
-the end-to-end tests do (tests/fixtures/servers.py); greedy completions through the official
+the end-to-end tests do (harness/server.py); greedy completions through the official
 ``openai`` client must give the offline engine's tokens for the same prompts and settings. Also
 reported: time to healthy and the completions' wall time."""
 
