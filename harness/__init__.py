@@ -11,7 +11,8 @@ GPU kit (scripts/gpukit) and imported as a package (docs/architecture.md):
 - ``rank_pool`` (engine-level rank processes of a benchmark), ``children`` (a child spoken to in
   JSON lines), ``played_rank`` (a rank played over the control protocol);
 - ``checkpoints`` and ``hf_reference``: tiny DeepSeek checkpoints and transformers' answers for
-  them; ``kernels``: what the kernel benchmarks share (shapes, GPU timer, error measures).
+  them; ``tiny_tokenizer``: the tiny models' tokens and chat template; ``kernels``: what the
+  kernel benchmarks share (shapes, GPU timer, error measures).
 
 It may import dsinfer; dsinfer never imports it (an import contract in pyproject.toml). Process
 basics (free ports, spawning, stopping) are dsinfer's own (dsinfer/base/processes.py).
