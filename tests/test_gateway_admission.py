@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -65,3 +66,50 @@ def test_http_429_with_retry_after_when_the_queue_is_too_slow() -> None:
         assert 25 <= int(refused.headers["retry-after"]) <= 35
         backend.queued = 5  # a short queue is admitted again
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_an_idle_stretch_is_not_counted_as_slowness() -> None:
+    drain = QueueDrain(window=100.0, min_starts=4)
+    for t in range(10):
+        drain.started(float(t))  # 10 starts over 9 s
+    assert drain.refusal(0, 40.0, 30.0) is None  # the queue is empty at t=30: idle since
+    for t in (31.0, 31.5):
+        drain.started(t)
+    assert drain.rate(32.0) is None  # two starts since the idle stretch: too few to judge
+    for t in (32.5, 33.0):
+        drain.started(t)
+    assert drain.rate(34.0) == pytest.approx(4 / 4.0)  # 4 starts in the 4 s since t=30
+
+
+def test_an_idle_gateway_collects_cycles_and_trims() -> None:
+    """A refused request's error keeps its multi-MB body alive in a traceback cycle until the
+    cyclic GC runs, which an idle gateway's few allocations never trigger: the idle trim does."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from dsinfer.gateway.app import trim_when_idle
+
+    class Holder:
+        pass
+
+    async def scenario() -> bool:
+        ctx = SimpleNamespace(active_ids={"busy"})
+        task = asyncio.create_task(trim_when_idle(ctx, every=0.01, growth=1 << 20))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        holder = Holder()
+        holder.body, holder.me = b"x" * (64 << 20), holder  # 64 MiB, resident, in a cycle
+        alive = weakref.ref(holder)
+        del holder
+        await asyncio.sleep(0.1)
+        kept_while_busy = alive() is not None
+        ctx.active_ids.clear()
+        await asyncio.sleep(0.1)
+        task.cancel()
+        return kept_while_busy and alive() is None
+
+    gc.disable()
+    try:
+        assert asyncio.run(scenario())
+    finally:
+        gc.enable()

@@ -4,12 +4,14 @@ got their first token lately.
 Admission has two bounds (dsinfer/gateway/request_run.py ``RequestRun.start``): the count,
 ``--max-queued-requests``, and this one: while the queue's expected wait (queued choices over the
 recent start rate) exceeds ``MAX_WAIT_SHARE`` of ``--request-timeout``, a new request gets 429
-with Retry-After, so that work accepted can still finish within its own deadline. With too few
-recent starts to judge (an idle or cold server) only the count applies.
+with Retry-After, so that work accepted can still finish within its own deadline. The rate counts
+only the time since the queue was last seen empty (an idle stretch is not slowness), and with too
+few starts to judge (an idle or cold server, the first moments of a burst) only the count applies.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 WINDOW = 30.0  # seconds of first tokens the rate is taken over
@@ -21,6 +23,7 @@ class QueueDrain:
     def __init__(self, window: float = WINDOW, min_starts: int = MIN_STARTS) -> None:
         self.window, self.min_starts = window, min_starts
         self._starts: deque[float] = deque()  # time.monotonic() of recent first tokens
+        self._idle_at = float("-inf")  # when the queue was last seen empty
 
     def started(self, now: float) -> None:
         """A queued choice got its first token (or ended without one)."""
@@ -28,11 +31,14 @@ class QueueDrain:
         self._trim(now)
 
     def rate(self, now: float) -> float | None:
-        """Choices leaving the queue per second over the window, or None with too few."""
+        """Choices leaving the queue per second since the window's start or the queue was last
+        empty, whichever is later; None with too few."""
         self._trim(now)
-        if len(self._starts) < self.min_starts:
+        since = max(self._idle_at, self._starts[0] if self._starts else now)
+        count = len(self._starts) - bisect.bisect_left(self._starts, since)
+        if count < self.min_starts:
             return None
-        return len(self._starts) / max(now - self._starts[0], 1e-3)
+        return count / max(now - since, 1e-3)
 
     def expected_wait(self, queued: int, now: float) -> float | None:
         rate = self.rate(now)
@@ -41,6 +47,8 @@ class QueueDrain:
     def refusal(self, queued: int, request_timeout: float, now: float) -> tuple[str, float] | None:
         """(why, Retry-After seconds) when the queue would hold a new request past its share of
         the timeout, else None."""
+        if queued == 0:
+            self._idle_at = now
         wait = self.expected_wait(queued, now)
         limit = request_timeout * MAX_WAIT_SHARE
         if wait is None or wait <= limit:

@@ -14,6 +14,7 @@ liveness (the process answers), ``/ready`` readiness (pools registered, not drai
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
+import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +37,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from dsinfer.base import heap
 from dsinfer.base.expert_load import document as expert_load_document
 from dsinfer.base.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, TokenizerError
 from dsinfer.gateway.anthropic_reply import MessagesFormatter, prepare_messages
@@ -78,6 +81,9 @@ from dsinfer.gateway.sse import HEADERS, MEDIA_TYPE
 
 log = logging.getLogger("dsinfer.gateway")
 
+TRIM_EVERY = 5.0  # seconds between checks for an idle gateway whose heap may be trimmed
+TRIM_GROWTH = 16 << 20  # bytes of growth since the last trim that make a trim worth it
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
 
@@ -98,6 +104,20 @@ def with_chat_template(tokenizer: Tokenizer, path: Path) -> Tokenizer:
         raise TokenizerError(f"--chat-template {path}: {e}") from None
 
 
+async def trim_when_idle(ctx: GatewayContext, every: float = TRIM_EVERY, growth: int = TRIM_GROWTH) -> None:
+    """Every ``every`` s with no request running and the resident size ``growth`` bytes over
+    what the last trim left, garbage cycles are collected and the heap's free pages go back
+    to the OS (dsinfer/base/heap.py): the memory of a burst, or of refused multi-MB bodies, returns."""
+    process = psutil.Process()
+    left = process.memory_info().rss
+    while True:
+        await asyncio.sleep(every)
+        if not ctx.active_ids and process.memory_info().rss > left + growth:
+            gc.collect()  # an error's traceback is a cycle that holds its request's body until then
+            await asyncio.to_thread(heap.trim)
+            left = process.memory_info().rss
+
+
 def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_size: int) -> FastAPI:
     """The OpenAI app over ``backend``; the context length and KV limits a request is checked
     against are the registered pools' (``Backend.capacity``)."""
@@ -111,11 +131,14 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        heap.pin_mmap_threshold()
         await backend.start()
+        trimmer = asyncio.create_task(trim_when_idle(ctx))
         log.info("serving %r on the OpenAI API", ctx.model_name)
         try:
             yield
         finally:
+            trimmer.cancel()
             await backend.stop()
             preparer.close()
 
