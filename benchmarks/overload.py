@@ -165,6 +165,8 @@ async def drills(server: Server, args: argparse.Namespace) -> dict[str, Any]:
                 f"burst {concurrency} #{repeat}: {result['completed']} completed, {result['refused']} refused, {result['failed']} failed"
             )
     out["memory_mib"]["after_bursts"] = gateway_rss_mib(server)
+    await asyncio.sleep(args.settle)
+    out["memory_mib"]["after_bursts_settled"] = gateway_rss_mib(server)
     sustainable = await completion_rate(server, args.probe_concurrency, args.probe_seconds, args.max_tokens)
     out["sustainable_rate"] = sustainable
     progress(f"the server completes {sustainable:.2f} requests/s at {args.probe_concurrency} open streams")
@@ -265,8 +267,17 @@ def markdown(report: dict[str, Any]) -> list[str]:
     )
     m = r["memory_mib"]
     lines += ["", "## Gateway resident memory (MiB)", ""]
-    lines += table(["idle", "after bursts", "after big prompts", f"after {report['args']['settle']:g} s idle"],
-                   [(fmt(m["idle"], digits=0), fmt(m["after_bursts"], digits=0), fmt(m["after_big_prompts"], digits=0), fmt(m["after_settle"], digits=0))], "rrrr")  # fmt: skip
+    settle = f"{report['args']['settle']:g} s idle"
+    lines += table(
+        ["idle", "after the bursts", f"then {settle}", "after everything", f"then {settle}"],
+        [
+            tuple(
+                fmt(m[k], digits=0)
+                for k in ("idle", "after_bursts", "after_bursts_settled", "after_big_prompts", "after_settle")
+            )
+        ],
+        "rrrrr",
+    )
     return lines
 
 
