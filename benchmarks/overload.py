@@ -190,65 +190,22 @@ async def drills(server: Server, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+OUTCOMES = ["completed", "refused (429/503)", "failed after accepted", "TTFT p50 s", "TTFT p99 s"]
+
+
+def _outcomes(run: dict[str, Any]) -> tuple[Any, ...]:
+    return (run["completed"], run["refused"], run["failed"], fmt(run["ttft_p50_s"]), fmt(run["ttft_p99_s"]))
+
+
 def markdown(report: dict[str, Any]) -> list[str]:
     r = report["results"]
-    lines = ["# Overload drills", "", *report_header(report), ""]
-    lines += ["## Bursts", ""]
-    lines += table(
-        [
-            "concurrent",
-            "repeat",
-            "completed",
-            "refused (429/503)",
-            "failed after accepted",
-            "TTFT p50 s",
-            "TTFT p99 s",
-        ],
-        [
-            (
-                b["concurrency"],
-                b["repeat"],
-                b["completed"],
-                b["refused"],
-                b["failed"],
-                fmt(b["ttft_p50_s"]),
-                fmt(b["ttft_p99_s"]),
-            )
-            for b in r["bursts"]
-        ],
-        "rrrrrrr",
-    )
-    lines += [
-        "",
-        f"## Sustained load ({report['args']['sustain']:g} s each; the server completes {r['sustainable_rate']:.2f} requests/s)",
-        "",
-    ]
-    lines += table(
-        [
-            "load",
-            "repeat",
-            "requests/s",
-            "completed",
-            "refused (429/503)",
-            "failed after accepted",
-            "TTFT p50 s",
-            "TTFT p99 s",
-        ],
-        [
-            (
-                f"{s['factor']}x",
-                s["repeat"],
-                fmt(s["rate"]),
-                s["completed"],
-                s["refused"],
-                s["failed"],
-                fmt(s["ttft_p50_s"]),
-                fmt(s["ttft_p99_s"]),
-            )
-            for s in r["sustained"]
-        ],
-        "lrrrrrrr",
-    )
+    lines = ["# Overload drills", "", *report_header(report), "", "## Bursts", ""]
+    bursts = [(b["concurrency"], b["repeat"], *_outcomes(b)) for b in r["bursts"]]
+    lines += table(["concurrent", "repeat", *OUTCOMES], bursts, "rrrrrrr")
+    sustain, rate = report["args"]["sustain"], r["sustainable_rate"]
+    lines += ["", f"## Sustained load ({sustain:g} s each; the server completes {rate:.2f} requests/s)", ""]
+    runs = [(f"{s['factor']}x", s["repeat"], fmt(s["rate"]), *_outcomes(s)) for s in r["sustained"]]
+    lines += table(["load", "repeat", "requests/s", *OUTCOMES], runs, "lrrrrrrr")
     lines += ["", "## Big prompts (7.9 MB each, sent at once)", ""]
     lines += table(
         ["repeat", "statuses", "refusal p50 ms", "refusal max ms", "/health p99 ms", "/health max ms"],
