@@ -11,15 +11,22 @@ with and without its cache.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dsinfer.base.v4_config import CSA, HCA, SLIDING, V4Config
-from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM, checkpoint_key, load_v4
+from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.model.v4_loader import checkpoint_key, load_v4
 from dsinfer.ops import select_ops
+from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
+from dsinfer.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 transformers = pytest.importorskip("transformers")
 
@@ -166,3 +173,67 @@ def test_release_layout_config_and_names() -> None:
     assert checkpoint_key("layers.3.hc_ffn_scale") == "layers.3.ffn_hc.scale"
     with pytest.raises(ValueError, match="layer_types has 3 entries for 4 layers"):
         V4Config.model_validate({**release, "compress_ratios": [0, 4, 128]})
+
+
+FP8_LINEAR = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|shared_experts\.w[123])\.weight$")
+ROUTED = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+def _release_quantized(source: Path, quantized: Path, dequantized: Path) -> None:
+    """The checkpoint as DeepSeek releases V4: attention and shared-expert weights FP8 e4m3 with
+    one power-of-two (e8m0) scale per 128x128 block under ``<module>.scale``, routed experts MXFP4;
+    and the same weights dequantized back to float32, which the quantized checkpoint must match."""
+    tensors = load_file(source / "model.safetensors")
+    low, high = {}, {}
+    for name, tensor in tensors.items():
+        stem = name.removesuffix(".weight")
+        if FP8_LINEAR.search(name):
+            _, scale = quantize_weight_128x128(tensor)
+            scale = torch.exp2(torch.ceil(torch.log2(scale)))  # ue8m0: a power of two, rounded up
+            rows, cols = tensor.shape
+            expanded = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+            low[name] = (tensor / expanded).to(torch.float8_e4m3fn)
+            low[f"{stem}.scale"] = scale.to(torch.float8_e8m0fnu)
+            high[name] = dequantize_weight_128x128(low[name], scale)
+        elif ROUTED.search(name):
+            low[name], low[f"{stem}.scale"] = quantize_mxfp4(tensor)
+            high[name] = dequantize_mxfp4(low[name], low[f"{stem}.scale"])
+        else:
+            low[name] = high[name] = tensor
+    for directory, weights in ((quantized, low), (dequantized, high)):
+        directory.mkdir()
+        shutil.copy(source / "config.json", directory / "config.json")
+        save_file(weights, directory / "model.safetensors")
+
+
+def test_fp8_and_mxfp4_release_weights(tmp_path: Path) -> None:
+    _build("flash_like", tmp_path / "hf")
+    _release_quantized(tmp_path / "hf", tmp_path / "fp8", tmp_path / "dequantized")
+    ops = select_ops("cpu", "torch")
+    reference = load_v4(tmp_path / "dequantized", ops)
+    ids = _prompt(60, 11)
+    expected = reference.compute_logits(reference(ids, reference.new_state()))
+    dequantized = load_v4(tmp_path / "fp8", ops)  # the CPU's ops run no FP8 GEMM: dequantized at load
+    assert dequantized.layers[0].attn.wq_a.weight.dtype == torch.float32
+    _close(dequantized.compute_logits(dequantized(ids, dequantized.new_state())), expected)
+    kept = load_v4(tmp_path / "fp8", dataclasses.replace(ops, supports_fp8_gemm=True))
+    wq_a = kept.layers[0].attn.wq_a
+    assert wq_a.weight.dtype == torch.float8_e4m3fn and wq_a.weight_scale_inv is not None
+    exponents = torch.log2(wq_a.weight_scale_inv)
+    assert torch.equal(exponents, exponents.round())  # e8m0: powers of two
+    # activations are quantized 1x128 as well in the FP8 GEMMs: the logits follow only statistically
+    got = kept.compute_logits(kept(ids, kept.new_state()))
+    cosine = torch.nn.functional.cosine_similarity(got, expected, dim=-1)
+    assert cosine.median() > 0.98 and cosine.min() > 0.8, cosine
+
+
+def test_mxfp4_round_trip() -> None:
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 4)
+    exact = torch.stack([grid, -grid * 0.25, grid * 8.0])  # each row one block, scales 1, 1/4, 8
+    packed, scale = quantize_mxfp4(exact)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 16) and tuple(scale.shape) == (3, 1)
+    assert torch.equal(dequantize_mxfp4(packed, scale), exact)
+    assert torch.equal(dequantize_mxfp4(packed, scale.view(torch.uint8)), exact)  # scales as raw bytes
+    noisy = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    error = (dequantize_mxfp4(*quantize_mxfp4(noisy)) - noisy).abs()
+    assert error.max() <= noisy.abs().max() / 4  # half the widest e2m1 step (2) at the block's scale

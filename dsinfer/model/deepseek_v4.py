@@ -2,7 +2,7 @@
 each between hyper-connections), the streams' head, final norm, lm head.
 
 Module names follow DeepSeek's release layout (``layers.N.attn.wq_a``, ``layers.N.ffn.gate``,
-``embed``, ``head``); ``checkpoint_key`` maps transformers' names onto them. Routed experts are
+``embed``, ``head``; dsinfer/model/v4_loader.py reads checkpoints onto them). Routed experts are
 stacked per layer (``ffn.w13``: gate then up; ``ffn.w2``).
 
 A forward takes one sequence's next tokens and its ``SequenceState`` (dsinfer/model/v4_state.py):
@@ -11,12 +11,7 @@ a prompt, a chunk of it, or one decode token.
 
 from __future__ import annotations
 
-import json
-import re
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from dsinfer.base.v4_config import V4Config
@@ -81,65 +76,3 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.embed.weight.dtype, self.embed.weight.device)
-
-
-_RENAMES = (
-    (r"^model\.", ""),
-    (r"^embed_tokens\.", "embed."),
-    (r"^hc_head[._](hc_)?(fn|base|scale)$", r"hc_head.\2"),
-    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
-)
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
-
-
-def checkpoint_key(name: str) -> str:
-    """A tensor's name in the release layout (transformers saves some names its own way)."""
-    for pattern, replacement in _RENAMES:
-        name = re.sub(pattern, replacement, name)
-    return name.replace(".ffn.gate.e_score_correction_bias", ".ffn.gate.bias")
-
-
-def load_v4(path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
-    """A V4 checkpoint directory (config.json and high-precision safetensors) -> the model."""
-    path = Path(path)
-    config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
-    model = DeepseekV4ForCausalLM(config, ops).to(dtype)
-    params = dict(model.named_parameters()) | dict(model.named_buffers())
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    loaded: set[str] = set()
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for raw in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = checkpoint_key(raw)
-                expert = _EXPERT.match(name)
-                if expert:
-                    prefix, index, which = expert.groups()
-                    experts.setdefault((prefix, which), {})[int(index)] = f.get_tensor(raw)
-                    continue
-                if name not in params:
-                    raise ValueError(f"{file.name}: unexpected tensor {raw}")
-                _copy(params[name], f.get_tensor(raw), raw)
-                loaded.add(name)
-    for (prefix, which), per_expert in experts.items():
-        stacked = torch.stack([per_expert[e] for e in range(config.n_routed_experts)])
-        if which == "w2":
-            _copy(params[f"{prefix}.w2"], stacked, f"{prefix}.experts.*.w2")
-            loaded.add(f"{prefix}.w2")
-        else:
-            inner = config.moe_intermediate_size
-            params[f"{prefix}.w13"].data[
-                :, (0 if which == "w1" else inner) : (inner if which == "w1" else 2 * inner)
-            ] = stacked
-            loaded.add(f"{prefix}.w13")
-    missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n)
-    if missing:
-        raise ValueError(
-            f"{path}: no tensor for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
-        )
-    return model
-
-
-def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
-    target.data.copy_(tensor.to(target.dtype))

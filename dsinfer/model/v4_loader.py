@@ -1,0 +1,157 @@
+"""Reading a DeepSeek-V4 checkpoint onto ``DeepseekV4ForCausalLM``.
+
+Tensor names: the release's (``layers.N.attn.wq_a.weight``, ``embed.weight``, ``hc_head_fn``) or
+transformers' (``model.`` prefix, ``embed_tokens``, ``hc_head.hc_fn``...); ``checkpoint_key`` maps
+both onto the model's. Weights: high precision; or FP8 e4m3 with one scale per 128x128 block,
+``<module>.scale`` in the release (e8m0: powers of two) or ``<module>.weight_scale_inv`` (fp32),
+kept FP8 in the linear layers where the ops run FP8 GEMMs (``ops.supports_fp8_gemm``) and
+dequantized at load otherwise (the CPU, as for V3); routed experts FP8 as well or MXFP4 (packed
+bytes, e8m0 per 32 values: dsinfer/ops/mxfp4.py), dequantized at load into the model's dtype, as
+the reference MoE computes in it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dsinfer.base.v4_config import V4Config
+from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.model.layers import Linear
+from dsinfer.ops import Ops
+from dsinfer.ops.fp8 import FP8_DTYPE, dequantize_weight_128x128
+from dsinfer.ops.mxfp4 import dequantize_mxfp4, scale_to_float
+
+_RENAMES = (
+    (r"^model\.", ""),
+    (r"^embed_tokens\.", "embed."),
+    (r"^hc_head[._](hc_)?(fn|base|scale)$", r"hc_head.\2"),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.ffn\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
+    (r"\.weight_scale_inv$", ".scale"),
+)
+_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def checkpoint_key(name: str) -> str:
+    """A tensor's name in the release layout (transformers saves some names its own way; a
+    weight's block scale is ``<module>.scale``)."""
+    for pattern, replacement in _RENAMES:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+class _Checkpoint:
+    """The checkpoint's tensors by release name, read on demand from their files."""
+
+    def __init__(self, path: Path, stack: ExitStack) -> None:
+        self.where: dict[str, tuple[Any, str]] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            handle = stack.enter_context(safe_open(file, "pt"))
+            for raw in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                self.where[checkpoint_key(raw)] = (handle, raw)
+        if not self.where:
+            raise ValueError(f"{path}: no *.safetensors file")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        handle, raw = self.where[name]
+        return handle.get_tensor(raw)
+
+    def names(self) -> Iterator[str]:
+        return iter(self.where)
+
+
+def load_v4(path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
+    """A V4 checkpoint directory (config.json and safetensors) -> the model in ``dtype`` (its
+    FP8 linear layers kept FP8 where ``ops`` runs FP8 GEMMs)."""
+    path = Path(path)
+    config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
+    model = DeepseekV4ForCausalLM(config, ops).to(dtype)
+    with ExitStack() as stack:
+        checkpoint = _Checkpoint(path, stack)
+        for name, module in model.named_modules():
+            weight = f"{name}.weight"
+            fp8 = weight in checkpoint and checkpoint.get(weight).dtype == FP8_DTYPE
+            if isinstance(module, Linear) and fp8 and ops.supports_fp8_gemm:
+                module.make_fp8()
+        params = dict(model.named_parameters()) | dict(model.named_buffers())
+        loaded = _load_tensors(checkpoint, params) | _load_experts(checkpoint, params, config, dtype)
+    missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n)
+    if missing:
+        raise ValueError(
+            f"{path}: no tensor for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
+    return model
+
+
+def _load_tensors(checkpoint: _Checkpoint, params: dict[str, torch.Tensor]) -> set[str]:
+    loaded = set()
+    for name in checkpoint.names():
+        if _EXPERT.match(name) or (
+            name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in checkpoint
+        ):
+            continue
+        if name not in params:
+            raise ValueError(f"unexpected tensor {name}")
+        tensor = checkpoint.get(name)
+        if tensor.dtype == FP8_DTYPE:
+            scale_name = name.removesuffix(".weight") + ".scale"
+            if scale_name not in checkpoint:
+                raise ValueError(f"{name} is FP8 without its block scale ({scale_name})")
+            scale = scale_to_float(checkpoint.get(scale_name))
+            target = name.removesuffix(".weight") + ".weight_scale_inv"
+            if params[name].dtype == FP8_DTYPE:
+                _copy(params[target], scale, scale_name)
+                loaded.add(target)
+            else:
+                tensor = dequantize_weight_128x128(tensor, scale, params[name].dtype)
+        _copy(params[name], tensor, name)
+        loaded.add(name)
+    return loaded
+
+
+def _load_experts(
+    checkpoint: _Checkpoint, params: dict[str, torch.Tensor], config: V4Config, dtype: torch.dtype
+) -> set[str]:
+    """Each layer's routed experts stacked into ``ffn.w13`` (w1 then w3) and ``ffn.w2``."""
+    loaded = set()
+    inner = config.moe_intermediate_size
+    for name in checkpoint.names():
+        match = _EXPERT.match(name)
+        if match is None:
+            continue
+        prefix, index, which = match.groups()
+        weight = _expert_weight(checkpoint, name, dtype)
+        if which == "w2":
+            target, rows = f"{prefix}.w2", slice(None)
+        else:
+            target, rows = f"{prefix}.w13", slice(0, inner) if which == "w1" else slice(inner, 2 * inner)
+        _copy(params[target][int(index), rows], weight, name)
+        loaded.add(target)
+    return loaded
+
+
+def _expert_weight(checkpoint: _Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
+    weight = checkpoint.get(name)
+    if weight.is_floating_point() and weight.dtype != FP8_DTYPE:
+        return weight
+    scale = checkpoint.get(name.removesuffix(".weight") + ".scale")
+    if weight.dtype == FP8_DTYPE:
+        return dequantize_weight_128x128(weight, scale_to_float(scale), dtype)
+    return dequantize_mxfp4(weight, scale, dtype)  # packed e2m1 bytes
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
+    target.data.copy_(tensor)
