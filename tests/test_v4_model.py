@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from dsinfer.base.v4_config import CSA, HCA, SLIDING, V4Config
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.v4_loader import checkpoint_key, load_v4
+from dsinfer.model.v4_state import cache_bytes
 from dsinfer.ops import select_ops
 from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
 from dsinfer.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -147,7 +148,7 @@ def test_state_holds_what_each_group_needs(pair: tuple[Any, DeepseekV4ForCausalL
             pending = 2 * (length % rate) * width  # kv and gate rows of the unfinished block
             overlap = 2 * rate * dim if kind == CSA else 0  # kv and gate of the last block's first half
             expected["compressor_state"] += (pending + overlap) * itemsize
-    assert state.nbytes() == expected
+    assert state.nbytes() == expected == cache_bytes(config, length, itemsize)
 
 
 def test_release_layout_config_and_names() -> None:

@@ -86,3 +86,25 @@ class SequenceState:
                     totals[name] += series.entries.nbytes
                     totals["compressor_state"] += series.state_nbytes()
         return totals
+
+
+def cache_bytes(config: V4Config, context: int, value_bytes: int) -> dict[str, int]:
+    """What ``SequenceState.nbytes`` says for a sequence of ``context`` tokens, from the config
+    alone (values of ``value_bytes`` each): the per-request figures of a memory plan."""
+    totals = {"window": 0, "compressed": 0, "indexer": 0, "compressor_state": 0}
+    for layer, kind in enumerate(config.layer_types):
+        totals["window"] += min(context, config.sliding_window - 1) * config.head_dim * value_bytes
+        if kind not in (CSA, HCA):
+            continue
+        rate = config.compress_rate(layer)
+        groups = [(config.head_dim, "compressed")] + (
+            [(config.index_head_dim, "indexer")] if kind == CSA else []
+        )
+        for dim, group in groups:
+            totals[group] += (context // rate) * dim * value_bytes
+            width = 2 * dim if kind == CSA else dim
+            overlap = (
+                2 * rate * dim if kind == CSA and context >= rate else 0
+            )  # kv and gate of the last block's first half
+            totals["compressor_state"] += (2 * (context % rate) * width + overlap) * value_bytes
+    return totals
