@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import tempfile
 import time
@@ -93,9 +94,12 @@ async def completion_rate(server: Server, concurrency: int, seconds: float, max_
         return done / (time.perf_counter() - start)
 
 
-async def big_prompts(server: Server, count: int) -> dict[str, Any]:
-    """``count`` 7.9 MB prompts at once: seconds to each refusal, and /health's latency meanwhile."""
-    prompt = "a " * (BIG_PROMPT_CHARS // 2)
+async def big_prompts(server: Server, count: int, at_once: bool) -> dict[str, Any]:
+    """``count`` 7.9 MB prompts, one after the other or all at once: seconds to each refusal (the
+    body encoded once, ahead), and /health's latency meanwhile."""
+    body = json.dumps(
+        {"model": "tiny-chat", "prompt": "a " * (BIG_PROMPT_CHARS // 2), "max_tokens": 8}
+    ).encode()
     health: list[float] = []
     async with httpx.AsyncClient(timeout=120) as client:
 
@@ -103,7 +107,8 @@ async def big_prompts(server: Server, count: int) -> dict[str, Any]:
             t = time.perf_counter()
             r = await client.post(
                 f"{server.base_url}/v1/completions",
-                json={"model": "tiny-chat", "prompt": prompt, "max_tokens": 8},
+                content=body,
+                headers={"content-type": "application/json"},
             )
             return r.status_code, time.perf_counter() - t
 
@@ -116,11 +121,15 @@ async def big_prompts(server: Server, count: int) -> dict[str, Any]:
 
         stop = asyncio.Event()
         prober = asyncio.create_task(probe(stop))
-        answers = await asyncio.gather(*(one() for _ in range(count)))
+        if at_once:
+            answers = await asyncio.gather(*(one() for _ in range(count)))
+        else:
+            answers = [await one() for _ in range(count)]
         stop.set()
         await prober
     seconds = [s for _, s in answers]
     return {
+        "at_once": at_once,
         "statuses": dict(Counter(str(c) for c, _ in answers)),
         "refusal_p50_ms": 1000 * statistics.median(seconds),
         "refusal_max_ms": 1000 * max(seconds),
@@ -181,9 +190,10 @@ async def drills(server: Server, args: argparse.Namespace) -> dict[str, Any]:
             )
             await asyncio.sleep(args.settle)  # the queue drains before the next
     for repeat in range(args.repeats):
-        result = await big_prompts(server, args.big_prompts)
-        out["big_prompts"].append({"repeat": repeat, **result})
-        progress(f"big prompts #{repeat}: {result}")
+        for at_once in (False, True):
+            result = await big_prompts(server, args.big_prompts, at_once)
+            out["big_prompts"].append({"repeat": repeat, **result})
+            progress(f"big prompts #{repeat}: {result}")
     out["memory_mib"]["after_big_prompts"] = gateway_rss_mib(server)
     await asyncio.sleep(args.settle)
     out["memory_mib"]["after_settle"] = gateway_rss_mib(server)
@@ -206,21 +216,33 @@ def markdown(report: dict[str, Any]) -> list[str]:
     lines += ["", f"## Sustained load ({sustain:g} s each; the server completes {rate:.2f} requests/s)", ""]
     runs = [(f"{s['factor']}x", s["repeat"], fmt(s["rate"]), *_outcomes(s)) for s in r["sustained"]]
     lines += table(["load", "repeat", "requests/s", *OUTCOMES], runs, "lrrrrrrr")
-    lines += ["", "## Big prompts (7.9 MB each, sent at once)", ""]
+    lines += [
+        "",
+        f"## Big prompts ({report['args']['big_prompts']} of 7.9 MB, one after the other or at once)",
+        "",
+    ]
+    cells = ("refusal_p50_ms", "refusal_max_ms", "health_p99_ms", "health_max_ms")
+    big = [
+        (
+            b["repeat"],
+            "at once" if b["at_once"] else "one by one",
+            b["statuses"],
+            *(fmt(b[c], digits=0) for c in cells),
+        )
+        for b in r["big_prompts"]
+    ]
     lines += table(
-        ["repeat", "statuses", "refusal p50 ms", "refusal max ms", "/health p99 ms", "/health max ms"],
         [
-            (
-                b["repeat"],
-                b["statuses"],
-                fmt(b["refusal_p50_ms"], digits=0),
-                fmt(b["refusal_max_ms"], digits=0),
-                fmt(b["health_p99_ms"], digits=0),
-                fmt(b["health_max_ms"], digits=0),
-            )
-            for b in r["big_prompts"]
+            "repeat",
+            "sent",
+            "statuses",
+            "refusal p50 ms",
+            "refusal max ms",
+            "/health p99 ms",
+            "/health max ms",
         ],
-        "rlrrrr",
+        big,
+        "rllrrrr",
     )
     m = r["memory_mib"]
     lines += ["", "## Gateway resident memory (MiB)", ""]
