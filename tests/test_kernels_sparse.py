@@ -123,6 +123,17 @@ def check_sparse_mla_v3_shape_bf16() -> None:
     _check_sparse(q, cache, _indices(gen, 20, (2, 1, 64), avoid=-1), 512, 2e-2)
 
 
+def check_sparse_v4_layout_all_channels_values() -> None:
+    """DeepSeek-V4's attention core (dsinfer/model/v4_attention.py): one K=V row whose every channel
+    is also the value (head_dim_v == D, no rope-only channels), over rows of one token each."""
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn(90, 1, 1, 64, generator=gen)  # a window's raw rows and compressed entries
+    q = torch.randn(1, 5, 8, 64, generator=gen)
+    indices = torch.randint(0, 90, (1, 5, 24), generator=gen, dtype=torch.int32)
+    indices[0, 3, 10:] = -1
+    _check_sparse(q, rows, indices, 64, 1e-5)
+
+
 def check_exports_and_edges() -> None:
     import dsinfer.kernels
     from dsinfer.kernels import indexer_logits, sparse_mla_decode
@@ -163,6 +174,7 @@ CHECKS = (
     check_indexer_topk_entry_point,
     check_sparse_mla_fp32,
     check_sparse_mla_v3_shape_bf16,
+    check_sparse_v4_layout_all_channels_values,
     check_exports_and_edges,
 )
 

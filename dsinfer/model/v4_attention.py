@@ -5,8 +5,11 @@ Per new token: ``q = rmsnorm_per_head(wq_b(q_norm(wq_a x)))`` and one K=V row
 ``kv = norm(wkv x)``, both rotated on their trailing ``qk_rope_head_dim`` channels. The query
 attends to the raw rows of its window (itself and the ``sliding_window - 1`` tokens before) and
 to the entries it may see (``v4_compressor``; CSA: only those its indexer picked); the sink
-``exp(sink_h)`` joins the softmax's denominator. As K is V, the output's rope channels are
-rotated back by the query's angle. The output projection is grouped: ``o_groups`` blocks of
+``exp(sink_h)`` joins the softmax's denominator. The core is ``ops.sparse_mla_decode`` (FlashMLA's
+sparse decode: one K=V head shared by every query head, each query over the keys it lists, here
+all ``head_dim`` channels as values) over the window's rows and the entries, and the sink is
+applied after it from its log-sum-exp: ``out * 1 / (1 + exp(sink - lse))``. As K is V, the
+output's rope channels are rotated back by the query's angle. The output projection is grouped: ``o_groups`` blocks of
 heads each to ``o_lora_rank`` by ``wo_a``, then ``wo_b``.
 """
 
@@ -31,7 +34,7 @@ class V4Attention(nn.Module):
             config.sliding_window,
         )
         self.groups, self.eps = config.o_groups, config.rms_norm_eps
-        self.rate = config.compress_rate(layer)
+        self.rate, self.ops = config.compress_rate(layer), ops
         self.wq_a = Linear(config.hidden_size, config.q_lora_rank, ops)
         self.q_norm = V4RMSNorm(config.q_lora_rank, config.rms_norm_eps)
         self.wq_b = Linear(config.q_lora_rank, self.heads * self.head_dim, ops)
@@ -92,11 +95,15 @@ class V4Attention(nn.Module):
         return keys, (distance >= 0) & (distance < self.window)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Softmax attention of ``q [T, H, D]`` over ``keys [K, D]`` (also the values) with one sink
-        logit per head in the denominator -> [T, H, D]."""
-        logits = torch.einsum("thd,kd->thk", q, keys) * self.head_dim**-0.5
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        sinks = self.attn_sink.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
-        combined = torch.cat([logits, sinks], dim=-1)
-        probs = (combined - combined.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
-        return torch.einsum("thk,kd->thd", probs.to(keys.dtype), keys)
+        """Softmax attention of ``q [T, H, D]`` over the rows of ``keys [K, D]`` (also the values)
+        that ``mask [T, K]`` lets each query see, with one sink logit per head in the denominator
+        -> [T, H, D]."""
+        visible = mask.sum(-1)
+        rows = torch.arange(keys.shape[0], device=keys.device).expand_as(mask)
+        order = torch.where(mask, rows, keys.shape[0]).sort(-1).values[:, : int(visible.max())]
+        indices = torch.where(order < keys.shape[0], order, -1).to(torch.int32)
+        out, lse = self.ops.sparse_mla_decode(
+            q[None], keys.view(-1, 1, 1, self.head_dim), indices[None], self.head_dim, self.head_dim**-0.5
+        )
+        kept = torch.sigmoid(lse[0].transpose(0, 1) - self.attn_sink.float())  # 1 / (1 + e^(sink - lse))
+        return (out[0].float() * kept[..., None]).to(q.dtype)
