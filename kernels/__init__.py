@@ -15,6 +15,8 @@ reference.
 - ``quantize_activation_1x128``, ``fp8_gemm_nt``, ``m_grouped_fp8_gemm_nt_contiguous``,
   ``m_grouped_fp8_gemm_nt_masked``: block-FP8 GEMMs with DeepGEMM's newer names and semantics
   (1x128 activation scales, 128x128 weight scales, fp32 accumulation).
+- ``quantize_masked_1x128``, ``swiglu_quantize_masked``: the masked MoE layout's activations over
+  its valid rows only (the expert input's quantization; SwiGLU fused with the second input's).
 - ``moe_gate``: the fused noaux_tc gate (sigmoid, bias for selection, group-limited top-k,
   renormalization and scaling), with the ``Ops`` signature.
 """
@@ -26,4 +28,6 @@ from .grouped_gemm import m_grouped_fp8_gemm_nt_masked as m_grouped_fp8_gemm_nt_
 from .indexer import indexer_logits as indexer_logits
 from .mla_decode import mla_decode as mla_decode
 from .moe_gate import moe_gate as moe_gate
+from .moe_masked import quantize_masked_1x128 as quantize_masked_1x128
+from .moe_masked import swiglu_quantize_masked as swiglu_quantize_masked
 from .sparse_mla import sparse_mla_decode as sparse_mla_decode

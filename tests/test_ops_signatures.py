@@ -28,11 +28,12 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
 
     backends: dict[str, list[Callable[..., Any]]] = {
         "torch": [gemm.linear, gemm.pack_linear_weight, gemm.grouped_gemm_contiguous, gemm.grouped_gemm_masked,
-                  mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, indexer.indexer_topk,
-                  sparse_mla.sparse_mla_decode],
+                  mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, experts.masked_experts,
+                  indexer.indexer_topk, sparse_mla.sparse_mla_decode],
         "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts],
         "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
-                     DeepGemmAdapter.grouped_gemm_masked, DeepGemmIndexerAdapter.indexer_topk],
+                     DeepGemmAdapter.grouped_gemm_masked, DeepGemmAdapter.masked_experts,
+                     DeepGemmIndexerAdapter.indexer_topk],
         "flashmla": [FlashMlaAdapter.mla_decode, FlashMlaSparseAdapter.sparse_mla_decode],
         "triton": [kernels.mla_decode, kernels.moe_gate, kernels.sparse_mla_decode],
     }  # fmt: skip
@@ -67,6 +68,6 @@ def test_every_ops_field_is_typed_by_a_protocol() -> None:
     kernels = {f for f, t in Ops.__annotations__.items() if t in signatures.__all__}
     assert kernels == {
         "linear", "pack_linear_weight", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts",
-        "mla_decode", "moe_gate", "sample",
+        "masked_experts", "mla_decode", "moe_gate", "sample",
         "indexer_topk", "sparse_mla_decode",
     }  # fmt: skip

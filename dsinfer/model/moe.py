@@ -19,8 +19,9 @@ Two layouts compute the routed experts, with equal results:
   kernel or the pairs sorted by slot through two ``grouped_gemm_contiguous`` calls (DeepGEMM's
   contiguous layout). Sorting and the per-expert counts are read on the host.
 - masked (``Experts.compute_masked``, ``begin(..., masked=True)``): pairs scattered into
-  ``[slots, capacity, H]`` at ranks computed on the device, ``grouped_gemm_masked`` with the
-  per-expert counts ``masked_m`` on the device, gathered back. Nothing is read on the host, so a
+  ``[slots, capacity, H]`` at ranks computed on the device, ``ops.masked_experts`` (two masked
+  grouped GEMMs whose FP8 inputs are quantized over the valid rows only) with the per-expert
+  counts ``masked_m`` on the device, gathered back. Nothing is read on the host, so a
   CUDA graph can capture it (the decode step, dsinfer/engine/cuda_graph.py). It is the layout
   DeepEP's low-latency dispatch delivers; with expert parallelism today's dispatch (pair rows over
   ``EPGroup.dispatch``) still syncs to the host, so CUDA graphs stay off there.
@@ -163,16 +164,16 @@ class Experts(nn.Module):
         layout = masked_layout(slots, num_slots)
         self.slot_load += layout.masked_m
         # one trash plane past the last slot receives the skipped rows; rows past masked_m are
-        # never read (the GEMMs skip them, the gather below never selects them): no zero fill
-        packed = rows.new_empty((num_slots + 1, capacity, self.hidden))
+        # never read (the GEMMs skip them, the gather below never selects them): no zero fill.
+        # The capacity is rounded here to the rows the GEMMs take unpadded: no copy per layer.
+        alignment = self.ops.masked_m_alignment
+        packed = rows.new_empty((num_slots + 1, -(-capacity // alignment) * alignment, self.hidden))
         packed[layout.slot, layout.rank] = rows
         expected_m = max(1, -(-m // num_slots))  # host-side hint: the mean rows per slot
         masked_m = layout.masked_m.to(torch.int32)
-        gate_up = self.ops.grouped_gemm_masked(
-            packed[:num_slots], self.w13, self.w13_scale_inv, masked_m, expected_m
+        y = self.ops.masked_experts(
+            packed[:num_slots], self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, masked_m, expected_m
         )
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = self.ops.grouped_gemm_masked(F.silu(gate) * up, self.w2, self.w2_scale_inv, masked_m, expected_m)
         # rows past masked_m are undefined (never read): a skipped row selects zero, not y's value
         picked = y[layout.slot.clamp(max=num_slots - 1), layout.rank]
         return torch.where(layout.valid[:, None], picked, 0.0).to(rows.dtype)

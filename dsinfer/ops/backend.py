@@ -35,7 +35,7 @@ import functools
 import hashlib
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, ModuleType
 from typing import Any
@@ -49,13 +49,14 @@ from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import sampling as torch_sampling
 from dsinfer.ops import sparse_mla as torch_sparse_mla
 from dsinfer.ops.compile_ahead import compile_shared
-from dsinfer.ops.experts import grouped_experts
+from dsinfer.ops.experts import grouped_experts, masked_experts
 from dsinfer.ops.signatures import (
     FusedExperts,
     GroupedGemmContiguous,
     GroupedGemmMasked,
     IndexerTopk,
     Linear,
+    MaskedExperts,
     MlaDecode,
     MoeGate,
     PackLinearWeight,
@@ -106,7 +107,7 @@ TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     }
 )
 
-Impl = dict[str, Callable[..., Any]]
+Impl = dict[str, Any]  # entry point -> its implementation (and masked_m_alignment, an int)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,10 @@ class Ops:
     pack_linear_weight: PackLinearWeight  # a weight in the form ``linear`` runs fastest, or None
     grouped_gemm_contiguous: GroupedGemmContiguous
     grouped_gemm_masked: GroupedGemmMasked
+    masked_experts: MaskedExperts
+    # rows per slot of a masked layout the GEMMs take without padding (DeepGEMM's tile; 1: any):
+    # callers round their buffers' capacity to it when they allocate them
+    masked_m_alignment: int
     fused_experts: FusedExperts
     mla_decode: MlaDecode
     indexer_topk: IndexerTopk  # V3.2's lightning indexer: logits, then top-k positions
@@ -141,6 +146,8 @@ def _torch_impl(kernel: str) -> Impl:
             "pack_linear_weight": torch_gemm.pack_linear_weight,
             "grouped_gemm_contiguous": torch_gemm.grouped_gemm_contiguous,
             "grouped_gemm_masked": torch_gemm.grouped_gemm_masked,
+            "masked_experts": masked_experts,
+            "masked_m_alignment": 1,
         }
     if kernel == "mla":
         return {"mla_decode": torch_mla.mla_decode}
@@ -179,6 +186,8 @@ def _gemm_impl(adapter: Any) -> Impl:
         "pack_linear_weight": torch_gemm.pack_linear_weight,  # CPU-only: None on a GPU
         "grouped_gemm_contiguous": adapter.grouped_gemm_contiguous,
         "grouped_gemm_masked": adapter.grouped_gemm_masked,
+        "masked_experts": adapter.masked_experts,
+        "masked_m_alignment": adapter.m_alignment,
     }
 
 

@@ -3,7 +3,8 @@
 ``grouped_experts`` is ``FusedExperts`` (dsinfer/ops/signatures.py) bound to a grouped GEMM of the
 contiguous layout: the rows are sorted by slot (DeepGEMM's contiguous layout), go through it twice
 and are put back in order. ``fused_experts`` binds it to the torch reference GEMM: the reference of
-the ``FusedExperts`` contract.
+the ``FusedExperts`` contract. ``masked_experts`` is the ``MaskedExperts`` reference: the same
+experts over the masked layout (rows already in their slot's plane, counts on the device).
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def fused_experts(
     return grouped_experts(
         torch_gemm.grouped_gemm_contiguous, rows, slots, w13, w13_scale_inv, w2, w2_scale_inv
     )
+
+
+def masked_experts(
+    packed: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor | None,
+    masked_m: torch.Tensor,
+    expected_m: int,
+) -> torch.Tensor:
+    """The SwiGLU experts over the masked layout: ``packed [S, capacity, H]`` holds ``masked_m[s]``
+    valid rows for local slot ``s`` -> ``[S, capacity, H]`` in ``packed``'s dtype, the valid rows'
+    results; rows past ``masked_m[s]`` are undefined (DeepGEMM's masked layout) and never read.
+    ``expected_m`` is the GEMMs' hint of the typical count. No host synchronisation."""
+    gate_up = torch_gemm.grouped_gemm_masked(packed, w13, w13_scale_inv, masked_m, expected_m)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch_gemm.grouped_gemm_masked(F.silu(gate) * up, w2, w2_scale_inv, masked_m, expected_m)
 
 
 def grouped_experts(

@@ -22,10 +22,18 @@ from typing import Any
 
 import torch
 
+from dsinfer.ops import experts as torch_experts
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops.fp8 import FP8_BLOCK, FP8_DTYPE
 from dsinfer.ops.fp8 import quantize_activation_1x128 as torch_quantize_1x128
+from dsinfer.ops.masked_moe import (
+    TORCH_QUANTIZERS,
+    MaskedGemm,
+    MaskedQuantizers,
+    fp8_masked_experts,
+    kernel_quantizers,
+)
 
 __all__ = [
     "DEEPGEMM_CONTIGUOUS_ALIGNMENT",
@@ -195,6 +203,7 @@ class DeepGemmAdapter:
                 self._align = getattr(module, align, None)
                 self.m_alignment = m_alignment or _module_alignment(module)
                 self._cuda_quantize: Quantizer | None = None  # resolved at the first CUDA call
+                self._cuda_masked: MaskedQuantizers | None = None
                 return
         raise ImportError(f"{module.__name__} exports no DeepGEMM API generation")
 
@@ -263,6 +272,31 @@ class DeepGemmAdapter:
         counts = masked_m.to(torch.int32).contiguous()
         self._masked((q, s), (b, b_scale), out, counts, max(int(expected_m), 1))
         return out[:, :m].to(a.dtype)
+
+    def masked_experts(
+        self,
+        packed: torch.Tensor,
+        w13: torch.Tensor,
+        w13_scale_inv: torch.Tensor | None,
+        w2: torch.Tensor,
+        w2_scale_inv: torch.Tensor | None,
+        masked_m: torch.Tensor,
+        expected_m: int,
+    ) -> torch.Tensor:
+        """Both masked GEMMs on FP8 inputs quantized over the valid rows only
+        (dsinfer/ops/masked_moe.py)."""
+        if not (self._native(w13, w13_scale_inv) and self._native(w2, w2_scale_inv)) or packed.numel() == 0:
+            return torch_experts.masked_experts(
+                packed, w13, w13_scale_inv, w2, w2_scale_inv, masked_m, expected_m
+            )
+        if packed.is_cuda and self._cuda_masked is None:
+            self._cuda_masked = kernel_quantizers()
+        quantizers = self._cuda_masked if packed.is_cuda else TORCH_QUANTIZERS
+        assert quantizers is not None
+        return fp8_masked_experts(
+            MaskedGemm(self._masked, self._align, self.m_alignment), quantizers,
+            packed, (w13, w13_scale_inv), (w2, w2_scale_inv), masked_m, expected_m,
+        )  # fmt: skip
 
 
 def triton_gemm_adapter(module: ModuleType) -> DeepGemmAdapter:

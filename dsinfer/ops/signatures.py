@@ -20,6 +20,7 @@ __all__ = [
     "GroupedGemmMasked",
     "IndexerTopk",
     "Linear",
+    "MaskedExperts",
     "MlaDecode",
     "MoeGate",
     "PackLinearWeight",
@@ -56,6 +57,12 @@ class FusedExperts(Protocol):
     """Rows through the SwiGLU experts of their local slots: :func:`dsinfer.ops.experts.fused_experts`."""
 
     __call__ = staticmethod(experts.fused_experts)
+
+
+class MaskedExperts(Protocol):
+    """The SwiGLU experts over DeepGEMM's masked layout: :func:`dsinfer.ops.experts.masked_experts`."""
+
+    __call__ = staticmethod(experts.masked_experts)
 
 
 class MlaDecode(Protocol):
