@@ -299,6 +299,9 @@ def test_metrics(url: str, client: openai.OpenAI) -> None:
         'dsinfer_prefix_cache_hit_tokens_total{role="colocated",tier="memory",worker="colocated/0/0"}',
         'dsinfer_prefix_cache_hit_tokens_total{role="colocated",tier="disk",worker="colocated/0/0"}',
         'dsinfer_prefix_cache_hit_rate{role="colocated",worker="colocated/0/0"}',
+        'dsinfer_spec_decode_draft_tokens_total{role="colocated",worker="colocated/0/0"}',
+        'dsinfer_spec_decode_accepted_tokens_total{role="colocated",worker="colocated/0/0"}',
+        'dsinfer_spec_decode_acceptance_rate{role="colocated",worker="colocated/0/0"}',
         "dsinfer_worker_healthy",
     ):
         assert series in text, series

@@ -28,6 +28,7 @@ from dsinfer.transfer.base import TransferBackend, TransferError
 from dsinfer.transfer.factory import make_transfer_backend
 from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
+from dsinfer.workers.role import load_report
 from harness.checkpoints import BuiltCheckpoint
 
 pytestmark = pytest.mark.system
@@ -373,6 +374,10 @@ def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckp
         assert mtp.done_messages[-1].mtp_draft is not None
         pages = sum(-(-len(prompt) // pool.page_size) for prompt in _prompts())
         assert sum(d.bytes_written for d in mtp.done_messages) == pages * pool.num_layers * page_bytes
+        # the decode side's drafts reach /metrics through its load report
+        reports = [load_report("w", "i", engine.load()) for engine in mtp.engines]
+        assert sum(r.mtp_drafts_proposed for r in reports) > 0
+        assert all(0 <= r.mtp_drafts_accepted <= r.mtp_drafts_proposed for r in reports)
 
 
 def test_pd_over_mooncake(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:

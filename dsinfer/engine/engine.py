@@ -305,6 +305,8 @@ class LLMEngine:
             prompt_tokens=sched.stats.prompt_tokens_submitted,
             memory_hit_tokens=stats.memory_hit_tokens,
             disk_hit_tokens=stats.disk_hit_tokens,
+            mtp_drafts_proposed=sched.stats.drafts_proposed,
+            mtp_drafts_accepted=sched.stats.drafts_accepted,
             expert_load=self.model.expert_load() if with_expert_load else None,
         )
 

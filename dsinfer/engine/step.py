@@ -131,4 +131,6 @@ class EngineLoad:
     prompt_tokens: int
     memory_hit_tokens: int
     disk_hit_tokens: int
+    mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
+    mtp_drafts_accepted: int = 0  # of which the target model agreed with
     expert_load: dict[int, list[int]] | None = None

@@ -63,6 +63,19 @@ class BackendCollector(Collector):
                 "dsinfer_kv_transfer_seconds", "KV transfer wall time", labels=labels
             ),
             "transfers": CounterMetricFamily("dsinfer_kv_transfers", "KV transfers completed", labels=labels),
+            "drafts": CounterMetricFamily(
+                "dsinfer_spec_decode_draft_tokens", "MTP draft tokens verified", labels=labels
+            ),
+            "accepted": CounterMetricFamily(
+                "dsinfer_spec_decode_accepted_tokens",
+                "MTP draft tokens the target model agreed with",
+                labels=labels,
+            ),
+            "acceptance": GaugeMetricFamily(
+                "dsinfer_spec_decode_acceptance_rate",
+                "accepted / verified MTP drafts since start",
+                labels=labels,
+            ),
         }
         for w in snap.workers:
             key, r = [w.worker, w.role], w.report
@@ -78,6 +91,10 @@ class BackendCollector(Collector):
             families["bytes"].add_metric(key, r.transfer_bytes)
             families["seconds"].add_metric(key, r.transfer_seconds)
             families["transfers"].add_metric(key, r.transfers)
+            families["drafts"].add_metric(key, r.mtp_drafts_proposed)
+            families["accepted"].add_metric(key, r.mtp_drafts_accepted)
+            rate = r.mtp_drafts_accepted / r.mtp_drafts_proposed if r.mtp_drafts_proposed else 0.0
+            families["acceptance"].add_metric(key, rate)
         yield from families.values()
         moves = CounterMetricFamily(
             "dsinfer_choice_migrations",
