@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.plots import plot_memory
 from harness.progress import progress
 from harness.provenance import provenance
 from harness.results import fmt, report_header, save_report, table
@@ -102,26 +103,6 @@ def markdown(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(result: SoakResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, 6))
-    for label, samples in sorted(result.memory.items()):
-        ax.plot([t / 60 for t, _ in samples], [m for _, m in samples], label=label, linewidth=1)
-    for fault in result.faults:
-        ax.axvline(fault.at / 60, color="grey", alpha=0.3, linewidth=0.8)
-    ax.set_xlabel("minutes (grey: a fault)")
-    ax.set_ylabel("resident memory, MiB")
-    ax.set_title("Soak: resident memory of every process")
-    ax.legend(fontsize=7, ncol=2, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=60.0, help="minutes of load")
@@ -146,7 +127,7 @@ def main() -> None:
         result = run_soak(server, plan, progress)
     report = {**provenance(), "plan": vars(plan), "topology": TOPOLOGY, "fault_kinds": FAULTS}
     report["summary"] = summarize(result, plan)
-    plot(result, args.out / "soak.png")
+    plot_memory(result.memory, [f.at for f in result.faults], args.out / "soak.png")
     save_report(report, "\n".join(markdown(report)) + "\n", args.out / "soak.json", args.out / "soak.md")
     progress(f"written {args.out}/soak.json, soak.md and soak.png")
 
