@@ -45,6 +45,7 @@ from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL
 from dsinfer.evals.runner import EndpointClient, EvalReport, OfflineClient, run_eval
 from dsinfer.evals.tasks import HELD_OUT_SEED, HELD_OUT_SIZE, TASKS
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import REPO, git, machine_info, source_env
 from harness.server import Server, dsinfer_command, running
@@ -109,6 +110,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, scratch: Path) ->
         report = evaluate_endpoint(server.base_url, args)
         if mode == "dsinfer-serve" and args.expert_load_out is not None:
             args.expert_load_out.write_text(json.dumps(reported_expert_load(server.base_url)) + "\n")
+            plot_result(args.expert_load_out)
             progress(f"[{mode}] wrote the router's expert load to {args.expert_load_out}")
         return report
 
@@ -245,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs.values():
         run.pop("token_ids", None)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
+    plot_result(args.out.with_suffix(".json"))
     progress(f"wrote {args.out}")
     return 0
 

@@ -37,6 +37,7 @@ from typing import Any
 from harness import results
 from harness.clients import Stream, client_for, completion_body, stream_all
 from harness.metrics import wait_healthy_count
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import command_line, export_commit, git, machine_info, utc_now
 from harness.server import TINY_CPU, add_serving_args, serve
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     results.save_report(report, markdown(report), args.out, args.markdown)
+    plot_result(args.out)
     return 0
 
 

@@ -49,6 +49,7 @@ from dsinfer.base.expert_load import read_expert_load
 from dsinfer.base.presets import resolve_model
 from dsinfer.parallel.eplb import placement_from_load, rebalance_experts
 from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
+from harness.plots import plot_result
 
 METHODS = ("none", "round-robin", "greedy", "eplb-hier", "eplb-global", "dsinfer-eplb", "dsinfer-1node")
 
@@ -316,6 +317,7 @@ def main() -> int:
     print(table)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        plot_result(args.out)
     if args.markdown:
         args.markdown.write_text(table)
     return 0

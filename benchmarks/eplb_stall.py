@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.plots import plot_result
 from harness.provenance import REPO, git_commit, machine_info
 from harness.rank_pool import PORT_TAKEN, exit_on_sigterm, grown_preset, join_pool, random_prompts, run_pool
 from harness.results import ratio as _ratio
@@ -669,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                 doc["results"].append(entry)
     doc["load_avg_end"] = list(os.getloadavg())
     write_json(args.out, doc)
+    plot_result(args.out)
     args.markdown.parent.mkdir(parents=True, exist_ok=True)
     args.markdown.write_text(markdown(doc))
     print(markdown(doc))

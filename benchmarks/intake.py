@@ -41,6 +41,7 @@ import httpx
 
 from dsinfer.base.cluster_secret import ControlKeys
 from harness.played_rank import PlayedRank
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import export_commit, machine_info
 from harness.results import add_output_args, save_report
@@ -240,6 +241,7 @@ def main() -> int:
         "runs": runs,
     }
     save_report(report, markdown(report), args.out, args.markdown, indent=1)
+    plot_result(args.out)
     return 0
 
 

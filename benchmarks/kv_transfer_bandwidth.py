@@ -37,6 +37,7 @@ import torch
 
 from dsinfer.transfer import TransferBackend, TransferHandle, make_transfer_backend
 from harness.children import JsonLinesChild, say
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import command_line, git_commit, machine_info, utc_now
 from harness.results import add_output_args, write_json
@@ -313,6 +314,7 @@ def main() -> None:
             report["skipped"][backend] = str(e)
     report["load_avg_end"] = os.getloadavg()
     write_json(args.out, report)
+    plot_result(args.out)
     args.markdown.write_text(markdown(report))
     progress(f"wrote {args.out} and {args.markdown}")
 

@@ -674,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker_main(args.worker)
+    from harness.plots import plot_result
     from harness.provenance import command_line, git_state, machine_info, parse_cpu_list
     from harness.results import write_json
 
@@ -741,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(md, flush=True)
     if args.out:
         write_json(args.out, report)
+        plot_result(args.out)
         print(f"wrote {args.out}", flush=True)
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)

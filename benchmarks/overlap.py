@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.plots import plot_result
 from harness.provenance import git_commit, machine_info
 from harness.rank_pool import exit_on_sigterm, grown_preset, join_pool, random_prompts, run_pool
 from harness.results import report_header, save_report
@@ -424,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     report["load_end"] = os.getloadavg()[0]
     report["summary"] = summarize(report["runs"])
     save_report(report, markdown(report), args.out, args.markdown, indent=1)
+    plot_result(args.out)
     return 0
 
 

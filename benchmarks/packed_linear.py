@@ -27,6 +27,7 @@ import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.model.layers import Linear
+from harness.plots import plot_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,6 +91,7 @@ def main() -> None:
     print(json.dumps({k: report[k] for k in ("median_tok_s", "paired_median_ratio_packed_over_plain")}))
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
+        plot_result(args.out)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ from harness.metrics import (
     scrape_async,
     wait_healthy_count,
 )
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import REPO, command_line, export_commit, git_commit, machine_info, utc_now
 from harness.results import fmt, percentiles, write_json
@@ -955,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
             save()  # so far, in case a later phase fails
     report["load_avg_end"] = list(os.getloadavg())
     save()
+    plot_result(args.out)
     args.markdown.write_text(markdown(doc))
     progress(f"wrote {args.out} and {args.markdown}; load average {report['load_avg_end'][0]:.2f}")
     print("\n".join(run_markdown(args.workload, report)))

@@ -54,6 +54,7 @@ import httpx
 from harness import results
 from harness.clients import Stream, client_for, completion_body, stream_completion
 from harness.metrics import GATEWAY, scrape_async, wait_healthy_count
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import command_line, git, git_commit, machine_info, utc_now
 from harness.server import TINY_CPU, Server, add_serving_args, serve
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     results.save_report(report, markdown(report), args.out, args.markdown)
+    plot_result(args.out)
     return 0
 
 

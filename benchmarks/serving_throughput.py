@@ -36,6 +36,7 @@ import httpx
 from dsinfer.base.processes import free_port
 from harness.clients import client_for, complete, completion_body
 from harness.metrics import cpu_seconds, rss_mib
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import REPO, command_line, git_state, load_average, machine_info, parse_cpu_list
 from harness.results import write_json
@@ -265,6 +266,7 @@ def write_report(
     text = markdown(report)
     if args.out:
         write_json(args.out, report)
+        plot_result(args.out)
     if args.markdown:
         args.markdown.write_text(text)
     return text

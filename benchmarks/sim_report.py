@@ -45,6 +45,7 @@ from dsinfer.sim.hardware import H100, H800, with_measured
 from dsinfer.sim.model_dims import ModelShape
 from dsinfer.sim.simulator import Simulation
 from dsinfer.sim.workload import DAY, TrafficProfile, mean_rate
+from harness.plots import plot_result
 from harness.provenance import REPO, git
 from harness.results import write_json
 
@@ -982,6 +983,7 @@ def main() -> int:
         "window": asdict(window),
     }
     write_json(Path(args.out), report, default=float)
+    plot_result(Path(args.out))
     Path(args.markdown).write_text(markdown(report))
     log(f"wrote {args.out} and {args.markdown} in {(time.time() - start) / 60:.1f} min")
     return 0

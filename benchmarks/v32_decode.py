@@ -40,6 +40,7 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
+from harness.plots import plot_result
 from harness.provenance import command_line, git_commit, utc_now
 from harness.results import add_output_args, save_report, table
 
@@ -214,6 +215,7 @@ def main() -> None:
         "ops": select_ops("cpu").describe(),
     }
     save_report(result, _markdown(result), args.out, args.markdown)
+    plot_result(args.out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.v4_state import cache_bytes
+from harness.plots import plot_result
 from harness.provenance import provenance
 from harness.results import add_output_args, report_header, save_report, table
 
@@ -93,6 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {**provenance(), "value_bytes": VALUE_BYTES, "results": measure()}
     save_report(report, "\n".join(markdown(report)) + "\n", args.out, args.markdown)
+    plot_result(args.out)
 
 
 if __name__ == "__main__":

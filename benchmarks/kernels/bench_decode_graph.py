@@ -51,6 +51,7 @@ from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
 from harness.kernels import CONFIG, ROOT
+from harness.plots import plot_result
 from harness.progress import log
 from harness.provenance import git_state
 
@@ -332,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     out = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
+    plot_result(args.out)
     print(report(out))
     log(f"wrote {args.out}")
     return 0

@@ -85,6 +85,7 @@ from harness.kernels import (
     rel_err,
     scaled_mm,
 )
+from harness.plots import plot_result
 from harness.progress import log
 from harness.provenance import git_state
 from harness.results import write_json
@@ -1645,6 +1646,7 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(text + "\n")
     write_json(args.out, results)
+    plot_result(args.out)
     log(f"wrote {args.out}")
     return 0
 

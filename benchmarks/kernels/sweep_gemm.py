@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import harness.kernels as bk
+from harness.plots import plot_result
 from harness.progress import log
 
 CANDIDATES = (  # BLOCK_M, BLOCK_N, num_warps, num_stages
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 timer, fp8_tflops, candidates, deadline,
             ))  # fmt: skip
     args.out.write_text(json.dumps(results, indent=1))
+    plot_result(args.out)
     if args.markdown:
         args.markdown.write_text(render(results))
     return 0
