@@ -577,6 +577,56 @@ def plot_rank_recovery(doc: Doc, path: Path) -> None:
     save(fig, path, "Rank recovery after kill -9 of one rank", machine_note(doc))
 
 
+def plot_tracing_cost(doc: Doc, path: Path) -> None:
+    """Tracing off against on: requests/s and TTFT p50 (median bar, a dot a repeat)."""
+    runs, modes = doc["runs"], list(doc["summary"])
+    fig, axes = figure(2, 2, size=(10, 4))
+    for ax, key, what, scale in (
+        (axes[0], "requests_per_s", "completed requests/s", 1.0),
+        (axes[1], "ttft_p50", "TTFT p50, ms", 1e3),
+    ):
+        medians = [doc["summary"][m][key] for m in modes]
+        series = {"median": [None if v is None else v * scale for v in medians]}
+        points = {"median": [[r[key] * scale for r in runs if r["mode"] == m and r[key]] for m in modes]}
+        _bars(ax, [f"tracing {m}" for m in modes], series, points)
+        ax.set_ylabel(what)
+    save(fig, path, "The cost of tracing (every request traced, OTLP/HTTP)", machine_note(doc))
+
+
+def plot_overload(doc: Doc, path: Path) -> None:
+    """Overload drills: each run's requests by outcome (stacked), the big prompts' refusal and
+    /health times, the gateway's resident memory through the drills."""
+    r = doc["results"]
+    runs = [(f"burst {b['concurrency']}", b) for b in r["bursts"]]
+    runs += [(f"{s['factor']}x load", s) for s in r["sustained"]]
+    fig, axes = figure(3, 3, size=(15, 4.5))
+    bottom = [0.0] * len(runs)
+    for outcome, color in (("completed", "tab:green"), ("refused", "tab:orange"), ("failed", "tab:red")):
+        values = [float(run[outcome]) for _, run in runs]
+        axes[0].bar(range(len(runs)), values, bottom=bottom, color=color, label=outcome)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes[0].set_xticks(range(len(runs)), [name for name, _ in runs], rotation=45, ha="right", fontsize=8)
+    axes[0].set_ylabel("requests")
+    axes[0].legend(fontsize=8)
+    big = r["big_prompts"]
+    labels = [f"#{b['repeat']} {'at once' if b['at_once'] else 'one by one'}" for b in big]
+    _bars(
+        axes[1],
+        labels,
+        {"refusal max": [b["refusal_max_ms"] for b in big], "/health max": [b["health_max_ms"] for b in big]},
+    )
+    axes[1].axhline(100, color="gray", linestyle="--", linewidth=1)
+    axes[1].set_ylabel("ms (7.9 MB prompts)")
+    axes[1].tick_params(axis="x", labelsize=7, rotation=30)
+    axes[1].legend(fontsize=8)
+    memory = r["memory_mib"]
+    axes[2].plot(list(memory), list(memory.values()), marker="o")
+    axes[2].set_ylabel("gateway RSS, MiB")
+    axes[2].tick_params(axis="x", labelsize=7, rotation=30)
+    axes[2].set_ylim(bottom=0)
+    save(fig, path, "Overload drills on the all-in-one server", machine_note(doc))
+
+
 def plot_intake(doc: Doc, path: Path) -> None:
     """While oversized prompts arrive: the longest /health and short-request latency, and the
     gateway's peak memory growth, per prompt size and commit."""
@@ -741,6 +791,8 @@ PLOTTERS: dict[str, Plotter] = {
     "overlap.json": plot_overlap,
     "rank_recovery.json": plot_rank_recovery,
     "intake.json": plot_intake,
+    "overload.json": plot_overload,
+    "tracing_cost.json": plot_tracing_cost,
     "accuracy.json": plot_accuracy,
     "*sweep_mla*.json": plot_mla_sweep,
     "*sweep_gemm*.json": plot_gemm_sweep,

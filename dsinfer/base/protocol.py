@@ -97,6 +97,9 @@ class LoadReport(ControlMessage, kw_only=True):
     transfer_bytes: int = 0  # KV bytes written (prefill) or received (decode)
     transfer_seconds: float = 0.0  # summed wall time from first write to completion
     transfers: int = 0
+    # per request stage (dsinfer/base/stages.py): counts per bucket of STAGE_BUCKETS, seconds summed
+    stage_counts: dict[str, list[int]] = {}
+    stage_seconds: dict[str, float] = {}
     draining: bool = False
     # tokens this rank routed to each logical expert since start, per MoE layer id; sent every
     # EXPERT_LOAD_INTERVAL s (not with every heartbeat): the input of the expert load balancer
@@ -167,6 +170,7 @@ class WorkerRequest(ControlMessage, kw_only=True):
     # already delivered, prefilled after the prompt and counted as output (sampler position,
     # penalties, max_tokens), so the tokens that follow are the undisturbed choice's
     output_token_ids: list[int] = []
+    traceparent: str = ""  # W3C: the gateway's span this work belongs to ("" = not traced)
 
 
 class GenerateRequest(WorkerRequest, kw_only=True):

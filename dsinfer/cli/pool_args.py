@@ -60,6 +60,14 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     )
     flag("ep_timeout", float)
     group.add_argument(
+        "--otlp-traces-endpoint",
+        # one flag for both: the gateway's spans (GatewayArgs) and its pools' ranks' (PoolArgs)
+        default=None,
+        metavar="URL",
+        help="OpenTelemetry collector (OTLP/HTTP, e.g. http://otel-collector:4318) that the gateway and "
+        "the ranks send one trace per request to; needs pip install 'dsinfer[tracing]' (default: off)",
+    )
+    group.add_argument(
         "--drain-timeout",
         type=float,
         # one flag drains both: a pool's ranks (run_pool) and the gateway's streams (GatewayArgs)

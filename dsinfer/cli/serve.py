@@ -21,6 +21,7 @@ from dsinfer.base.cluster_secret import load_secret, missing_secret_error
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.documents import read_document
 from dsinfer.base.presets import resolve_model
+from dsinfer.base.tracing import endpoint_problem
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.flags import POOL_ONLY
@@ -204,6 +205,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.config is not None:
         args = apply_config(args, argv)
     check_role_flags(args)
+    problem = None if args.otlp_traces_endpoint is None else endpoint_problem(args.otlp_traces_endpoint)
+    if problem is not None:
+        raise UsageError(problem)
     if not args.dry_run:
         check_model(args.model)
     if args.role is None:

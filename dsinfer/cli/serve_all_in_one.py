@@ -43,7 +43,7 @@ from dsinfer.base.processes import (
     wait_all,
 )
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
-from dsinfer.cli.flags import POOL_ONLY, actions_of
+from dsinfer.cli.flags import POOL_ONLY, SHARED_WITH_GATEWAY, actions_of
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
 from dsinfer.cli.layout import Layout, layout_of
 from dsinfer.cli.pool_args import add_pool_args, pool_args_from
@@ -119,7 +119,8 @@ def children_of(
     base = [sys.executable, "-m", cli_module, "--log-level", args.log_level, "serve"]
     engine = flags_of(args, actions_of(add_engine_args))
     gateway_ns = argparse.Namespace(**{**vars(args), "control_port": control_port})
-    gateway_flags = flags_of(gateway_ns, actions_of(add_gateway_args), skip=("api_key",))
+    shared = [a for a in actions_of(add_pool_args) if a.dest in SHARED_WITH_GATEWAY]
+    gateway_flags = flags_of(gateway_ns, [*actions_of(add_gateway_args), *shared], skip=("api_key",))
     env = {**os.environ, SECRET_ENV: secret}
     gateway_env = {**env, API_KEY_ENV: args.api_key} if args.api_key else env
     children = [ChildCommand("gateway", [*base, "--role", "gateway", *engine, *gateway_flags], gateway_env)]

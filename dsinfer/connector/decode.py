@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from dsinfer.base.protocol import Abort
+from dsinfer.base.stages import RequestStages
+from dsinfer.base.tracing import Tracer
 from dsinfer.connector.messages import (
     DecodeAdmit,
     KVDestination,
@@ -68,8 +70,13 @@ class DecodeConnector:
         inbox: str,
         transfer_timeout: float,
         quarantine: float,
+        stages: RequestStages | None = None,
     ) -> None:
         self.engine, self.outbox, self.worker, self.fail = engine, outbox, worker, fail
+        # stages of a request's span here: decode.queue (seats, pages), kv_wait, then the worker's
+        self.stages = (
+            stages if stages is not None else RequestStages(Tracer("dsinfer-decode", None), "decode")
+        )
         self.inbox = inbox  # where prefill ranks send this rank's fences and progress
         self.transfer_timeout, self.quarantine = transfer_timeout, quarantine
         self.counters = TransferCounters()
@@ -87,6 +94,7 @@ class DecodeConnector:
             self.fail(msg.request_id, str(e))
             return
         self._queued.append(_Incoming(msg, request))
+        self.stages.start(msg.request_id, msg.traceparent, "decode.queue")
         self._reserve_queued(now)
 
     def done(self, done: PrefillDone) -> Joined | None:
@@ -103,6 +111,7 @@ class DecodeConnector:
         update = self.engine.remote.join(
             item.request, done.first_token, done.first_logprobs, done.prompt_logprobs, done.mtp_draft
         )
+        self.stages.mark(done.request_id, "generate")
         return Joined(update, done.num_cached_tokens)
 
     def progress(self, msg: TransferProgress, now: float) -> None:
@@ -176,6 +185,7 @@ class DecodeConnector:
             item = self._queued.popleft()
             item.deadline = now + self.transfer_timeout
             self._reserved[item.msg.request_id] = item
+            self.stages.mark(item.msg.request_id, "kv_wait")
             self.outbox.send_gateway(
                 KVDestination(
                     request_id=item.msg.request_id,

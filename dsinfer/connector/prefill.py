@@ -27,6 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from dsinfer.base.protocol import Abort
+from dsinfer.base.stages import RequestStages
+from dsinfer.base.tracing import Interval, Tracer
 from dsinfer.connector.messages import (
     PROGRESS_INTERVAL,
     PrefillDone,
@@ -66,8 +68,14 @@ class PrefillConnector:
         *,
         quarantine: float,
         progress_interval: float = PROGRESS_INTERVAL,
+        stages: RequestStages | None = None,
     ) -> None:
         self.engine, self.outbox, self.backend, self.fail = engine, outbox, backend, fail
+        # stages of a request's span here: prefill.queue, prefill.forward, kv_flush (the last
+        # writes after the forward); kv_transfer beside them, from the first write to the last
+        self.stages = (
+            stages if stages is not None else RequestStages(Tracer("dsinfer-prefill", None), "prefill")
+        )
         self.quarantine, self.progress_interval = quarantine, progress_interval
         self.counters = TransferCounters()
         self.page_size = engine.kv_pages.page_size
@@ -107,6 +115,7 @@ class PrefillConnector:
             self.fail(msg.request_id, f"decode gave {len(dest.pages)} pages for {expected} to send")
             return
         self._out[msg.request_id] = _Outgoing(msg, first_page)
+        self.stages.start(msg.request_id, msg.traceparent, "prefill.queue")
 
     def abort(self, abort: Abort, now: float) -> bool:
         """Stop a transfer (its fence follows once its writes finished); False when this side
@@ -139,6 +148,7 @@ class PrefillConnector:
                 continue
             out.sent.update(new)
             self._planned.append((out, new))
+            self.stages.mark(seq.request_id, "prefill.forward")
             src = [seq.pages[p] for p in new]
             dst = [out.msg.destination.pages[p - out.first_page] for p in new]
             plan.append((out, src, dst))
@@ -168,6 +178,7 @@ class PrefillConnector:
             out = self._out.get(update.request_id)
             if out is not None and update.finished and update.finish_reason != "abort":
                 out.done, out.forward_done_at = update, time.time()
+                self.stages.mark(update.request_id, "kv_flush")
 
     def step_interrupted(self) -> None:
         """Pages the interrupted step was writing are written again, every layer, when the step
@@ -191,9 +202,14 @@ class PrefillConnector:
                     if self.engine.has_request(request_id):
                         self.engine.abort_request(request_id)
                 self.outbox.send_peer(out.msg.decode_inbox, TransferAborted(request_id=request_id))
+                self.stages.end(request_id, out.error, finish="abort")
                 del self._out[request_id]
             elif out.done is not None:
                 self._finish(out, now)
+                transfer = Interval(
+                    "kv_transfer", _wall(out.started), time.time(), {"dsinfer.bytes": out.bytes_written}
+                )
+                self.stages.end(request_id, finish="prefilled", extra=[transfer] if out.started else [])
                 del self._out[request_id]
         if now - self._last_progress >= self.progress_interval:
             self._send_progress()

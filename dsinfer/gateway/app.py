@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 from dsinfer.base import heap
 from dsinfer.base.expert_load import document as expert_load_document
 from dsinfer.base.tokenizer import TOKENIZER_CONFIG_FILE, Tokenizer, TokenizerError
+from dsinfer.base.tracing import OpenSpan, Tracer
 from dsinfer.gateway.anthropic_reply import MessagesFormatter, prepare_messages
 from dsinfer.gateway.anthropic_request import MessagesRequest, anthropic_error
 from dsinfer.gateway.args import GatewayArgs
@@ -118,15 +119,27 @@ async def trim_when_idle(ctx: GatewayContext, every: float = TRIM_EVERY, growth:
             left = process.memory_info().rss
 
 
-def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_size: int) -> FastAPI:
+def build_app(
+    backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_size: int, tracer: Tracer | None = None
+) -> FastAPI:
     """The OpenAI app over ``backend``; the context length and KV limits a request is checked
-    against are the registered pools' (``Backend.capacity``)."""
+    against are the registered pools' (``Backend.capacity``). ``tracer``: the one the backend
+    shares (default: ``args.otlp_traces_endpoint``'s)."""
+    tracer = tracer or Tracer("dsinfer-gateway", args.otlp_traces_endpoint)
     if args.chat_template is not None:
         tokenizer = with_chat_template(tokenizer, args.chat_template)
     metrics = GatewayMetrics(backend.metrics_snapshot)
     preparer = Preparer(args.tokenizer_pool_size(), args.max_queued_requests)
     ctx = GatewayContext(
-        backend, tokenizer, args, args.model_name(), vocab_size, metrics, preparer, tokenizer.max_token_chars
+        backend,
+        tokenizer,
+        args,
+        args.model_name(),
+        vocab_size,
+        metrics,
+        preparer,
+        tracer,
+        tokenizer.max_token_chars,
     )
 
     @asynccontextmanager
@@ -141,6 +154,7 @@ def build_app(backend: Backend, tokenizer: Tokenizer, args: GatewayArgs, vocab_s
             trimmer.cancel()
             await backend.stop()
             preparer.close()
+            tracer.close()
 
     app = FastAPI(title="dsinfer gateway", lifespan=lifespan)
     app.state.gateway = ctx
@@ -352,6 +366,22 @@ async def _generate(ctx: GatewayContext, request: Request, endpoint: _Endpoint) 
 
 
 async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> Response:
+    span = ctx.tracer.open(
+        f"{request.method} {request.url.path}",
+        request.headers.get("traceparent", ""),
+        {"http.request.method": request.method, "url.path": request.url.path},
+        server=True,
+    )
+    try:
+        return await _serve_traced(ctx, request, endpoint, span)
+    except Exception as e:  # the run ended it already, unless it failed before there was one
+        span.end(str(e) or type(e).__name__)
+        raise
+
+
+async def _serve_traced(
+    ctx: GatewayContext, request: Request, endpoint: _Endpoint, span: OpenSpan
+) -> Response:
     arrival = time.monotonic()
     _check_auth(ctx, request)
     if ctx.draining:
@@ -359,12 +389,17 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> 
     body = await request.body()  # at most --max-request-body bytes (BodyLimit)
     limits = ctx.limits()
     # Parsing, templating and tokenizing a long prompt take a while: off the event loop.
+    preparing = time.time()
     prepared, make_formatter = await ctx.preparer.run(lambda: endpoint.prepare(body, limits), len(body))
+    ctx.tracer.record("prepare", span.traceparent, preparing, attributes={"dsinfer.body_bytes": len(body)})
     request_id = _request_id(request, endpoint.id_prefix)
+    span.set({"dsinfer.request_id": request_id})
     if request_id in ctx.active_ids:
         raise bad_request(f"request id {request_id!r} is already in use", code="duplicate_request_id")
     ctx.active_ids.add(request_id)
-    run = RequestRun(ctx, request_id, prepared, endpoint.name, reasoning=endpoint.reasoning, arrival=arrival)
+    run = RequestRun(
+        ctx, request_id, prepared, endpoint.name, reasoning=endpoint.reasoning, arrival=arrival, span=span
+    )
     formatter = make_formatter(run)
     headers = {"X-Request-Id": request_id}
     try:

@@ -43,6 +43,7 @@ class GatewayArgs(BaseModel):
     http_keep_alive: float = 75.0
     max_request_body: int = MAX_REQUEST_BODY  # bytes; a larger body gets 413 while it is read
     tokenizer_threads: int | None = None  # None = min(8, cores): templating and tokenizing off the loop
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for traces; None = tracing off
     drain_timeout: float = 30.0  # SIGTERM: seconds running streams get before they end in an error
 
     @model_validator(mode="after")

@@ -60,6 +60,7 @@ class Job:
     deadline: float  # time.monotonic() when the HTTP layer ends the request (a timeout); never retried after
     choices: Sequence[ChoiceRecord]  # its params.n choices, in order
     arrival_time: float = 0.0  # time.monotonic() at the HTTP layer
+    traceparent: str = ""  # the HTTP request's span (dsinfer/base/tracing.py); "" = not traced
 
 
 DeltaSink = Callable[[int, TokenDelta], None]  # (choice number, delta), on the gateway's event loop
@@ -119,6 +120,10 @@ class WorkerStatus:
     report: LoadReport  # its last load report (an empty one, with its KV size, before the first)
 
 
+MIGRATION_CAUSES = ("rank_died", "unresponsive", "unreachable", "drained", "refused")
+POOL_EVENTS = ("pool_restarted", "rank_died", "rank_rejoined")
+
+
 @dataclass
 class MigrationStats:
     """Choices moved to other ranks (their rank died, stopped answering, was unreachable or
@@ -145,4 +150,6 @@ class BackendMetrics:
     ready: bool = False  # every role the topology needs has at least one healthy worker (/health)
     expert_load: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # role -> layer -> per expert
     migrations: MigrationStats = field(default_factory=MigrationStats)
-    pool_events: dict[tuple[str, str], int] = field(default_factory=dict)  # (pool, event) -> count
+    pool_events: dict[tuple[str, str], int] = field(
+        default_factory=dict
+    )  # (pool, event) -> count, 0s included

@@ -9,10 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
-from dsinfer.gateway.backend import BackendMetrics
+from dsinfer.base.stages import STAGE_BUCKETS
+from dsinfer.gateway.backend import MIGRATION_CAUSES, BackendMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -96,14 +103,18 @@ class BackendCollector(Collector):
             rate = r.mtp_drafts_accepted / r.mtp_drafts_proposed if r.mtp_drafts_proposed else 0.0
             families["acceptance"].add_metric(key, rate)
         yield from families.values()
+        yield _stage_histograms(snap)
         moves = CounterMetricFamily(
             "dsinfer_choice_migrations",
             "choices moved to another rank, by cause (rank_died, unresponsive, unreachable, drained, "
             "refused) and whether they had streamed tokens (a continuation)",
             labels=["cause", "streaming"],
         )
-        for (cause, streaming), count in sorted(snap.migrations.moves.items()):
-            moves.add_metric([cause, str(streaming).lower()], count)
+        for cause in MIGRATION_CAUSES:
+            for streaming in (False, True):
+                moves.add_metric(
+                    [cause, str(streaming).lower()], snap.migrations.moves.get((cause, streaming), 0)
+                )
         yield moves
         yield SummaryMetricFamily(
             "dsinfer_migration_recovery_seconds",
@@ -120,6 +131,25 @@ class BackendCollector(Collector):
         for (pool, event), count in sorted(snap.pool_events.items()):
             events.add_metric([pool, event], count)
         yield events
+
+
+def _stage_histograms(snap: BackendMetrics) -> HistogramMetricFamily:
+    stages = HistogramMetricFamily(
+        "dsinfer_request_stage_seconds",
+        "time requests spent in each stage on a rank (prefill.queue, prefill.forward, kv_flush, "
+        "kv_transfer; decode.queue, kv_wait, generate; colocated: generate)",
+        labels=["worker", "role", "stage"],
+    )
+    bounds = [*(f"{b:g}" for b in STAGE_BUCKETS), "+Inf"]
+    for w in snap.workers:
+        for stage, counts in sorted(w.report.stage_counts.items()):
+            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+            stages.add_metric(
+                [w.worker, w.role, stage],
+                list(zip(bounds, cumulative, strict=True)),
+                w.report.stage_seconds.get(stage, 0.0),
+            )
+    return stages
 
 
 class GatewayMetrics:

@@ -11,7 +11,7 @@ from dsinfer.balancers.factory import make_balancer
 from dsinfer.base.expert_load import sum_loads
 from dsinfer.base.hashing import page_hashes
 from dsinfer.base.protocol import ROLES, LoadReport, Register
-from dsinfer.gateway.backend import BackendMetrics, Capacity, WorkerStatus
+from dsinfer.gateway.backend import POOL_EVENTS, BackendMetrics, Capacity, WorkerStatus
 from dsinfer.gateway.registry import WorkerInfo, WorkerRegistry
 
 log = logging.getLogger("dsinfer.gateway")
@@ -102,6 +102,10 @@ class Pools:
     # Metrics ------------------------------------------------------------------------------------
     def metrics(self, queue_length: int, in_flight: int) -> BackendMetrics:
         workers, loads = [], {}
+        # Every known pool's every event, at 0 until it happens: a dashboard's rate() has a series.
+        events = {
+            (f"{i.role}/{i.register.pool}", e): 0 for i in self.registry.workers.values() for e in POOL_EVENTS
+        }
         for info in self.registry.workers.values():
             empty = LoadReport(
                 worker=info.name,
@@ -117,5 +121,5 @@ class Pools:
             workers=workers,
             ready=self.ready(),
             expert_load={role: sum_loads(per_rank) for role, per_rank in loads.items()},
-            pool_events=dict(self.events),
+            pool_events=events | self.events,
         )

@@ -27,6 +27,7 @@ from starlette.requests import Request
 
 from dsinfer.base.protocol import TokenDelta
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.base.tracing import NO_SPAN, OpenSpan, Tracer
 from dsinfer.gateway.admission import QueueDrain
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.backend import Backend, BackendMetrics, Job, JobHandle, Overloaded, Unavailable
@@ -58,6 +59,7 @@ class GatewayContext:
     vocab_size: int
     metrics: GatewayMetrics
     preparer: Preparer  # parsing, templating and tokenizing, off the event loop
+    tracer: Tracer
     max_token_chars: int | None = None  # the tokenizer's bound on one token's characters
     draining: bool = False  # SIGTERM: new requests get 503, running streams finish
     queue_drain: QueueDrain = field(default_factory=QueueDrain)  # first tokens, for admission
@@ -109,8 +111,10 @@ class RequestRun:
         *,
         reasoning: bool,
         arrival: float,
+        span: OpenSpan = NO_SPAN,
     ) -> None:
         self.ctx = ctx
+        self.span = span  # the HTTP request's: ended with the run
         self.request_id = request_id
         self.prepared = prepared
         self.endpoint = endpoint
@@ -167,6 +171,7 @@ class RequestRun:
                     deadline=self.deadline,
                     choices=self.choices[index * self.n : (index + 1) * self.n],
                     arrival_time=self.arrival,
+                    traceparent=self.span.traceparent,
                 )
                 self.jobs.append(ctx.backend.submit(job, self._on_delta))
         except Overloaded as e:
@@ -274,6 +279,15 @@ class RequestRun:
         self.ctx.active_ids.discard(self.request_id)
         self.ctx.metrics.http_in_flight.dec()
         self._record()
+        usage = self.usage()
+        self.span.set(
+            {
+                "dsinfer.outcome": self.outcome,
+                "gen_ai.usage.input_tokens": usage.prompt_tokens,
+                "gen_ai.usage.output_tokens": usage.completion_tokens,
+            }
+        )
+        self.span.end(None if self.outcome == "ok" else self.outcome)
 
     # Results ----------------------------------------------------------------------------------
     @property

@@ -57,6 +57,7 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.base.request_id import RequestKey, format_request_id, parse_request_id
 from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.base.tracing import NO_SPAN, OpenSpan, Tracer
 from dsinfer.connector import pairing
 from dsinfer.connector.messages import AnyMessage, DecodeAdmit, KVDestination
 from dsinfer.gateway.authorize import RefusalLog, refusal
@@ -92,6 +93,7 @@ class _Choice:
     prefill_worker: str | None = None
     started: bool = False  # the current attempt's first token arrived (PD: the prefill rank is done)
     moved_at: float | None = None  # when the current attempt was dispatched as a migration
+    span: OpenSpan = NO_SPAN  # the current attempt's (its ranks' spans are its children)
 
     @property
     def workers(self) -> list[str]:
@@ -130,7 +132,9 @@ class Router:
         balancer: str = "load",
         heartbeat_timeout: float | None = None,
         max_migrations: int = MAX_MIGRATIONS,
+        tracer: Tracer | None = None,
     ):
+        self.tracer = tracer or Tracer("dsinfer-gateway", None)
         self.pools = Pools(balancer, heartbeat_timeout)
         self.control = ControlSocket(control_addr, keys, self._on_message, self._undeliverable)
         self.max_migrations = max_migrations
@@ -175,14 +179,21 @@ class Router:
             self._dispatch(choice)
         return stream
 
-    def _dispatch(self, choice: _Choice) -> None:
-        """Send the choice's current attempt to a prefill + decode pair (PD) or a colocated rank."""
+    def _dispatch(self, choice: _Choice, cause: str = "") -> None:
+        """Send the choice's current attempt to a prefill + decode pair (PD) or a colocated rank
+        (``cause``: why the choice moved, for a migration)."""
         stream = choice.stream
         params = stream.params
         delivered = choice.record.token_ids
         if delivered:  # a continuation: the prompt's logprobs came with the first attempt
             params = dataclasses.replace(params, prompt_logprobs=None)
+        choice.span = self.tracer.open(
+            "attempt",
+            stream.job.traceparent,
+            {"dsinfer.choice": choice.record.number, "dsinfer.attempt": choice.key.attempt},
+        )
         fields = dict(
+            traceparent=choice.span.traceparent,
             request_id=format_request_id(choice.key),
             prompt_token_ids=stream.job.prompt_token_ids,
             params=params,
@@ -201,6 +212,9 @@ class Router:
         else:
             choice.decode_worker, choice.prefill_worker = self.pools.pick("colocated", route, now), None
             choice.request = GenerateRequest(**fields)
+        choice.span.set({"dsinfer.decode_worker": choice.decode_worker, "dsinfer.migration_cause": cause})
+        if choice.prefill_worker is not None:
+            choice.span.set({"dsinfer.prefill_worker": choice.prefill_worker})
         self._choices[choice.request.request_id] = choice
         self.control.send(choice.decode_worker, choice.request)
 
@@ -213,6 +227,7 @@ class Router:
         self._forget(choice)
         for worker in choice.workers:
             self.control.send(worker, Abort(request_id=choice.request.request_id))
+        choice.span.end(delta.error)
         choice.stream.put(choice, delta)
 
     def _running(self, choice: _Choice) -> bool:
@@ -249,6 +264,8 @@ class Router:
         for worker in choice.workers:
             if worker != skip:
                 self.control.send(worker, Abort(request_id=old_id))
+        choice.span.event("migrated", {"dsinfer.migration_cause": cause, "dsinfer.reason": reason})
+        choice.span.end(reason)
         choice.key = choice.key.next_attempt()
         choice.started, choice.moved_at = False, time.monotonic()
         self.migrations.moved(cause, streaming=bool(choice.record.token_ids))
@@ -270,7 +287,7 @@ class Router:
             len(choice.record.token_ids),
             cause,
         )
-        self._dispatch(choice)
+        self._dispatch(choice, cause)
 
     def _dispatch_parked(self) -> None:
         """Parked choices go out once a pool serves again."""
@@ -279,7 +296,7 @@ class Router:
         parked, self._parked = self._parked, {}
         for choice in parked:
             log.info("%s: dispatched again once a pool was ready", format_request_id(choice.key))
-            self._dispatch(choice)
+            self._dispatch(choice, "parked")
 
     def _end_overdue_parked(self, now: float) -> None:
         for choice, reason in list(self._parked.items()):
@@ -342,11 +359,14 @@ class Router:
         if delta.retryable and not choice.started:
             self._retry_or_end(choice, delta.error or "refused", "refused")
             return
+        if delta.token_ids and not choice.started:
+            choice.span.event("first_token")
         if delta.error is not None or delta.finish_reason is not None:
             self._forget(choice)
             if delta.error is not None:
                 for worker in choice.workers:
                     self.control.send(worker, Abort(request_id=delta.request_id))
+            choice.span.end(delta.error)
         choice.started = True
         if delta.token_ids and choice.moved_at is not None:
             self.migrations.resumed_after(time.monotonic() - choice.moved_at)
@@ -374,6 +394,7 @@ class Router:
             return
         request = pairing.prefill_request(choice.request, dest, decode_info.register)
         if request is not None:
+            choice.span.event("kv_destination", {"dsinfer.pages": len(dest.pages)})
             self.control.send(choice.prefill_worker, request)
 
     def _undeliverable(self, worker: str, message: msgspec.Struct) -> None:

@@ -20,6 +20,7 @@ from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.base.tracing import Tracer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.gateway.router import Router
@@ -37,13 +38,15 @@ def build_gateway(args: GatewayArgs, keys: ControlKeys) -> tuple[Router, FastAPI
     path, _ = resolve_model(args.model)
     config = ModelConfig.from_file(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
+    tracer = Tracer("dsinfer-gateway", args.otlp_traces_endpoint)
     router = Router(
         f"{args.host}:{control_port_of(args)}",
         keys,
         balancer=args.balancer,
         max_migrations=args.max_migrations,
+        tracer=tracer,
     )
-    app = build_app(router, tokenizer, args, config.vocab_size)
+    app = build_app(router, tokenizer, args, config.vocab_size, tracer)
     return router, app
 
 

@@ -42,6 +42,7 @@ class PoolArgs(BaseModel):
         description="seconds a decode rank waits without any sign of a reserved KV transfer from its "
         f"prefill rank (which reports each transfer it holds every {PROGRESS_INTERVAL:g} s, queued or not)",
     )
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for the ranks' spans; None = off
     kv_quarantine: float = 60.0  # seconds an aborted transfer's pages stay unused without a fence
     threads_per_rank: int | None = None  # torch threads per rank; None = cores / local ranks
     max_restarts: int = Field(100, description="pool restarts before the launcher gives up")

@@ -49,6 +49,7 @@ class DecodeWorker(RoleWorker):
             inbox=inbox,
             transfer_timeout=transfer_timeout,
             quarantine=quarantine,
+            stages=self.stages,
         )
 
     def handle(self, message: AnyMessage, now: float) -> None:
@@ -59,15 +60,18 @@ class DecodeWorker(RoleWorker):
             joined = self.connector.done(message)
             if joined is not None:
                 self.outbox.send_gateway(token_delta(joined.update, joined.num_cached_tokens))
+                if joined.update.finish_reason is not None:
+                    self.stages.end(message.request_id, finish=joined.update.finish_reason)
         elif isinstance(message, TransferProgress):
             self.connector.progress(message, now)
         elif isinstance(message, TransferAborted):
             self.connector.fenced(message.request_id)
         elif isinstance(message, Abort):
-            if self.connector.abort(message.request_id, now):
-                self.outbox.send_gateway(TokenDelta(request_id=message.request_id, finish_reason="abort"))
-            else:
+            if not self.connector.abort(message.request_id, now):
                 abort_running(self.engine, self.outbox, message.request_id)
+            else:
+                self.outbox.send_gateway(TokenDelta(request_id=message.request_id, finish_reason="abort"))
+            self.stages.end(message.request_id, finish="abort")
         elif isinstance(message, PeerDown):
             self.connector.peer_down(message.worker)
         else:

@@ -35,7 +35,13 @@ class PrefillWorker(RoleWorker):
     ) -> None:
         super().__init__(engine, outbox, worker, incarnation)
         self.connector = PrefillConnector(
-            engine, outbox, transfer, self.fail, quarantine=quarantine, progress_interval=progress_interval
+            engine,
+            outbox,
+            transfer,
+            self.fail,
+            quarantine=quarantine,
+            progress_interval=progress_interval,
+            stages=self.stages,
         )
 
     def handle(self, message: AnyMessage, now: float) -> None:

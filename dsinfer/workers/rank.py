@@ -37,6 +37,7 @@ from dsinfer.base.protocol import (
     worker_name,
 )
 from dsinfer.base.rank_shape import expert_slots_per_rank
+from dsinfer.base.tracing import Tracer
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
 from dsinfer.parallel.ep_select import make_ep_group
@@ -251,6 +252,7 @@ def run_rank(args: RankArgs) -> int:
     channel = WorkerChannel(name, pool.gateway_addr, pool.host, keys)
     channel.start_heartbeat(Heartbeat(worker=name, incarnation=args.incarnation), HEARTBEAT_INTERVAL)
     role, transfer = build_role(args, engine, channel)
+    role.trace_with(Tracer(f"dsinfer-{pool.role}", pool.otlp_traces_endpoint, {"dsinfer.worker": name}))
     loop = StepLoop(engine, role, channel, _register(args, engine, channel, transfer), transfer, elastic)
     # SIGTERM from here on drains (before: it ends the rank, which holds nothing yet)
     signal.signal(signal.SIGTERM, lambda signum, frame: loop.stop())
@@ -267,6 +269,7 @@ def run_rank(args: RankArgs) -> int:
     finally:
         channel.send_gateway(role.load_report(with_expert_load=True))
         channel.send_gateway(Deregister(worker=name, incarnation=args.incarnation))
+        role.tracer.close()
         engine.close()
         if transfer is not None:
             transfer.close()

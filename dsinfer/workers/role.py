@@ -13,6 +13,8 @@ import logging
 from abc import ABC, abstractmethod
 
 from dsinfer.base.protocol import Abort, GenerateRequest, LoadReport, TokenDelta, WorkerRequest
+from dsinfer.base.stages import RequestStages, StageHistogram
+from dsinfer.base.tracing import Tracer
 from dsinfer.connector.messages import AnyMessage
 from dsinfer.connector.outbox import Outbox, TransferCounters
 from dsinfer.engine.agreement import StepVotes
@@ -48,6 +50,7 @@ def load_report(
     *,
     queued_elsewhere: int = 0,
     transfers: TransferCounters | None = None,
+    stages: StageHistogram | None = None,
     draining: bool = False,
 ) -> LoadReport:
     """A rank's LoadReport: its engine's load, the requests its role holds outside the engine's
@@ -63,6 +66,8 @@ def load_report(
         transfer_bytes=transfers.bytes,
         transfer_seconds=transfers.seconds,
         transfers=transfers.count,
+        stage_counts=dict(stages.counts) if stages is not None else {},
+        stage_seconds=dict(stages.sums) if stages is not None else {},
         draining=draining,
     )
 
@@ -73,6 +78,18 @@ class RoleWorker(ABC):
     def __init__(self, engine: EngineFacade, outbox: Outbox, worker: str, incarnation: str) -> None:
         self.engine, self.outbox, self.worker, self.incarnation = engine, outbox, worker, incarnation
         self.draining = False
+        # its requests' stages (histograms in the load report) and spans on this rank (named after
+        # the role); spans only once ``trace_with`` gave it a tracer that is on
+        self.stages = RequestStages(
+            Tracer(f"dsinfer-{self.role}", None), self.role, {"dsinfer.worker": worker}
+        )
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.stages.tracer
+
+    def trace_with(self, tracer: Tracer) -> None:
+        self.stages.tracer = tracer
 
     @abstractmethod
     def handle(self, message: AnyMessage, now: float) -> None: ...
@@ -92,6 +109,8 @@ class RoleWorker(ABC):
         """The step the pool agreed on (every rank calls it, with or without work)."""
         for update in self.engine.run_step(plan, agreed):
             self.outbox.send_gateway(token_delta(update))
+            if update.finish_reason is not None:
+                self.stages.end(update.request_id, finish=update.finish_reason)
 
     def step_interrupted(self) -> None:  # noqa: B027 - roles without per-step state need none
         """The step's collectives failed (a peer of the pool died): nothing of it was recorded,
@@ -99,6 +118,7 @@ class RoleWorker(ABC):
 
     def fail(self, request_id: str, error: str, retryable: bool = False) -> None:
         log.info("request %s failed: %s", request_id, error)
+        self.stages.end(request_id, error)
         self.outbox.send_gateway(TokenDelta(request_id=request_id, error=error, retryable=retryable))
 
     def refuse_if_draining(self, msg: WorkerRequest) -> bool:
@@ -113,6 +133,7 @@ class RoleWorker(ABC):
             self.engine.load(with_expert_load),
             queued_elsewhere=self.num_queued_elsewhere(),
             transfers=self.transfer_counters(),
+            stages=self.stages.histogram,
             draining=self.draining,
         )
 
@@ -144,8 +165,11 @@ class ColocatedWorker(RoleWorker):
                 )
             except ValueError as e:
                 self.fail(message.request_id, str(e))
+                return
+            self.stages.start(message.request_id, message.traceparent, "generate")
         elif isinstance(message, Abort):
             abort_running(self.engine, self.outbox, message.request_id)
+            self.stages.end(message.request_id, finish="abort")
         else:
             log.warning("colocated worker ignored %s", type(message).__name__)
 
