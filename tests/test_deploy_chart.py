@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -239,7 +240,9 @@ def test_core_objects_validate_strict(helm: Path, values: str) -> None:
     ScaledObject's scaling behavior (as the HorizontalPodAutoscaler KEDA makes of it)."""
     docs = list(_rendered(helm, values))
     kinds = {d["kind"] for d in docs}
-    assert kinds <= CORE_KINDS | {"LeaderWorkerSet", "ScaledObject", "ServiceMonitor"}, kinds
+    assert kinds <= CORE_KINDS | {"LeaderWorkerSet", "ScaledObject", "ServiceMonitor", "PrometheusRule"}, (
+        kinds
+    )
     feed = [d for d in docs if d["kind"] in CORE_KINDS]
     for lws in (d for d in docs if d["kind"] == "LeaderWorkerSet"):
         template = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]
@@ -407,6 +410,13 @@ def test_h800_gateway_service_monitor_ingress_and_api_key(helm: Path) -> None:
         {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
     ]
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    # the alerts (tests/test_prometheus.py evaluates them) and the dashboard for Grafana's sidecar
+    rules = objects(helm, "values-h800.yaml", "PrometheusRule")[f"{RELEASE}-dsinfer"]["spec"]["groups"]
+    alerts = {r["alert"] for g in rules for r in g["rules"] if "alert" in r}
+    assert {"DsinferRankDown", "DsinferKVCacheNearlyFull", "DsinferTimeToFirstTokenOverSLO"} <= alerts
+    dashboard = objects(helm, "values-h800.yaml", "ConfigMap")[f"{RELEASE}-dsinfer-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["dsinfer.json"])["uid"] == "dsinfer-overview"
     ingress = objects(helm, "values-h800.yaml", "Ingress")[f"{RELEASE}-dsinfer"]
     backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
     assert backend == {"name": f"{RELEASE}-dsinfer-gateway", "port": {"name": "http"}}
@@ -429,7 +439,7 @@ def test_cpu_profile_fixed_pools_and_no_cluster_extras(helm: Path) -> None:
         assert "hostNetwork" not in pod
         assert all("nvidia.com/gpu" not in str(c.get("resources")) for c in pod["containers"])
     docs = _rendered(helm, "values-cpu-tiny.yaml")
-    assert not {d["kind"] for d in docs} & {"ScaledObject", "ServiceMonitor", "Ingress"}
+    assert not {d["kind"] for d in docs} & {"ScaledObject", "ServiceMonitor", "Ingress", "PrometheusRule"}
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [CLUSTER_SECRET]  # no API key
 
 
