@@ -31,6 +31,7 @@ import httpx
 import psutil
 
 from harness.clients import Stream, client_for, completion_body, stream_completion
+from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import provenance
 from harness.results import fmt, percentile, report_header, save_report, table
@@ -288,6 +289,7 @@ def main() -> None:
     save_report(
         report, "\n".join(markdown(report)) + "\n", args.out / "overload.json", args.out / "overload.md"
     )
+    plot_result(args.out / "overload.json")
 
 
 if __name__ == "__main__":
