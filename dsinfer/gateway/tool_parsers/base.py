@@ -202,8 +202,13 @@ class MarkerParser(ToolParser):
                 self._buf = stripped
                 return False
             nearest = [i for i in (stripped.find(fmt.call_begin), stripped.find(fmt.section_end)) if i > 0]
-            self._buf = stripped[min(nearest) :] if nearest else stripped[-1:]  # stray text: dropped
-            return bool(nearest)
+            if nearest:  # stray text before a marker: dropped
+                self._buf = stripped[min(nearest) :]
+                return True
+            # stray text: dropped, but for what may be the start of a marker (the rest comes next)
+            keep = max(_partial_suffix(stripped, m) for m in (fmt.call_begin, fmt.section_end))
+            self._buf = stripped[len(stripped) - keep :]
+            return False
         if self._state == _HEADER:
             at = buf.find(fmt.args_begin)
             if at < 0:
