@@ -94,12 +94,15 @@ class LoadReport(ControlMessage, kw_only=True):
     disk_hit_tokens: int = 0
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
+    eplb_swaps: int = 0  # expert placements swapped in by online rebalancing
     transfer_bytes: int = 0  # KV bytes written (prefill) or received (decode)
     transfer_seconds: float = 0.0  # summed wall time from first write to completion
     transfers: int = 0
     # per request stage (dsinfer/base/stages.py): counts per bucket of STAGE_BUCKETS, seconds summed
     stage_counts: dict[str, list[int]] = {}
     stage_seconds: dict[str, float] = {}
+    step_counts: list[int] = []  # the rank's forward steps: counts per bucket of STAGE_BUCKETS
+    step_seconds: float = 0.0
     draining: bool = False
     # tokens this rank routed to each logical expert since start, per MoE layer id; sent every
     # EXPERT_LOAD_INTERVAL s (not with every heartbeat): the input of the expert load balancer

@@ -307,6 +307,7 @@ class LLMEngine:
             disk_hit_tokens=stats.disk_hit_tokens,
             mtp_drafts_proposed=sched.stats.drafts_proposed,
             mtp_drafts_accepted=sched.stats.drafts_accepted,
+            eplb_swaps=self.expert_balancer.swaps if self.expert_balancer is not None else 0,
             expert_load=self.model.expert_load() if with_expert_load else None,
         )
 

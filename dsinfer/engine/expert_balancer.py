@@ -309,6 +309,11 @@ class OnlineExpertBalancer:
             event.stage_work_seconds,
         )
 
+    @property
+    def swaps(self) -> int:
+        """Placements swapped in since start."""
+        return sum(1 for event in self.history if event.swap_step is not None)
+
     def _free_one(self) -> bool:
         self._retired.pop()
         return bool(self._retired)

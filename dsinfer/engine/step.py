@@ -133,4 +133,5 @@ class EngineLoad:
     disk_hit_tokens: int
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
+    eplb_swaps: int = 0  # expert placements swapped in by online rebalancing since start
     expert_load: dict[int, list[int]] | None = None

@@ -6,6 +6,7 @@ are read from ``Backend.metrics_snapshot()`` at scrape time by a custom collecto
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -103,7 +104,7 @@ class BackendCollector(Collector):
             rate = r.mtp_drafts_accepted / r.mtp_drafts_proposed if r.mtp_drafts_proposed else 0.0
             families["acceptance"].add_metric(key, rate)
         yield from families.values()
-        yield _stage_histograms(snap)
+        yield from _rank_histograms(snap)
         moves = CounterMetricFamily(
             "dsinfer_choice_migrations",
             "choices moved to another rank, by cause (rank_died, unresponsive, unreachable, drained, "
@@ -133,23 +134,33 @@ class BackendCollector(Collector):
         yield events
 
 
-def _stage_histograms(snap: BackendMetrics) -> HistogramMetricFamily:
+def _rank_histograms(snap: BackendMetrics) -> Iterator[Metric]:
     stages = HistogramMetricFamily(
         "dsinfer_request_stage_seconds",
         "time requests spent in each stage on a rank (prefill.queue, prefill.forward, kv_flush, "
         "kv_transfer; decode.queue, kv_wait, generate; colocated: generate)",
         labels=["worker", "role", "stage"],
     )
-    bounds = [*(f"{b:g}" for b in STAGE_BUCKETS), "+Inf"]
+    steps = HistogramMetricFamily(
+        "dsinfer_step_seconds", "a rank's forward steps (the pool's agreed steps)", labels=["worker", "role"]
+    )
+    swaps = CounterMetricFamily(
+        "dsinfer_eplb_swaps", "expert placements swapped in by online rebalancing", labels=["worker", "role"]
+    )
     for w in snap.workers:
-        for stage, counts in sorted(w.report.stage_counts.items()):
-            cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
-            stages.add_metric(
-                [w.worker, w.role, stage],
-                list(zip(bounds, cumulative, strict=True)),
-                w.report.stage_seconds.get(stage, 0.0),
-            )
-    return stages
+        r = w.report
+        for stage, counts in sorted(r.stage_counts.items()):
+            stages.add_metric([w.worker, w.role, stage], _buckets(counts), r.stage_seconds.get(stage, 0.0))
+        if r.step_counts:
+            steps.add_metric([w.worker, w.role], _buckets(r.step_counts), r.step_seconds)
+        swaps.add_metric([w.worker, w.role], r.eplb_swaps)
+    yield from (stages, steps, swaps)
+
+
+def _buckets(counts: list[int]) -> list[tuple[str, float]]:
+    """Counts per bucket of STAGE_BUCKETS (the last past every bound) as Prometheus' cumulative buckets."""
+    bounds = [*(f"{b:g}" for b in STAGE_BUCKETS), "+Inf"]
+    return list(zip(bounds, itertools.accumulate(counts), strict=True))
 
 
 class GatewayMetrics:

@@ -51,6 +51,7 @@ def load_report(
     queued_elsewhere: int = 0,
     transfers: TransferCounters | None = None,
     stages: StageHistogram | None = None,
+    steps: StageHistogram | None = None,
     draining: bool = False,
 ) -> LoadReport:
     """A rank's LoadReport: its engine's load, the requests its role holds outside the engine's
@@ -68,6 +69,8 @@ def load_report(
         transfers=transfers.count,
         stage_counts=dict(stages.counts) if stages is not None else {},
         stage_seconds=dict(stages.sums) if stages is not None else {},
+        step_counts=list(steps.counts.get("step", [])) if steps is not None else [],
+        step_seconds=steps.sums.get("step", 0.0) if steps is not None else 0.0,
         draining=draining,
     )
 
@@ -80,6 +83,7 @@ class RoleWorker(ABC):
         self.draining = False
         # its requests' stages (histograms in the load report) and spans on this rank (named after
         # the role); spans only once ``trace_with`` gave it a tracer that is on
+        self.step_times = StageHistogram()  # the pool's agreed steps on this rank
         self.stages = RequestStages(
             Tracer(f"dsinfer-{self.role}", None), self.role, {"dsinfer.worker": worker}
         )
@@ -134,6 +138,7 @@ class RoleWorker(ABC):
             queued_elsewhere=self.num_queued_elsewhere(),
             transfers=self.transfer_counters(),
             stages=self.stages.histogram,
+            steps=self.step_times,
             draining=self.draining,
         )
 

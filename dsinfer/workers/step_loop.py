@@ -96,7 +96,9 @@ class StepLoop:
             if self.elastic is not None and self.elastic.on_agreed(agreed, engine):
                 return True  # re-formed: the step planned for the old group is planned again
             if agreed.has_work:
+                started = time.monotonic()
                 role.step(plan, agreed)
+                role.step_times.observe("step", time.monotonic() - started)
         except RuntimeError as error:  # a peer died in a collective (gloo), or hung past --ep-timeout
             if self.elastic is None:
                 raise
