@@ -12,6 +12,7 @@ as dsinfer's reference keeps them; the peers store V4's entries in FP8 (about ha
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from dsinfer.base.config import ModelConfig
@@ -24,26 +25,12 @@ from harness.results import add_output_args, report_header, save_report, table
 
 CONTEXTS = (1024, 8192, 32768, 131072, 1048576)
 VALUE_BYTES = 2
-# Released configurations (DeepSeek-V4, 2026-04-24; shared/reference/deepseek-v4.md)
-_COMMON = dict(
-    vocab_size=129280, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64, o_lora_rank=1024,
-    sliding_window=128, index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
-    num_experts_per_tok=6, scoring_func="sqrtsoftplus", swiglu_limit=10.0, num_hash_layers=3,
-    rope_theta=10000.0, compress_rope_theta=160000.0,
-    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
-)  # fmt: skip
-V4_MODELS = {
-    "DeepSeek-V4-Flash": dict(
-        _COMMON, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, q_lora_rank=1024, o_groups=8,
-        n_routed_experts=256, moe_intermediate_size=2048, routed_scaling_factor=1.5,
-        compress_ratios=[0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)],
-    ),
-    "DeepSeek-V4-Pro": dict(
-        _COMMON, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, o_groups=16,
-        n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5,
-        compress_ratios=[128, 128] + [4 if i % 2 else 128 for i in range(59)],
-    ),
-}  # fmt: skip
+# the released configurations, as the presets (configs/models/deepseek-v4-*/config.json)
+V4_MODELS = {"DeepSeek-V4-Flash": "deepseek-v4-flash", "DeepSeek-V4-Pro": "deepseek-v4-pro"}
+
+
+def v4_config(preset: str) -> V4Config:
+    return V4Config.model_validate(json.loads((resolve_model(preset)[0] / "config.json").read_text()))
 
 
 def v3_bytes(context: int) -> int:
@@ -55,8 +42,8 @@ def measure() -> dict[str, Any]:
     rows = []
     for context in CONTEXTS:
         row: dict[str, Any] = {"context": context, "DeepSeek-V3": {"total": v3_bytes(context)}}
-        for name, fields in V4_MODELS.items():
-            groups = cache_bytes(V4Config.model_validate(fields), context, VALUE_BYTES)
+        for name, preset in V4_MODELS.items():
+            groups = cache_bytes(v4_config(preset), context, VALUE_BYTES)
             row[name] = {**groups, "total": sum(groups.values())}
         rows.append(row)
     return {"contexts": rows}

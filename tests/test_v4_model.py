@@ -12,6 +12,7 @@ with and without its cache.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 from pathlib import Path
@@ -21,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dsinfer.base.config import ConfigError, ModelConfig
+from dsinfer.base.presets import resolve_model
 from dsinfer.base.v4_config import CSA, HCA, SLIDING, V4Config
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.v4_loader import checkpoint_key, load_v4
@@ -205,6 +208,25 @@ def _release_quantized(source: Path, quantized: Path, dequantized: Path) -> None
         directory.mkdir()
         shutil.copy(source / "config.json", directory / "config.json")
         save_file(weights, directory / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("preset", "layers", "first"),
+    [("deepseek-v4-flash", 43, (SLIDING, SLIDING, CSA, HCA)), ("deepseek-v4-pro", 61, (HCA, HCA, HCA, CSA))],
+)
+def test_presets_are_the_released_configs(preset: str, layers: int, first: tuple[str, ...]) -> None:
+    config = V4Config.model_validate(json.loads((resolve_model(preset)[0] / "config.json").read_text()))
+    assert config.num_hidden_layers == layers and config.layer_types[:4] == first
+    assert config.mlp_layer_types[:4] == ("hash_moe", "hash_moe", "hash_moe", "moe")
+    assert (config.sliding_window, config.index_topk, config.hc_mult, config.num_experts_per_tok) == (
+        128,
+        512,
+        4,
+        6,
+    )
+    assert config.compress_rope.theta == 160000 and config.main_rope.theta == 10000
+    with pytest.raises(ConfigError, match="deepseek_v4"):  # the engine does not serve V4 yet: one clear line
+        ModelConfig.from_file(resolve_model(preset)[0] / "config.json")
 
 
 def test_fp8_and_mxfp4_release_weights(tmp_path: Path) -> None:
