@@ -1,0 +1,43 @@
+"""Mooncake-format traces (harness/traces.py) on the committed reduced conversation trace: the
+share an unbounded prefix cache serves, LRU caches bounded by it and growing with their size, and
+replay prompts that share exactly the prefixes the trace's block hashes share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.traces import TraceRequest, ideal_hit_share, load_trace, lru_hit_share, replay_prompts
+
+TRACE = Path(__file__).resolve().parents[1] / "benchmarks/data/mooncake/conversation_trace_20min.jsonl"
+
+
+def test_hit_shares_of_the_committed_trace() -> None:
+    requests = load_trace(TRACE)
+    assert len(requests) == 3658
+    ideal = ideal_hit_share(requests)
+    assert round(ideal, 4) == 0.3236  # NOTICE.md quotes it
+    shares = [lru_hit_share(requests, capacity) for capacity in (500, 4000, 16000, 10**9)]
+    assert shares == sorted(shares) and shares[-1] == ideal
+
+
+def test_hand_made_trace() -> None:
+    requests = [
+        TraceRequest(0, 1024, 1, (1, 2)),
+        TraceRequest(1, 1500, 1, (1, 2, 3)),  # two blocks cached: 1,024 of 1,500
+        TraceRequest(2, 600, 1, (4, 2)),  # block 2 alone is no prefix: nothing
+    ]
+    assert ideal_hit_share(requests) == 1024 / (1024 + 1500 + 600)
+    assert lru_hit_share(requests, capacity=1) == 0.0
+
+
+def test_replay_prompts_keep_the_sharing() -> None:
+    requests = [
+        TraceRequest(0, 1024, 1, (7, 8)),
+        TraceRequest(1, 1300, 1, (7, 8, 9)),
+        TraceRequest(2, 100, 1, (9,)),
+    ]
+    a, b, c = replay_prompts(requests, block_tokens=8, vocab=range(10, 300))
+    assert (len(a), len(b), len(c)) == (16, 21, 2)  # lengths scaled by 8/512, rounded up
+    assert b[:16] == a and c == b[16:18]  # same hash id, same tokens
+    assert all(10 <= t < 300 for t in a + b + c)
+    assert replay_prompts(requests, 8, range(10, 300)) == [a, b, c]  # deterministic
