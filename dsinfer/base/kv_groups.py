@@ -15,6 +15,11 @@ Every paged group shares one page geometry: a page covers ``page_tokens`` tokens
 (so one prefix hash names the same span in every group) and holds ``page_tokens /
 tokens_per_entry`` entries of each layer of its group. ``exact_bytes`` is what the model itself
 holds (dsinfer/model/v4_state.py ``cache_bytes``); ``paged_bytes`` what a pool of such pages holds.
+
+Open for the engine (issue 39): a prefix hit at a page boundary needs the window's pages before
+it still present (a pool that frees them for live sequences must keep them for cached ones, or
+the hit is shorter, as SGLang's SWA pool does), and CSA's overlap rows at that boundary (the
+pending rows are none there: a page is a multiple of both rates) kept with the page.
 """
 
 from __future__ import annotations
