@@ -627,6 +627,34 @@ def plot_overload(doc: Doc, path: Path) -> None:
     save(fig, path, "Overload drills on the all-in-one server", machine_note(doc))
 
 
+def plot_kv_replay(doc: Doc, path: Path) -> None:
+    """A trace replayed per KV tier setting: the input share each tier served (stacked) against
+    what the trace allows, and TTFT."""
+    runs = doc["runs"]
+    names = [r["setting"] for r in runs]
+    fig, axes = figure(2, 2, size=(11, 4.5))
+    bottom = [0.0] * len(runs)
+    for tier, color in (("memory", "tab:blue"), ("disk", "tab:orange")):
+        values = [100 * r["share"][tier] for r in runs]
+        axes[0].bar(range(len(runs)), values, bottom=bottom, color=color, label=f"from {tier}")
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes[0].axhline(100 * doc["ideal_share"], color="gray", linestyle="--", label="the trace allows")
+    axes[0].set_xticks(range(len(runs)), names)
+    axes[0].set_ylabel("input tokens served from cache, %")
+    axes[0].legend(fontsize=8)
+    _bars(
+        axes[1],
+        names,
+        {
+            "TTFT p50": [r["ttft_p50_s"] * 1e3 for r in runs],
+            "TTFT p90": [r["ttft_p90_s"] * 1e3 for r in runs],
+        },
+    )
+    axes[1].set_ylabel("ms")
+    axes[1].legend(fontsize=8)
+    save(fig, path, "Mooncake conversation trace replayed against the KV tiers", machine_note(doc))
+
+
 def plot_intake(doc: Doc, path: Path) -> None:
     """While oversized prompts arrive: the longest /health and short-request latency, and the
     gateway's peak memory growth, per prompt size and commit."""
@@ -792,6 +820,7 @@ PLOTTERS: dict[str, Plotter] = {
     "rank_recovery.json": plot_rank_recovery,
     "intake.json": plot_intake,
     "overload.json": plot_overload,
+    "kv_replay*.json": plot_kv_replay,
     "tracing_cost.json": plot_tracing_cost,
     "accuracy.json": plot_accuracy,
     "*sweep_mla*.json": plot_mla_sweep,

@@ -5,6 +5,7 @@ what share of the input tokens a prefix cache can serve, and prompts that replay
 - ``ideal_hit_share``: an unbounded cache (every block ever computed stays).
 - ``lru_hit_share``: a cache of ``capacity`` blocks, least recently used out first: what a tier
   of that size serves, for sizing tiers before a replay measures them.
+- ``thin``: a lighter trace that keeps its sharing (whole prefix trees kept or dropped);
 - ``replay_prompts``: token ids that keep the trace's sharing at a smaller block (``block_tokens``
   per hash id, the same tokens for the same id), so a tiny model on a CPU can play it.
 
@@ -73,6 +74,26 @@ def lru_hit_share(requests: Iterable[TraceRequest], capacity: int) -> float:
         while len(cache) > capacity:
             cache.popitem(last=False)
     return hit / total if total else 0.0
+
+
+def thin(
+    requests: Sequence[TraceRequest], keep: int, seed: int = 0, common: float = 0.05
+) -> list[TraceRequest]:
+    """A random ``1 / keep`` of the prefix trees: each request's tree is named by its first block
+    that fewer than ``common`` of the requests hold (leading blocks most hold, a shared system
+    prompt, name none); whole trees are kept or dropped, so what kept requests share stays."""
+    holders: dict[int, int] = {}
+    for r in requests:
+        for h in set(r.hash_ids):
+            holders[h] = holders.get(h, 0) + 1
+    bound = common * len(requests)
+
+    def tree(r: TraceRequest) -> int:
+        return next((h for h in r.hash_ids if holders[h] < bound), r.hash_ids[-1] if r.hash_ids else -1)
+
+    trees = sorted({tree(r) for r in requests})
+    kept = set(random.Random(seed).sample(trees, max(1, len(trees) // keep)))
+    return [r for r in requests if tree(r) in kept]
 
 
 def replay_prompts(

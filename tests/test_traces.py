@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.traces import TraceRequest, ideal_hit_share, load_trace, lru_hit_share, replay_prompts
+from harness.traces import TraceRequest, ideal_hit_share, load_trace, lru_hit_share, replay_prompts, thin
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks/data/mooncake/conversation_trace_20min.jsonl"
 
@@ -41,3 +41,12 @@ def test_replay_prompts_keep_the_sharing() -> None:
     assert b[:16] == a and c == b[16:18]  # same hash id, same tokens
     assert all(10 <= t < 300 for t in a + b + c)
     assert replay_prompts(requests, 8, range(10, 300)) == [a, b, c]  # deterministic
+
+
+def test_thinning_keeps_whole_prefix_trees() -> None:
+    requests = [r for r in load_trace(TRACE) if r.timestamp_ms < 600_000]
+    kept = thin(requests, keep=8)
+    assert kept == thin(requests, keep=8) and set(kept) < set(requests)
+    assert 0.08 < len(kept) / len(requests) < 0.2
+    # what the kept requests share stays: the share allowed moves by a few points, not to 0
+    assert abs(ideal_hit_share(kept) - ideal_hit_share(requests)) < 0.05

@@ -1,0 +1,211 @@
+r"""Replay of Mooncake's conversation trace against ``dsinfer serve`` with each KV tier setting:
+what share of the input tokens each tier serves, next to what the trace allows, and TTFT.
+
+The trace (benchmarks/data/mooncake/, harness/traces.py) names each 512-token prompt block by a
+hash id; here each id becomes ``--block-tokens`` tokens (a whole KV page: 64), the same tokens for
+the same id, so the replay shares exactly the prefixes the trace shares at 1/8 of its lengths.
+The machine cannot prefill the whole trace as fast as it came, so ``--keep N`` plays 1 in N of its
+prefix trees (requests whose first block is one of a random 1/N of the first blocks: what they
+share among themselves is kept). Requests go out at their timestamps sped up ``--speedup`` times, each a stream of
+``--max-tokens`` tokens; a prompt longer than the model's context is cut to fit.
+
+Settings (the all-in-one PD server, the random-weight ``tiny`` model; the decode pool's KV is not
+what is measured, the prefill rank's cache is):
+- ``off``: ``--no-prefix-caching``;
+- ``device``: the prefix cache in the rank's KV pool (``--kv-cache-memory``, small on purpose);
+- ``disk``: the same plus the on-disk tier (``--kv-disk-cache-dir``).
+
+Reported per setting: the share of input tokens served from each tier (the prefill ranks'
+``dsinfer_prefix_cache_hit_tokens_total`` by tier over ``dsinfer_worker_prompt_tokens_total``),
+TTFT p50 and p90, requests/s; and the trace's ideal share (an unbounded cache) over the same
+requests.
+
+    python benchmarks/kv_replay.py --minutes 10 --keep 8 --out benchmarks/results/kv_replay.json \
+        --markdown benchmarks/results/kv_replay.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from harness.clients import Stream, client_for, completion_body, stream_completion
+from harness.plots import plot_result
+from harness.progress import progress
+from harness.provenance import provenance
+from harness.results import add_output_args, fmt, percentile, report_header, save_report, table
+from harness.server import TINY_CPU, serve
+from harness.traces import TraceRequest, ideal_hit_share, load_trace, replay_prompts, thin
+
+TRACE = Path(__file__).resolve().parent / "data/mooncake/conversation_trace_20min.jsonl"
+SETTINGS = ("off", "device", "disk")
+VOCAB = range(10, 250)
+
+
+def _flags(setting: str, args: argparse.Namespace, scratch: Path) -> list[str]:
+    flags = [*TINY_CPU, "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory]
+    if setting == "off":
+        return [*flags, "--no-prefix-caching"]
+    if setting == "disk":
+        return [*flags, "--kv-disk-cache-dir", str(scratch / "disk"), "--kv-disk-cache-size", args.disk_size]
+    return flags
+
+
+def _prefill_tokens(base_url: str) -> dict[str, float]:
+    """Prompt tokens and hits by tier, summed over the prefill ranks."""
+    out = {"prompt": 0.0, "memory": 0.0, "disk": 0.0}
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("role") != "prefill":
+                continue
+            if s.name == "dsinfer_worker_prompt_tokens_total":
+                out["prompt"] += s.value
+            elif s.name == "dsinfer_prefix_cache_hit_tokens_total" and s.labels.get("tier") in (
+                "memory",
+                "disk",
+            ):
+                out[s.labels["tier"]] += s.value
+    return out
+
+
+async def _replay(
+    base_url: str, requests: list[TraceRequest], prompts: list[list[int]], args: argparse.Namespace
+) -> list[Stream]:
+    start = time.monotonic()
+    t0 = requests[0].timestamp_ms
+
+    async def one(client: Any, request: TraceRequest, prompt: list[int]) -> Stream:
+        await asyncio.sleep(
+            max(0.0, (request.timestamp_ms - t0) / 1000 / args.speedup - (time.monotonic() - start))
+        )
+        body = completion_body(prompt, args.max_tokens, model="tiny", stream_options={"include_usage": True})
+        return await stream_completion(client, base_url, body, retries=3)
+
+    async with client_for(256, timeout=600) as client:
+        return list(
+            await asyncio.gather(*(one(client, r, p) for r, p in zip(requests, prompts, strict=True)))
+        )
+
+
+def _measure(
+    setting: str, requests: list[TraceRequest], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp, serve(_flags(setting, args, Path(tmp)), Path(tmp)) as server:
+        before = _prefill_tokens(server.base_url)
+        started = time.monotonic()
+        streams = asyncio.run(_replay(server.base_url, requests, prompts, args))
+        seconds = time.monotonic() - started
+        time.sleep(2.0)  # the last load reports
+        after = _prefill_tokens(server.base_url)
+    ok = [s for s in streams if s.error is None]
+    prompt = after["prompt"] - before["prompt"]
+    share = {tier: (after[tier] - before[tier]) / prompt if prompt else 0.0 for tier in ("memory", "disk")}
+    ttfts = [s.ttft for s in ok if s.ttft is not None]
+    return {
+        "setting": setting,
+        "requests": len(streams),
+        "failed": len(streams) - len(ok),
+        "seconds": seconds,
+        "requests_per_s": len(ok) / seconds,
+        "prompt_tokens": prompt,
+        "share": share,
+        "share_total": sum(share.values()),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rows = [
+        (
+            r["setting"],
+            f"{r['share']['memory']:.1%}",
+            f"{r['share']['disk']:.1%}",
+            f"{r['share_total']:.1%}",
+            fmt(r["ttft_p50_s"], 1e3, 0),
+            fmt(r["ttft_p90_s"], 1e3, 0),
+            fmt(r["requests_per_s"]),
+            r["failed"],
+        )
+        for r in report["runs"]
+    ]
+    a = report["args"]
+    lines = [
+        "# Mooncake conversation trace replayed against dsinfer's KV tiers",
+        "",
+        *report_header(report),
+        "",
+        f"{report['requests']} requests (1 in {a['keep']} of the prefix trees of the trace's first {a['minutes']:g} "
+        f"minutes, at {a['speedup']:g}x its pace), "
+        f"prompts at {a['block_tokens']} tokens per trace block; the trace allows {report['ideal_share']:.1%} "
+        "(an unbounded cache).",
+        "",
+        *table(
+            [
+                "setting",
+                "from device",
+                "from disk",
+                "served from cache",
+                "TTFT p50 ms",
+                "TTFT p90 ms",
+                "requests/s",
+                "failed",
+            ],
+            rows,
+            "lrrrrrrr",
+        ),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--minutes", type=float, default=5.0, help="of the trace, from its start")
+    parser.add_argument("--speedup", type=float, default=1.0)
+    parser.add_argument(
+        "--keep", type=int, default=8, help="play 1 in KEEP of the trace's prefix trees (harness.traces.thin)"
+    )
+    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--disk-size", default="8GiB")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    add_output_args(parser)
+    args = parser.parse_args()
+    requests = thin([r for r in load_trace(args.trace) if r.timestamp_ms < args.minutes * 60_000], args.keep)
+    limit = args.max_model_len - args.max_tokens
+    prompts = [p[:limit] for p in replay_prompts(requests, args.block_tokens, VOCAB)]
+    report: dict[str, Any] = {
+        **provenance(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "requests": len(requests),
+        "cut_to_context": sum(1 for p in prompts if len(p) == limit),
+        "ideal_share": ideal_hit_share(requests),
+        "runs": [],
+    }
+    progress(f"{len(requests)} requests; the trace allows {report['ideal_share']:.1%}")
+    for setting in args.settings.split(","):
+        run = _measure(setting, requests, prompts, args)
+        report["runs"].append(run)
+        progress(
+            f"{setting}: {run['share_total']:.1%} from cache, TTFT p50 {run['ttft_p50_s']}, {run['failed']} failed"
+        )
+    save_report(report, markdown(report), args.out, args.markdown)
+    plot_result(args.out)
+
+
+if __name__ == "__main__":
+    main()
