@@ -42,7 +42,10 @@ async def _rounds(url: str, concurrency: int, max_tokens: int, seconds: float) -
         while time.monotonic() < deadline:
             bodies = [
                 completion_body(
-                    [10 + (7 * i + round_no) % 200 for i in range(24)], max_tokens, model="tiny-chat"
+                    [10 + (7 * i + round_no) % 200 for i in range(24)],
+                    max_tokens,
+                    model="tiny-chat",
+                    stream_options={"include_usage": True},
                 )
                 for _ in range(concurrency)
             ]
