@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness.clients import Stream, client_for, completion_body, stream_completion
+from harness.clients import Stream, client_for, completion_body, outcome, stream_completion
 from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import provenance
@@ -111,10 +111,7 @@ def _measure(
     ttfts = [s.ttft for s in ok if s.ttft is not None]
     return {
         "setting": setting,
-        "requests": len(streams),
-        "failed": len(streams) - len(ok),
-        "seconds": seconds,
-        "requests_per_s": len(ok) / seconds,
+        **outcome(streams, seconds),
         "prompt_tokens": prompt,
         "share": share,
         "share_total": sum(share.values()),

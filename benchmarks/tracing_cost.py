@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.clients import Stream, client_for, completion_body, stream_all
+from harness.clients import Stream, client_for, completion_body, outcome, stream_all
 from harness.otlp import TraceReceiver, trace_receiver
 from harness.plots import plot_result
 from harness.progress import progress
@@ -66,10 +66,7 @@ def _measure(mode: str, args: argparse.Namespace, receiver: TraceReceiver, log_d
     ok = [s for s in streams if s.error is None]
     return {
         "mode": mode,
-        "requests": len(streams),
-        "failed": len(streams) - len(ok),
-        "seconds": elapsed,
-        "requests_per_s": len(ok) / elapsed,
+        **outcome(streams, elapsed),
         "output_tok_s": sum(s.completion_tokens for s in ok) / elapsed,
         "ttft_p50": percentile([s.ttft for s in ok if s.ttft is not None], 50),
         "tpot_p50": percentile([s.tpot for s in ok if s.tpot is not None], 50),

@@ -160,3 +160,14 @@ def client_for(concurrency: int, timeout: float = 600.0) -> httpx.AsyncClient:
     """An async client that keeps ``concurrency`` connections open, ``timeout`` s per request."""
     limits = httpx.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout, connect=30.0))
+
+
+def outcome(streams: list[Stream], seconds: float) -> dict[str, Any]:
+    """How a run of ``streams`` over ``seconds`` ended: requests, failed, seconds, completed/s."""
+    ok = sum(1 for s in streams if s.error is None)
+    return {
+        "requests": len(streams),
+        "failed": len(streams) - ok,
+        "seconds": seconds,
+        "requests_per_s": ok / seconds,
+    }
