@@ -727,11 +727,13 @@ def plot_kernels(doc: Doc, path: Path) -> None:
 def plot_mla_sweep(doc: Doc, path: Path) -> None:
     """MLA decode kernel: latent-cache bandwidth of every launch configuration swept, against
     the copy bandwidth."""
-    cases = [c for c in doc["mla"] if c.get("sweep")]
+    # a launch that failed (out of shared memory, registers) has an error and no rate
+    cases = [c for c in doc["mla"] if any("cache_tb_per_s" in s for s in c.get("sweep") or ())]
     fig, axes = figure(len(cases), 1, size=(11, 4.5 * len(cases)))
     copy = doc.get("ceilings", {}).get("copy_tb_per_s")
     for ax, case in zip(axes, cases, strict=True):
-        sweep = sorted(case["sweep"], key=lambda s: -s["cache_tb_per_s"])
+        measured = [s for s in case["sweep"] if "cache_tb_per_s" in s]
+        sweep = sorted(measured, key=lambda s: -s["cache_tb_per_s"])
         labels = [
             f"m{s['block_m']} n{s['block_n']} w{s['num_warps']} s{s['num_stages']} split{s['num_splits']}"
             for s in sweep
@@ -753,7 +755,7 @@ def plot_gemm_sweep(doc: Doc, path: Path) -> None:
     for ax, family in zip(axes, families, strict=True):
         configs = list(dict.fromkeys(row["config"] for case in doc[family] for row in case["rows"]))
         for case in doc[family]:
-            by_config = {row["config"]: row["of_fp8"] for row in case["rows"]}
+            by_config = {row["config"]: row.get("of_fp8", float("nan")) for row in case["rows"]}
             ax.plot(
                 range(len(configs)),
                 [by_config.get(c, float("nan")) for c in configs],
