@@ -39,7 +39,7 @@ from dsinfer.base.presets import DEFAULT_MODEL, RANDOM_MODEL, presets_dir
 from dsinfer.base.processes import free_port
 from dsinfer.base.protocol import LoadReport, PoolDown, Register, encode
 from harness.played_rank import PlayedRank, curve_dealer
-from harness.server import Server, serve, serve_until_exit
+from harness.server import Server, serve, serve_until_exit, wait_until
 from harness.server import gateway as harness_gateway
 from tests.fixtures.control import KEYS, TEST_SECRET
 
@@ -233,10 +233,14 @@ def test_no_process_listens_beyond_loopback(all_in_one: Server) -> None:
 
 def test_the_supervisors_see_their_children_come_up(all_in_one: Server) -> None:
     """What tells a failure at start from a crash later: the gateway listening, each rank's "up"
-    line as its launcher reads it."""
-    log = all_in_one.log()
-    assert f"all-in-one: the gateway listens on port {all_in_one.port}" in log
-    assert "prefill pool 0: ranks 0-0 up" in log and "decode pool 0: ranks 0-0 up" in log
+    line as its launcher reads it (a launcher logs it just after its rank registered, so it may
+    follow the gateway's readiness)."""
+    lines = (
+        f"all-in-one: the gateway listens on port {all_in_one.port}",
+        "prefill pool 0: ranks 0-0 up",
+        "decode pool 0: ranks 0-0 up",
+    )
+    wait_until(lambda: all(line in all_in_one.log() for line in lines), "the supervisors' lines", 30)
 
 
 def _gateway_pid(server: Server) -> int:
