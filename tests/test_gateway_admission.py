@@ -88,7 +88,7 @@ def test_an_idle_gateway_collects_cycles_and_trims() -> None:
     import weakref
     from types import SimpleNamespace
 
-    from dsinfer.gateway.app import trim_when_idle
+    from dsinfer.gateway.idle import trim_when_idle
 
     class Holder:
         pass

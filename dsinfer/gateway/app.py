@@ -14,7 +14,6 @@ liveness (the process answers), ``/ready`` readiness (pools registered, not drai
 from __future__ import annotations
 
 import asyncio
-import gc
 import hmac
 import json
 import logging
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
-import psutil
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -64,6 +62,7 @@ from dsinfer.gateway.extra_routes import (
     document_request_bodies,
     install_extra_routes,
 )
+from dsinfer.gateway.idle import trim_when_idle
 from dsinfer.gateway.intake import BodyLimit, BodyTooLarge, Preparer
 from dsinfer.gateway.metrics import GatewayMetrics
 from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -82,8 +81,6 @@ from dsinfer.gateway.sse import HEADERS, MEDIA_TYPE
 
 log = logging.getLogger("dsinfer.gateway")
 
-TRIM_EVERY = 5.0  # seconds between checks for an idle gateway whose heap may be trimmed
-TRIM_GROWTH = 16 << 20  # bytes of growth since the last trim that make a trim worth it
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the connection first"
@@ -103,20 +100,6 @@ def with_chat_template(tokenizer: Tokenizer, path: Path) -> Tokenizer:
         )
     except TokenizerError as e:
         raise TokenizerError(f"--chat-template {path}: {e}") from None
-
-
-async def trim_when_idle(ctx: GatewayContext, every: float = TRIM_EVERY, growth: int = TRIM_GROWTH) -> None:
-    """Every ``every`` s with no request running and the resident size ``growth`` bytes over
-    what the last trim left, garbage cycles are collected and the heap's free pages go back
-    to the OS (dsinfer/base/heap.py): the memory of a burst, or of refused multi-MB bodies, returns."""
-    process = psutil.Process()
-    left = process.memory_info().rss
-    while True:
-        await asyncio.sleep(every)
-        if not ctx.active_ids and process.memory_info().rss > left + growth:
-            gc.collect()  # an error's traceback is a cycle that holds its request's body until then
-            await asyncio.to_thread(heap.trim)
-            left = process.memory_info().rss
 
 
 def build_app(
@@ -347,25 +330,7 @@ def _more_endpoints(ctx: GatewayContext, store: ResponseStore) -> tuple[_Endpoin
 
 async def _generate(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> Response:
     status: int | None = 500
-    try:
-        response = await _serve(ctx, request, endpoint)
-        # a stream's status is known when it ends (499 if the client left): it counts itself
-        status = None if isinstance(response, _RunStreamingResponse) else response.status_code
-        return response
-    except APIError as e:
-        status = e.status
-        if e.status < 500:
-            log.info("%s request refused: %d %s", endpoint.name, e.status, e.message)
-        return endpoint.error(e)
-    except ClientGone:
-        status = CLIENT_CLOSED
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        if status is not None:
-            ctx.metrics.requests.labels(endpoint.name, str(status)).inc()
-
-
-async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> Response:
+    # the request's span: its run ends it, or the error below where it failed before one ran
     span = ctx.tracer.open(
         f"{request.method} {request.url.path}",
         request.headers.get("traceparent", ""),
@@ -373,15 +338,29 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint) -> 
         server=True,
     )
     try:
-        return await _serve_traced(ctx, request, endpoint, span)
-    except Exception as e:  # the run ended it already, unless it failed before there was one
+        response = await _serve(ctx, request, endpoint, span)
+        # a stream's status is known when it ends (499 if the client left): it counts itself
+        status = None if isinstance(response, _RunStreamingResponse) else response.status_code
+        return response
+    except APIError as e:
+        status = e.status
+        span.end(e.message)
+        if e.status < 500:
+            log.info("%s request refused: %d %s", endpoint.name, e.status, e.message)
+        return endpoint.error(e)
+    except ClientGone:
+        status = CLIENT_CLOSED
+        span.end("client gone")
+        return Response(status_code=CLIENT_CLOSED)
+    except Exception as e:
         span.end(str(e) or type(e).__name__)
         raise
+    finally:
+        if status is not None:
+            ctx.metrics.requests.labels(endpoint.name, str(status)).inc()
 
 
-async def _serve_traced(
-    ctx: GatewayContext, request: Request, endpoint: _Endpoint, span: OpenSpan
-) -> Response:
+async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint, span: OpenSpan) -> Response:
     arrival = time.monotonic()
     _check_auth(ctx, request)
     if ctx.draining:
