@@ -1,12 +1,9 @@
 """DeepSeek-V4's model layer against transformers' DeepseekV4ForCausalLM on the same random weights.
 
-Tiny checkpoints written by transformers cover every layer type (sliding only, CSA with its
-indexer, HCA), hash-routed and routed MoE layers and mHC streams, with a sliding window and
-compression rates far below the prompt lengths and ``index_topk`` below the number of compressed
-entries. Logits are compared for whole prompts, for prompts fed in chunks that end mid-window and
-mid-compression-block, and token by token; greedy continuations must be equal. The indexer has 8
-heads: with fewer, ReLU zeros tie at the top-k boundary and transformers itself picks differently
-with and without its cache.
+Tiny checkpoints written by transformers (harness/v4_checkpoints.py) cover every layer type,
+hash-routed and routed MoE layers and mHC streams. Logits are compared for whole prompts, for
+prompts fed in chunks that end mid-window and mid-compression-block, and token by token; greedy
+continuations must be equal.
 """
 
 from __future__ import annotations
@@ -31,47 +28,9 @@ from dsinfer.model.v4_state import cache_bytes
 from dsinfer.ops import select_ops
 from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
 from dsinfer.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from harness.v4_checkpoints import CONFIGS, VOCAB, build_v4
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 320
-BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=32,
-    q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, o_groups=2, o_lora_rank=16,
-    index_n_heads=8, index_head_dim=16, partial_rotary_factor=0.25, max_position_embeddings=4096,
-    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
-                     "beta_fast": 32, "beta_slow": 1},
-)  # fmt: skip
-CONFIGS: dict[str, dict[str, Any]] = {
-    # V4-Flash's pattern: sliding-only layers first, hash layers, then CSA and HCA alternating
-    "flash_like": dict(
-        num_hidden_layers=5, layer_types=[SLIDING, SLIDING, CSA, HCA, CSA],
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 16},
-        sliding_window=8, index_topk=3, hc_mult=4,
-    ),
-    # V4-Pro's: no sliding-only layer, HCA first; a wider window, another rate, two streams
-    "pro_like": dict(
-        num_hidden_layers=4, layer_types=[HCA, HCA, CSA, HCA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        compress_rates={CSA: 4, HCA: 8}, sliding_window=12, index_topk=5, hc_mult=2,
-    ),
-}  # fmt: skip
-
-
-def _build(name: str, directory: Path) -> Any:
-    config = transformers.DeepseekV4Config(**BASE, **CONFIGS[name])
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(config).eval()
-    with torch.no_grad():  # what initialisation leaves at zero or one, random like trained weights
-        for key, param in model.named_parameters():
-            if any(part in key for part in ("position_bias", "sinks", "base", "scale")):
-                param.normal_(0, 0.5)
-        for key, buffer in model.named_buffers():
-            if "tid2eid" in key:
-                buffer.copy_(torch.randint(0, config.n_routed_experts, buffer.shape))
-            elif "e_score_correction_bias" in key:
-                buffer.normal_(0, 0.1)
-    model.save_pretrained(directory)
-    return model
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -79,7 +38,7 @@ def pair(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Any, DeepseekV4ForCausalLM]:
     directory = tmp_path_factory.mktemp(f"v4_{request.param}")
-    reference = _build(request.param, directory)
+    reference = build_v4(request.param, directory)
     return reference, load_v4(directory, select_ops("cpu", "torch"))
 
 
@@ -230,7 +189,7 @@ def test_presets_are_the_released_configs(preset: str, layers: int, first: tuple
 
 
 def test_fp8_and_mxfp4_release_weights(tmp_path: Path) -> None:
-    _build("flash_like", tmp_path / "hf")
+    build_v4("flash_like", tmp_path / "hf")
     _release_quantized(tmp_path / "hf", tmp_path / "fp8", tmp_path / "dequantized")
     ops = select_ops("cpu", "torch")
     reference = load_v4(tmp_path / "dequantized", ops)

@@ -19,6 +19,12 @@ from dsinfer.base.documents import read_document
 
 # model_type -> the models that config.json describes with it
 FAMILIES = {"deepseek_v3": "DeepSeek-V3/R1, V3.1", "deepseek_v32": "DeepSeek-V3.2", "kimi_k2": "Kimi-K2"}
+# read by dsinfer/base/model_config.py as V4Config, not as this module's ModelConfig
+V4_MODEL_TYPE = "deepseek_v4"
+V4_SCOPE = (
+    "DeepSeek-V4 (model_type 'deepseek_v4') is served on one rank, colocated, for now: expert "
+    "parallelism, PD, MTP, the prefix cache's disk tier, dry-run plans and EPLB take the V3 family only"
+)
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 DEFAULT_MODEL_TYPE = "deepseek_v3"  # what a config.json without model_type is read as
@@ -270,7 +276,7 @@ class ModelConfig(BaseModel):
             return cls.model_validate(data)
         except ValidationError as e:
             unnamed = "" if "model_type" in data else f"no model_type (read as {DEFAULT_MODEL_TYPE}): "
-            raise ConfigError(f"{source}: {unnamed}{_describe(e)}") from None
+            raise ConfigError(f"{source}: {unnamed}{describe_validation(e)}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
@@ -284,6 +290,8 @@ def family_problem(model_type: object, architectures: object) -> str | None:
     the wrong JSON type are left to the field validation."""
     listed = architectures if isinstance(architectures, list | tuple) else []
     names = [a for a in listed if isinstance(a, str)]
+    if model_type == V4_MODEL_TYPE:
+        return V4_SCOPE
     if isinstance(model_type, str) and model_type not in FAMILIES:
         built_as = f" ({', '.join(names)})" if names else ""
         return f"model_type {model_type!r}{built_as} is not supported; dsinfer serves {_families()}"
@@ -297,11 +305,12 @@ def family_problem(model_type: object, architectures: object) -> str | None:
 
 
 def _families() -> str:
-    named = [f"{model_type} ({models})" for model_type, models in FAMILIES.items()]
+    served = {**FAMILIES, V4_MODEL_TYPE: "DeepSeek-V4, one rank"}
+    named = [f"{model_type} ({models})" for model_type, models in served.items()]
     return f"{', '.join(named[:-1])} and {named[-1]}"
 
 
-def _describe(error: ValidationError) -> str:
+def describe_validation(error: ValidationError) -> str:
     parts = []
     for item in error.errors():
         where = ".".join(str(p) for p in item["loc"])

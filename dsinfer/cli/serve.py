@@ -13,13 +13,14 @@ their environment.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from dsinfer.base.cluster_secret import load_secret, missing_secret_error
-from dsinfer.base.config import ModelConfig
 from dsinfer.base.documents import read_document
+from dsinfer.base.model_config import is_v4, read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.tracing import endpoint_problem
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
@@ -30,6 +31,7 @@ from dsinfer.cli.pool_args import add_pool_args, pool_args_from
 from dsinfer.engine.args import parse_size
 from dsinfer.workers.args import PoolArgs
 
+log = logging.getLogger("dsinfer.serve")
 SERVE_ROLES = ("gateway", "prefill", "decode", "colocated")
 ALL_IN_ONE_ONLY = ("prefill_pool_size", "decode_pool_size", "prefill_pools", "decode_pools", "colocated")
 
@@ -194,11 +196,29 @@ def role_secret(args: argparse.Namespace) -> str:
 
 
 # Dispatch ----------------------------------------------------------------------------------------
-def check_model(model: str | None) -> None:
-    """A checkpoint dsinfer cannot serve ends the command here (ConfigError: one line), before
-    any process starts that would fail on it, and be restarted, again and again."""
-    path, _ = resolve_model(model)
-    ModelConfig.from_file(path / "config.json")
+def check_model(args: argparse.Namespace) -> None:
+    """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
+    (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
+    restarted, again and again. A DeepSeek-V4 checkpoint is served colocated on one rank: the
+    all-in-one server runs it colocated (logged); the flags it cannot honour yet are refused."""
+    path, _ = resolve_model(args.model)
+    if not is_v4(read_model_config(path / "config.json")):
+        return
+    sizes = [
+        getattr(args, name, None) or 1 for name in ("pool_size", "prefill_pool_size", "decode_pool_size")
+    ]
+    refused = [
+        (args.role in ("prefill", "decode"), f"--role {args.role} (PD needs its cache paged by layer)"),
+        (max(sizes) > 1, "pools of more than one rank (expert parallelism)"),
+        (args.speculative_mtp, "--speculative-mtp"),
+        (args.kv_disk_cache_dir is not None, "--kv-disk-cache-dir"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise UsageError(f"{path}: DeepSeek-V4 is served on one rank, colocated, for now: {what} is not")
+    if args.role is None and not args.colocated:
+        log.info("DeepSeek-V4: serving colocated pools (PD needs its cache paged by layer)")
+        args.colocated = True
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -209,7 +229,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if problem is not None:
         raise UsageError(problem)
     if not args.dry_run:
-        check_model(args.model)
+        check_model(args)
     if args.role is None:
         from dsinfer.cli.serve_all_in_one import run_all_in_one
 

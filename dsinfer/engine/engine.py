@@ -17,12 +17,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dsinfer.base.kv_groups import V4_PAGE_TOKENS
 from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.disk_tier import DiskKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.kv_pool import PagedKVPool
+from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.engine.agreement import AllReduceMax, StepVotes, agree
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.constraints import LogitConstraints
@@ -39,6 +42,7 @@ from dsinfer.engine.sequence_factory import SequenceFactory
 from dsinfer.engine.step import EngineLoad, LayerHookFor, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
+from dsinfer.model.v4_moe import V4MoE
 from dsinfer.ops import compile_ahead, select_ops
 from dsinfer.parallel.ep import EPGroup, all_reduce_in_place
 from dsinfer.parallel.placement import ExpertPlacement
@@ -96,9 +100,14 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
-        pool = self._make_pool(device, dtype)
+        v4 = isinstance(self.config, V4Config)
+        pool = self._make_v4_pool(device, dtype) if v4 else self._make_pool(device, dtype)
         root = model_identity(loaded.path, loaded.load_format, args.seed, dtype, device)
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
+        if v4 and args.kv_disk_cache_dir is not None:
+            raise ValueError("kv_disk_cache_dir: the disk tier does not hold DeepSeek-V4's cache yet")
+        if v4 and args.enable_prefix_caching:
+            log.info("prefix cache off: DeepSeek-V4's cache is not shared between requests yet")
         disk = None
         if args.kv_disk_cache_dir is not None:
             disk = DiskKVTier(
@@ -108,7 +117,9 @@ class LLMEngine:
                 page_layout=pool.page_layout,
                 page_bytes=pool.page_bytes,
             )
-        self.kv = KVCacheManager(pool, root=root, enable_prefix_cache=args.enable_prefix_caching, disk=disk)
+        self.kv = KVCacheManager(
+            pool, root=root, enable_prefix_cache=args.enable_prefix_caching and not v4, disk=disk
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=args.max_num_seqs,
@@ -171,6 +182,33 @@ class LLMEngine:
             how,
         )
         return PagedKVPool(layers, num_pages, spec, device=device)
+
+    def _make_v4_pool(self, device: torch.device, dtype: torch.dtype) -> V4StatePool:
+        assert isinstance(self.config, V4Config)
+        page_bytes = V4StatePool.page_bytes_for(self.config, dtype)
+        budget, how = self.args.kv_cache_memory, "--kv-cache-memory"
+        if budget is None:
+            budget, how = self.args.default_kv_budget(
+                page_bytes=page_bytes,
+                page_size=V4_PAGE_TOKENS,
+                max_model_len=self.max_model_len,
+                free=free_memory(device),
+                device_type=device.type,
+            )
+        num_pages = budget // page_bytes
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
+        pool = V4StatePool(self.config, num_pages, dtype, device)
+        log.info(
+            "KV cache: %d pages x %d tokens (%.1f MiB at %d bytes per page at most; %s; %s)",
+            num_pages,
+            pool.page_size,
+            num_pages * page_bytes / 2**20,
+            page_bytes,
+            pool.describe(),
+            how,
+        )
+        return pool
 
     # Requests ------------------------------------------------------------------------------
     def add_request(
@@ -286,6 +324,8 @@ class LLMEngine:
             if isinstance(module, MoE):
                 module.expert_load.zero_()
                 module.experts.slot_load.zero_()
+            elif isinstance(module, V4MoE):
+                module.expert_load.zero_()
         log.info("warm-up done in %.1f s", time.monotonic() - start)
 
     def load(self, with_expert_load: bool = False) -> EngineLoad:

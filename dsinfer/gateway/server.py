@@ -17,7 +17,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from dsinfer.base.cluster_secret import ControlKeys
-from dsinfer.base.config import ModelConfig
+from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.base.tracing import Tracer
@@ -36,7 +36,7 @@ def control_port_of(args: GatewayArgs) -> int:
 
 def build_gateway(args: GatewayArgs, keys: ControlKeys) -> tuple[Router, FastAPI]:
     path, _ = resolve_model(args.model)
-    config = ModelConfig.from_file(path / "config.json")
+    config = read_model_config(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
     tracer = Tracer("dsinfer-gateway", args.otlp_traces_endpoint)
     router = Router(

@@ -5,8 +5,10 @@ Module names follow DeepSeek's release layout (``layers.N.attn.wq_a``, ``layers.
 ``embed``, ``head``; dsinfer/model/v4_loader.py reads checkpoints onto them). Routed experts are
 stacked per layer (``ffn.w13``: gate then up; ``ffn.w2``).
 
-A forward takes one sequence's next tokens and its ``SequenceState`` (dsinfer/model/v4_state.py):
-a prompt, a chunk of it, or one decode token.
+A forward takes the next tokens of one or more sequences, flattened sequence after sequence, and
+each one's ``SequenceState`` (dsinfer/model/v4_state.py): a prompt, a chunk of it, or one decode
+token each. Everything but attention runs over all the tokens at once; attention runs per
+sequence over its own hybrid cache.
 """
 
 from __future__ import annotations
@@ -36,11 +38,21 @@ class V4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(config)
 
     def forward(
-        self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, state: SequenceState
+        self,
+        streams: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: list[torch.Tensor],
+        states: list[SequenceState],
     ) -> torch.Tensor:
+        """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows."""
         pre, post, comb = self.attn_hc.weights(streams)
-        h = self.attn(
-            self.attn_norm(HyperConnection.collapse(streams, pre)), positions, state.layers[self.layer]
+        x = self.attn_norm(HyperConnection.collapse(streams, pre))
+        parts = x.split([p.shape[0] for p in positions])
+        h = torch.cat(
+            [
+                self.attn(part, where, state.layers[self.layer])
+                for part, where, state in zip(parts, positions, states, strict=True)
+            ]
         )
         streams = HyperConnection.expand(streams, h, post, comb)
         pre, post, comb = self.ffn_hc.weights(streams)
@@ -60,14 +72,27 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """The sequence's next tokens ``[T]`` -> final-normed hidden states [T, hidden]; ``state``
+        """One sequence's next tokens ``[T]`` -> final-normed hidden states [T, hidden]; ``state``
         takes them in."""
-        positions = torch.arange(state.length, state.length + token_ids.shape[0], device=token_ids.device)
+        return self.forward_many(token_ids, [state], [token_ids.shape[0]])
+
+    @torch.inference_mode()
+    def forward_many(
+        self, token_ids: torch.Tensor, states: list[SequenceState], q_lens: list[int]
+    ) -> torch.Tensor:
+        """Sequence i's next ``q_lens[i]`` tokens, flattened in order into ``token_ids [T]`` ->
+        final-normed hidden states [T, hidden]; each state takes its sequence's tokens in."""
+        device = token_ids.device
+        positions = [
+            torch.arange(state.length, state.length + n, device=device)
+            for state, n in zip(states, q_lens, strict=True)
+        ]
         x = self.embed(token_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, token_ids, positions, state)
-        state.length += token_ids.shape[0]
+            streams = layer(streams, token_ids, positions, states)
+        for state, n in zip(states, q_lens, strict=True):
+            state.length += n
         return self.norm(self.hc_head(streams))
 
     @torch.inference_mode()

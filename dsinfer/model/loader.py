@@ -18,7 +18,9 @@ from torch import nn
 from tqdm import tqdm
 
 from dsinfer.base.config import FP8_BLOCK, LOAD_FORMATS, ConfigError, ModelConfig
+from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
+from dsinfer.base.v4_config import V4Config
 from dsinfer.model.checkpoint import (
     FP8,
     SCALE_SUFFIX,
@@ -37,6 +39,8 @@ from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.expert_staging import ExpertSource
 from dsinfer.model.layers import Linear
 from dsinfer.model.moe import ExpertParallel, Experts
+from dsinfer.model.v4_loader import load_v4
+from dsinfer.model.v4_served import ServedV4
 from dsinfer.ops import Ops
 from dsinfer.ops.fp8 import quantize_weight_128x128
 from dsinfer.parallel.ep import EPGroup
@@ -49,11 +53,11 @@ __all__ = ["LOAD_FORMATS", "CheckpointError", "LoadedModel", "load_model"]
 
 @dataclass
 class LoadedModel:
-    model: DeepseekV3ForCausalLM
-    config: ModelConfig
+    model: DeepseekV3ForCausalLM | ServedV4
+    config: ModelConfig | V4Config
     path: Path
     load_format: str
-    experts: ExpertSource
+    experts: ExpertSource | None  # where EPLB reads experts from (None: V4, one rank)
 
 
 def load_model(
@@ -78,9 +82,24 @@ def load_model(
         raise CheckpointError(f"load_format {load_format!r} unknown (choose from {', '.join(LOAD_FORMATS)})")
     path, is_preset = resolve_model(source)
     try:
-        config = ModelConfig.from_file(path / "config.json")
+        any_config = read_model_config(path / "config.json")
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
+    if isinstance(any_config, V4Config):
+        refused = [
+            (load_format == "dummy", "load_format 'dummy'"),
+            (bool(num_mtp_layers), "MTP"),
+            (ep_group is not None or expert_ids is not None, "expert parallelism"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise CheckpointError(
+                    f"{path}: {what} is not served for DeepSeek-V4 yet (one rank, colocated)"
+                )
+        model = load_v4(path, ops, dtype).to(device).eval()
+        log.info("loaded %s (DeepSeek-V4, dtype %s) on %s", path, str(dtype).removeprefix("torch."), device)
+        return LoadedModel(ServedV4(model), any_config, path, "safetensors", None)
+    config = any_config
     device = torch.device(device)
     index = read_index(path) if load_format != "dummy" else {}
     if load_format == "auto":

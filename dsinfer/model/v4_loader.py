@@ -86,7 +86,8 @@ def load_v4(path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32) -> D
                 module.make_fp8()
         params = dict(model.named_parameters()) | dict(model.named_buffers())
         loaded = _load_tensors(checkpoint, params) | _load_experts(checkpoint, params, config, dtype)
-    missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n)
+    counters = {n for n, _ in model.named_buffers() if n.endswith("expert_load")}
+    missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n and n not in counters)
     if missing:
         raise ValueError(
             f"{path}: no tensor for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"

@@ -79,9 +79,11 @@ class V4MoE(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(experts, 2 * inner, hidden), requires_grad=False)  # gate; up
         self.w2 = nn.Parameter(torch.zeros(experts, hidden, inner), requires_grad=False)
         self.shared_experts = ClampedMLP(hidden, inner, self.limit, ops)
+        self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids)
+        self.expert_load += torch.bincount(ids.flatten(), minlength=self.expert_load.shape[0])
         routed = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             rows, slot = (ids == expert).nonzero(as_tuple=True)

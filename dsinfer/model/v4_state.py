@@ -108,3 +108,42 @@ def cache_bytes(config: V4Config, context: int, value_bytes: int) -> dict[str, i
             )  # kv and gate of the last block's first half
             totals["compressor_state"] += (2 * (context % rate) * width + overlap) * value_bytes
     return totals
+
+
+class SequenceStates:
+    """The hybrid caches of the sequences an engine runs, each kept under its ``key``: the first
+    page of its block table, a page no other live sequence holds (V4 pages are not shared: no
+    prefix cache yet). The pool that owns the pages drops a key's state when that page is freed,
+    so a finished, aborted or preempted sequence leaves nothing behind."""
+
+    def __init__(self, config: V4Config, dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self._states: dict[int, SequenceState] = {}
+
+    def for_step(self, key: int, start: int) -> SequenceState:
+        """The state of the sequence keyed ``key`` whose step computes from position ``start``: a
+        new one at 0 (a prompt's first chunk, or a preempted sequence computed again)."""
+        if start == 0:
+            self._states[key] = SequenceState.empty(self.config, self.dtype, self.device)
+        state = self._states.get(key)
+        if state is None or state.length != start:
+            held = "none" if state is None else f"{state.length} tokens"
+            raise RuntimeError(
+                f"V4 cache of the sequence at page {key}: step from {start}, state holds {held}"
+            )
+        return state
+
+    def drop(self, pages: list[int]) -> None:
+        for page in pages:
+            self._states.pop(page, None)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per cache group over every live sequence."""
+        totals = {"window": 0, "compressed": 0, "indexer": 0, "compressor_state": 0}
+        for state in self._states.values():
+            for group, n in state.nbytes().items():
+                totals[group] += n
+        return totals
