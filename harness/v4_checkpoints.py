@@ -71,9 +71,10 @@ def build_v4(name: str, directory: Path, with_tokenizer: bool = False) -> Any:
 
 def greedy_reference(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy continuation of ``prompt`` (its own cache), ``max_tokens`` tokens."""
-    with torch.no_grad():
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # the mask given: a BOS equal to the pad id is a token, not padding
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-            pad_token_id=0,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
     return out[0, len(prompt) :].tolist()

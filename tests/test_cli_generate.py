@@ -118,14 +118,19 @@ def test_unknown_model_type(ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
 
 
 def test_unsupported_family_ends_generate_and_serve(tmp_path: Path) -> None:
-    """A DeepSeek-V4 config.json: one line naming its model_type, before any field (or process)."""
-    v4 = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 7168}
-    (tmp_path / "config.json").write_text(json.dumps(v4))
-    needle = "model_type 'deepseek_v4' (DeepseekV4ForCausalLM) is not supported; dsinfer serves deepseek_v3"
+    """A Qwen3-MoE config.json: one line naming its model_type, before any field (or process); a
+    DeepSeek-V4 one missing its fields: one line naming them."""
+    qwen = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    needle = "model_type 'qwen3_moe' (Qwen3MoeForCausalLM) is not supported; dsinfer serves deepseek_v3"
     _assert_one_line_error(_generate(tmp_path), needle)
     serve = run_cli("serve", "--model", str(tmp_path), "--port", "0")
     _assert_one_line_error(serve, needle)
     assert len(serve.stderr.strip().splitlines()) == 1, serve.stderr
+    v4 = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 7168}
+    (tmp_path / "config.json").write_text(json.dumps(v4))
+    for done in (_generate(tmp_path), run_cli("serve", "--model", str(tmp_path), "--port", "0")):
+        _assert_one_line_error(done, "DeepSeek-V4 config: vocab_size: Field required")
 
 
 def test_truncated_safetensors(ckpt: BuiltCheckpoint, tmp_path: Path) -> None:

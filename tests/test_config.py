@@ -104,7 +104,10 @@ def test_missing_field_and_bad_json(tmp_path: Path) -> None:
         ModelConfig.from_file(tmp_path / "missing.json")
 
 
-# The parts of DeepSeek-V4's config.json that differ from V3's: its fields fail V3's validation.
+# Parts of Qwen3-MoE's config.json: fields that fail V3's validation.
+QWEN = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 4096, "num_hidden_layers": 94, "num_experts": 128}  # fmt: skip
+# DeepSeek-V4's, read as V3's (by the commands that take the V3 family only)
 V4 = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
       "hidden_size": 7168, "num_hidden_layers": 61, "scoring_func": "sqrtsoftplus"}  # fmt: skip
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -119,10 +122,15 @@ def _refusal(data: dict[str, Any], tmp_path: Path) -> str:
 
 
 def test_unsupported_family_is_named_before_its_fields(tmp_path: Path) -> None:
-    message = _refusal(V4, tmp_path)
+    message = _refusal(QWEN, tmp_path)
     assert message == (
-        f"{tmp_path / 'config.json'}: model_type 'deepseek_v4' (DeepseekV4ForCausalLM) is not supported; "
-        "dsinfer serves deepseek_v3 (DeepSeek-V3/R1, V3.1), deepseek_v32 (DeepSeek-V3.2) and kimi_k2 (Kimi-K2)"
+        f"{tmp_path / 'config.json'}: model_type 'qwen3_moe' (Qwen3MoeForCausalLM) is not supported; "
+        "dsinfer serves deepseek_v3 (DeepSeek-V3/R1, V3.1), deepseek_v32 (DeepSeek-V3.2), kimi_k2 (Kimi-K2) "
+        "and deepseek_v4 (DeepSeek-V4, one rank)"
+    )
+    assert _refusal(V4, tmp_path).endswith(
+        "DeepSeek-V4 (model_type 'deepseek_v4') is served on one rank, colocated, for now: expert "
+        "parallelism, PD, MTP, the prefix cache's disk tier, dry-run plans and EPLB take the V3 family only"
     )
     llama = _refusal(LLAMA, tmp_path)
     assert "model_type 'llama' (LlamaForCausalLM) is not supported; dsinfer serves" in llama

@@ -346,7 +346,7 @@ def test_killed_gateway_is_replaced_and_the_pools_keep_running(all_in_one: Serve
 # Failing at start ------------------------------------------------------------------------------------
 def _unsupported_checkpoint(path: Path) -> Path:
     path.mkdir()
-    config = {"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]}
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -361,7 +361,7 @@ def _weightless_checkpoint(path: Path) -> Path:
 @pytest.mark.parametrize(
     ("case", "needle"),
     [
-        ("unsupported checkpoint", "model_type 'deepseek_v4' (DeepseekV4ForCausalLM) is not supported"),
+        ("unsupported checkpoint", "model_type 'qwen3_moe' (Qwen3MoeForCausalLM) is not supported"),
         ("bad flag value", "max_num_seqs must be at least 1"),
         ("port in use", "address already in use"),
         ("ranks cannot load the checkpoint", "before the pool was up: CheckpointError: "),
@@ -371,7 +371,7 @@ def test_serve_that_cannot_start_exits_with_one_error_line(tmp_path: Path, case:
     port = free_port()
     args = ["--port", str(port)]
     if case == "unsupported checkpoint":
-        args += ["--model", str(_unsupported_checkpoint(tmp_path / "v4"))]
+        args += ["--model", str(_unsupported_checkpoint(tmp_path / "qwen"))]
     elif case == "bad flag value":
         args += ["--max-num-seqs", "0"]
     elif case == "ranks cannot load the checkpoint":

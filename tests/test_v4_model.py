@@ -75,6 +75,18 @@ def test_chunks_and_decode_steps_match_one_forward(pair: tuple[Any, DeepseekV4Fo
     _close(torch.cat(outputs), _reference_logits(reference, ids))
 
 
+def test_first_chunk_shorter_than_the_window(pair: tuple[Any, DeepseekV4ForCausalLM]) -> None:
+    """A first chunk of any length below the window keeps every row of it (a negative slice
+    once kept only the last few), then three tokens cross the window's edge."""
+    _, model = pair
+    ids = _prompt(40, 11)
+    whole = model.compute_logits(model(ids, model.new_state()))
+    for split in range(1, 2 * model.config.sliding_window):
+        state = model.new_state()
+        model(ids[:split], state)
+        _close(model.compute_logits(model(ids[split : split + 3], state)), whole[split : split + 3])
+
+
 def test_greedy_continuation_equals_transformers(pair: tuple[Any, DeepseekV4ForCausalLM]) -> None:
     reference, model = pair
     prompt = _prompt(45, 3)

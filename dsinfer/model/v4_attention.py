@@ -91,7 +91,7 @@ class V4Attention(nn.Module):
         first = int(positions[0]) - state.window.shape[0]
         key_pos = torch.arange(first, first + keys.shape[0], device=kv.device)
         distance = positions[:, None] - key_pos[None, :]
-        state.window = keys[keys.shape[0] - (self.window - 1) :] if self.window > 1 else keys[:0]
+        state.window = keys[max(0, keys.shape[0] - (self.window - 1)) :] if self.window > 1 else keys[:0]
         return keys, (distance >= 0) & (distance < self.window)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""DeepSeek-V4 through the engine and the servers, against transformers' DeepseekV4ForCausalLM.
+
+Tiny V4 checkpoints (harness/v4_checkpoints.py: every layer type, hash layers, mHC, a window of 8
+or 12 raw tokens, compression at 4 and 16 or 8, top-3 or top-5 indexer picks) carry the built-in
+tiny tokenizer. Greedy tokens must equal transformers' for prompts of 8 to 1,000 tokens batched
+together in chunks that end mid-window and mid-compression-block; through preemption (the
+sequence computed again from nothing); through ``dsinfer generate`` and ``dsinfer serve``
+(colocated). Each sequence's hybrid cache is gone once it finishes or is aborted. The modes V4
+does not have yet (PD, EP, MTP, the disk tier) end the command in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsinfer.base.config import ConfigError
+from dsinfer.base.model_config import model_config_from_dict
+from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.engine.llm import LLM
+from harness.server import serve
+from harness.v4_checkpoints import CONFIGS, TOKENIZER_VOCAB, build_v4, greedy_reference
+
+pytest.importorskip("transformers")
+
+LENGTHS = (8, 37, 130, 400, 1000)
+OUTPUT = 10
+IDS = {"return_tokens_as_token_ids": True}
+GREEDY = SamplingParams(temperature=0, max_tokens=OUTPUT, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def v4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    directory = tmp_path_factory.mktemp(f"v4_served_{request.param}")
+    return directory, build_v4(request.param, directory, with_tokenizer=True)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, TOKENIZER_VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def expected(v4: tuple[Path, Any]) -> list[list[int]]:
+    return [greedy_reference(v4[1], prompt, OUTPUT) for prompt in _prompts()]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_nothing_held(llm: LLM) -> None:
+    kv = llm.engine.kv
+    assert len(kv.pool.caches) == 0, "a sequence's V4 cache outlived it"
+    assert kv.num_available_pages() == kv.num_pages
+
+
+def test_offline_engine_equals_transformers_in_chunks(
+    v4: tuple[Path, Any], expected: list[list[int]]
+) -> None:
+    """Five prompts at once, prefill chunks of at most 96 tokens shared between them."""
+    llm = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96, max_num_seqs=5)
+    assert _tokens(llm, _prompts()) == expected
+    _assert_nothing_held(llm)
+
+
+def test_preempted_sequences_are_computed_again(v4: tuple[Path, Any], expected: list[list[int]]) -> None:
+    """Eight pages for five sequences of up to five pages each: the scheduler preempts, and a
+    preempted sequence's cache starts again from nothing."""
+    llm = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=256, max_num_seqs=5)
+    page_bytes = llm.engine.kv.pool.page_bytes
+    small = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=256, kv_cache_memory=8 * page_bytes)
+    assert small.engine.kv.num_pages == 8
+    assert _tokens(small, _prompts()) == expected
+    assert small.engine.scheduler.stats.preemptions > 0
+    _assert_nothing_held(small)
+    del llm
+
+
+def test_abort_frees_the_sequence_cache(v4: tuple[Path, Any]) -> None:
+    llm = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=64)
+    engine = llm.engine
+    engine.add_request("r", _prompts()[3], SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(8):
+        engine.step()
+    assert len(engine.kv.pool.caches) == 1
+    held = engine.kv.pool.caches.nbytes()
+    assert held["window"] > 0 and held["compressed"] > 0
+    engine.abort_request("r")
+    assert not engine.has_unfinished_requests()
+    _assert_nothing_held(llm)
+
+
+def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dsinfer.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_generate_command_equals_transformers(v4: tuple[Path, Any]) -> None:
+    text = "The window slides while the compressor keeps every fourth token"
+    ids = Tokenizer.from_dir(v4[0]).encode(text)
+    done = _cli(
+        "generate",
+        "--model",
+        str(v4[0]),
+        "--dtype",
+        "float32",
+        "--prompt",
+        text,
+        "--max-tokens",
+        "6",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == greedy_reference(v4[1], ids, 6)
+
+
+def test_serve_colocated_equals_transformers(
+    v4: tuple[Path, Any], expected: list[list[int]], tmp_path: Path
+) -> None:
+    """`dsinfer serve` on a V4 checkpoint runs it colocated (logged) and answers what
+    transformers does, streamed or not, for every prompt at once."""
+    prompts = _prompts()
+    with serve(["--model", str(v4[0]), "--dtype", "float32"], tmp_path) as server:
+        client = server.openai_client()
+        for prompt, want in zip(prompts, expected, strict=True):
+            whole = client.completions.create(
+                model=v4[0].name, prompt=prompt, max_tokens=OUTPUT, temperature=0, logprobs=0, extra_body=IDS
+            )
+            tokens = [int(t.removeprefix("token_id:")) for t in whole.choices[0].logprobs.tokens]
+            assert tokens == want
+        streamed = client.completions.create(
+            model=v4[0].name, prompt=prompts[2], max_tokens=OUTPUT, temperature=0, stream=True
+        )
+        text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+        assert text == whole_text(client, v4[0].name, prompts[2])
+        assert "DeepSeek-V4: serving colocated pools" in server.log()
+
+
+def whole_text(client: Any, model: str, prompt: list[int]) -> str:
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=OUTPUT, temperature=0)
+    return done.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--role", "decode"], "--role decode (PD needs its cache paged by layer) is not"),
+        (
+            ["--decode-pool-size", "2", "--colocated"],
+            "pools of more than one rank (expert parallelism) is not",
+        ),
+        (["--speculative-mtp"], "--speculative-mtp is not"),
+        (["--kv-disk-cache-dir", "/tmp/nowhere"], "--kv-disk-cache-dir is not"),
+    ],
+)
+def test_serve_refuses_what_v4_has_not_yet_in_one_line(
+    v4: tuple[Path, Any], flags: list[str], needle: str
+) -> None:
+    extra = ["--gateway-addr", "127.0.0.1:1"] if "--role" in flags else []
+    done = _cli("serve", "--model", str(v4[0]), "--port", "0", *flags, *extra, timeout=60)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "DeepSeek-V4 is served on one rank, colocated, for now" in lines[0], (
+        done.stderr
+    )
+    assert needle in lines[0]
+
+
+def test_offline_engine_refuses_mtp_and_disk_tier(v4: tuple[Path, Any], tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="MTP is not served for DeepSeek-V4 yet"):
+        LLM(str(v4[0]), dtype="float32", speculative_mtp=True)
+    with pytest.raises(ValueError, match="disk tier does not hold DeepSeek-V4's cache yet"):
+        LLM(str(v4[0]), dtype="float32", kv_disk_cache_dir=str(tmp_path))
+
+
+def test_invalid_v4_config_is_named_in_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        model_config_from_dict({"model_type": "deepseek_v4", "hidden_size": 64}, "ckpt/config.json")
+    message = str(info.value)
+    assert message.startswith("ckpt/config.json: DeepSeek-V4 config: ") and "vocab_size" in message
+    assert "\n" not in message
