@@ -59,6 +59,17 @@ def parse_metrics(text: str) -> Workers:
     return workers
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` (with ``_total`` for a counter) whose labels include
+    ``labels``, in Prometheus text."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
 def series(workers: Workers, key: str) -> dict[str, float]:
     """worker -> the value of one series (``WORKER_SERIES``'s key: "healthy", "kv"...)."""
     return {w: v[key] for w, v in workers.items() if w != GATEWAY and key in v}

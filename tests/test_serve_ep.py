@@ -22,7 +22,7 @@ import pytest
 
 from dsinfer import LLM, SamplingParams
 from harness.checkpoints import BuiltCheckpoint
-from harness.metrics import healthy, scrape, series, wait_kv_free, wait_workers
+from harness.metrics import healthy, metric_value, scrape, series, wait_kv_free, wait_workers
 from harness.server import Server, serve
 from harness.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 
@@ -157,7 +157,7 @@ def test_decode_rank_killed_the_ep_pool_serves_on(
         assert s.tokens == tokens, s.spec
     metrics = server.metrics()
     assert 'dsinfer_pool_events_total{event="rank_died",pool="decode/0"} 1.0' in metrics
-    assert 'dsinfer_choice_migrations_total{cause="rank_died",streaming="true"}' in metrics
+    assert metric_value(metrics, "dsinfer_choice_migrations_total", cause="rank_died", streaming="true") >= 1
 
     # rank 1 starts again alone and rejoins (rank 0 never restarted)
     deadline = time.monotonic() + 120

@@ -5,13 +5,15 @@ or 12 raw tokens, compression at 4 and 16 or 8, top-3 or top-5 indexer picks) ca
 tiny tokenizer. Greedy tokens must equal transformers' for prompts of 8 to 1,000 tokens batched
 together in chunks that end mid-window and mid-compression-block; through preemption (the
 sequence computed again from nothing); through ``dsinfer generate`` and ``dsinfer serve``
-(colocated). Each sequence's hybrid cache is gone once it finishes or is aborted. The modes V4
+(colocated); through a choice migrated after its rank is killed. Each sequence's hybrid cache is gone once it finishes or is aborted. The modes V4
 does not have yet (PD, EP, MTP, the disk tier) end the command in one line.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +27,9 @@ from dsinfer.base.model_config import model_config_from_dict
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.engine.llm import LLM
-from harness.server import serve
+from harness.metrics import healthy, metric_value, parse_metrics
+from harness.server import serve, wait_until
+from harness.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 from harness.v4_checkpoints import CONFIGS, TOKENIZER_VOCAB, build_v4, greedy_reference
 
 pytest.importorskip("transformers")
@@ -147,6 +151,40 @@ def test_serve_colocated_equals_transformers(
         text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
         assert text == whole_text(client, v4[0].name, prompts[2])
         assert "DeepSeek-V4: serving colocated pools" in server.log()
+
+
+def test_choice_migrated_after_a_rank_is_killed_keeps_every_token(
+    v4: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Two colocated pools; one rank killed with kill -9 while 6 streams run (half greedy, half
+    seeded at temperature 0.8): each dead rank's choice goes on on the other pool from the tokens
+    it had delivered, computing its V4 cache again, and ends with the undisturbed run's tokens."""
+    specs = mixed_specs(6, "Migrate a V4 stream", 60)
+    expected = offline_tokens(LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=64), specs)
+    args = [
+        "--model",
+        str(v4[0]),
+        "--dtype",
+        "float32",
+        "--max-num-batched-tokens",
+        "64",
+        "--decode-pools",
+        "2",
+    ]
+    with serve(args, tmp_path) as server:  # ready with one pool: wait for both, or the kill fails the start
+        wait_until(lambda: len(healthy(parse_metrics(server.metrics()))) == 2, "both pools up", 120)
+        victims = server.rank_pids("colocated", pool=0)
+        assert len(victims) == 1
+        streams = start_streams(server.openai_client(), specs)
+        wait_streaming(streams, timeout=120, context=lambda: server.log()[-3000:])
+        os.kill(victims[0], signal.SIGKILL)
+        join_streams(streams, timeout=120)
+        assert [s.result for s in streams] == [("ok", "length")] * len(specs), [s.result for s in streams]
+        assert [s.tokens for s in streams] == expected
+        migrated = metric_value(
+            server.metrics(), "dsinfer_choice_migrations_total", cause="rank_died", streaming="true"
+        )
+        assert migrated >= 1
 
 
 def whole_text(client: Any, model: str, prompt: list[int]) -> str:
