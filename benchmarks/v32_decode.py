@@ -27,7 +27,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +35,9 @@ import torch
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.presets import resolve_model
-from dsinfer.cache.kv_pool import PagedKVPool
-from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
+from harness.decode_steps import v3_step_times
 from harness.plots import plot_result
 from harness.provenance import command_line, git_commit, utc_now
 from harness.results import add_output_args, save_report, table
@@ -80,38 +78,6 @@ def _model(config: dict[str, Any], scratch: Path) -> tuple[Any, ModelConfig]:
     (path / "config.json").write_text(json.dumps(config))
     loaded = load_model(path, select_ops("cpu"), dtype=torch.float32, load_format="dummy")
     return loaded.model, loaded.config
-
-
-def _step_times(
-    model: Any, config: ModelConfig, context: int, batch: int, warmup: int, repeats: int
-) -> list[float]:
-    page = 64
-    pages_per_seq = -(-(context + 1) // page)
-    pool = PagedKVPool.for_model(
-        config, config.num_hidden_layers, batch * pages_per_seq, torch.float32, "cpu"
-    )
-    gen = torch.Generator().manual_seed(0)
-    for layer in pool.caches:
-        for cache in layer.tensors():
-            cache.copy_(torch.randn(cache.shape, generator=gen))
-    tables = torch.arange(batch * pages_per_seq, dtype=torch.int32).view(batch, pages_per_seq)
-    slots = tables[:, context // page].long() * page + context % page
-    times = []
-    for i in range(warmup + repeats):
-        step = ForwardBatch(
-            positions=torch.full((batch,), context, dtype=torch.int64),
-            slot_mapping=slots,
-            block_tables=tables,
-            q_lens=[1] * batch,
-            kv_lens=[context + 1] * batch,
-            num_absorbed=batch,
-        )
-        ids = torch.randint(2, config.vocab_size, (batch,), generator=gen)
-        start = time.perf_counter()
-        model.compute_logits(model(ids, step, pool.caches))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
 
 
 def kv_bytes_per_token() -> list[dict[str, Any]]:
@@ -195,8 +161,8 @@ def main() -> None:
         v32, v32_config = _model({**ATTENTION, **SPARSE}, Path(scratch))
         for batch in map(int, args.batches.split(",")):
             for context in map(int, args.contexts.split(",")):
-                dense = _step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
-                sparse = _step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
+                dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+                sparse = v3_step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
                 row = {
                     "batch": batch,
                     "context": context,

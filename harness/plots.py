@@ -338,21 +338,22 @@ def plot_v4_kv(doc: Doc, path: Path) -> None:
     save(fig, path, "KV cache per request: DeepSeek-V4 against V3 (bf16 values)", machine_note(doc))
 
 
-def plot_v32_decode(doc: Doc, path: Path) -> None:
-    """Decode step time against context, V3's dense MLA and V3.2's sparse attention, per batch."""
+def plot_context_decode(doc: Doc, path: Path) -> None:
+    """Decode step time against context, per batch: V3's dense MLA against V3.2's sparse attention
+    (v32_decode) or V4's compressed sparse attention (v4_decode: ``doc["series"]``)."""
+    series = doc.get("series", [["v3_ms", "V3 dense"], ["v32_ms", "V3.2 sparse"]])
     batches = sorted({s["batch"] for s in doc["steps"]})
     fig, axes = figure(len(batches), len(batches), size=(6 * len(batches), 4.5))
     for ax, batch in zip(axes, batches, strict=True):
         steps = [s for s in doc["steps"] if s["batch"] == batch]
-        for key, label in (("v3_ms", "V3 dense"), ("v32_ms", "V3.2 sparse")):
+        for key, label in series:
             ax.plot([s["context"] for s in steps], [s[key] for s in steps], marker="o", label=label)
         _log2_x(ax, [s["context"] for s in steps], "context, tokens")
         ax.set_ylabel("decode step, ms (median)")
         ax.set_title(f"batch {batch}", fontsize=10)
         ax.legend()
-    save(
-        fig, path, "Decode step: DeepSeek-V3.2 sparse attention against V3 (2 layers, CPU)", machine_note(doc)
-    )
+    title = doc.get("title", "Decode step: DeepSeek-V3.2 sparse attention against V3 (2 layers, CPU)")
+    save(fig, path, title, machine_note(doc))
 
 
 # Simulator ---------------------------------------------------------------------------------------
@@ -812,7 +813,8 @@ PLOTTERS: dict[str, Plotter] = {
     "pd_serving.json": plot_pd_serving,
     "decode_step*.json": plot_decode_step,
     "v4_kv.json": plot_v4_kv,
-    "v32_decode.json": plot_v32_decode,
+    "v32_decode.json": plot_context_decode,
+    "v4_decode.json": plot_context_decode,
     "sim_report.json": plot_sim_plan,
     "eplb_balance.json": plot_eplb_balance,
     "tiny_chat_expert_load.json": plot_expert_load,

@@ -1,0 +1,172 @@
+"""Decode step time of DeepSeek-V4 (compressed sparse attention over a hybrid cache) against V3
+(dense MLA) at 1K to 32K tokens of context, with the KV cache one request holds.
+
+Both models keep their real attention shapes, cut to 2 decoder layers with small MoE blocks and a
+small vocabulary (those cost the same at every context), random weights, float32 on this
+machine's CPU through the ops ``select_ops("cpu")`` picks:
+
+- V3: 128 heads, a 512 + 64 latent, q LoRA 512, dense MLPs (benchmarks/v32_decode.py's shapes);
+  every step reads every cached latent through the absorbed paged path.
+- V4-Flash: 64 query heads on one K=V head of 512, q LoRA 1,024, grouped output (8 x 1,024), a
+  128-token window, one CSA layer (entries per 4 tokens, an indexer of 64 x 128 picking 512) and
+  one HCA layer (per 128 tokens), 4 mHC streams.
+
+For each context C and batch B: B sequences whose caches hold C tokens (harness/decode_steps.py:
+random values of the right shapes) take one-token decode steps; reported: the median and min of
+``--repeats`` timed steps after ``--warmup``, and the bytes one request's cache holds in these
+2-layer float32 models (V3: C x 576 values per layer; V4: what its state holds, by group).
+
+    .venv/bin/python benchmarks/v4_decode.py \\
+        --out benchmarks/results/v4_decode.json --markdown benchmarks/results/v4_decode.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsinfer.base.v4_config import CSA, HCA, V4Config
+from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.model.loader import load_model
+from dsinfer.ops import select_ops
+from harness.decode_steps import v3_step_times, v4_step_times
+from harness.plots import plot_result
+from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
+from harness.results import add_output_args, save_report, table
+
+V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
+    "hidden_size": 1024, "intermediate_size": 1024, "moe_intermediate_size": 256,
+    "num_hidden_layers": 2, "first_k_dense_replace": 2, "num_attention_heads": 128, "q_lora_rank": 512,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 65536,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 4096,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+}  # fmt: skip
+V4 = {
+    "model_type": "deepseek_v4", "vocab_size": 4096, "hidden_size": 1024, "moe_intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "layer_types": [CSA, HCA],
+    "mlp_layer_types": ["moe", "moe"], "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128,
+    "index_topk": 512, "hc_mult": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "swiglu_limit": 10.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+}  # fmt: skip
+V3_LATENT = 512 + 64
+
+
+def _v3(scratch: Path) -> tuple[Any, Any]:
+    (scratch / "config.json").write_text(json.dumps(V3))
+    loaded = load_model(scratch, select_ops("cpu"), dtype=torch.float32, load_format="dummy")
+    return loaded.model, loaded.config
+
+
+def _v4() -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(V4Config.model_validate(V4), select_ops("cpu")).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    return model
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    steps = [
+        (r["batch"], f"{r['context']:,}", f"{r['v3_ms']:.1f} ({r['v3_min_ms']:.1f})",
+         f"{r['v4_ms']:.1f} ({r['v4_min_ms']:.1f})", f"{r['v3_ms'] / r['v4_ms']:.2f}")
+        for r in result["steps"]
+    ]  # fmt: skip
+    memory = [
+        (f"{r['context']:,}", f"{r['v3_bytes'] / 2**20:.2f}", f"{r['v4_bytes'] / 2**20:.2f}",
+         f"{r['v3_bytes'] / r['context']:,.0f}", f"{r['v4_bytes'] / r['context']:,.0f}",
+         ", ".join(f"{k} {v / 2**20:.2f}" for k, v in r["v4_groups"].items()))
+        for r in result["steps"] if r["batch"] == result["steps"][0]["batch"]
+    ]  # fmt: skip
+    return (
+        "\n".join(
+            [
+                "# DeepSeek-V4 against V3: decode step time and KV cache per request at long contexts",
+                "",
+                f"- date: {m['date']}; commit {m['commit']}",
+                f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores, "
+                f"{m['torch_threads']} torch threads; load average before {m['load_before'][0]:.2f}, "
+                f"after {m['load_after'][0]:.2f}",
+                f"- command: `{m['command']}`",
+                "",
+                "Decode step (2 layers with each model's attention shapes, float32, CPU), median of the "
+                "timed steps (min in brackets), ms:",
+                "",
+                *table(("batch", "context", "V3 (MLA)", "V4 (CSA + HCA)", "V3 / V4"), steps, "rrrrr"),
+                "",
+                "KV cache one request holds in these 2-layer float32 models (MiB), bytes per token of "
+                "context, and V4's by group (MiB):",
+                "",
+                *table(("context", "V3", "V4", "V3 B/token", "V4 B/token", "V4 groups"), memory, "rrrrrl"),
+                "",
+                "The real 61-layer V3 and 43/61-layer V4 models' figures (bf16): [v4_kv.md](v4_kv.md).",
+            ]
+        )
+        + "\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    add_output_args(parser)
+    args = parser.parse_args()
+    machine = {
+        **machine_info(),
+        "date": utc_now(),
+        "torch_threads": torch.get_num_threads(),
+        "load_before": load_average(),
+        "commit": git_commit(short=True, paths=("dsinfer", "harness")),
+        "command": command_line(".venv/bin/python"),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        v3, v3_config = _v3(Path(scratch))
+        v4 = _v4()
+        for batch in map(int, args.batches.split(",")):
+            for context in map(int, args.contexts.split(",")):
+                dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+                compressed, groups = v4_step_times(v4, context, batch, args.warmup, args.repeats)
+                row = {
+                    "batch": batch,
+                    "context": context,
+                    "v3_ms": 1e3 * statistics.median(dense),
+                    "v3_min_ms": 1e3 * min(dense),
+                    "v4_ms": 1e3 * statistics.median(compressed),
+                    "v4_min_ms": 1e3 * min(compressed),
+                    "v3_bytes": context * V3_LATENT * 4 * V3["num_hidden_layers"],
+                    "v4_bytes": sum(groups.values()),
+                    "v4_groups": groups,
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    machine["load_after"] = load_average()
+    result = {
+        "machine": machine,
+        "title": "Decode step: DeepSeek-V4 (CSA + HCA) against V3 (MLA), 2 layers, CPU",
+        "series": [["v3_ms", "V3 (MLA)"], ["v4_ms", "V4 (CSA + HCA)"]],
+        "steps": rows,
+        "ops": select_ops("cpu").describe(),
+    }
+    save_report(result, _markdown(result), args.out, args.markdown)
+    plot_result(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Decode step times at a given context without prefilling it: each model's cache filled with
+random values of the right shapes (a decode step's time does not depend on their values), then
+``warmup + repeats`` steps of one new token per sequence, the last ``repeats`` timed.
+
+- V3 / V3.2 (``v3_step_times``): a paged pool with every layer's latent (and indexer keys) random;
+  the step reads them through the absorbed path.
+- V4 (``v4_step_times``): each sequence's hybrid cache (dsinfer/model/v4_state.py) shaped as after
+  ``context`` tokens: the window's last rows, one compressed entry per ``rate`` tokens (CSA's
+  indexer keys too) and the compressors' state, taken from a real 256-token prefill whose entries
+  and window are then replaced.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dsinfer.base.config import ModelConfig
+from dsinfer.cache.kv_pool import PagedKVPool
+from dsinfer.model.batch import ForwardBatch
+from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.model.v4_state import SequenceState
+
+PAGE = 64
+
+
+def _timed(step: Any, warmup: int, repeats: int) -> list[float]:
+    times = []
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def v3_step_times(
+    model: Any, config: ModelConfig, context: int, batch: int, warmup: int, repeats: int
+) -> list[float]:
+    pages_per_seq = -(-(context + 1) // PAGE)
+    pool = PagedKVPool.for_model(config, config.num_hidden_layers, batch * pages_per_seq, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for layer in pool.caches:
+        for cache in layer.tensors():
+            cache.copy_(torch.randn(cache.shape, generator=gen))
+    tables = torch.arange(batch * pages_per_seq, dtype=torch.int32).view(batch, pages_per_seq)
+    slots = tables[:, context // PAGE].long() * PAGE + context % PAGE
+
+    def step() -> None:
+        forward = ForwardBatch(
+            positions=torch.full((batch,), context, dtype=torch.int64),
+            slot_mapping=slots,
+            block_tables=tables,
+            q_lens=[1] * batch,
+            kv_lens=[context + 1] * batch,
+            num_absorbed=batch,
+        )
+        ids = torch.randint(2, config.vocab_size, (batch,), generator=gen)
+        model.compute_logits(model(ids, forward, pool.caches))
+
+    return _timed(step, warmup, repeats)
+
+
+def v4_state_at(model: DeepseekV4ForCausalLM, context: int, seed: int = 0) -> SequenceState:
+    """A sequence's V4 cache shaped as after ``context`` tokens (a multiple of 256)."""
+    config = model.config
+    if context % 256:
+        raise ValueError(f"context {context} is not a multiple of 256")
+    gen = torch.Generator().manual_seed(seed)
+    state = model.new_state()
+    model(torch.randint(2, config.vocab_size, (256,), generator=gen), state)
+    for index, layer in enumerate(state.layers):
+        layer.window = torch.randn(layer.window.shape, generator=gen)
+        rate = config.compress_rate(index)
+        for series in (layer.compressed, layer.indexer):
+            if series is not None:
+                series.entries = torch.randn(context // rate, series.entries.shape[1], generator=gen)
+    state.length = context
+    return state
+
+
+def v4_step_times(
+    model: DeepseekV4ForCausalLM, context: int, batch: int, warmup: int, repeats: int
+) -> tuple[list[float], dict[str, int]]:
+    """-> (the step times, the bytes one sequence's cache holds by group)."""
+    states = [v4_state_at(model, context, seed) for seed in range(batch)]
+    gen = torch.Generator().manual_seed(1)
+
+    def step() -> None:
+        for state in states:
+            state.length = context  # every timed step decodes at ``context``
+        ids = torch.randint(2, model.config.vocab_size, (batch,), generator=gen)
+        model.compute_logits(model.forward_many(ids, states, [1] * batch))
+
+    return _timed(step, warmup, repeats), states[0].nbytes()
