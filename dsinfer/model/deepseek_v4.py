@@ -47,13 +47,7 @@ class V4DecoderLayer(nn.Module):
         """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows."""
         pre, post, comb = self.attn_hc.weights(streams)
         x = self.attn_norm(HyperConnection.collapse(streams, pre))
-        parts = x.split([p.shape[0] for p in positions])
-        h = torch.cat(
-            [
-                self.attn(part, where, state.layers[self.layer])
-                for part, where, state in zip(parts, positions, states, strict=True)
-            ]
-        )
+        h = self.attn(x, positions, [state.layers[self.layer] for state in states])
         streams = HyperConnection.expand(streams, h, post, comb)
         pre, post, comb = self.ffn_hc.weights(streams)
         h = self.ffn(self.ffn_norm(HyperConnection.collapse(streams, pre)), token_ids)

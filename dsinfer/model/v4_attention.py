@@ -20,7 +20,7 @@ from torch import nn
 
 from dsinfer.base.v4_config import CSA, HCA, V4Config
 from dsinfer.model.layers import Linear, RotaryEmbedding
-from dsinfer.model.v4_compressor import Compressor, Indexer, V4RMSNorm, entry_mask, rotate
+from dsinfer.model.v4_compressor import Compressor, Indexer, IndexerRows, V4RMSNorm, entry_mask, rotate
 from dsinfer.model.v4_state import LayerState
 from dsinfer.ops import Ops
 
@@ -53,34 +53,57 @@ class V4Attention(nn.Module):
         self.indexer = Indexer(config, ops, self.rate) if kind == CSA else None
         self.rope = RotaryEmbedding(config.rope(layer), config.qk_rope_head_dim, interleaved=True)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """``x [T, hidden]``: the sequence's next T tokens at ``positions`` (consecutive, after the
-        tokens ``state`` holds) -> [T, hidden]; ``state`` takes them in."""
+    def forward(
+        self, x: torch.Tensor, positions: list[torch.Tensor], states: list[LayerState]
+    ) -> torch.Tensor:
+        """``x [T, hidden]``: the next tokens of one or more sequences, sequence i's the next
+        ``len(positions[i])`` rows at ``positions[i]`` (consecutive, after the tokens ``states[i]``
+        holds) -> [T, hidden]; each state takes its sequence's tokens in. The projections run over
+        every token at once; the window, the compressors, the indexer and the attention per
+        sequence."""
         tokens = x.shape[0]
+        where = torch.cat(positions)
         q_lora = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_lora).view(tokens, self.heads, self.head_dim)
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
-        q = rotate(self.rope, q, positions)
-        kv = rotate(self.rope, self.norm(self.wkv(x)), positions)
-
-        keys, mask = self._window(kv, positions, state)
-        if self.compressor is not None:
-            series = state.compressed
-            assert series is not None
-            picks = None
-            if self.indexer is not None:
-                assert state.indexer is not None
-                picks = self.indexer.select(x, q_lora, positions, state.indexer, self.rope)
-            self.compressor.compress(x, series, self.rope)
-            keys = torch.cat([keys, series.entries])
-            mask = torch.cat([mask, entry_mask(positions, series.entries.shape[0], self.rate, picks)], dim=1)
-
-        out = self._attend(q, keys, mask)
-        out = rotate(self.rope, out, positions, inverse=True)
+        q = rotate(self.rope, q, where)
+        kv = rotate(self.rope, self.norm(self.wkv(x)), where)
+        sizes = [p.shape[0] for p in positions]
+        none: list[None] = [None] * len(sizes)
+        compressed = none if self.compressor is None else _split_pair(self.compressor.project(x), sizes)
+        indexed = (
+            none if self.indexer is None else self.indexer.project(x, q_lora, where, self.rope).split(sizes)
+        )
+        parts = zip(q.split(sizes), kv.split(sizes), compressed, indexed, positions, states, strict=True)
+        out = torch.cat([self._sequence(*part) for part in parts])
+        out = rotate(self.rope, out, where, inverse=True)
         grouped = out.reshape(tokens, self.groups, -1)
         weight = self.wo_a.dense_weight(grouped.dtype).view(self.groups, -1, grouped.shape[-1])
         mixed = torch.einsum("tgi,goi->tgo", grouped, weight).flatten(1)
         return self.wo_b(mixed)
+
+    def _sequence(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        compressed: tuple[torch.Tensor, torch.Tensor] | None,
+        indexed: IndexerRows | None,
+        positions: torch.Tensor,
+        state: LayerState,
+    ) -> torch.Tensor:
+        """One sequence's attention output [T, H, D] (rope channels still rotated)."""
+        keys, mask = self._window(kv, positions, state)
+        if self.compressor is not None:
+            series = state.compressed
+            assert series is not None and compressed is not None
+            picks = None
+            if self.indexer is not None:
+                assert state.indexer is not None and indexed is not None
+                picks = self.indexer.select(indexed, positions, state.indexer, self.rope)
+            self.compressor.compress(compressed, series, self.rope)
+            keys = torch.cat([keys, series.entries])
+            mask = torch.cat([mask, entry_mask(positions, series.entries.shape[0], self.rate, picks)], dim=1)
+        return self._attend(q, keys, mask)
 
     def _window(
         self, kv: torch.Tensor, positions: torch.Tensor, state: LayerState
@@ -107,3 +130,9 @@ class V4Attention(nn.Module):
         )
         kept = torch.sigmoid(lse[0].transpose(0, 1) - self.attn_sink.float())  # 1 / (1 + e^(sink - lse))
         return (out[0].float() * kept[..., None]).to(q.dtype)
+
+
+def _split_pair(
+    pair: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(pair[0].split(sizes), pair[1].split(sizes), strict=True))

@@ -13,6 +13,8 @@ compressor at ``index_head_dim``); picks beyond what the query may see are ``-1`
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -58,11 +60,17 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(rate, width), requires_grad=False)
         self.norm = V4RMSNorm(dim, config.rms_norm_eps)
 
-    def compress(self, x: torch.Tensor, series: Series, rope: RotaryEmbedding) -> None:
-        """Feed ``x [T, hidden]`` (the sequence's next tokens); the windows they complete become
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` (any sequences' tokens) -> their (kv, gate) rows [T, width]."""
+        return self.wkv(x), self.wgate(x)
+
+    def compress(
+        self, rows: tuple[torch.Tensor, torch.Tensor], series: Series, rope: RotaryEmbedding
+    ) -> None:
+        """Feed one sequence's next tokens' ``project`` rows; the windows they complete become
         entries of ``series``, the rest stays pending."""
-        kv = torch.cat([series.pending_kv, self.wkv(x)])
-        gate = torch.cat([series.pending_gate, self.wgate(x)])
+        kv = torch.cat([series.pending_kv, rows[0]])
+        gate = torch.cat([series.pending_gate, rows[1]])
         windows = kv.shape[0] // self.rate
         usable = windows * self.rate
         series.pending_kv, series.pending_gate = kv[usable:], gate[usable:]
@@ -75,7 +83,7 @@ class Compressor(nn.Module):
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.norm((kv * weights).sum(dim=1))
         first = series.entries.shape[0]
-        positions = (torch.arange(windows, device=x.device) + first) * self.rate
+        positions = (torch.arange(windows, device=kv.device) + first) * self.rate
         series.entries = torch.cat([series.entries, rotate(rope, entries, positions)])
 
     def _overlapped(
@@ -112,26 +120,41 @@ class Indexer(nn.Module):
         self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, ops)
         self.weights_proj = Linear(config.hidden_size, self.heads, ops)
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_lora: torch.Tensor,
-        positions: torch.Tensor,
-        series: Series,
-        rope: RotaryEmbedding,
-    ) -> torch.Tensor:
-        """The entries each query attends to [T, min(topk, E)], -1 where it may see fewer."""
-        self.compressor.compress(x, series, rope)
-        keys = series.entries.float()  # [E, d]
+    def project(
+        self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
+    ) -> IndexerRows:
+        """Any sequences' next tokens ``x [T, hidden]`` at ``positions [T]`` -> their rows."""
         q = rotate(rope, self.wq_b(q_lora).view(x.shape[0], self.heads, self.dim), positions)
-        scores = torch.einsum("thd,ed->the", q.float(), keys).relu() * self.dim**-0.5
         weights = self.weights_proj(x).float() * self.heads**-0.5  # [T, heads]
-        index_scores = torch.einsum("the,th->te", scores, weights)
+        return IndexerRows(*self.compressor.project(x), q, weights)
+
+    def select(
+        self, rows: IndexerRows, positions: torch.Tensor, series: Series, rope: RotaryEmbedding
+    ) -> torch.Tensor:
+        """One sequence's entries each query attends to [T, min(topk, E)], -1 where it may see
+        fewer; its indexer keys take the tokens in first."""
+        self.compressor.compress((rows.kv, rows.gate), series, rope)
+        keys = series.entries.float()  # [E, d]
+        scores = torch.einsum("thd,ed->the", rows.q.float(), keys).relu() * self.dim**-0.5
+        index_scores = torch.einsum("the,th->te", scores, rows.weights)
         visible = visible_entries(positions, self.rate)[:, None]
-        entry = torch.arange(keys.shape[0], device=x.device)[None, :]
+        entry = torch.arange(keys.shape[0], device=keys.device)[None, :]
         index_scores = index_scores.masked_fill(entry >= visible, float("-inf"))
         picks = index_scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return torch.where(picks >= visible, torch.full_like(picks, -1), picks)
+
+
+class IndexerRows(NamedTuple):
+    """Per token: the indexer's compressor rows, its rotated queries [T, heads, dim] and head
+    weights [T, heads]."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+    q: torch.Tensor
+    weights: torch.Tensor
+
+    def split(self, sizes: list[int]) -> list[IndexerRows]:
+        return [IndexerRows(*parts) for parts in zip(*(t.split(sizes) for t in self), strict=True)]
 
 
 def entry_mask(
