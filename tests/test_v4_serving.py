@@ -26,6 +26,8 @@ from dsinfer.base.config import ConfigError
 from dsinfer.base.model_config import model_config_from_dict
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
+from dsinfer.base.v4_config import V4Config
+from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.engine.llm import LLM
 from harness.metrics import healthy, metric_value, parse_metrics
 from harness.server import serve, wait_until
@@ -78,14 +80,15 @@ def test_offline_engine_equals_transformers_in_chunks(
 def test_preempted_sequences_are_computed_again(v4: tuple[Path, Any], expected: list[list[int]]) -> None:
     """Eight pages for five sequences of up to five pages each: the scheduler preempts, and a
     preempted sequence's cache starts again from nothing."""
-    llm = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=256, max_num_seqs=5)
-    page_bytes = llm.engine.kv.pool.page_bytes
-    small = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=256, kv_cache_memory=8 * page_bytes)
+    config, dtype = V4Config.model_validate_json((v4[0] / "config.json").read_text()), torch.float32
+    memory = 5 * V4StatePool.sequence_bytes_for(config, dtype) + 8 * V4StatePool.page_bytes_for(config, dtype)
+    small = LLM(
+        str(v4[0]), dtype="float32", max_num_batched_tokens=256, max_num_seqs=5, kv_cache_memory=memory
+    )
     assert small.engine.kv.num_pages == 8
     assert _tokens(small, _prompts()) == expected
     assert small.engine.scheduler.stats.preemptions > 0
     _assert_nothing_held(small)
-    del llm
 
 
 def test_abort_frees_the_sequence_cache(v4: tuple[Path, Any]) -> None:
@@ -230,3 +233,35 @@ def test_invalid_v4_config_is_named_in_one_line() -> None:
     message = str(info.value)
     assert message.startswith("ckpt/config.json: DeepSeek-V4 config: ") and "vocab_size" in message
     assert "\n" not in message
+
+
+def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
+    """The preset's plan: each cache group, one request's cache next to V3's, and a one-line
+    refusal where the weights cannot fit one GPU."""
+    done = _cli("serve", "--model", "deepseek-v4-flash", "--dry-run", "--device", "cuda", timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = done.stdout
+    for line in (
+        "window      43 layers x 512 values per token, the last 127 tokens: 5.3 MiB per sequence",
+        "c4          21 layers x 512 values per 4 tokens: 5,376 B per token",
+        "c4_indexer  21 layers x 128 values per 4 tokens: 1,344 B per token",
+        "c128        20 layers x 512 values per 128 tokens: 160 B per token",
+        "one request at 1,048,576 tokens: 6.7 GiB (6,891 B per token); deepseek-v3: 68.6 GiB (70,272 B per token)",
+    ):
+        assert line in plan, plan
+    gpu = ["--role", "colocated", "--gateway-addr", "127.0.0.1:1", "--gpu-memory", "141GB"]
+    refused = _cli(
+        "serve", "--model", "deepseek-v4-flash", "--dry-run", "--device", "cuda", *gpu, timeout=120
+    )
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode != 0 and len(lines) == 1, refused.stderr
+    assert "DeepSeek-V4 on one rank needs 523.9 GiB of weights" in lines[0]
+
+
+def test_dry_run_pages_are_the_engine_pages(v4: tuple[Path, Any]) -> None:
+    done = _cli(
+        "serve", "--model", str(v4[0]), "--dry-run", "--dtype", "float32", "--kv-cache-memory", "16MiB"
+    )
+    assert done.returncode == 0, done.stderr
+    llm = LLM(str(v4[0]), dtype="float32", kv_cache_memory="16MiB")
+    assert f" + {llm.engine.kv.num_pages} pages of " in done.stdout, done.stdout

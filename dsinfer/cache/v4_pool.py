@@ -1,15 +1,19 @@
 """DeepSeek-V4's KV pool, as served today: pages for admission, each sequence's hybrid cache held
 whole beside them.
 
-A page stands for ``page_size`` tokens (256: a multiple of both compression rates) and is charged
-what those tokens can hold at most in a paged hybrid cache (dsinfer/base/kv_groups.py): a page of
-every group (the raw window rows included, as if none had left the window) plus one sequence's
-compressor state. The scheduler admits, grows and preempts by these pages exactly as for V3, so a
-budget in bytes bounds what the sequences hold. The tensors themselves are each sequence's
-``SequenceState`` (dsinfer/model/v4_state.py), kept in ``caches`` under the sequence's first page
-and dropped when that page returns to the free list: finished, aborted and preempted sequences
-leave nothing. Nothing here is shared between sequences (no prefix cache), read page by page
-(no disk tier) or registered with a transfer library (no PD) yet.
+A page stands for ``page_size`` tokens (256: a multiple of both compression rates). What a
+sequence's cache holds grows with its tokens only in the compressed groups (CSA's and HCA's
+entries, CSA's indexer keys): a page is charged those groups' bytes for its tokens. The rest is
+bounded per sequence whatever its length: the window's last ``sliding_window - 1`` raw rows of
+every layer and the compressors' unfinished rows (dsinfer/base/kv_groups.py). The engine sets
+that aside for ``max_num_seqs`` sequences before it counts pages, so the scheduler, which admits,
+grows and preempts by pages as for V3, keeps what the sequences hold within the budget.
+
+The tensors themselves are each sequence's ``SequenceState`` (dsinfer/model/v4_state.py), kept in
+``caches`` under the sequence's first page and dropped when that page returns to the free list:
+finished, aborted and preempted sequences leave nothing. Nothing here is shared between sequences
+(no prefix cache), read page by page (no disk tier) or registered with a transfer library (no PD)
+yet.
 """
 
 from __future__ import annotations
@@ -51,13 +55,22 @@ class V4StatePool:
 
     @classmethod
     def page_bytes_for(cls, config: V4Config, dtype: torch.dtype) -> int:
-        """What one page is charged: a page of every group and one compressor state."""
+        """What one page is charged: its tokens' compressed entries and indexer keys."""
         spec = cls.spec_for(config, dtype)
-        return sum(spec.page_bytes(g) for g in spec.groups) + spec.state_bytes
+        return sum(spec.page_bytes(g) for g in spec.groups if g.name != "window")
+
+    @classmethod
+    def sequence_bytes_for(cls, config: V4Config, dtype: torch.dtype) -> int:
+        """What one sequence holds at most whatever its length: the window's rows of every layer
+        and the compressors' unfinished rows."""
+        spec = cls.spec_for(config, dtype)
+        window = spec.group("window")
+        assert window is not None
+        return spec.window * len(window.layers) * window.entry_bytes + spec.state_bytes
 
     @property
     def page_bytes(self) -> int:
-        return sum(self.spec.page_bytes(g) for g in self.spec.groups) + self.spec.state_bytes
+        return sum(self.spec.page_bytes(g) for g in self.spec.groups if g.name != "window")
 
     @property
     def page_layout(self) -> str:

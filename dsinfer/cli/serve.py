@@ -196,14 +196,18 @@ def role_secret(args: argparse.Namespace) -> str:
 
 
 # Dispatch ----------------------------------------------------------------------------------------
+def model_is_v4(model: str | None) -> bool:
+    return is_v4(read_model_config(resolve_model(model)[0] / "config.json"))
+
+
 def check_model(args: argparse.Namespace) -> None:
     """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
     (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
     restarted, again and again. A DeepSeek-V4 checkpoint is served colocated on one rank: the
     all-in-one server runs it colocated (logged); the flags it cannot honour yet are refused."""
-    path, _ = resolve_model(args.model)
-    if not is_v4(read_model_config(path / "config.json")):
+    if not model_is_v4(args.model):
         return
+    path, _ = resolve_model(args.model)
     sizes = [
         getattr(args, name, None) or 1 for name in ("pool_size", "prefill_pool_size", "decode_pool_size")
     ]
@@ -217,7 +221,8 @@ def check_model(args: argparse.Namespace) -> None:
         if bad:
             raise UsageError(f"{path}: DeepSeek-V4 is served on one rank, colocated, for now: {what} is not")
     if args.role is None and not args.colocated:
-        log.info("DeepSeek-V4: serving colocated pools (PD needs its cache paged by layer)")
+        if not args.dry_run:
+            log.info("DeepSeek-V4: serving colocated pools (PD needs its cache paged by layer)")
         args.colocated = True
 
 
@@ -228,6 +233,12 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     problem = None if args.otlp_traces_endpoint is None else endpoint_problem(args.otlp_traces_endpoint)
     if problem is not None:
         raise UsageError(problem)
+    if args.dry_run and args.role != "gateway" and model_is_v4(args.model):
+        check_model(args)
+        from dsinfer.cli.v4_plan import v4_plan_lines
+
+        print("\n".join(v4_plan_lines(engine_args_from(args), gpu_memory_of(args))))
+        return 0
     if not args.dry_run:
         check_model(args)
     if args.role is None:

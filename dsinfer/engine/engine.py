@@ -184,8 +184,11 @@ class LLMEngine:
         return PagedKVPool(layers, num_pages, spec, device=device)
 
     def _make_v4_pool(self, device: torch.device, dtype: torch.dtype) -> V4StatePool:
+        """Pages from the budget left once ``max_num_seqs`` sequences' fixed part (window rows,
+        compressor state) is set aside (dsinfer/cache/v4_pool.py)."""
         assert isinstance(self.config, V4Config)
         page_bytes = V4StatePool.page_bytes_for(self.config, dtype)
+        reserve = self.args.max_num_seqs * V4StatePool.sequence_bytes_for(self.config, dtype)
         budget, how = self.args.kv_cache_memory, "--kv-cache-memory"
         if budget is None:
             budget, how = self.args.default_kv_budget(
@@ -195,16 +198,22 @@ class LLMEngine:
                 free=free_memory(device),
                 device_type=device.type,
             )
-        num_pages = budget // page_bytes
+        num_pages = (budget - reserve) // page_bytes
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes per page)")
+            raise ValueError(
+                f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes) once {reserve} bytes "
+                f"are set aside for the windows and compressor state of max_num_seqs {self.args.max_num_seqs}"
+            )
         pool = V4StatePool(self.config, num_pages, dtype, device)
         log.info(
-            "KV cache: %d pages x %d tokens (%.1f MiB at %d bytes per page at most; %s; %s)",
+            "KV cache: %d pages x %d tokens (%.1f MiB, %d bytes per page) + %.1f MiB for %d sequences' "
+            "windows and compressor state (%s; %s)",
             num_pages,
             pool.page_size,
             num_pages * page_bytes / 2**20,
             page_bytes,
+            reserve / 2**20,
+            self.args.max_num_seqs,
             pool.describe(),
             how,
         )

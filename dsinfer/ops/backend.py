@@ -266,8 +266,9 @@ def _parse_prefer(prefer: str | None) -> tuple[str, ...]:
     return names
 
 
-def select_ops(device: torch.device | str, prefer: str | None = None) -> Ops:
-    """Choose one backend per kernel for ``device`` and log the choice in one line.
+def select_ops(device: torch.device | str, prefer: str | None = None, quiet: bool = False) -> Ops:
+    """Choose one backend per kernel for ``device`` and log the choice in one line (``quiet``: not,
+    for a model built only to be measured).
 
     ``prefer``: None/"auto" = best available; "torch" forces the reference everywhere; another
     backend name (or a comma-separated list) is tried first for the kernels it implements, and
@@ -306,5 +307,6 @@ def select_ops(device: torch.device | str, prefer: str | None = None) -> Ops:
     line = ops.describe()
     if skipped:
         line += "; " + "; ".join(f"no {b} for {','.join(ks)} ({why})" for (b, why), ks in skipped.items())
-    logger.info(line)
+    if not quiet:
+        logger.info(line)
     return ops

@@ -1,0 +1,166 @@
+"""``dsinfer serve --dry-run`` for a DeepSeek-V4 checkpoint: served colocated on one rank, its
+weights by precision, its hybrid KV cache by group next to V3's, and the pool's pages.
+
+Weights are counted from the model built on the meta device (nothing is read). On CUDA the plan
+keeps FP8 what the release ships FP8 (every linear layer but the head; 128x128 blocks, a 4-byte
+scale each) and, as the loader does, the routed experts dequantised into the model's dtype (no
+FP4 expert GEMM yet); on a CPU every weight is in the model's dtype. The KV figures are the cache
+spec's (dsinfer/base/kv_groups.py), the same the engine charges a page (dsinfer/cache/v4_pool.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsinfer.base.config import ModelConfig
+from dsinfer.base.kv_groups import HybridCacheSpec
+from dsinfer.base.kv_spec import KVCacheSpec
+from dsinfer.base.model_config import read_model_config
+from dsinfer.base.presets import resolve_model
+from dsinfer.base.v4_config import V4Config
+from dsinfer.cache.v4_pool import V4StatePool
+from dsinfer.cli.errors import UsageError
+from dsinfer.cli.memory_plan import CUDA_RUNTIME_RESERVE, fmt_bytes, fmt_bytes_down
+from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
+from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.model.layers import Linear
+from dsinfer.ops import select_ops
+
+FP8_BLOCK_VALUES = 128 * 128
+CONTEXTS = (8192, 131072, 1048576)  # one request's cache shown at these contexts
+V3_PRESET = "deepseek-v3"
+
+
+@dataclass(frozen=True)
+class V4Weights:
+    fp8: int  # bytes of FP8 weights and their block scales
+    experts: int  # routed experts, in the model's dtype
+    other: int  # the rest (embedding, head, norms, mHC, gates, sinks) in the model's dtype
+
+    @property
+    def total(self) -> int:
+        return self.fp8 + self.experts + self.other
+
+
+def v4_weights(config: V4Config, dtype: torch.dtype, fp8: bool) -> V4Weights:
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config, select_ops("cpu", quiet=True))
+    item = dtype.itemsize
+    fp8_bytes = experts = other = 0
+    linear_weights = {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, Linear) and name != "head"
+    }
+    for name, param in model.named_parameters():
+        if name.endswith((".ffn.w13", ".ffn.w2")):
+            experts += param.numel() * item
+        elif fp8 and name in linear_weights:
+            fp8_bytes += param.numel() + 4 * -(-param.numel() // FP8_BLOCK_VALUES)
+        else:
+            other += param.numel() * item
+    return V4Weights(fp8_bytes, experts, other)
+
+
+def _v3_bytes_per_token(dtype: torch.dtype) -> tuple[str, int]:
+    config = ModelConfig.from_file(resolve_model(V3_PRESET)[0] / "config.json")
+    spec = KVCacheSpec.for_model(config, str(dtype).removeprefix("torch."))
+    return V3_PRESET, spec.bytes_per_token * config.num_hidden_layers
+
+
+def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
+    path, _ = resolve_model(engine.model)
+    config = read_model_config(path / "config.json")
+    assert isinstance(config, V4Config)
+    device = resolve_device(engine.device)
+    dtype = resolve_dtype(engine.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    cuda = device.type == "cuda"
+    weights = v4_weights(config, dtype, fp8=cuda)
+    spec = HybridCacheSpec.for_v4(config, dtype_name)
+    page_bytes = V4StatePool.page_bytes_for(config, dtype)
+    reserve = engine.max_num_seqs * V4StatePool.sequence_bytes_for(config, dtype)
+    max_len = engine.max_model_len or config.max_position_embeddings
+    lines = [
+        "dsinfer serve: DeepSeek-V4 colocated on one rank (dry run: nothing is started)",
+        f"memory plan: model {engine.model or path.name}, {dtype_name} on {device.type}",
+        f"  weights {fmt_bytes(weights.total)}: "
+        + (f"FP8 {fmt_bytes(weights.fp8)} (linear layers, 128x128 block scales) + " if cuda else "")
+        + f"routed experts {fmt_bytes(weights.experts)} ({dtype_name}: dequantised at load) + "
+        f"the rest {fmt_bytes(weights.other)} ({dtype_name})",
+        f"  KV cache by group ({dtype_name}; pages of {spec.page_tokens} tokens):",
+    ]
+    for group in spec.groups:
+        layers = f"    {group.name:<11} {len(group.layers)} layers x {group.width} values"
+        if group.name == "window":
+            held = spec.window * len(group.layers) * group.entry_bytes
+            lines.append(f"{layers} per token, the last {spec.window} tokens: {fmt_bytes(held)} per sequence")
+        else:
+            per_token = group.entry_bytes * len(group.layers) / group.tokens_per_entry
+            lines.append(f"{layers} per {group.tokens_per_entry} tokens: {per_token:,.0f} B per token")
+    lines.append(
+        f"    state       {fmt_bytes(spec.state_bytes)} per sequence at most (the compressors' unfinished rows)"
+    )
+    v3_name, v3_per_token = _v3_bytes_per_token(dtype)
+    for context in CONTEXTS:
+        v4 = sum(spec.exact_bytes(context).values()) + spec.state_bytes
+        lines.append(
+            f"  one request at {context:,} tokens: {fmt_bytes(v4)} ({v4 / context:,.0f} B per token); "
+            f"{v3_name}: {fmt_bytes(v3_per_token * context)} ({v3_per_token:,} B per token)"
+        )
+    if gpu_memory is not None and weights.total + CUDA_RUNTIME_RESERVE > gpu_memory:
+        raise UsageError(
+            f"DeepSeek-V4 on one rank needs {fmt_bytes(weights.total)} of weights (routed experts in "
+            f"{dtype_name}) + {fmt_bytes(CUDA_RUNTIME_RESERVE)} runtime before any KV cache, more than "
+            f"--gpu-memory {fmt_bytes_down(gpu_memory)}: V4 expert parallelism and FP4 experts are not served yet"
+        )
+    budget, how = engine.kv_cache_memory, "--kv-cache-memory"
+    if budget is None and cuda and gpu_memory is None and not torch.cuda.is_available():
+        lines.append(
+            f"  KV cache: {engine.kv_fraction_for('cuda'):g} of free memory at start-up (no GPU here to "
+            f"measure), less {fmt_bytes(reserve)} for --max-num-seqs {engine.max_num_seqs} sequences' windows "
+            f"and state, in pages of {fmt_bytes(page_bytes)}"
+        )
+        budget = None
+    else:
+        if budget is None:
+            free = (
+                gpu_memory - weights.total - CUDA_RUNTIME_RESERVE
+                if gpu_memory is not None
+                else free_memory(device)
+            )
+            budget, how = engine.default_kv_budget(
+                page_bytes=page_bytes,
+                page_size=spec.page_tokens,
+                max_model_len=max_len,
+                free=max(free, 0),
+                device_type=device.type,
+            )
+        pages = max(budget - reserve, 0) // page_bytes
+        lines.append(
+            f"  KV cache: {fmt_bytes(budget)} ({how}) = {fmt_bytes(reserve)} for --max-num-seqs "
+            f"{engine.max_num_seqs} sequences' windows and state + {pages} pages of "
+            f"{fmt_bytes(page_bytes)} = {pages * spec.page_tokens:,} tokens of compressed entries"
+        )
+        if pages < 1:
+            raise UsageError(
+                f"the KV cache ({fmt_bytes(budget)}) holds no page once {fmt_bytes(reserve)} are set aside "
+                f"for --max-num-seqs {engine.max_num_seqs}: raise --kv-cache-memory or lower --max-num-seqs"
+            )
+    lines.append(
+        f"  steps: prefill chunks of up to {engine.max_num_batched_tokens} tokens; decode batches of up to "
+        f"{engine.max_num_seqs} sequences"
+    )
+    if gpu_memory is not None:
+        total = weights.total + (budget or 0) + CUDA_RUNTIME_RESERVE
+        if total > gpu_memory:
+            raise UsageError(
+                f"DeepSeek-V4 on one rank needs {fmt_bytes(total)} (weights {fmt_bytes(weights.total)} + "
+                f"KV cache {fmt_bytes(budget or 0)} + runtime {fmt_bytes(CUDA_RUNTIME_RESERVE)}), more than "
+                f"--gpu-memory {fmt_bytes_down(gpu_memory)}: a smaller checkpoint, or wait for V4 expert parallelism"
+            )
+        lines.append(f"  total {fmt_bytes(total)} of --gpu-memory {fmt_bytes(gpu_memory)}: fits")
+    return lines
