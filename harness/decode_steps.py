@@ -21,7 +21,7 @@ from dsinfer.base.config import ModelConfig
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
-from dsinfer.model.v4_state import SequenceState
+from dsinfer.model.v4_state import DenseEntries, SequenceState
 
 PAGE = 64
 
@@ -76,7 +76,8 @@ def v4_state_at(model: DeepseekV4ForCausalLM, context: int, seed: int = 0) -> Se
         rate = config.compress_rate(index)
         for series in (layer.compressed, layer.indexer):
             if series is not None:
-                series.entries = torch.randn(context // rate, series.entries.shape[1], generator=gen)
+                width = series.entries.read().shape[1]
+                series.entries = DenseEntries(torch.randn(context // rate, width, generator=gen))
     state.length = context
     return state
 

@@ -1,19 +1,15 @@
-"""DeepSeek-V4's KV pool, as served today: pages for admission, each sequence's hybrid cache held
-whole beside them.
+"""DeepSeek-V4's KV pool: pages of compressed entries and indexer keys, and each running
+sequence's bounded rest.
 
-A page stands for ``page_size`` tokens (256: a multiple of both compression rates). What a
-sequence's cache holds grows with its tokens only in the compressed groups (CSA's and HCA's
-entries, CSA's indexer keys): a page is charged those groups' bytes for its tokens. The rest is
-bounded per sequence whatever its length: the window's last ``sliding_window - 1`` raw rows of
-every layer and the compressors' unfinished rows (dsinfer/base/kv_groups.py). The engine sets
-that aside for ``max_num_seqs`` sequences before it counts pages, so the scheduler, which admits,
-grows and preempts by pages as for V3, keeps what the sequences hold within the budget.
-
-The tensors themselves are each sequence's ``SequenceState`` (dsinfer/model/v4_state.py), kept in
-``caches`` under the sequence's first page and dropped when that page returns to the free list:
-finished, aborted and preempted sequences leave nothing. Nothing here is shared between sequences
-(no prefix cache), read page by page (no disk tier) or registered with a transfer library (no PD)
-yet.
+A page stands for ``page_size`` tokens (256: a multiple of both compression rates) and holds, per
+compressing layer, those tokens' compressed entries (CSA: and indexer keys): the groups that grow
+with a sequence (dsinfer/base/kv_groups.py; dsinfer/model/v4_paged.py lays them out). What stays
+bounded whatever a sequence's length, the window's last ``sliding_window - 1`` raw rows of every
+layer and the compressors' unfinished rows, is the sequence's own state; the engine sets that aside
+for ``max_num_seqs`` sequences before it counts pages and drops the states of sequences that stop
+running. The scheduler admits, grows and preempts by pages as for V3. Nothing is shared between
+sequences (no prefix cache), read page by page (no disk tier) or registered with a transfer
+library (no PD) yet.
 """
 
 from __future__ import annotations
@@ -23,17 +19,7 @@ import torch
 from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
 from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.kv_pool import PageAllocator
-from dsinfer.model.v4_state import SequenceStates
-
-
-class _DroppingAllocator(PageAllocator):
-    def __init__(self, num_pages: int, states: SequenceStates) -> None:
-        super().__init__(num_pages)
-        self._states = states
-
-    def free(self, pages: list[int]) -> None:
-        super().free(pages)
-        self._states.drop(pages)
+from dsinfer.model.v4_paged import SequenceStates
 
 
 class V4StatePool:
@@ -45,8 +31,8 @@ class V4StatePool:
         self.spec = self.spec_for(config, dtype)
         self.page_size = self.spec.page_tokens
         self._device = torch.device(device)
-        self.caches = SequenceStates(config, dtype, self._device)
-        self.allocator: PageAllocator = _DroppingAllocator(num_pages, self.caches)
+        self.caches = SequenceStates(config, num_pages, self.page_size, dtype, self._device)
+        self.allocator = PageAllocator(num_pages)
         self.num_layers = config.num_hidden_layers
 
     @staticmethod

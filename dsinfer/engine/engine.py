@@ -256,6 +256,14 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._requests.discard(request_id)
+        self._keep_running_states()
+
+    def _keep_running_states(self) -> None:
+        """V4: the per-sequence caches of sequences that stopped running (finished, aborted,
+        preempted) are dropped; their pages went back to the pool already."""
+        pool = self.kv.pool
+        if isinstance(pool, V4StatePool):
+            pool.caches.keep(f"{seq.request_id}/{seq.choice}" for seq in self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -308,6 +316,7 @@ class LLMEngine:
         before = [item.seq.num_tokens for item in batch.seqs]
         hook = layer_hook_for(plan.work()) if layer_hook_for is not None and batch.seqs else None
         finished = self.scheduler.postprocess(batch, self.runner.run(batch, agreed, hook))
+        self._keep_running_states()
         updates = []
         for item, num_before in zip(batch.seqs, before, strict=True):
             seq = item.seq

@@ -57,6 +57,9 @@ class ForwardBatch:
     cache_seqlens: torch.Tensor | None = None
     token_mask: torch.Tensor | None = None  # bool [T]: False on padding rows (no expert load, no experts)
     masked_moe: bool = False  # routed experts in the masked layout (graph-safe; no host sync)
+    seq_keys: list[str] | None = (
+        None  # each sequence's identity, for models that keep state per sequence (V4)
+    )
     _rope: dict[tuple[torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False
     )

@@ -101,8 +101,9 @@ class V4Attention(nn.Module):
                 assert state.indexer is not None and indexed is not None
                 picks = self.indexer.select(indexed, positions, state.indexer, self.rope)
             self.compressor.compress(compressed, series, self.rope)
-            keys = torch.cat([keys, series.entries])
-            mask = torch.cat([mask, entry_mask(positions, series.entries.shape[0], self.rate, picks)], dim=1)
+            entries = series.entries.read()
+            keys = torch.cat([keys, entries])
+            mask = torch.cat([mask, entry_mask(positions, entries.shape[0], self.rate, picks)], dim=1)
         return self._attend(q, keys, mask)
 
     def _window(

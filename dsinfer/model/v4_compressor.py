@@ -82,9 +82,9 @@ class Compressor(nn.Module):
             kv, gate = self._overlapped(kv, gate, series)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.norm((kv * weights).sum(dim=1))
-        first = series.entries.shape[0]
+        first = len(series.entries)
         positions = (torch.arange(windows, device=kv.device) + first) * self.rate
-        series.entries = torch.cat([series.entries, rotate(rope, entries, positions)])
+        series.entries.append(rotate(rope, entries, positions))
 
     def _overlapped(
         self, kv: torch.Tensor, gate: torch.Tensor, series: Series
@@ -134,7 +134,7 @@ class Indexer(nn.Module):
         """One sequence's entries each query attends to [T, min(topk, E)], -1 where it may see
         fewer; its indexer keys take the tokens in first."""
         self.compressor.compress((rows.kv, rows.gate), series, rope)
-        keys = series.entries.float()  # [E, d]
+        keys = series.entries.read().float()  # [E, d]
         scores = torch.einsum("thd,ed->the", rows.q.float(), keys).relu() * self.dim**-0.5
         index_scores = torch.einsum("the,th->te", scores, rows.weights)
         visible = visible_entries(positions, self.rate)[:, None]

@@ -1,11 +1,10 @@
 """DeepSeek-V4 behind the engine's model interface (what ``ModelRunner`` calls on V3's model).
 
 The engine schedules V4 like V3: chunked prefill, decodes batched, pages charged per 256 tokens.
-Where V3 reads and writes its latent through the block table, V4 keeps each sequence's hybrid
-cache (``SequenceState``: window, compressed entries, indexer keys, compressor state) in the
-pool's ``SequenceStates`` under the sequence's first page, which the pool drops when that page is
-freed. Served this way: one rank, colocated (no EP group, no PD transfer, no prefix cache, no
-MTP, no CUDA graphs); those need V4's cache paged group by group (dsinfer/base/kv_groups.py).
+Its compressed entries and indexer keys are written to and read from the sequence's pages; its
+window rows and compressor state are the sequence's own (dsinfer/model/v4_paged.py), found by the
+batch's sequence keys. Served this way: one rank, colocated (no EP group, no PD transfer, no prefix
+cache, no MTP, no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from torch import nn
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
-from dsinfer.model.v4_state import SequenceStates
+from dsinfer.model.v4_paged import SequenceStates
 
 
 class ServedV4(nn.Module):
@@ -36,9 +35,15 @@ class ServedV4(nn.Module):
         states [T, hidden]."""
         if batch.after_layer is not None:
             raise RuntimeError("DeepSeek-V4 has no per-layer KV hook yet (PD transfer is not served)")
-        keys = batch.block_tables[:, 0].tolist()
-        starts = [kv - q for kv, q in zip(batch.kv_lens, batch.q_lens, strict=True)]
-        seq_states = [states.for_step(k, s) for k, s in zip(keys, starts, strict=True)]
+        if batch.seq_keys is None:
+            raise RuntimeError("DeepSeek-V4 keeps a cache per sequence: the batch must name its sequences")
+        page_size = states.page_tokens
+        seq_states = []
+        for i, (key, kv_len, q_len) in enumerate(
+            zip(batch.seq_keys, batch.kv_lens, batch.q_lens, strict=True)
+        ):
+            pages = batch.block_tables[i, : -(-kv_len // page_size)].tolist()
+            seq_states.append(states.for_step(key, kv_len - q_len, pages))
         return self.model.forward_many(token_ids, seq_states, batch.q_lens)
 
     def expert_load(self) -> dict[int, list[int]]:

@@ -18,17 +18,52 @@ and a transfer must agree with.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from dsinfer.base.v4_config import CSA, HCA, V4Config
 
 
+class EntryStore(Protocol):
+    """Where a series keeps its compressed entries: whole in one tensor (``DenseEntries``) or in
+    the pool's pages (dsinfer/model/v4_paged.py)."""
+
+    def read(self) -> torch.Tensor:
+        """Every entry so far, [E, dim]."""
+        ...
+
+    def append(self, entries: torch.Tensor) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class DenseEntries:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def read(self) -> torch.Tensor:
+        return self.tensor
+
+    def append(self, entries: torch.Tensor) -> None:
+        self.tensor = torch.cat([self.tensor, entries])
+
+    def __len__(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.nbytes
+
+
 @dataclass
 class Series:
     """Compressed entries of one compressor and its unfinished state."""
 
-    entries: torch.Tensor  # [E, dim]
+    entries: EntryStore  # [E, dim]
     pending_kv: torch.Tensor  # [< rate, width] projected rows of the window not finished yet
     pending_gate: torch.Tensor
     overlap_kv: torch.Tensor | None = None  # CSA: [rate, dim] first half of the last finished window
@@ -37,7 +72,7 @@ class Series:
     @classmethod
     def empty(cls, dim: int, width: int, dtype: torch.dtype, device: torch.device) -> Series:
         return cls(
-            torch.empty(0, dim, dtype=dtype, device=device),
+            DenseEntries(torch.empty(0, dim, dtype=dtype, device=device)),
             torch.empty(0, width, dtype=dtype, device=device),
             torch.empty(0, width, dtype=dtype, device=device),
         )
@@ -108,42 +143,3 @@ def cache_bytes(config: V4Config, context: int, value_bytes: int) -> dict[str, i
             )  # kv and gate of the last block's first half
             totals["compressor_state"] += (2 * (context % rate) * width + overlap) * value_bytes
     return totals
-
-
-class SequenceStates:
-    """The hybrid caches of the sequences an engine runs, each kept under its ``key``: the first
-    page of its block table, a page no other live sequence holds (V4 pages are not shared: no
-    prefix cache yet). The pool that owns the pages drops a key's state when that page is freed,
-    so a finished, aborted or preempted sequence leaves nothing behind."""
-
-    def __init__(self, config: V4Config, dtype: torch.dtype, device: torch.device) -> None:
-        self.config, self.dtype, self.device = config, dtype, device
-        self._states: dict[int, SequenceState] = {}
-
-    def for_step(self, key: int, start: int) -> SequenceState:
-        """The state of the sequence keyed ``key`` whose step computes from position ``start``: a
-        new one at 0 (a prompt's first chunk, or a preempted sequence computed again)."""
-        if start == 0:
-            self._states[key] = SequenceState.empty(self.config, self.dtype, self.device)
-        state = self._states.get(key)
-        if state is None or state.length != start:
-            held = "none" if state is None else f"{state.length} tokens"
-            raise RuntimeError(
-                f"V4 cache of the sequence at page {key}: step from {start}, state holds {held}"
-            )
-        return state
-
-    def drop(self, pages: list[int]) -> None:
-        for page in pages:
-            self._states.pop(page, None)
-
-    def __len__(self) -> int:
-        return len(self._states)
-
-    def nbytes(self) -> dict[str, int]:
-        """Bytes held per cache group over every live sequence."""
-        totals = {"window": 0, "compressed": 0, "indexer": 0, "compressor_state": 0}
-        for state in self._states.values():
-            for group, n in state.nbytes().items():
-                totals[group] += n
-        return totals
