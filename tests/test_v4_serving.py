@@ -81,7 +81,7 @@ def test_preempted_sequences_are_computed_again(v4: tuple[Path, Any], expected: 
     """Eight pages for five sequences of up to five pages each: the scheduler preempts, and a
     preempted sequence's cache starts again from nothing."""
     config, dtype = V4Config.model_validate_json((v4[0] / "config.json").read_text()), torch.float32
-    memory = 5 * V4StatePool.sequence_bytes_for(config, dtype) + 8 * V4StatePool.page_bytes_for(config, dtype)
+    memory = V4StatePool.reserve_bytes_for(config, dtype, 5) + 8 * V4StatePool.page_bytes_for(config, dtype)
     small = LLM(
         str(v4[0]), dtype="float32", max_num_batched_tokens=256, max_num_seqs=5, kv_cache_memory=memory
     )
@@ -89,6 +89,32 @@ def test_preempted_sequences_are_computed_again(v4: tuple[Path, Any], expected: 
     assert _tokens(small, _prompts()) == expected
     assert small.engine.scheduler.stats.preemptions > 0
     _assert_nothing_held(small)
+
+
+def test_prefix_cache_hits_resume_at_a_page_boundary(v4: tuple[Path, Any]) -> None:
+    """A prompt sharing 600 tokens with a finished one hits its first two pages (512 tokens) and
+    resumes there: the window's rows and CSA's overlap rows at the boundary come from the resume
+    point kept for that page, the compressed entries from the shared pages; the 200 tokens after
+    the hit end mid-block (200 is no multiple of 16). A conversation's next turn (the first
+    prompt, its answer, more) hits up to the last full page the answer completed while decoding. Tokens equal transformers'
+    on the whole prompts, and equal the same engine's without the prefix cache."""
+    llm = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96)
+    first = _prompts()[4][:760]  # its answer crosses the third page's end while decoding
+    answer = _tokens(llm, [first])[0]
+    assert answer == greedy_reference(v4[1], first, OUTPUT)
+    g = torch.Generator().manual_seed(9)
+    branch = first[:600] + torch.randint(2, TOKENIZER_VOCAB, (200,), generator=g).tolist()
+    turn = first + answer + torch.randint(2, TOKENIZER_VOCAB, (90,), generator=g).tolist()
+    before = llm.engine.kv.stats.memory_hit_tokens
+    assert _tokens(llm, [branch]) == [greedy_reference(v4[1], branch, OUTPUT)]
+    assert llm.engine.kv.stats.memory_hit_tokens - before == 512
+    before = llm.engine.kv.stats.memory_hit_tokens
+    assert _tokens(llm, [turn]) == [greedy_reference(v4[1], turn, OUTPUT)]
+    assert llm.engine.kv.stats.memory_hit_tokens - before == 768  # 769 computed tokens: 3 full pages
+    cold = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96, enable_prefix_caching=False)
+    assert _tokens(cold, [branch, turn]) == _tokens(llm, [branch, turn])
+    _assert_nothing_held(cold)
+    assert len(llm.engine.kv.pool.caches) == 0
 
 
 def test_abort_frees_the_sequence_cache(v4: tuple[Path, Any]) -> None:

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -126,7 +127,12 @@ class KVCacheManager:
         enable_prefix_cache: bool = True,
         disk: DiskKVTier | None = None,
         max_pending_writes: int = 64,
+        resumable: Callable[[int], bool] | None = None,
+        on_allocate: Callable[[list[int]], None] | None = None,
     ) -> None:
+        """``resumable`` (models with per-sequence state beside their pages, V4): whether a prefix
+        hit may end after this page; a hit is cut back to the last such page. ``on_allocate``: told
+        the pages each allocation hands out (new owners), evicted cached ones included."""
         if disk is not None:
             if disk.page_layout != pool.page_layout or disk.payload_bytes != pool.page_bytes:
                 raise ValueError(
@@ -135,6 +141,7 @@ class KVCacheManager:
             if disk.root != root:
                 raise ValueError("the disk tier was opened for another model root")
         self._pool = pool
+        self._resumable, self._on_allocate = resumable, on_allocate
         self._alloc = pool.allocator
         self.root = root
         self.enable_prefix_cache = enable_prefix_cache
@@ -200,6 +207,8 @@ class KVCacheManager:
         pages += [self._evict_one() for _ in range(n - len(pages))]
         for p in pages:
             self._refs[p] = 1
+        if self._on_allocate is not None:
+            self._on_allocate(pages)
         return pages
 
     def release(self, pages: list[int]) -> None:
@@ -254,17 +263,26 @@ class KVCacheManager:
         memory = disk_pages = 0
         if not self.enable_prefix_cache or len(token_ids) <= self.page_size:
             return PrefixMatch(pages, 0, 0, 0, len(token_ids))
+        origins: list[str] = []
         for key in page_hashes(token_ids[:-1], self.page_size, self.root):
             page = self._cached.get(key)
             if page is not None:
                 self._reference(page)
                 memory += 1
+                page_origin = "memory"
             else:
                 page = self._load_from_disk(key)
                 if page is None:
                     break
                 disk_pages += 1
+                page_origin = "disk"
             pages.append(page)
+            origins.append(page_origin)
+        if self._resumable is not None:
+            usable = max((i + 1 for i, page in enumerate(pages) if self._resumable(page)), default=0)
+            self.release(pages[usable:])
+            pages, origins = pages[:usable], origins[:usable]
+            memory, disk_pages = origins.count("memory"), origins.count("disk")
         self._stats.memory_hit_tokens += memory * self.page_size
         self._stats.disk_hit_tokens += disk_pages * self.page_size
         self._stats.disk_pages_read += disk_pages

@@ -6,10 +6,10 @@ compressing layer, those tokens' compressed entries (CSA: and indexer keys): the
 with a sequence (dsinfer/base/kv_groups.py; dsinfer/model/v4_paged.py lays them out). What stays
 bounded whatever a sequence's length, the window's last ``sliding_window - 1`` raw rows of every
 layer and the compressors' unfinished rows, is the sequence's own state; the engine sets that aside
-for ``max_num_seqs`` sequences before it counts pages and drops the states of sequences that stop
-running. The scheduler admits, grows and preempts by pages as for V3. Nothing is shared between
-sequences (no prefix cache), read page by page (no disk tier) or registered with a transfer
-library (no PD) yet.
+for ``max_num_seqs`` sequences, and as many prefix-cache resume points (dsinfer/model/v4_paged.py),
+before it counts pages, and drops the states of sequences that stop running. The scheduler admits,
+grows and preempts by pages as for V3, and shares cached pages between sequences. Pages are not
+read one by one (no disk tier) or registered with a transfer library (no PD) yet.
 """
 
 from __future__ import annotations
@@ -24,14 +24,21 @@ from dsinfer.model.v4_paged import SequenceStates
 
 class V4StatePool:
     def __init__(
-        self, config: V4Config, num_pages: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self,
+        config: V4Config,
+        num_pages: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        max_resume_points: int = 0,
     ) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.spec = self.spec_for(config, dtype)
         self.page_size = self.spec.page_tokens
         self._device = torch.device(device)
-        self.caches = SequenceStates(config, num_pages, self.page_size, dtype, self._device)
+        self.caches = SequenceStates(
+            config, num_pages, self.page_size, dtype, self._device, max_resume_points
+        )
         self.allocator = PageAllocator(num_pages)
         self.num_layers = config.num_hidden_layers
 
@@ -53,6 +60,12 @@ class V4StatePool:
         window = spec.group("window")
         assert window is not None
         return spec.window * len(window.layers) * window.entry_bytes + spec.state_bytes
+
+    @classmethod
+    def reserve_bytes_for(cls, config: V4Config, dtype: torch.dtype, max_num_seqs: int) -> int:
+        """Set aside before pages: ``max_num_seqs`` sequences' bounded part and as many resume
+        points (each at most a window and the compressors' overlap rows)."""
+        return 2 * max_num_seqs * cls.sequence_bytes_for(config, dtype)
 
     @property
     def page_bytes(self) -> int:

@@ -82,7 +82,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
     weights = v4_weights(config, dtype, fp8=cuda)
     spec = HybridCacheSpec.for_v4(config, dtype_name)
     page_bytes = V4StatePool.page_bytes_for(config, dtype)
-    reserve = engine.max_num_seqs * V4StatePool.sequence_bytes_for(config, dtype)
+    reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs)
     max_len = engine.max_model_len or config.max_position_embeddings
     lines = [
         "dsinfer serve: DeepSeek-V4 colocated on one rank (dry run: nothing is started)",
@@ -122,7 +122,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
         lines.append(
             f"  KV cache: {engine.kv_fraction_for('cuda'):g} of free memory at start-up (no GPU here to "
             f"measure), less {fmt_bytes(reserve)} for --max-num-seqs {engine.max_num_seqs} sequences' windows "
-            f"and state, in pages of {fmt_bytes(page_bytes)}"
+            f"and state and as many resume points, in pages of {fmt_bytes(page_bytes)}"
         )
         budget = None
     else:
@@ -142,7 +142,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
         pages = max(budget - reserve, 0) // page_bytes
         lines.append(
             f"  KV cache: {fmt_bytes(budget)} ({how}) = {fmt_bytes(reserve)} for --max-num-seqs "
-            f"{engine.max_num_seqs} sequences' windows and state + {pages} pages of "
+            f"{engine.max_num_seqs} sequences' windows and state and as many resume points + {pages} pages of "
             f"{fmt_bytes(page_bytes)} = {pages * spec.page_tokens:,} tokens of compressed entries"
         )
         if pages < 1:

@@ -38,6 +38,7 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.remote import RemotePrefills
 from dsinfer.engine.requests import RequestTable
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
+from dsinfer.engine.sequence import Sequence
 from dsinfer.engine.sequence_factory import SequenceFactory
 from dsinfer.engine.step import EngineLoad, LayerHookFor, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
@@ -106,8 +107,6 @@ class LLMEngine:
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
         if v4 and args.kv_disk_cache_dir is not None:
             raise ValueError("kv_disk_cache_dir: the disk tier does not hold DeepSeek-V4's cache yet")
-        if v4 and args.enable_prefix_caching:
-            log.info("prefix cache off: DeepSeek-V4's cache is not shared between requests yet")
         disk = None
         if args.kv_disk_cache_dir is not None:
             disk = DiskKVTier(
@@ -117,8 +116,13 @@ class LLMEngine:
                 page_layout=pool.page_layout,
                 page_bytes=pool.page_bytes,
             )
+        hooks = (
+            {"resumable": pool.caches.resumable, "on_allocate": pool.caches.forget}
+            if isinstance(pool, V4StatePool)
+            else {}
+        )
         self.kv = KVCacheManager(
-            pool, root=root, enable_prefix_cache=args.enable_prefix_caching and not v4, disk=disk
+            pool, root=root, enable_prefix_cache=args.enable_prefix_caching, disk=disk, **hooks
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -188,7 +192,7 @@ class LLMEngine:
         compressor state) is set aside (dsinfer/cache/v4_pool.py)."""
         assert isinstance(self.config, V4Config)
         page_bytes = V4StatePool.page_bytes_for(self.config, dtype)
-        reserve = self.args.max_num_seqs * V4StatePool.sequence_bytes_for(self.config, dtype)
+        reserve = V4StatePool.reserve_bytes_for(self.config, dtype, self.args.max_num_seqs)
         budget, how = self.args.kv_cache_memory, "--kv-cache-memory"
         if budget is None:
             budget, how = self.args.default_kv_budget(
@@ -204,10 +208,11 @@ class LLMEngine:
                 f"kv_cache_memory {budget} bytes holds no page ({page_bytes} bytes) once {reserve} bytes "
                 f"are set aside for the windows and compressor state of max_num_seqs {self.args.max_num_seqs}"
             )
-        pool = V4StatePool(self.config, num_pages, dtype, device)
+        resume_points = self.args.max_num_seqs if self.args.enable_prefix_caching else 0
+        pool = V4StatePool(self.config, num_pages, dtype, device, resume_points)
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB, %d bytes per page) + %.1f MiB for %d sequences' "
-            "windows and compressor state (%s; %s)",
+            "windows and compressor state and as many resume points (%s; %s)",
             num_pages,
             pool.page_size,
             num_pages * page_bytes / 2**20,
@@ -263,7 +268,7 @@ class LLMEngine:
         preempted) are dropped; their pages went back to the pool already."""
         pool = self.kv.pool
         if isinstance(pool, V4StatePool):
-            pool.caches.keep(f"{seq.request_id}/{seq.choice}" for seq in self.scheduler.running)
+            pool.caches.keep(_seq_key(seq) for seq in self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -315,7 +320,11 @@ class LLMEngine:
         batch = plan.batch
         before = [item.seq.num_tokens for item in batch.seqs]
         hook = layer_hook_for(plan.work()) if layer_hook_for is not None and batch.seqs else None
+        pages = [item.seq.pages for item in batch.seqs]  # a finished sequence's list is replaced
         finished = self.scheduler.postprocess(batch, self.runner.run(batch, agreed, hook))
+        if isinstance(self.kv.pool, V4StatePool):
+            for item, held in zip(batch.seqs, pages, strict=True):
+                self.kv.pool.caches.stash(_seq_key(item.seq), held, self.kv.is_cached)
         self._keep_running_states()
         updates = []
         for item, num_before in zip(batch.seqs, before, strict=True):
@@ -389,3 +398,7 @@ class LLMEngine:
         self.kv.close()
         if self.expert_balancer is not None:
             self.expert_balancer.close()
+
+
+def _seq_key(seq: Sequence) -> str:
+    return f"{seq.request_id}/{seq.choice}"  # = ForwardBatch.seq_keys (dsinfer/engine/forward.py)

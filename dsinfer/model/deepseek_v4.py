@@ -43,11 +43,13 @@ class V4DecoderLayer(nn.Module):
         token_ids: torch.Tensor,
         positions: list[torch.Tensor],
         states: list[SequenceState],
+        boundaries: list[int | None],
     ) -> torch.Tensor:
-        """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows."""
+        """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows;
+        ``boundaries[i]``: the page boundary they cross last, if any (its resume state is kept)."""
         pre, post, comb = self.attn_hc.weights(streams)
         x = self.attn_norm(HyperConnection.collapse(streams, pre))
-        h = self.attn(x, positions, [state.layers[self.layer] for state in states])
+        h = self.attn(x, positions, [state.layers[self.layer] for state in states], boundaries)
         streams = HyperConnection.expand(streams, h, post, comb)
         pre, post, comb = self.ffn_hc.weights(streams)
         h = self.ffn(self.ffn_norm(HyperConnection.collapse(streams, pre)), token_ids)
@@ -81,10 +83,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             torch.arange(state.length, state.length + n, device=device)
             for state, n in zip(states, q_lens, strict=True)
         ]
+        boundaries = [_last_boundary(state, n) for state, n in zip(states, q_lens, strict=True)]
+        for state, boundary in zip(states, boundaries, strict=True):
+            if boundary is not None:
+                state.boundary = boundary
         x = self.embed(token_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, token_ids, positions, states)
+            streams = layer(streams, token_ids, positions, states, boundaries)
         for state, n in zip(states, q_lens, strict=True):
             state.length += n
         return self.norm(self.hc_head(streams))
@@ -95,3 +101,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.embed.weight.dtype, self.embed.weight.device)
+
+
+def _last_boundary(state: SequenceState, new_tokens: int) -> int | None:
+    """The last multiple of ``state.boundary_every`` in (length, length + new_tokens]."""
+    if state.boundary_every is None:
+        return None
+    last = (state.length + new_tokens) // state.boundary_every * state.boundary_every
+    return last if last > state.length else None

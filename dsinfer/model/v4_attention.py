@@ -54,7 +54,11 @@ class V4Attention(nn.Module):
         self.rope = RotaryEmbedding(config.rope(layer), config.qk_rope_head_dim, interleaved=True)
 
     def forward(
-        self, x: torch.Tensor, positions: list[torch.Tensor], states: list[LayerState]
+        self,
+        x: torch.Tensor,
+        positions: list[torch.Tensor],
+        states: list[LayerState],
+        boundaries: list[int | None] | None = None,
     ) -> torch.Tensor:
         """``x [T, hidden]``: the next tokens of one or more sequences, sequence i's the next
         ``len(positions[i])`` rows at ``positions[i]`` (consecutive, after the tokens ``states[i]``
@@ -74,7 +78,10 @@ class V4Attention(nn.Module):
         indexed = (
             none if self.indexer is None else self.indexer.project(x, q_lora, where, self.rope).split(sizes)
         )
-        parts = zip(q.split(sizes), kv.split(sizes), compressed, indexed, positions, states, strict=True)
+        marks = boundaries if boundaries is not None else none
+        parts = zip(
+            q.split(sizes), kv.split(sizes), compressed, indexed, positions, states, marks, strict=True
+        )
         out = torch.cat([self._sequence(*part) for part in parts])
         out = rotate(self.rope, out, where, inverse=True)
         grouped = out.reshape(tokens, self.groups, -1)
@@ -90,29 +97,33 @@ class V4Attention(nn.Module):
         indexed: IndexerRows | None,
         positions: torch.Tensor,
         state: LayerState,
+        boundary: int | None,
     ) -> torch.Tensor:
         """One sequence's attention output [T, H, D] (rope channels still rotated)."""
-        keys, mask = self._window(kv, positions, state)
+        keys, mask = self._window(kv, positions, state, boundary)
         if self.compressor is not None:
             series = state.compressed
             assert series is not None and compressed is not None
             picks = None
             if self.indexer is not None:
                 assert state.indexer is not None and indexed is not None
-                picks = self.indexer.select(indexed, positions, state.indexer, self.rope)
-            self.compressor.compress(compressed, series, self.rope)
+                picks = self.indexer.select(indexed, positions, state.indexer, self.rope, boundary)
+            self.compressor.compress(compressed, series, self.rope, boundary)
             entries = series.entries.read()
             keys = torch.cat([keys, entries])
             mask = torch.cat([mask, entry_mask(positions, entries.shape[0], self.rate, picks)], dim=1)
         return self._attend(q, keys, mask)
 
     def _window(
-        self, kv: torch.Tensor, positions: torch.Tensor, state: LayerState
+        self, kv: torch.Tensor, positions: torch.Tensor, state: LayerState, boundary: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw rows the new queries may see and the mask [T, K] of which each sees; the state
-        keeps the last ``window - 1`` rows."""
+        keeps the last ``window - 1`` rows (and those before ``boundary``)."""
         keys = torch.cat([state.window, kv])
         first = int(positions[0]) - state.window.shape[0]
+        if boundary is not None:
+            start = max(0, boundary - (self.window - 1) - first) if self.window > 1 else boundary - first
+            state.boundary_window = keys[start : boundary - first].clone()
         key_pos = torch.arange(first, first + keys.shape[0], device=kv.device)
         distance = positions[:, None] - key_pos[None, :]
         state.window = keys[max(0, keys.shape[0] - (self.window - 1)) :] if self.window > 1 else keys[:0]

@@ -65,10 +65,14 @@ class Compressor(nn.Module):
         return self.wkv(x), self.wgate(x)
 
     def compress(
-        self, rows: tuple[torch.Tensor, torch.Tensor], series: Series, rope: RotaryEmbedding
+        self,
+        rows: tuple[torch.Tensor, torch.Tensor],
+        series: Series,
+        rope: RotaryEmbedding,
+        boundary: int | None = None,
     ) -> None:
         """Feed one sequence's next tokens' ``project`` rows; the windows they complete become
-        entries of ``series``, the rest stays pending."""
+        entries of ``series``, the rest stays pending (CSA: the overlap at ``boundary`` is kept)."""
         kv = torch.cat([series.pending_kv, rows[0]])
         gate = torch.cat([series.pending_gate, rows[1]])
         windows = kv.shape[0] // self.rate
@@ -79,6 +83,9 @@ class Compressor(nn.Module):
         kv = kv[:usable].view(windows, self.rate, -1)
         gate = gate[:usable].view(windows, self.rate, -1) + self.ape.to(gate.dtype)
         if self.overlap:
+            if boundary is not None:  # the window ending at the boundary is one of these
+                at = boundary // self.rate - 1 - len(series.entries)
+                series.boundary_overlap = (kv[at, :, : self.dim].clone(), gate[at, :, : self.dim].clone())
             kv, gate = self._overlapped(kv, gate, series)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.norm((kv * weights).sum(dim=1))
@@ -129,11 +136,16 @@ class Indexer(nn.Module):
         return IndexerRows(*self.compressor.project(x), q, weights)
 
     def select(
-        self, rows: IndexerRows, positions: torch.Tensor, series: Series, rope: RotaryEmbedding
+        self,
+        rows: IndexerRows,
+        positions: torch.Tensor,
+        series: Series,
+        rope: RotaryEmbedding,
+        boundary: int | None = None,
     ) -> torch.Tensor:
         """One sequence's entries each query attends to [T, min(topk, E)], -1 where it may see
         fewer; its indexer keys take the tokens in first."""
-        self.compressor.compress((rows.kv, rows.gate), series, rope)
+        self.compressor.compress((rows.kv, rows.gate), series, rope, boundary)
         keys = series.entries.read().float()  # [E, d]
         scores = torch.einsum("thd,ed->the", rows.q.float(), keys).relu() * self.dim**-0.5
         index_scores = torch.einsum("the,th->te", scores, rows.weights)

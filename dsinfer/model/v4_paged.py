@@ -8,16 +8,25 @@ per compressing layer a tensor ``[num_pages, page_tokens / rate, dim]`` of its c
 compressors' unfinished rows, is the sequence's ``SequenceState`` kept here under its key (its
 request and choice), its series' entries bound to its pages before each step. The engine keeps
 the states of the sequences that run and drops the others (``keep``).
+
+Prefix caching: a sequence resuming after a cached page finds the compressed groups in the shared
+pages, but its window rows and CSA's overlap rows there are nobody's any more. So the state at a
+page's end (``Boundary``) is kept as that page's resume point: after each step, for the last page
+boundary a sequence crossed (the end of its prompt's last full page, of its last full page when it
+finishes...), if the prefix cache holds that page (``stash``); at most ``max_resume_points``, least
+recently used first out, and forgotten when the page gets a new owner. A prefix hit is cut back to
+its last page with a resume point (``resumable``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 import torch
 
 from dsinfer.base.v4_config import CSA, HCA, V4Config
-from dsinfer.model.v4_state import SequenceState, Series
+from dsinfer.model.v4_state import Boundary, SequenceState, Series
 
 
 class PagedEntries:
@@ -61,6 +70,7 @@ class SequenceStates:
         page_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_resume_points: int = 0,
     ) -> None:
         self.config, self.dtype, self.device, self.page_tokens = config, dtype, device, page_tokens
         self.groups: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # layer -> entries, indexer
@@ -76,6 +86,8 @@ class SequenceStates:
             )
             self.groups[layer] = (entries, indexer)
         self._states: dict[str, SequenceState] = {}
+        self._resume: OrderedDict[int, Boundary] = OrderedDict()  # page -> the state at its end; LRU
+        self.max_resume_points = max_resume_points
 
     def tensors(self) -> list[torch.Tensor]:
         """The paged groups' tensors, layer by layer (entries, then indexer keys)."""
@@ -84,9 +96,11 @@ class SequenceStates:
     def for_step(self, key: str, start: int, pages: list[int]) -> SequenceState:
         """The state of the sequence ``key`` whose step computes from position ``start`` over
         ``pages``: a new one at 0 (a prompt's first chunk, or a sequence computed again)."""
-        if start == 0:
-            self._states[key] = self._new_state()
         state = self._states.get(key)
+        if start == 0:
+            state = self._states[key] = self._new_state()
+        elif state is None or state.length != start:  # a prefix-cache hit: resume at its last page
+            state = self._states[key] = self._resumed(pages[start // self.page_tokens - 1], start)
         if state is None or state.length != start:
             held = "none" if state is None else f"{state.length} tokens"
             raise RuntimeError(f"V4 cache of sequence {key}: step from {start}, state holds {held}")
@@ -97,8 +111,54 @@ class SequenceStates:
                     series.entries.pages = pages
         return state
 
+    def _resumed(self, page: int, start: int) -> SequenceState:
+        point = self._resume.get(page)
+        if point is None or point.position != start:
+            raise RuntimeError(f"V4: no state to resume at token {start} (page {page})")
+        self._resume.move_to_end(page)
+        state = self._new_state()
+        state.length = start
+        for i, layer in enumerate(state.layers):
+            layer.window = point.windows[i]
+            rate = self.config.compress_rate(i)
+            for name, series in (("compressed", layer.compressed), ("indexer", layer.indexer)):
+                if series is None:
+                    continue
+                assert isinstance(series.entries, PagedEntries)
+                series.entries.count = start // rate
+                series.overlap_kv, series.overlap_gate = point.overlaps.get((i, name), (None, None))
+        return state
+
+    # Resume points: the state at the end of a cached page ---------------------------------------
+    def stash(self, key: str, pages: list[int], cached: Callable[[int], bool]) -> None:
+        """Keep the resume point the sequence ``key`` crossed last (if any, and if its page is in
+        the prefix cache), evicting the least recently used beyond ``max_resume_points``."""
+        state = self._states.get(key)
+        if state is None or state.boundary is None or self.max_resume_points == 0:
+            return
+        page = pages[state.boundary // self.page_tokens - 1]
+        if cached(page):
+            self._resume[page] = Boundary.of(state)
+            self._resume.move_to_end(page)
+            while len(self._resume) > self.max_resume_points:
+                self._resume.popitem(last=False)
+        state.boundary = None
+
+    def resumable(self, page: int) -> bool:
+        """Whether a sequence can resume after ``page`` (a prefix hit may end there)."""
+        return page in self._resume
+
+    def forget(self, pages: list[int]) -> None:
+        """``pages`` have new owners: their resume points no longer hold."""
+        for page in pages:
+            self._resume.pop(page, None)
+
+    def resume_bytes(self) -> int:
+        return sum(point.nbytes for point in self._resume.values())
+
     def _new_state(self) -> SequenceState:
         state = SequenceState.empty(self.config, self.dtype, self.device)
+        state.boundary_every = self.page_tokens
         for layer, (entries, indexer) in self.groups.items():
             paged = state.layers[layer]
             assert paged.compressed is not None

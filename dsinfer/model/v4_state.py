@@ -68,6 +68,7 @@ class Series:
     pending_gate: torch.Tensor
     overlap_kv: torch.Tensor | None = None  # CSA: [rate, dim] first half of the last finished window
     overlap_gate: torch.Tensor | None = None
+    boundary_overlap: tuple[torch.Tensor, torch.Tensor] | None = None  # CSA: the overlap at ``boundary``
 
     @classmethod
     def empty(cls, dim: int, width: int, dtype: torch.dtype, device: torch.device) -> Series:
@@ -87,14 +88,22 @@ class LayerState:
     window: torch.Tensor  # [<= sliding_window - 1, head_dim]
     compressed: Series | None = None  # CSA, HCA
     indexer: Series | None = None  # CSA
+    boundary_window: torch.Tensor | None = None  # the window's rows before ``boundary``
 
 
 @dataclass
 class SequenceState:
-    """One sequence's cache over every layer; ``length`` tokens seen."""
+    """One sequence's cache over every layer; ``length`` tokens seen.
+
+    With ``boundary_every`` (a page's tokens), a forward that crosses multiples of it records in
+    ``boundary`` the last one crossed and, per layer, what a sequence resuming there needs beside
+    the pages: the window's rows before it and CSA's overlap rows (no compressor row is pending at
+    a multiple of every rate)."""
 
     layers: list[LayerState]
     length: int = 0
+    boundary_every: int | None = None
+    boundary: int | None = None
 
     @classmethod
     def empty(cls, config: V4Config, dtype: torch.dtype, device: torch.device | str = "cpu") -> SequenceState:
@@ -143,3 +152,30 @@ def cache_bytes(config: V4Config, context: int, value_bytes: int) -> dict[str, i
             )  # kv and gate of the last block's first half
             totals["compressor_state"] += (2 * (context % rate) * width + overlap) * value_bytes
     return totals
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What a sequence resuming at ``position`` (a page boundary) needs besides its pages."""
+
+    position: int
+    windows: list[torch.Tensor]  # per layer
+    overlaps: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, series) -> kv, gate
+
+    @classmethod
+    def of(cls, state: SequenceState) -> Boundary:
+        assert state.boundary is not None
+        windows, overlaps = [], {}
+        for i, layer in enumerate(state.layers):
+            assert layer.boundary_window is not None
+            windows.append(layer.boundary_window)
+            for name, series in (("compressed", layer.compressed), ("indexer", layer.indexer)):
+                if series is not None and series.boundary_overlap is not None:
+                    overlaps[(i, name)] = series.boundary_overlap
+        return cls(state.boundary, windows, overlaps)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.windows) + sum(
+            a.nbytes + b.nbytes for a, b in self.overlaps.values()
+        )
