@@ -230,7 +230,6 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
             "pools of more than one rank (expert parallelism) is not",
         ),
         (["--speculative-mtp"], "--speculative-mtp is not"),
-        (["--kv-disk-cache-dir", "/tmp/nowhere"], "--kv-disk-cache-dir is not"),
     ],
 )
 def test_serve_refuses_what_v4_has_not_yet_in_one_line(
@@ -246,11 +245,32 @@ def test_serve_refuses_what_v4_has_not_yet_in_one_line(
     assert needle in lines[0]
 
 
-def test_offline_engine_refuses_mtp_and_disk_tier(v4: tuple[Path, Any], tmp_path: Path) -> None:
+def test_offline_engine_refuses_mtp(v4: tuple[Path, Any]) -> None:
     with pytest.raises(Exception, match="MTP is not served for DeepSeek-V4 yet"):
         LLM(str(v4[0]), dtype="float32", speculative_mtp=True)
-    with pytest.raises(ValueError, match="disk tier does not hold DeepSeek-V4's cache yet"):
-        LLM(str(v4[0]), dtype="float32", kv_disk_cache_dir=str(tmp_path))
+
+
+def test_disk_tier_serves_a_hit_after_a_restart(v4: tuple[Path, Any], tmp_path: Path) -> None:
+    """A page's record holds its compressed groups and its resume point: an engine started
+    afterwards on the same directory, its memory empty, hits 512 tokens from disk and answers as
+    transformers does; a damaged file is rejected, never served."""
+    directory = str(tmp_path / "kv")
+    first = _prompts()[4][:700]
+    writer = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96, kv_disk_cache_dir=directory)
+    _tokens(writer, [first])
+    writer.engine.kv.flush()
+    assert writer.engine.kv.stats.disk_pages_written == 2
+    reader = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96, kv_disk_cache_dir=directory)
+    g = torch.Generator().manual_seed(5)
+    branch = first[:600] + torch.randint(2, TOKENIZER_VOCAB, (150,), generator=g).tolist()
+    assert _tokens(reader, [branch]) == [greedy_reference(v4[1], branch, OUTPUT)]
+    stats = reader.engine.kv.stats
+    assert (stats.disk_hit_tokens, stats.memory_hit_tokens, stats.disk_files_rejected) == (512, 0, 0)
+    for path in (tmp_path / "kv").iterdir():
+        path.write_bytes(path.read_bytes()[:-7] + b"damaged")
+    third = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96, kv_disk_cache_dir=directory)
+    assert _tokens(third, [branch]) == [greedy_reference(v4[1], branch, OUTPUT)]
+    assert (third.engine.kv.stats.disk_hit_tokens, third.engine.kv.stats.disk_files_rejected) == (0, 1)
 
 
 def test_invalid_v4_config_is_named_in_one_line() -> None:

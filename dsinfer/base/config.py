@@ -23,7 +23,7 @@ FAMILIES = {"deepseek_v3": "DeepSeek-V3/R1, V3.1", "deepseek_v32": "DeepSeek-V3.
 V4_MODEL_TYPE = "deepseek_v4"
 V4_SCOPE = (
     "DeepSeek-V4 (model_type 'deepseek_v4') is served on one rank, colocated, for now: expert "
-    "parallelism, PD, MTP, the prefix cache's disk tier, dry-run plans and EPLB take the V3 family only"
+    "parallelism, PD, MTP, the simulator and EPLB take the V3 family only"
 )
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")

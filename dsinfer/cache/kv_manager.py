@@ -134,9 +134,9 @@ class KVCacheManager:
         hit may end after this page; a hit is cut back to the last such page. ``on_allocate``: told
         the pages each allocation hands out (new owners), evicted cached ones included."""
         if disk is not None:
-            if disk.page_layout != pool.page_layout or disk.payload_bytes != pool.page_bytes:
+            if disk.page_layout != pool.page_record_layout or disk.payload_bytes != pool.page_record_bytes:
                 raise ValueError(
-                    f"disk tier pages ({disk.page_layout}) do not match the pool's ({pool.page_layout})"
+                    f"disk tier pages ({disk.page_layout}) do not match the pool's ({pool.page_record_layout})"
                 )
             if disk.root != root:
                 raise ValueError("the disk tier was opened for another model root")

@@ -155,6 +155,15 @@ class PagedKVPool:
         """What a page's bytes are: two pools exchange pages only when their layouts are equal."""
         return f"{self.num_layers} layers x {self.spec.signature()}"
 
+    @property
+    def page_record_bytes(self) -> int:
+        """Bytes of a page's record (``read_page``): its bytes in every layer and cache."""
+        return self.page_bytes
+
+    @property
+    def page_record_layout(self) -> str:
+        return self.page_layout
+
     def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
         """Every layer's cache tensors, in spec order (what a KV transfer registers)."""
         return [layer.tensors() for layer in self.caches]

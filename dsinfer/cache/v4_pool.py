@@ -8,11 +8,15 @@ bounded whatever a sequence's length, the window's last ``sliding_window - 1`` r
 layer and the compressors' unfinished rows, is the sequence's own state; the engine sets that aside
 for ``max_num_seqs`` sequences, and as many prefix-cache resume points (dsinfer/model/v4_paged.py),
 before it counts pages, and drops the states of sequences that stop running. The scheduler admits,
-grows and preempts by pages as for V3, and shares cached pages between sequences. Pages are not
-read one by one (no disk tier) or registered with a transfer library (no PD) yet.
+grows and preempts by pages as for V3, and shares cached pages between sequences. A page's record
+(what the disk tier stores, ``read_page``/``write_page``) is its compressed groups and its resume
+point, so a page read back after a restart can end a prefix hit. Pages are not registered with a
+transfer library (no PD) yet.
 """
 
 from __future__ import annotations
+
+import struct
 
 import torch
 
@@ -20,6 +24,9 @@ from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
 from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.kv_pool import PageAllocator
 from dsinfer.model.v4_paged import SequenceStates
+from dsinfer.model.v4_state import Boundary
+
+_TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
 
 
 class V4StatePool:
@@ -95,6 +102,63 @@ class V4StatePool:
 
     def describe(self) -> str:
         return self.page_layout
+
+    # A page as a record (what the disk tier stores) ----------------------------------------------
+    @property
+    def page_record_bytes(self) -> int:
+        """A page's record: its compressed groups, then room for its resume point (the window's
+        rows and CSA's overlap rows at its end), then the point's position and a presence byte."""
+        parts = [t[0] for t in self.caches.tensors()] + self._resume_parts_like()
+        return sum(t.nbytes for t in parts) + _TAIL.size
+
+    @property
+    def page_record_layout(self) -> str:
+        parts = [t[0] for t in self.caches.tensors()] + self._resume_parts_like()
+        shapes = ", ".join(f"{tuple(t.shape)}" for t in parts)
+        return f"{self.page_layout}; record {shapes} x {self.caches.dtype} + resume point"
+
+    def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """A copy of ``page``'s record, uint8 ``[page_record_bytes]``."""
+        out = torch.zeros(self.page_record_bytes, dtype=torch.uint8, device=device)
+        point = self.caches.resume_point(page)
+        parts = [t[page] for t in self.caches.tensors()]
+        parts += self._resume_parts(point) if point is not None else self._resume_parts_like()
+        offset = 0
+        for part in parts:
+            raw = part.contiguous().view(torch.uint8).reshape(-1)
+            out[offset : offset + raw.numel()].copy_(raw)
+            offset += raw.numel()
+        tail = _TAIL.pack(point.position if point is not None else 0, point is not None)
+        out[offset:] = torch.tensor(list(tail), dtype=torch.uint8)
+        return out
+
+    def write_page(self, page: int, data: torch.Tensor) -> None:
+        """Install a record ``read_page`` made: the groups into ``page``, its resume point if any."""
+        if data.dtype != torch.uint8 or tuple(data.shape) != (self.page_record_bytes,):
+            raise ValueError(
+                f"page record is {data.dtype} {tuple(data.shape)}, expected uint8 ({self.page_record_bytes},)"
+            )
+        offset = 0
+        for tensor in self.caches.tensors():
+            target = tensor[page].view(torch.uint8)
+            target.copy_(data[offset : offset + target.numel()].view(target.shape))
+            offset += target.numel()
+        resume = []
+        for like in self._resume_parts_like():
+            raw = data[offset : offset + like.nbytes].clone()
+            resume.append(raw.view(like.dtype).view(like.shape).to(self._device))
+            offset += like.nbytes
+        position, present = _TAIL.unpack(bytes(data[offset:].tolist()))
+        self.caches.forget([page])
+        if present:
+            self.caches.install(page, self.caches.boundary_from(position, resume))
+
+    def _resume_parts(self, point: Boundary) -> list[torch.Tensor]:
+        return [*point.windows, *(t for pair in point.overlaps.values() for t in pair)]
+
+    def _resume_parts_like(self) -> list[torch.Tensor]:
+        """Zero tensors shaped as a resume point's parts, in record order."""
+        return self.caches.resume_shapes()
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
         raise RuntimeError("DeepSeek-V4's cache is not paged by layer yet: no KV transfer (PD) for it")

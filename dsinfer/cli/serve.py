@@ -215,7 +215,6 @@ def check_model(args: argparse.Namespace) -> None:
         (args.role in ("prefill", "decode"), f"--role {args.role} (PD needs its cache paged by layer)"),
         (max(sizes) > 1, "pools of more than one rank (expert parallelism)"),
         (args.speculative_mtp, "--speculative-mtp"),
-        (args.kv_disk_cache_dir is not None, "--kv-disk-cache-dir"),
     ]
     for bad, what in refused:
         if bad:

@@ -105,16 +105,14 @@ class LLMEngine:
         pool = self._make_v4_pool(device, dtype) if v4 else self._make_pool(device, dtype)
         root = model_identity(loaded.path, loaded.load_format, args.seed, dtype, device)
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
-        if v4 and args.kv_disk_cache_dir is not None:
-            raise ValueError("kv_disk_cache_dir: the disk tier does not hold DeepSeek-V4's cache yet")
         disk = None
         if args.kv_disk_cache_dir is not None:
             disk = DiskKVTier(
                 Path(args.kv_disk_cache_dir),
                 capacity_bytes=args.kv_disk_cache_size,
                 root=root,
-                page_layout=pool.page_layout,
-                page_bytes=pool.page_bytes,
+                page_layout=pool.page_record_layout,
+                page_bytes=pool.page_record_bytes,
             )
         hooks = (
             {"resumable": pool.caches.resumable, "on_allocate": pool.caches.forget}
@@ -320,11 +318,11 @@ class LLMEngine:
         batch = plan.batch
         before = [item.seq.num_tokens for item in batch.seqs]
         hook = layer_hook_for(plan.work()) if layer_hook_for is not None and batch.seqs else None
-        pages = [item.seq.pages for item in batch.seqs]  # a finished sequence's list is replaced
-        finished = self.scheduler.postprocess(batch, self.runner.run(batch, agreed, hook))
-        if isinstance(self.kv.pool, V4StatePool):
-            for item, held in zip(batch.seqs, pages, strict=True):
-                self.kv.pool.caches.stash(_seq_key(item.seq), held, self.kv.is_cached)
+        results = self.runner.run(batch, agreed, hook)
+        if isinstance(self.kv.pool, V4StatePool):  # before the commit writes pages behind to disk
+            for item in batch.seqs:
+                self.kv.pool.caches.stash(_seq_key(item.seq), item.seq.pages)
+        finished = self.scheduler.postprocess(batch, results)
         self._keep_running_states()
         updates = []
         for item, num_before in zip(batch.seqs, before, strict=True):

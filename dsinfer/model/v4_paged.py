@@ -21,7 +21,7 @@ its last page with a resume point (``resumable``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -130,19 +130,53 @@ class SequenceStates:
         return state
 
     # Resume points: the state at the end of a cached page ---------------------------------------
-    def stash(self, key: str, pages: list[int], cached: Callable[[int], bool]) -> None:
-        """Keep the resume point the sequence ``key`` crossed last (if any, and if its page is in
-        the prefix cache), evicting the least recently used beyond ``max_resume_points``."""
+    def stash(self, key: str, pages: list[int]) -> None:
+        """Keep the resume point the sequence ``key`` crossed last in its step (if any), before
+        the step's pages are committed to the prefix cache (and written behind to disk with it);
+        the least recently used beyond ``max_resume_points`` go."""
         state = self._states.get(key)
-        if state is None or state.boundary is None or self.max_resume_points == 0:
+        if state is None or state.boundary is None:
             return
-        page = pages[state.boundary // self.page_tokens - 1]
-        if cached(page):
-            self._resume[page] = Boundary.of(state)
-            self._resume.move_to_end(page)
-            while len(self._resume) > self.max_resume_points:
-                self._resume.popitem(last=False)
+        self.install(pages[state.boundary // self.page_tokens - 1], Boundary.of(state))
         state.boundary = None
+
+    def resume_point(self, page: int) -> Boundary | None:
+        return self._resume.get(page)
+
+    def install(self, page: int, point: Boundary) -> None:
+        """A resume point read back for ``page`` (the disk tier)."""
+        if self.max_resume_points == 0:
+            return
+        self._resume[page] = point
+        self._resume.move_to_end(page)
+        while len(self._resume) > self.max_resume_points:
+            self._resume.popitem(last=False)
+
+    def resume_shapes(self) -> list[torch.Tensor]:
+        """Zero tensors shaped as a resume point's parts, in ``Boundary`` order: every layer's
+        window rows, then each CSA series' overlap (kv, gate)."""
+        c, rows = self.config, max(self.config.sliding_window - 1, 0)
+        parts = [torch.zeros(rows, c.head_dim, dtype=self.dtype) for _ in c.layer_types]
+        for layer, kind in enumerate(c.layer_types):
+            if kind == CSA:
+                rate = c.compress_rate(layer)
+                for dim in (c.head_dim, c.index_head_dim):
+                    parts += [
+                        torch.zeros(rate, dim, dtype=self.dtype),
+                        torch.zeros(rate, dim, dtype=self.dtype),
+                    ]
+        return parts
+
+    def boundary_from(self, position: int, parts: list[torch.Tensor]) -> Boundary:
+        """The resume point whose parts (``resume_shapes`` order) are ``parts``."""
+        c = self.config
+        windows, rest = parts[: len(c.layer_types)], iter(parts[len(c.layer_types) :])
+        overlaps = {}
+        for layer, kind in enumerate(c.layer_types):
+            if kind == CSA:
+                for name in ("compressed", "indexer"):
+                    overlaps[(layer, name)] = (next(rest), next(rest))
+        return Boundary(position, windows, overlaps)
 
     def resumable(self, page: int) -> bool:
         """Whether a sequence can resume after ``page`` (a prefix hit may end there)."""
