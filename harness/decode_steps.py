@@ -40,7 +40,9 @@ def v3_step_times(
     model: Any, config: ModelConfig, context: int, batch: int, warmup: int, repeats: int
 ) -> list[float]:
     pages_per_seq = -(-(context + 1) // PAGE)
-    pool = PagedKVPool.for_model(config, config.num_hidden_layers, batch * pages_per_seq, torch.float32, "cpu")
+    pool = PagedKVPool.for_model(
+        config, config.num_hidden_layers, batch * pages_per_seq, torch.float32, "cpu"
+    )
     gen = torch.Generator().manual_seed(0)
     for layer in pool.caches:
         for cache in layer.tensors():

@@ -141,6 +141,7 @@ def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.system
 def test_generate_command_equals_transformers(v4: tuple[Path, Any]) -> None:
     text = "The window slides while the compressor keeps every fourth token"
     ids = Tokenizer.from_dir(v4[0]).encode(text)
@@ -160,6 +161,7 @@ def test_generate_command_equals_transformers(v4: tuple[Path, Any]) -> None:
     assert json.loads(done.stdout.strip().splitlines()[-1])["token_ids"] == greedy_reference(v4[1], ids, 6)
 
 
+@pytest.mark.system
 def test_serve_colocated_equals_transformers(
     v4: tuple[Path, Any], expected: list[list[int]], tmp_path: Path
 ) -> None:
@@ -182,6 +184,7 @@ def test_serve_colocated_equals_transformers(
         assert "DeepSeek-V4: serving colocated pools" in server.log()
 
 
+@pytest.mark.system
 def test_choice_migrated_after_a_rank_is_killed_keeps_every_token(
     v4: tuple[Path, Any], tmp_path: Path
 ) -> None:
@@ -221,6 +224,7 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
     return done.choices[0].text
 
 
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -281,6 +285,7 @@ def test_invalid_v4_config_is_named_in_one_line() -> None:
     assert "\n" not in message
 
 
+@pytest.mark.system
 def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
     """The preset's plan: each cache group, one request's cache next to V3's, and a one-line
     refusal where the weights cannot fit one GPU."""
@@ -304,6 +309,7 @@ def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
     assert "DeepSeek-V4 on one rank needs 523.9 GiB of weights" in lines[0]
 
 
+@pytest.mark.system
 def test_dry_run_pages_are_the_engine_pages(v4: tuple[Path, Any]) -> None:
     done = _cli(
         "serve", "--model", str(v4[0]), "--dry-run", "--dtype", "float32", "--kv-cache-memory", "16MiB"
