@@ -20,11 +20,9 @@ bf16 latent, V3.2's indexer keys in FP8 (the GPU default: 128 e4m3 + one fp32 sc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -37,10 +35,10 @@ from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.presets import resolve_model
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
-from harness.decode_steps import v3_step_times
+from harness.decode_steps import parse_step_args, step_grid, timing_fields, v3_step_times
 from harness.plots import plot_result
 from harness.provenance import command_line, git_commit, utc_now
-from harness.results import add_output_args, save_report, table
+from harness.results import save_report, table
 
 ATTENTION = {  # DeepSeek-V3 / V3.2 attention, 2 dense layers, small MLP and vocabulary
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -145,34 +143,23 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--contexts", default="1024,4096,16384")
-    parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    add_output_args(parser)
-    args = parser.parse_args()
+    args = parse_step_args(__doc__, contexts="1024,4096,16384")
     machine = _machine()
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         v3, v3_config = _model(ATTENTION, Path(scratch))
         v32, v32_config = _model({**ATTENTION, **SPARSE}, Path(scratch))
-        for batch in map(int, args.batches.split(",")):
-            for context in map(int, args.contexts.split(",")):
-                dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
-                sparse = v3_step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
-                row = {
-                    "batch": batch,
-                    "context": context,
-                    "v3_ms": 1e3 * statistics.median(dense),
-                    "v3_min_ms": 1e3 * min(dense),
-                    "v32_ms": 1e3 * statistics.median(sparse),
-                    "v32_min_ms": 1e3 * min(sparse),
-                }
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for batch, context in step_grid(args):
+            dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+            sparse = v3_step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
+            row = {
+                "batch": batch,
+                "context": context,
+                **timing_fields("v3", dense),
+                **timing_fields("v32", sparse),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     machine["load_average_after"] = os.getloadavg()
     result = {
         "machine": machine,

@@ -22,9 +22,7 @@ random values of the right shapes) take one-token decode steps; reported: the me
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,10 +33,10 @@ from dsinfer.base.v4_config import CSA, HCA, V4Config
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
-from harness.decode_steps import v3_step_times, v4_step_times
+from harness.decode_steps import parse_step_args, step_grid, timing_fields, v3_step_times, v4_step_times
 from harness.plots import plot_result
 from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
-from harness.results import add_output_args, save_report, table
+from harness.results import save_report, table
 
 V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
@@ -118,15 +116,7 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--contexts", default="1024,8192,32768")
-    parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    add_output_args(parser)
-    args = parser.parse_args()
+    args = parse_step_args(__doc__, contexts="1024,8192,32768")
     machine = {
         **machine_info(),
         "date": utc_now(),
@@ -139,23 +129,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         v3, v3_config = _v3(Path(scratch))
         v4 = _v4()
-        for batch in map(int, args.batches.split(",")):
-            for context in map(int, args.contexts.split(",")):
-                dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
-                compressed, groups = v4_step_times(v4, context, batch, args.warmup, args.repeats)
-                row = {
-                    "batch": batch,
-                    "context": context,
-                    "v3_ms": 1e3 * statistics.median(dense),
-                    "v3_min_ms": 1e3 * min(dense),
-                    "v4_ms": 1e3 * statistics.median(compressed),
-                    "v4_min_ms": 1e3 * min(compressed),
-                    "v3_bytes": context * V3_LATENT * 4 * V3["num_hidden_layers"],
-                    "v4_bytes": sum(groups.values()),
-                    "v4_groups": groups,
-                }
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for batch, context in step_grid(args):
+            dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+            compressed, groups = v4_step_times(v4, context, batch, args.warmup, args.repeats)
+            row = {
+                "batch": batch,
+                "context": context,
+                **timing_fields("v3", dense),
+                **timing_fields("v4", compressed),
+                "v3_bytes": context * V3_LATENT * 4 * V3["num_hidden_layers"],
+                "v4_bytes": sum(groups.values()),
+                "v4_groups": groups,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     machine["load_after"] = load_average()
     result = {
         "machine": machine,

@@ -12,6 +12,8 @@ random values of the right shapes (a decode step's time does not depend on their
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
 from typing import Any
 
@@ -22,8 +24,31 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.v4_state import DenseEntries, SequenceState
+from harness.results import add_output_args
 
 PAGE = 64
+
+
+def parse_step_args(doc: str | None, contexts: str) -> argparse.Namespace:
+    """The command line of a step-time benchmark (``doc``: its help): contexts and batches swept,
+    warm-up and timed steps, and where the results go."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", default=contexts)
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    add_output_args(parser)
+    return parser.parse_args()
+
+
+def step_grid(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(batch, context) of every measurement ``add_step_args``'s flags ask for, batch-major."""
+    return [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
+
+
+def timing_fields(name: str, seconds: list[float]) -> dict[str, float]:
+    """``{name}_ms`` (the median) and ``{name}_min_ms`` of timed steps."""
+    return {f"{name}_ms": 1e3 * statistics.median(seconds), f"{name}_min_ms": 1e3 * min(seconds)}
 
 
 def _timed(step: Any, warmup: int, repeats: int) -> list[float]:

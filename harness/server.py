@@ -63,6 +63,14 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout: float, interval
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def run_dsinfer(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    """``dsinfer ARGS`` run to its end (bounded), its output captured as text."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        dsinfer_command(*args), capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
+
+
 def dsinfer_command(*args: str, python: str = sys.executable) -> list[str]:
     """``python -m dsinfer.cli.main ARGS``."""
     return [python, "-m", "dsinfer.cli.main", *args]

@@ -4,10 +4,8 @@ against transformers' greedy tokens, and one-line errors for bad checkpoints."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from harness.checkpoints import (
     truncate_shard,
 )
 from harness.hf_reference import compare_tokens, hf_greedy_steps
+from harness.server import run_dsinfer
 
 pytestmark = pytest.mark.system
 
@@ -29,15 +28,7 @@ TIMEOUT = 180
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "dsinfer.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=env,
-        check=False,
-    )
+    return run_dsinfer(*args, timeout=TIMEOUT)
 
 
 def generate_json(*args: str) -> dict:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.engine.llm import LLM
 from harness.metrics import healthy, metric_value, parse_metrics
-from harness.server import serve, wait_until
+from harness.server import run_dsinfer, serve, wait_until
 from harness.streams import join_streams, mixed_specs, offline_tokens, start_streams, wait_streaming
 from harness.v4_checkpoints import CONFIGS, TOKENIZER_VOCAB, build_v4, greedy_reference
 
@@ -131,21 +129,11 @@ def test_abort_frees_the_sequence_cache(v4: tuple[Path, Any]) -> None:
     _assert_nothing_held(llm)
 
 
-def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dsinfer.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.mark.system
 def test_generate_command_equals_transformers(v4: tuple[Path, Any]) -> None:
     text = "The window slides while the compressor keeps every fourth token"
     ids = Tokenizer.from_dir(v4[0]).encode(text)
-    done = _cli(
+    done = run_dsinfer(
         "generate",
         "--model",
         str(v4[0]),
@@ -240,7 +228,7 @@ def test_serve_refuses_what_v4_has_not_yet_in_one_line(
     v4: tuple[Path, Any], flags: list[str], needle: str
 ) -> None:
     extra = ["--gateway-addr", "127.0.0.1:1"] if "--role" in flags else []
-    done = _cli("serve", "--model", str(v4[0]), "--port", "0", *flags, *extra, timeout=60)
+    done = run_dsinfer("serve", "--model", str(v4[0]), "--port", "0", *flags, *extra, timeout=60)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "DeepSeek-V4 is served on one rank, colocated, for now" in lines[0], (
@@ -289,7 +277,7 @@ def test_invalid_v4_config_is_named_in_one_line() -> None:
 def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
     """The preset's plan: each cache group, one request's cache next to V3's, and a one-line
     refusal where the weights cannot fit one GPU."""
-    done = _cli("serve", "--model", "deepseek-v4-flash", "--dry-run", "--device", "cuda", timeout=120)
+    done = run_dsinfer("serve", "--model", "deepseek-v4-flash", "--dry-run", "--device", "cuda", timeout=120)
     assert done.returncode == 0, done.stderr
     plan = done.stdout
     for line in (
@@ -301,7 +289,7 @@ def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
     ):
         assert line in plan, plan
     gpu = ["--role", "colocated", "--gateway-addr", "127.0.0.1:1", "--gpu-memory", "141GB"]
-    refused = _cli(
+    refused = run_dsinfer(
         "serve", "--model", "deepseek-v4-flash", "--dry-run", "--device", "cuda", *gpu, timeout=120
     )
     lines = refused.stderr.strip().splitlines()
@@ -311,7 +299,7 @@ def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
 
 @pytest.mark.system
 def test_dry_run_pages_are_the_engine_pages(v4: tuple[Path, Any]) -> None:
-    done = _cli(
+    done = run_dsinfer(
         "serve", "--model", str(v4[0]), "--dry-run", "--dtype", "float32", "--kv-cache-memory", "16MiB"
     )
     assert done.returncode == 0, done.stderr

@@ -69,7 +69,23 @@ class PageAllocator:
             self._free.append(p)
 
 
-class PagedKVPool:
+class PagePool:
+    """What every KV pool shares: pages of ``page_size`` tokens handed out by ``allocator``."""
+
+    allocator: PageAllocator
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages sequences can hold (a reserved page, like CUDA graphs' dummy, is not one of them)."""
+        return self.allocator.num_usable
+
+
+class PagedKVPool(PagePool):
     def __init__(
         self, num_layers: int, num_pages: int, spec: KVCacheSpec, *, device: str | torch.device = "cpu"
     ) -> None:
@@ -133,15 +149,6 @@ class PagedKVPool:
         return len(self.caches)
 
     @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
-
-    @property
-    def num_usable_pages(self) -> int:
-        """Pages sequences can hold (the dummy page, when reserved, is not one of them)."""
-        return self.allocator.num_usable
-
-    @property
     def device(self) -> torch.device:
         return self.caches[0].latent.device
 
@@ -198,9 +205,6 @@ class PagedKVPool:
     def _check_page(self, page: int) -> None:
         if not 0 <= page < self.num_pages:
             raise IndexError(f"page {page} out of range [0, {self.num_pages})")
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Flat cache slots of token positions [start, end) of a sequence holding ``pages``."""

@@ -22,14 +22,14 @@ import torch
 
 from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
 from dsinfer.base.v4_config import V4Config
-from dsinfer.cache.kv_pool import PageAllocator
+from dsinfer.cache.kv_pool import PageAllocator, PagePool
 from dsinfer.model.v4_paged import SequenceStates
 from dsinfer.model.v4_state import Boundary
 
 _TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
 
 
-class V4StatePool:
+class V4StatePool(PagePool):
     def __init__(
         self,
         config: V4Config,
@@ -86,19 +86,8 @@ class V4StatePool:
         return f"V4 hybrid, page {self.page_size}: {groups}"
 
     @property
-    def num_pages(self) -> int:
-        return self.allocator.num_pages
-
-    @property
-    def num_usable_pages(self) -> int:
-        return self.allocator.num_usable
-
-    @property
     def device(self) -> torch.device:
         return self._device
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
 
     def describe(self) -> str:
         return self.page_layout
