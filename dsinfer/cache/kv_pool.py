@@ -84,6 +84,9 @@ class PagePool:
         """Pages sequences can hold (a reserved page, like CUDA graphs' dummy, is not one of them)."""
         return self.allocator.num_usable
 
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
 
 class PagedKVPool(PagePool):
     def __init__(
