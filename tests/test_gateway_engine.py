@@ -297,6 +297,7 @@ def test_metrics(url: str, client: openai.OpenAI) -> None:
         'dsinfer_kv_transfer_bytes_total{role="colocated",worker="colocated/0/0"}',
         'dsinfer_kv_transfer_seconds_total{role="colocated",worker="colocated/0/0"}',
         'dsinfer_prefix_cache_hit_tokens_total{role="colocated",tier="memory",worker="colocated/0/0"}',
+        'dsinfer_prefix_cache_hit_tokens_total{role="colocated",tier="host",worker="colocated/0/0"}',
         'dsinfer_prefix_cache_hit_tokens_total{role="colocated",tier="disk",worker="colocated/0/0"}',
         'dsinfer_prefix_cache_hit_rate{role="colocated",worker="colocated/0/0"}',
         'dsinfer_spec_decode_draft_tokens_total{role="colocated",worker="colocated/0/0"}',

@@ -115,6 +115,24 @@ def test_prefix_cache_hits_resume_at_a_page_boundary(v4: tuple[Path, Any]) -> No
     assert len(llm.engine.kv.pool.caches) == 0
 
 
+def test_host_tier_gives_back_evicted_pages_with_their_resume_points(v4: tuple[Path, Any]) -> None:
+    """Four pages for prompts of three: the second prompt evicts the first's tail page into the
+    host tier (its record carries the page's resume point); the first prompt again hits a page in
+    the pool and one in the tier, resumes at 512 and answers as transformers does."""
+    config, dtype = V4Config.model_validate_json((v4[0] / "config.json").read_text()), torch.float32
+    memory = V4StatePool.reserve_bytes_for(config, dtype, 2) + 4 * V4StatePool.page_bytes_for(config, dtype)
+    llm = LLM(str(v4[0]), dtype="float32", max_num_seqs=2, kv_cache_memory=memory, kv_host_cache_size="16MiB")
+    g = torch.Generator().manual_seed(13)
+    first, second = (torch.randint(2, TOKENIZER_VOCAB, (600,), generator=g).tolist() for _ in range(2))
+    want = greedy_reference(v4[1], first, OUTPUT)
+    assert _tokens(llm, [first]) == [want]
+    _tokens(llm, [second])
+    assert llm.engine.kv.stats.host_pages_written == 1
+    assert _tokens(llm, [first]) == [want]
+    stats = llm.engine.kv.stats
+    assert (stats.memory_hit_tokens, stats.host_hit_tokens) == (256, 256)
+
+
 def test_abort_frees_the_sequence_cache(v4: tuple[Path, Any]) -> None:
     llm = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=64)
     engine = llm.engine

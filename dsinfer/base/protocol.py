@@ -92,6 +92,7 @@ class LoadReport(ControlMessage, kw_only=True):
     prompt_tokens: int = 0
     memory_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    host_hit_tokens: int = 0
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing

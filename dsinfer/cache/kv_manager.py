@@ -1,5 +1,6 @@
 """Page lifecycle over the paged KV pool: reference counts, the hash-chained prefix cache with
-LRU eviction, and write-through to an optional on-disk tier.
+LRU eviction, an optional host-memory tier behind it and write-through to an optional on-disk
+tier.
 
 Every page is in exactly one state:
 
@@ -13,7 +14,9 @@ Every page is in exactly one state:
 the pool size again. The manager holds one allocator reference for every page it owns (referenced
 or evictable) and keeps sequence reference counts itself.
 
-Disk writes run on one background thread fed by a bounded queue: ``commit`` snapshots each newly
+Tiers below the pool, looked up in this order when a prefix misses it: the host-memory tier
+(``host``: an evicted cached page is copied there just before its page gets a new owner) and the
+disk. Disk writes run on one background thread fed by a bounded queue: ``commit`` snapshots each newly
 cached page to host memory (one copy) and enqueues it; when the queue is full the write is dropped
 (counted), never waited for. Reads from disk happen in ``match_prefix``, on the calling thread.
 """
@@ -31,6 +34,7 @@ import torch
 
 from dsinfer.base.hashing import page_hashes
 from dsinfer.cache.disk_tier import DiskKVTier
+from dsinfer.cache.host_tier import HostKVTier
 from dsinfer.cache.kv_pool import OutOfPagesError, PagedKVPool
 
 logger = logging.getLogger(__name__)
@@ -40,6 +44,10 @@ logger = logging.getLogger(__name__)
 class CacheStats:
     memory_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_pages_written: int = 0  # evicted pages copied to the host tier
+    host_evictions: int = 0  # pages the host tier dropped for room
+    host_bytes: int = 0  # what the host tier holds now
     queried_tokens: int = 0  # prompt tokens passed to match_prefix (the hit-rate denominator)
     disk_pages_written: int = 0
     disk_pages_read: int = 0
@@ -57,6 +65,7 @@ class PrefixMatch:
     memory_pages: int
     disk_pages: int
     queried_tokens: int = 0
+    host_pages: int = 0
 
 
 class _DiskWriter:
@@ -129,10 +138,12 @@ class KVCacheManager:
         max_pending_writes: int = 64,
         resumable: Callable[[int], bool] | None = None,
         on_allocate: Callable[[list[int]], None] | None = None,
+        host: HostKVTier | None = None,
     ) -> None:
         """``resumable`` (models with per-sequence state beside their pages, V4): whether a prefix
         hit may end after this page; a hit is cut back to the last such page. ``on_allocate``: told
-        the pages each allocation hands out (new owners), evicted cached ones included."""
+        the pages each allocation hands out (new owners), evicted cached ones included. ``host``:
+        the tier evicted cached pages are copied to (and looked up in before the disk)."""
         if disk is not None:
             if disk.page_layout != pool.page_record_layout or disk.payload_bytes != pool.page_record_bytes:
                 raise ValueError(
@@ -152,6 +163,7 @@ class KVCacheManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._stats = CacheStats()
         self._writer = _DiskWriter(self.disk, max_pending_writes) if self.disk is not None else None
+        self.host = host if enable_prefix_cache else None
 
     # Sizes -----------------------------------------------------------------------------------
     @property
@@ -184,6 +196,13 @@ class KVCacheManager:
     def stats(self) -> CacheStats:
         """A snapshot of the counters (disk ones include the writer thread's progress)."""
         s = CacheStats(**self._stats.as_dict())
+        if self.host is not None:
+            host = self.host.stats()
+            s.host_pages_written, s.host_evictions, s.host_bytes = (
+                host.pages_written,
+                host.evictions,
+                host.bytes,
+            )
         if self.disk is not None and self._writer is not None:  # both or neither
             disk = self.disk.stats()
             s.disk_pages_written = disk.pages_written
@@ -243,7 +262,10 @@ class KVCacheManager:
 
     def _evict_one(self) -> int:
         page, _ = self._evictable.popitem(last=False)
-        del self._cached[self._key_of.pop(page)]
+        key = self._key_of.pop(page)
+        del self._cached[key]
+        if self.host is not None:  # before the page gets its new owner
+            self.host.put(key, self._pool.read_page(page))
         return page
 
     def _take_page(self) -> int | None:
@@ -270,6 +292,8 @@ class KVCacheManager:
                 self._reference(page)
                 memory += 1
                 page_origin = "memory"
+            elif (page := self._load_from_host(key)) is not None:
+                page_origin = "host"
             else:
                 page = self._load_from_disk(key)
                 if page is None:
@@ -283,10 +307,12 @@ class KVCacheManager:
             self.release(pages[usable:])
             pages, origins = pages[:usable], origins[:usable]
             memory, disk_pages = origins.count("memory"), origins.count("disk")
+        host_pages = origins.count("host")
         self._stats.memory_hit_tokens += memory * self.page_size
+        self._stats.host_hit_tokens += host_pages * self.page_size
         self._stats.disk_hit_tokens += disk_pages * self.page_size
         self._stats.disk_pages_read += disk_pages
-        return PrefixMatch(pages, len(pages) * self.page_size, memory, disk_pages, len(token_ids))
+        return PrefixMatch(pages, len(pages) * self.page_size, memory, disk_pages, len(token_ids), host_pages)
 
     def abandon(self, match: PrefixMatch) -> None:
         """Give back a match the caller could not use (it will ask again): release its pages and
@@ -296,6 +322,20 @@ class KVCacheManager:
         self._stats.queried_tokens -= match.queried_tokens
         self._stats.memory_hit_tokens -= match.memory_pages * self.page_size
         self._stats.disk_hit_tokens -= match.disk_pages * self.page_size
+        self._stats.host_hit_tokens -= match.host_pages * self.page_size
+
+    def _load_from_host(self, key: bytes) -> int | None:
+        if self.host is None or key not in self.host:
+            return None
+        page = self._take_page()
+        if page is None:
+            return None
+        record = self.host.get(key)
+        assert record is not None
+        self._pool.write_page(page, record)
+        self._cached[key] = page
+        self._key_of[page] = key
+        return page
 
     def _load_from_disk(self, key: bytes) -> int | None:
         if self.disk is None or not self.disk.contains(key):

@@ -104,6 +104,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="compute every prompt whole (default: reuse the cached KV of a prefix seen before)",
     )
+    flag(
+        "kv_host_cache_size",
+        help="host-memory KV tier (pages the pool evicts, hit before the disk), e.g. 16GiB; 0 = off "
+        "(default: 0.1 of free host memory at start-up)",
+    )
     flag("kv_disk_cache_dir", help="on-disk KV cache tier directory")
     disk_size = field_default(EngineArgs, "kv_disk_cache_size")
     flag(

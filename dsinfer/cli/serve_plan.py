@@ -7,6 +7,8 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING
 
+import torch
+
 from dsinfer.base.config import PAGE_SIZE
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.memory_plan import (
@@ -20,6 +22,7 @@ from dsinfer.cli.memory_plan import (
     rank_memory,
 )
 from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.device import free_memory
 from dsinfer.gateway.args import GatewayArgs
 from dsinfer.parallel.placement import ExpertPlacement, moe_layer_ids
 from dsinfer.workers.args import PoolArgs
@@ -49,6 +52,24 @@ def describe(plan: ModelPlan, mem: RankMemory, label: str, pool_size: int) -> li
             f"= {mem.kv_pages * PAGE_SIZE} tokens per rank; {page}"
         )
     return lines
+
+
+def describe_tiers(engine: EngineArgs) -> list[str]:
+    """The prefix cache's tiers below the pool (host memory, disk), as one rank sizes them."""
+    if not engine.enable_prefix_caching:
+        return ["    prefix cache off: no KV tier below the pool"]
+    host, how = engine.host_tier_bytes(free_memory(torch.device("cpu")))
+    host_text = (
+        f"host memory up to {fmt_bytes(host)} ({how}; taken as pages are evicted)"
+        if host
+        else "host tier off"
+    )
+    disk = (
+        f"disk {engine.kv_disk_cache_dir} up to {fmt_bytes(engine.kv_disk_cache_size)}"
+        if engine.kv_disk_cache_dir is not None
+        else "disk tier off"
+    )
+    return [f"    KV tiers below the pool, per rank: {host_text}; {disk}"]
 
 
 def describe_device(device: DevicePlan, gpu_memory: int | None, kind: str) -> list[str]:
@@ -187,7 +208,7 @@ def print_pool_plan(pool: PoolArgs, drain_timeout: float, gpu_memory: int | None
     if plan.device.type == "cuda" or gpu_memory is not None:
         device = device_plan(plan, pool.engine, pool.role, size, gpu_memory)
     mem = device.mem if device is not None else rank_memory(plan, pool.engine, size)
-    print("\n".join(describe(plan, mem, f"{pool.role} pool", size)))
+    print("\n".join(describe(plan, mem, f"{pool.role} pool", size) + describe_tiers(pool.engine)))
     if device is not None:
         kind = "GPU" if plan.device.type == "cuda" else "rank"
         print("\n".join(describe_device(device, gpu_memory, kind)))
@@ -216,7 +237,7 @@ def print_all_in_one_plan(
     total = 0
     for role, size in dict.fromkeys((p.role, p.pool_size) for p in pools):
         mem = rank_memory(plan, pools[0].engine, size)
-        print("\n".join(describe(plan, mem, f"{role} pools", size)))
+        print("\n".join(describe(plan, mem, f"{role} pools", size) + describe_tiers(pools[0].engine)))
         ranks = sum(p.pool_size for p in pools if (p.role, p.pool_size) == (role, size))
         total += ranks * (mem.weights.total + (mem.kv_budget or 0))
     print(f"  this machine: {fmt_bytes(total)} for {_plural(layout.num_ranks, 'rank')} (weights + KV caches)")

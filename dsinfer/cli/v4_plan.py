@@ -23,6 +23,7 @@ from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.memory_plan import CUDA_RUNTIME_RESERVE, fmt_bytes, fmt_bytes_down
+from dsinfer.cli.serve_plan import describe_tiers
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
@@ -150,6 +151,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
                 f"the KV cache ({fmt_bytes(budget)}) holds no page once {fmt_bytes(reserve)} are set aside "
                 f"for --max-num-seqs {engine.max_num_seqs}: raise --kv-cache-memory or lower --max-num-seqs"
             )
+    lines += [line.replace("    ", "  ", 1) for line in describe_tiers(engine)]
     lines.append(
         f"  steps: prefill chunks of up to {engine.max_num_batched_tokens} tokens; decode batches of up to "
         f"{engine.max_num_seqs} sequences"

@@ -37,6 +37,9 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+HOST_TIER_FRACTION = 0.1  # of the host's free memory: the host-memory KV tier's default size
+
+
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -56,6 +59,8 @@ class EngineArgs(BaseModel):
     indexer_cache_dtype: str = "auto"
     kv_cache_memory_fraction: float | None = None  # default: kv_fraction_for(device)
     enable_prefix_caching: bool = True
+    # host-memory KV tier (pages the pool evicts); None = host_tier_bytes' default, 0 = off
+    kv_host_cache_size: int | None = None
     kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
     kv_disk_cache_size: int = Field(8 * 2**30, description="size of the on-disk KV tier, e.g. 64GiB")
     speculative_mtp: bool = False
@@ -95,6 +100,17 @@ class EngineArgs(BaseModel):
         tokens, such as a decode pool's recompute prefill, take the torch all-to-all)."""
         return min(self.max_num_seqs * (2 if self.speculative_mtp else 1), self.max_num_batched_tokens)
 
+    def host_tier_bytes(self, host_free: int) -> tuple[int, str]:
+        """Bytes of the host-memory tier and how they were chosen: ``kv_host_cache_size``, else
+        HOST_TIER_FRACTION of the host's free memory at start-up (taken only as pages are evicted
+        into it); 0 without a prefix cache."""
+        if not self.enable_prefix_caching:
+            return 0, "no prefix cache"
+        if self.kv_host_cache_size is not None:
+            return self.kv_host_cache_size, "--kv-host-cache-size"
+        budget = int(max(host_free, 0) * HOST_TIER_FRACTION)
+        return budget, f"{HOST_TIER_FRACTION:g} of free host memory ({host_free / 2**30:.1f} GiB at start-up)"
+
     def kv_fraction_for(self, device_type: str) -> float:
         """Fraction of free memory the latent KV cache may take when no size is given: 0.8 on a
         GPU (headroom for activations and the decode step's CUDA graphs, captured after the pool),
@@ -122,7 +138,7 @@ class EngineArgs(BaseModel):
             return need, f"{sequences} (capped at {cap_note})"
         return cap, f"{cap_note}: less than {sequences} need ({need / 2**30:.2f} GiB)"
 
-    @field_validator("kv_cache_memory", "kv_disk_cache_size", mode="before")
+    @field_validator("kv_cache_memory", "kv_disk_cache_size", "kv_host_cache_size", mode="before")
     @classmethod
     def _size(cls, value: int | str | None) -> int | None:
         return None if value is None else parse_size(value)

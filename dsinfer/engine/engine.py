@@ -23,6 +23,7 @@ from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.disk_tier import DiskKVTier
+from dsinfer.cache.host_tier import HostKVTier
 from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.cache.v4_pool import V4StatePool
@@ -120,7 +121,12 @@ class LLMEngine:
             else {}
         )
         self.kv = KVCacheManager(
-            pool, root=root, enable_prefix_cache=args.enable_prefix_caching, disk=disk, **hooks
+            pool,
+            root=root,
+            enable_prefix_cache=args.enable_prefix_caching,
+            disk=disk,
+            host=self._make_host_tier(pool, device),
+            **hooks,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -184,6 +190,18 @@ class LLMEngine:
             how,
         )
         return PagedKVPool(layers, num_pages, spec, device=device)
+
+    def _make_host_tier(self, pool: PagedKVPool | V4StatePool, device: torch.device) -> HostKVTier | None:
+        capacity, how = self.args.host_tier_bytes(free_memory(torch.device("cpu")))
+        if capacity < pool.page_record_bytes:
+            return None
+        log.info(
+            "host KV tier: up to %d pages (%.1f MiB; %s)",
+            capacity // pool.page_record_bytes,
+            capacity / 2**20,
+            how,
+        )
+        return HostKVTier(capacity, pool.page_record_bytes, pin=device.type == "cuda")
 
     def _make_v4_pool(self, device: torch.device, dtype: torch.dtype) -> V4StatePool:
         """Pages from the budget left once ``max_num_seqs`` sequences' fixed part (window rows,
@@ -370,6 +388,7 @@ class LLMEngine:
             prompt_tokens=sched.stats.prompt_tokens_submitted,
             memory_hit_tokens=stats.memory_hit_tokens,
             disk_hit_tokens=stats.disk_hit_tokens,
+            host_hit_tokens=stats.host_hit_tokens,
             mtp_drafts_proposed=sched.stats.drafts_proposed,
             mtp_drafts_accepted=sched.stats.drafts_accepted,
             eplb_swaps=self.expert_balancer.swaps if self.expert_balancer is not None else 0,
@@ -381,7 +400,7 @@ class LLMEngine:
         sched, kv = self.scheduler.stats, self.kv.stats
         line = (
             f"prompt tokens {sched.prompt_tokens_submitted} submitted, {sched.prompt_tokens_computed} computed; "
-            f"cache hits {kv.memory_hit_tokens} memory + {kv.disk_hit_tokens} disk tokens; "
+            f"cache hits {kv.memory_hit_tokens} memory + {kv.host_hit_tokens} host + {kv.disk_hit_tokens} disk tokens; "
             f"preemptions {sched.preemptions}; steps {sched.steps}"
         )
         if self.args.speculative_mtp:

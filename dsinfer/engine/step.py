@@ -131,6 +131,7 @@ class EngineLoad:
     prompt_tokens: int
     memory_hit_tokens: int
     disk_hit_tokens: int
+    host_hit_tokens: int = 0
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing since start

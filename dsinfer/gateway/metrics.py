@@ -93,8 +93,9 @@ class BackendCollector(Collector):
             families["kv"].add_metric(key, r.kv_pages_used / r.kv_pages_total if r.kv_pages_total else 0.0)
             families["prompt"].add_metric(key, r.prompt_tokens)
             families["hits"].add_metric([*key, "memory"], r.memory_hit_tokens)
+            families["hits"].add_metric([*key, "host"], r.host_hit_tokens)
             families["hits"].add_metric([*key, "disk"], r.disk_hit_tokens)
-            hits = r.memory_hit_tokens + r.disk_hit_tokens
+            hits = r.memory_hit_tokens + r.host_hit_tokens + r.disk_hit_tokens
             families["hit_rate"].add_metric(key, hits / r.prompt_tokens if r.prompt_tokens else 0.0)
             families["bytes"].add_metric(key, r.transfer_bytes)
             families["seconds"].add_metric(key, r.transfer_seconds)
