@@ -12,7 +12,9 @@ share among themselves is kept). Requests go out at their timestamps sped up ``-
 Settings (the all-in-one PD server, the random-weight ``tiny`` model; the decode pool's KV is not
 what is measured, the prefill rank's cache is):
 - ``off``: ``--no-prefix-caching``;
-- ``device``: the prefix cache in the rank's KV pool (``--kv-cache-memory``, small on purpose);
+- ``device``: the prefix cache in the rank's KV pool only (``--kv-cache-memory``, small on
+  purpose; ``--kv-host-cache-size 0``);
+- ``host``: the same plus the host-memory tier (``--kv-host-cache-size``);
 - ``disk``: the same plus the on-disk tier (``--kv-disk-cache-dir``).
 
 Reported per setting: the share of input tokens served from each tier (the prefill ranks'
@@ -45,7 +47,8 @@ from harness.server import TINY_CPU, serve
 from harness.traces import TraceRequest, ideal_hit_share, load_trace, replay_prompts, thin
 
 TRACE = Path(__file__).resolve().parent / "data/mooncake/conversation_trace_20min.jsonl"
-SETTINGS = ("off", "device", "disk")
+SETTINGS = ("off", "device", "host", "disk")
+TIERS = ("memory", "host", "disk")
 VOCAB = range(10, 250)
 
 
@@ -53,6 +56,9 @@ def _flags(setting: str, args: argparse.Namespace, scratch: Path) -> list[str]:
     flags = [*TINY_CPU, "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory]
     if setting == "off":
         return [*flags, "--no-prefix-caching"]
+    if setting == "device":
+        return [*flags, "--kv-host-cache-size", "0"]
+    flags += ["--kv-host-cache-size", args.host_size]
     if setting == "disk":
         return [*flags, "--kv-disk-cache-dir", str(scratch / "disk"), "--kv-disk-cache-size", args.disk_size]
     return flags
@@ -60,7 +66,7 @@ def _flags(setting: str, args: argparse.Namespace, scratch: Path) -> list[str]:
 
 def _prefill_tokens(base_url: str) -> dict[str, float]:
     """Prompt tokens and hits by tier, summed over the prefill ranks."""
-    out = {"prompt": 0.0, "memory": 0.0, "disk": 0.0}
+    out = dict.fromkeys(("prompt", *TIERS), 0.0)
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -68,10 +74,7 @@ def _prefill_tokens(base_url: str) -> dict[str, float]:
                 continue
             if s.name == "dsinfer_worker_prompt_tokens_total":
                 out["prompt"] += s.value
-            elif s.name == "dsinfer_prefix_cache_hit_tokens_total" and s.labels.get("tier") in (
-                "memory",
-                "disk",
-            ):
+            elif s.name == "dsinfer_prefix_cache_hit_tokens_total" and s.labels.get("tier") in TIERS:
                 out[s.labels["tier"]] += s.value
     return out
 
@@ -107,7 +110,7 @@ def _measure(
         after = _prefill_tokens(server.base_url)
     ok = [s for s in streams if s.error is None]
     prompt = after["prompt"] - before["prompt"]
-    share = {tier: (after[tier] - before[tier]) / prompt if prompt else 0.0 for tier in ("memory", "disk")}
+    share = {tier: (after[tier] - before[tier]) / prompt if prompt else 0.0 for tier in TIERS}
     ttfts = [s.ttft for s in ok if s.ttft is not None]
     return {
         "setting": setting,
@@ -125,6 +128,7 @@ def markdown(report: dict[str, Any]) -> str:
         (
             r["setting"],
             f"{r['share']['memory']:.1%}",
+            f"{r['share'].get('host', 0.0):.1%}",
             f"{r['share']['disk']:.1%}",
             f"{r['share_total']:.1%}",
             fmt(r["ttft_p50_s"], 1e3, 0),
@@ -149,6 +153,7 @@ def markdown(report: dict[str, Any]) -> str:
             [
                 "setting",
                 "from device",
+                "from host",
                 "from disk",
                 "served from cache",
                 "TTFT p50 ms",
@@ -157,7 +162,7 @@ def markdown(report: dict[str, Any]) -> str:
                 "failed",
             ],
             rows,
-            "lrrrrrrr",
+            "lrrrrrrrr",
         ),
         "",
     ]
@@ -178,6 +183,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument(
+        "--host-size", default="512MiB", help="the host tier's size in the host and disk settings"
+    )
     parser.add_argument("--disk-size", default="8GiB")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     add_output_args(parser)

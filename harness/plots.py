@@ -635,8 +635,8 @@ def plot_kv_replay(doc: Doc, path: Path) -> None:
     names = [r["setting"] for r in runs]
     fig, axes = figure(2, 2, size=(11, 4.5))
     bottom = [0.0] * len(runs)
-    for tier, color in (("memory", "tab:blue"), ("disk", "tab:orange")):
-        values = [100 * r["share"][tier] for r in runs]
+    for tier, color in (("memory", "tab:blue"), ("host", "tab:green"), ("disk", "tab:orange")):
+        values = [100 * r["share"].get(tier, 0.0) for r in runs]
         axes[0].bar(range(len(runs)), values, bottom=bottom, color=color, label=f"from {tier}")
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     axes[0].axhline(100 * doc["ideal_share"], color="gray", linestyle="--", label="the trace allows")
