@@ -12,10 +12,10 @@ the states of the sequences that run and drops the others (``keep``).
 Prefix caching: a sequence resuming after a cached page finds the compressed groups in the shared
 pages, but its window rows and CSA's overlap rows there are nobody's any more. So the state at a
 page's end (``Boundary``) is kept as that page's resume point: after each step, for the last page
-boundary a sequence crossed (the end of its prompt's last full page, of its last full page when it
-finishes...), if the prefix cache holds that page (``stash``); at most ``max_resume_points``, least
-recently used first out, and forgotten when the page gets a new owner. A prefix hit is cut back to
-its last page with a resume point (``resumable``).
+boundary each sequence crossed in it (``stash``, before the step's pages are committed and written
+behind, so that a page's record carries its point); at most ``max_resume_points``, least recently
+used first out, and forgotten when the page gets a new owner. A prefix hit is cut back to its last
+page with a resume point (``resumable``).
 """
 
 from __future__ import annotations
@@ -101,9 +101,6 @@ class SequenceStates:
             state = self._states[key] = self._new_state()
         elif state is None or state.length != start:  # a prefix-cache hit: resume at its last page
             state = self._states[key] = self._resumed(pages[start // self.page_tokens - 1], start)
-        if state is None or state.length != start:
-            held = "none" if state is None else f"{state.length} tokens"
-            raise RuntimeError(f"V4 cache of sequence {key}: step from {start}, state holds {held}")
         for layer in state.layers:
             for series in (layer.compressed, layer.indexer):
                 if series is not None:
@@ -186,9 +183,6 @@ class SequenceStates:
         """``pages`` have new owners: their resume points no longer hold."""
         for page in pages:
             self._resume.pop(page, None)
-
-    def resume_bytes(self) -> int:
-        return sum(point.nbytes for point in self._resume.values())
 
     def _new_state(self) -> SequenceState:
         state = SequenceState.empty(self.config, self.dtype, self.device)

@@ -3,8 +3,8 @@
 The engine schedules V4 like V3: chunked prefill, decodes batched, pages charged per 256 tokens.
 Its compressed entries and indexer keys are written to and read from the sequence's pages; its
 window rows and compressor state are the sequence's own (dsinfer/model/v4_paged.py), found by the
-batch's sequence keys. Served this way: one rank, colocated (no EP group, no PD transfer, no prefix
-cache, no MTP, no CUDA graphs).
+batch's sequence keys, with resume points at page boundaries for the prefix cache. Served this
+way: one rank, colocated (no EP group, no PD transfer, no MTP, no CUDA graphs).
 """
 
 from __future__ import annotations

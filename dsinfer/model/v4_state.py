@@ -173,9 +173,3 @@ class Boundary:
                 if series is not None and series.boundary_overlap is not None:
                     overlaps[(i, name)] = series.boundary_overlap
         return cls(state.boundary, windows, overlaps)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.windows) + sum(
-            a.nbytes + b.nbytes for a, b in self.overlaps.values()
-        )
