@@ -19,6 +19,8 @@ reference.
   its valid rows only (the expert input's quantization; SwiGLU fused with the second input's).
 - ``moe_gate``: the fused noaux_tc gate (sigmoid, bias for selection, group-limited top-k,
   renormalization and scaling), with the ``Ops`` signature.
+- ``pool_windows``: DeepSeek-V4's compressor pooling (a softmax over each window's rows, the
+  rows summed under it), with the ``Ops`` signature.
 """
 
 from .fp8_gemm import fp8_gemm_nt as fp8_gemm_nt
@@ -31,3 +33,4 @@ from .moe_gate import moe_gate as moe_gate
 from .moe_masked import quantize_masked_1x128 as quantize_masked_1x128
 from .moe_masked import swiglu_quantize_masked as swiglu_quantize_masked
 from .sparse_mla import sparse_mla_decode as sparse_mla_decode
+from .v4_compress import pool_windows as pool_windows

@@ -53,7 +53,7 @@ def rotate(
 class Compressor(nn.Module):
     def __init__(self, config: V4Config, ops: Ops, rate: int, dim: int, overlap: bool) -> None:
         super().__init__()
-        self.rate, self.dim, self.overlap = rate, dim, overlap
+        self.rate, self.dim, self.overlap, self.ops = rate, dim, overlap, ops
         width = dim * (2 if overlap else 1)
         self.wkv = Linear(config.hidden_size, width, ops)
         self.wgate = Linear(config.hidden_size, width, ops)
@@ -87,8 +87,7 @@ class Compressor(nn.Module):
                 at = boundary // self.rate - 1 - len(series.entries)
                 series.boundary_overlap = (kv[at, :, : self.dim].clone(), gate[at, :, : self.dim].clone())
             kv, gate = self._overlapped(kv, gate, series)
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entries = self.norm((kv * weights).sum(dim=1))
+        entries = self.norm(self.ops.pool_windows(kv, gate))
         first = len(series.entries)
         positions = (torch.arange(windows, device=kv.device) + first) * self.rate
         series.entries.append(rotate(rope, entries, positions))

@@ -11,6 +11,7 @@ mla         flashmla, triton, numba, torch               mla_decode
 indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
 gate        triton, torch                                moe_gate
+v4_compress triton, torch                                pool_windows
 sampling    triton, torch                                sample
 ==========  ===========================================  ==============================================
 
@@ -48,6 +49,7 @@ from dsinfer.ops import indexer as torch_indexer
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import sampling as torch_sampling
 from dsinfer.ops import sparse_mla as torch_sparse_mla
+from dsinfer.ops import v4_compress as torch_v4_compress
 from dsinfer.ops.compile_ahead import compile_shared
 from dsinfer.ops.experts import grouped_experts, masked_experts
 from dsinfer.ops.signatures import (
@@ -60,6 +62,7 @@ from dsinfer.ops.signatures import (
     MlaDecode,
     MoeGate,
     PackLinearWeight,
+    PoolWindows,
     Sample,
     SparseMlaDecode,
 )
@@ -79,7 +82,16 @@ __all__ = [
 # the numba kernels' modules, slowest to compile first
 NUMBA_MODULES = {"mla": "dsinfer.ops.mla_cpu", "experts": "dsinfer.ops.experts_cpu"}
 
-KERNELS: tuple[str, ...] = ("gemm", "experts", "mla", "indexer", "sparse_mla", "gate", "sampling")
+KERNELS: tuple[str, ...] = (
+    "gemm",
+    "experts",
+    "mla",
+    "indexer",
+    "sparse_mla",
+    "gate",
+    "v4_compress",
+    "sampling",
+)
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "gemm": ("deepgemm", "triton", "torch"),
@@ -88,6 +100,7 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "indexer": ("deepgemm", "triton", "torch"),
         "sparse_mla": ("flashmla", "triton", "torch"),
         "gate": ("triton", "torch"),
+        "v4_compress": ("triton", "torch"),
         "sampling": ("triton", "torch"),
     }
 )
@@ -103,6 +116,7 @@ TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "indexer": ("indexer_logits",),
         "sparse_mla": ("sparse_mla_decode",),
         "gate": ("moe_gate",),
+        "v4_compress": ("pool_windows",),
         "sampling": ("sample",),
     }
 )
@@ -127,6 +141,7 @@ class Ops:
     indexer_topk: IndexerTopk  # V3.2's lightning indexer: logits, then top-k positions
     sparse_mla_decode: SparseMlaDecode
     moe_gate: MoeGate
+    pool_windows: PoolWindows  # DeepSeek-V4's compressor pooling
     sample: Sample
     # True: keep checkpoint FP8 weights as fp8 + block scales (the GEMMs take them as they are).
     # False (torch reference on CPU): the loader dequantizes FP8 checkpoints at load.
@@ -157,6 +172,8 @@ def _torch_impl(kernel: str) -> Impl:
         return {"sparse_mla_decode": torch_sparse_mla.sparse_mla_decode}
     if kernel == "gate":
         return {"moe_gate": torch_gate.moe_gate}
+    if kernel == "v4_compress":
+        return {"pool_windows": torch_v4_compress.pool_windows}
     return {"sample": torch_sampling.sample}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dsinfer.ops import experts, gate, gemm, indexer, mla, sampling, sparse_mla
+from dsinfer.ops import experts, gate, gemm, indexer, mla, sampling, sparse_mla, v4_compress
 
 __all__ = [
     "FusedExperts",
@@ -24,6 +24,7 @@ __all__ = [
     "MlaDecode",
     "MoeGate",
     "PackLinearWeight",
+    "PoolWindows",
     "Sample",
     "SparseMlaDecode",
 ]
@@ -88,6 +89,12 @@ class MoeGate(Protocol):
     """DeepSeek's noaux_tc routing: :func:`dsinfer.ops.gate.moe_gate`."""
 
     __call__ = staticmethod(gate.moe_gate)
+
+
+class PoolWindows(Protocol):
+    """DeepSeek-V4's compressor pooling: :func:`dsinfer.ops.v4_compress.pool_windows`."""
+
+    __call__ = staticmethod(v4_compress.pool_windows)
 
 
 class Sample(Protocol):
