@@ -12,7 +12,7 @@ Entries are the pool's own bytes in this process (no checksum: nothing leaves th
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +24,6 @@ class HostTierStats:
     pages_written: int = 0  # pages copied in from the pool
     pages_read: int = 0  # hits copied back into the pool
     evictions: int = 0  # pages dropped to make room
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 class HostKVTier:

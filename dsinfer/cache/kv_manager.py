@@ -282,32 +282,26 @@ class KVCacheManager:
         memory then disk, stopping at the first miss. The last token is never covered."""
         self._stats.queried_tokens += len(token_ids)
         pages: list[int] = []
-        memory = disk_pages = 0
         if not self.enable_prefix_cache or len(token_ids) <= self.page_size:
             return PrefixMatch(pages, 0, 0, 0, len(token_ids))
-        origins: list[str] = []
+        origins: list[str] = []  # the tier each page came from
         for key in page_hashes(token_ids[:-1], self.page_size, self.root):
             page = self._cached.get(key)
             if page is not None:
                 self._reference(page)
-                memory += 1
-                page_origin = "memory"
+                origins.append("memory")
             elif (page := self._load_from_host(key)) is not None:
-                page_origin = "host"
+                origins.append("host")
+            elif (page := self._load_from_disk(key)) is not None:
+                origins.append("disk")
             else:
-                page = self._load_from_disk(key)
-                if page is None:
-                    break
-                disk_pages += 1
-                page_origin = "disk"
+                break
             pages.append(page)
-            origins.append(page_origin)
         if self._resumable is not None:
             usable = max((i + 1 for i, page in enumerate(pages) if self._resumable(page)), default=0)
             self.release(pages[usable:])
             pages, origins = pages[:usable], origins[:usable]
-            memory, disk_pages = origins.count("memory"), origins.count("disk")
-        host_pages = origins.count("host")
+        memory, host_pages, disk_pages = (origins.count(t) for t in ("memory", "host", "disk"))
         self._stats.memory_hit_tokens += memory * self.page_size
         self._stats.host_hit_tokens += host_pages * self.page_size
         self._stats.disk_hit_tokens += disk_pages * self.page_size

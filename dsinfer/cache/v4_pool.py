@@ -24,7 +24,6 @@ from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
 from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.kv_pool import PageAllocator, PagePool
 from dsinfer.model.v4_paged import SequenceStates
-from dsinfer.model.v4_state import Boundary
 
 _TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
 
@@ -48,6 +47,14 @@ class V4StatePool(PagePool):
         )
         self.allocator = PageAllocator(num_pages)
         self.num_layers = config.num_hidden_layers
+        self.page_bytes = self.page_bytes_for(config, dtype)
+        # a page's record: its groups, then room for a resume point (zero parts give the shapes)
+        self._resume_blank = self.caches.resume_shapes()
+        groups = [t[0] for t in self.caches.tensors()]
+        self._resume_bytes = sum(t.nbytes for t in self._resume_blank)
+        self.page_record_bytes = sum(t.nbytes for t in groups) + self._resume_bytes + _TAIL.size
+        shapes = ", ".join(f"{tuple(t.shape)}" for t in groups + self._resume_blank)
+        self.page_record_layout = f"{self.page_layout}; record {shapes} x {dtype} + resume point"
 
     @staticmethod
     def spec_for(config: V4Config, dtype: torch.dtype) -> HybridCacheSpec:
@@ -75,10 +82,6 @@ class V4StatePool(PagePool):
         return 2 * max_num_seqs * cls.sequence_bytes_for(config, dtype)
 
     @property
-    def page_bytes(self) -> int:
-        return sum(self.spec.page_bytes(g) for g in self.spec.groups if g.name != "window")
-
-    @property
     def page_layout(self) -> str:
         groups = ", ".join(
             f"{g.name}:{len(g.layers)}x{g.width}/{g.tokens_per_entry}" for g in self.spec.groups
@@ -92,33 +95,23 @@ class V4StatePool(PagePool):
     def describe(self) -> str:
         return self.page_layout
 
-    # A page as a record (what the disk tier stores) ----------------------------------------------
-    @property
-    def page_record_bytes(self) -> int:
-        """A page's record: its compressed groups, then room for its resume point (the window's
-        rows and CSA's overlap rows at its end), then the point's position and a presence byte."""
-        parts = [t[0] for t in self.caches.tensors()] + self._resume_parts_like()
-        return sum(t.nbytes for t in parts) + _TAIL.size
-
-    @property
-    def page_record_layout(self) -> str:
-        parts = [t[0] for t in self.caches.tensors()] + self._resume_parts_like()
-        shapes = ", ".join(f"{tuple(t.shape)}" for t in parts)
-        return f"{self.page_layout}; record {shapes} x {self.caches.dtype} + resume point"
-
+    # A page as a record (what the disk and host tiers store) -------------------------------------
+    # page_record_bytes: its compressed groups, then room for its resume point (the window's rows
+    # and CSA's overlap rows at its end), then the point's position and a presence byte
     def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        """A copy of ``page``'s record, uint8 ``[page_record_bytes]``."""
+        """A copy of ``page``'s record, uint8 ``[page_record_bytes]`` (no resume point: zeros)."""
         out = torch.zeros(self.page_record_bytes, dtype=torch.uint8, device=device)
         point = self.caches.resume_point(page)
         parts = [t[page] for t in self.caches.tensors()]
-        parts += self._resume_parts(point) if point is not None else self._resume_parts_like()
+        if point is not None:
+            parts += [*point.windows, *(t for pair in point.overlaps.values() for t in pair)]
         offset = 0
         for part in parts:
             raw = part.contiguous().view(torch.uint8).reshape(-1)
             out[offset : offset + raw.numel()].copy_(raw)
             offset += raw.numel()
         tail = _TAIL.pack(point.position if point is not None else 0, point is not None)
-        out[offset:] = torch.tensor(list(tail), dtype=torch.uint8)
+        out[self.page_record_bytes - _TAIL.size :] = torch.tensor(list(tail), dtype=torch.uint8)
         return out
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
@@ -133,7 +126,7 @@ class V4StatePool(PagePool):
             target.copy_(data[offset : offset + target.numel()].view(target.shape))
             offset += target.numel()
         resume = []
-        for like in self._resume_parts_like():
+        for like in self._resume_blank:
             raw = data[offset : offset + like.nbytes].clone()
             resume.append(raw.view(like.dtype).view(like.shape).to(self._device))
             offset += like.nbytes
@@ -141,13 +134,6 @@ class V4StatePool(PagePool):
         self.caches.forget([page])
         if present:
             self.caches.install(page, self.caches.boundary_from(position, resume))
-
-    def _resume_parts(self, point: Boundary) -> list[torch.Tensor]:
-        return [*point.windows, *(t for pair in point.overlaps.values() for t in pair)]
-
-    def _resume_parts_like(self) -> list[torch.Tensor]:
-        """Zero tensors shaped as a resume point's parts, in record order."""
-        return self.caches.resume_shapes()
 
     def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
         raise RuntimeError("DeepSeek-V4's cache is not paged by layer yet: no KV transfer (PD) for it")

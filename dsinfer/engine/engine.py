@@ -39,7 +39,6 @@ from dsinfer.engine.outputs import RequestOutput
 from dsinfer.engine.remote import RemotePrefills
 from dsinfer.engine.requests import RequestTable
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
-from dsinfer.engine.sequence import Sequence
 from dsinfer.engine.sequence_factory import SequenceFactory
 from dsinfer.engine.step import EngineLoad, LayerHookFor, SeqUpdate, StepPlan
 from dsinfer.model.loader import load_model
@@ -284,7 +283,7 @@ class LLMEngine:
         preempted) are dropped; their pages went back to the pool already."""
         pool = self.kv.pool
         if isinstance(pool, V4StatePool):
-            pool.caches.keep(_seq_key(seq) for seq in self.scheduler.running)
+            pool.caches.keep(seq.key for seq in self.scheduler.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -339,7 +338,7 @@ class LLMEngine:
         results = self.runner.run(batch, agreed, hook)
         if isinstance(self.kv.pool, V4StatePool):  # before the commit writes pages behind to disk
             for item in batch.seqs:
-                self.kv.pool.caches.stash(_seq_key(item.seq), item.seq.pages)
+                self.kv.pool.caches.stash(item.seq.key, item.seq.pages)
         finished = self.scheduler.postprocess(batch, results)
         self._keep_running_states()
         updates = []
@@ -415,7 +414,3 @@ class LLMEngine:
         self.kv.close()
         if self.expert_balancer is not None:
             self.expert_balancer.close()
-
-
-def _seq_key(seq: Sequence) -> str:
-    return f"{seq.request_id}/{seq.choice}"  # = ForwardBatch.seq_keys (dsinfer/engine/forward.py)

@@ -35,7 +35,7 @@ def build_forward_batch(
         q_lens=list(q_lens),
         kv_lens=[start + q for start, q in zip(starts, q_lens, strict=True)],
         num_absorbed=num_absorbed,
-        seq_keys=[f"{item.seq.request_id}/{item.seq.choice}" for item in items],
+        seq_keys=[item.seq.key for item in items],
     )
 
 

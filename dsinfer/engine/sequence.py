@@ -66,6 +66,11 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     @property
+    def key(self) -> str:
+        """Unique among the engine's live sequences: what per-sequence model state is kept under."""
+        return f"{self.request_id}/{self.choice}"
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
