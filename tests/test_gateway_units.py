@@ -201,7 +201,7 @@ def test_gateway_flags(tmp_path: Path) -> None:
         balancer="round_robin",
     )
     defaults = gateway_args_from(parser.parse_args([]))
-    assert defaults.port == 8000 and defaults.max_n == 16 and defaults.reasoning_parser == "think-optional"
+    assert defaults.port == 8000 and defaults.max_n == 16 and defaults.reasoning_parser == "auto"
     assert gateway_args_from(parser.parse_args(["--reasoning-parser", "none"])).reasoning_parser is None
     with pytest.raises(ValidationError):
         gateway_args_from(parser.parse_args(["--max-n", "0"]))

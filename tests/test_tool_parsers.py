@@ -39,6 +39,17 @@ TEXTS = {
         "</｜DSML｜invoke>\n"
         "</｜DSML｜function_calls>"
     ),
+    "deepseek-v4": (
+        "Let me check.\n\n<｜DSML｜tool_calls>\n"
+        '<｜DSML｜invoke name="get_weather">\n'
+        '<｜DSML｜parameter name="location" string="true">Tokyo, Japan</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="unit" string="true">celsius</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+        '<｜DSML｜invoke name="get_time">\n'
+        '<｜DSML｜parameter name="tz" string="false">"UTC"</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n"
+        "</｜DSML｜tool_calls>"
+    ),
     "kimi-k2": (
         "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         "<|tool_call_argument_begin|>"
@@ -152,10 +163,13 @@ def test_grammar_accepts_a_call_and_parses(name: str) -> None:
     grammar = llguidance.grammar_from("lark", fmt.grammar(tools, parallel=True, token_id=lambda text: None))
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
     header = {"kimi-k2": "functions.get_time:0", "deepseek-v3": "function<｜tool▁sep｜>get_time"}.get(
-        name, '"get_time"' if name == "deepseek-v3.2" else "get_time"
+        name, '"get_time"' if name in ("deepseek-v3.2", "deepseek-v4") else "get_time"
     )
-    call = fmt.section_begin + fmt.call_begin + header + fmt.args_begin + '{"tz":"CET"}' + fmt.args_end
-    text = call + fmt.section_end
+    arguments = '{"tz":"CET"}'
+    if name == "deepseek-v4":  # parameters, one per line; a value that is not a string is JSON
+        arguments = '\n<｜DSML｜parameter name="tz" string="false">"CET"</｜DSML｜parameter>\n'
+    call = fmt.call_begin + header + fmt.args_begin + arguments + fmt.args_end
+    text = fmt.lead + fmt.section_begin + fmt.gap + call + fmt.gap + fmt.section_end
     tokenizer = llguidance.LLTokenizer(_byte_tokenizer_json())
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     assert matcher.consume_tokens(list(text.encode())), matcher.get_error()

@@ -5,6 +5,10 @@ reproduces what ``transformers.AutoTokenizer`` gives for the same directory by d
 ``encode(text)`` equals ``AutoTokenizer(text)["input_ids"]`` and ``apply_chat_template`` equals
 ``apply_chat_template(..., tokenize=False)``. A rendered chat prompt already starts with bos, so
 encode it with ``add_special_tokens=False`` (as transformers does when it tokenizes a chat).
+
+A DeepSeek-V4 checkpoint (config.json's ``model_type``) has no Jinja template: its conversations
+are written by its own encoder (dsinfer/base/chat_v4.py, ``chat_encoder`` "deepseek-v4"), which
+a ``--chat-template`` file replaces as it would a template.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from dsinfer.base.chat_v4 import ChatEncodingError, render_v4_chat
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+CHAT_ENCODERS = {"deepseek_v4": "deepseek-v4"}  # model_type -> the encoder its conversations need
 TIKTOKEN_FILES = ("tiktoken.model",)
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -131,8 +139,12 @@ class Tokenizer:
         chat_template: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         origin: str = "<memory>",
+        chat_encoder: str | None = None,
     ) -> None:
         config = config or {}
+        if chat_encoder is not None and chat_encoder not in CHAT_ENCODERS.values():
+            raise TokenizerError(f"unknown chat encoder {chat_encoder!r}")
+        self.chat_encoder = None if chat_template else chat_encoder
         config_path = Path(origin) / TOKENIZER_CONFIG_FILE
         self.backend = backend
         self.origin = origin
@@ -196,12 +208,15 @@ class Tokenizer:
         else:
             template = _template_from_config(config.get("chat_template"), config_path)
         generation = _read_json(directory / GENERATION_CONFIG_FILE) or {}
+        model_type = (_read_json(directory / MODEL_CONFIG_FILE) or {}).get("model_type")
+        encoder = CHAT_ENCODERS.get(model_type) if isinstance(model_type, str) else None
         return cls(
             backend,
             config,
-            template,
+            None if encoder else template,
             extra_eos_token_ids=_config_ids(generation.get("eos_token_id")),
             origin=str(directory),
+            chat_encoder=encoder,
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -240,7 +255,13 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        """Render a conversation; extra keyword arguments (``tools``, ``thinking``...) reach the template."""
+        """Render a conversation; extra keyword arguments (``tools``, ``thinking``...) reach the template
+        (or the encoder: ``thinking``, ``reasoning_effort``, ``drop_thinking``)."""
+        if self.chat_encoder is not None:
+            try:
+                return render_v4_chat(messages, add_generation_prompt, **kwargs)
+            except ChatEncodingError as e:
+                raise ChatTemplateError(f"DeepSeek-V4 chat encoding of {self.origin}: {e}", str(e)) from e
         if self._template is None:
             raise ChatTemplateError(
                 f"{self.origin}: no chat template "

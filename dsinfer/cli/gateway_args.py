@@ -12,7 +12,7 @@ from typing import Any
 
 from dsinfer.cli.engine_args import FieldFlags, field_default, size_text
 from dsinfer.engine.args import parse_size
-from dsinfer.gateway.args import BALANCERS, REASONING_PARSERS, TOOL_PARSERS, GatewayArgs
+from dsinfer.gateway.args import AUTO, BALANCERS, REASONING_PARSERS, TOOL_PARSERS, GatewayArgs
 
 API_KEY_ENV = "DSINFER_API_KEY"
 
@@ -33,16 +33,18 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         "reasoning_parser",
-        choices=[*REASONING_PARSERS, "none"],
-        help="return thinking as reasoning_content (default: %(default)s: a reply that opens with "
-        "<think> thinks until </think>, as the built-in model thinks through a multiplication; "
-        "deepseek-r1 for R1, whose template opens the thinking in the prompt; none: no split)",
+        choices=[AUTO, *REASONING_PARSERS, "none"],
+        help="return thinking as reasoning_content (default: %(default)s: deepseek-v4 for a DeepSeek-V4 "
+        "checkpoint, else think-optional: a reply that opens with <think> thinks until </think>, as the "
+        "built-in model thinks through a multiplication; deepseek-r1 for R1, whose template opens the "
+        "thinking in the prompt; none: no split)",
     )
     flag(
         "tool_call_parser",
-        choices=list(TOOL_PARSERS),
+        choices=[AUTO, *TOOL_PARSERS],
         help="the model's tool-call format: parses tool_calls and constrains tool_choice required/named "
-        "(default: %(default)s, the built-in template's; deepseek-v3.1 for V3.1 and V3.2-Exp)",
+        "(default: %(default)s: deepseek-v4 for a DeepSeek-V4 checkpoint, else deepseek-v3, the built-in "
+        "template's; deepseek-v3.1 for V3.1 and V3.2-Exp, deepseek-v3.2 for V3.2)",
     )
     flag("responses_store_size", int)
     flag(

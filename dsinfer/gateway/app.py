@@ -111,6 +111,7 @@ def build_app(
     tracer = tracer or Tracer("dsinfer-gateway", args.otlp_traces_endpoint)
     if args.chat_template is not None:
         tokenizer = with_chat_template(tokenizer, args.chat_template)
+    args = args.for_chat_encoder(tokenizer.chat_encoder)
     metrics = GatewayMetrics(backend.metrics_snapshot)
     preparer = Preparer(args.tokenizer_pool_size(), args.max_queued_requests)
     ctx = GatewayContext(

@@ -12,6 +12,8 @@ from dsinfer.gateway.reasoning import PARSERS as REASONING_PARSERS
 from dsinfer.gateway.tool_parsers import PARSERS as TOOL_PARSERS
 
 BALANCERS = ("load", "round_robin")
+AUTO = "auto"  # a parser chosen by the checkpoint's chat encoding (``GatewayArgs.for_chat_encoder``)
+DEFAULT_PARSERS = {None: ("think-optional", "deepseek-v3"), "deepseek-v4": ("deepseek-v4", "deepseek-v4")}
 MAX_REQUEST_BODY = 8 * 2**20  # bytes: a context's worth of prompt (token ids included) with room
 
 
@@ -24,8 +26,8 @@ class GatewayArgs(BaseModel):
     served_model_name: str | None = None  # None = the model directory's name
     chat_template: Path | None = None  # a Jinja file replacing the checkpoint's chat template
     api_key: str | None = None  # when set, /v1/* requires "Authorization: Bearer <key>"
-    reasoning_parser: str | None = "think-optional"  # or deepseek-r1, deepseek-v3.1/v3.2; None: no split
-    tool_call_parser: str = "deepseek-v3"  # the format tool calls are read and constrained in
+    reasoning_parser: str | None = AUTO  # auto, think-optional, deepseek-r1/v3.1/v3.2/v4; None: no split
+    tool_call_parser: str = AUTO  # the format tool calls are read and constrained in
     responses_store_size: int = Field(
         1024, description="/v1/responses kept in memory for previous_response_id (the oldest dropped)"
     )
@@ -52,11 +54,11 @@ class GatewayArgs(BaseModel):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+        if self.reasoning_parser not in (None, AUTO, *REASONING_PARSERS):
             raise ValueError(
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}"
             )
-        if self.tool_call_parser not in TOOL_PARSERS:
+        if self.tool_call_parser not in (AUTO, *TOOL_PARSERS):
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
             )
@@ -87,6 +89,19 @@ class GatewayArgs(BaseModel):
         if self.chat_template is not None and not self.chat_template.is_file():
             raise ValueError(f"chat_template {str(self.chat_template)!r} is not a file")
         return self
+
+    def for_chat_encoder(self, encoder: str | None) -> GatewayArgs:
+        """These arguments with each "auto" parser made the one the chat encoding needs: DeepSeek-V4's
+        encoder (``Tokenizer.chat_encoder``) writes thinking and DSML tool calls that only the
+        deepseek-v4 parsers read; a template checkpoint gets think-optional and deepseek-v3 (the
+        built-in model's)."""
+        reasoning, tools = DEFAULT_PARSERS[encoder]
+        update: dict[str, str] = {}
+        if self.reasoning_parser == AUTO:
+            update["reasoning_parser"] = reasoning
+        if self.tool_call_parser == AUTO:
+            update["tool_call_parser"] = tools
+        return self.model_copy(update=update)
 
     def tokenizer_pool_size(self) -> int:
         return self.tokenizer_threads or min(8, os.cpu_count() or 1)

@@ -169,6 +169,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None  # legacy: refused (use tool_choice)
     add_generation_prompt: bool = True  # vLLM
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the template
+    reasoning_effort: str | None = None  # OpenAI: none, minimal, low, medium, high, xhigh; DeepSeek: max
 
 
 # Responses ---------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ class Prepared:
     return_token_ids: bool  # logprob tokens as "token_id:<id>"
     echo: bool = False
     top_logprobs: int = 0  # chat: how many alternatives per token
-    thinking: bool = False  # chat: chat_template_kwargs {"thinking": true} (DeepSeek-V3.1/V3.2 templates)
+    thinking: bool = False  # chat: the prompt opens the thinking (``reasoning_mode``)
     tool_format: ToolFormat | None = None  # chat: read tool calls from the output in this format
     echo_logprobs: bool = False  # completions: echo with logprobs: the prompt's tokens lead the logprobs
     echo_only: bool = False  # completions: echo with max_tokens 0: the one generated token is dropped
@@ -325,6 +325,37 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     return data
 
 
+EFFORTS = {
+    "none": None,
+    "minimal": "high",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
+_THINKING_KWARGS = ("thinking", "enable_thinking")
+
+
+def reasoning_mode(req: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """(thinking, effort) a chat request asks for. Thinking: ``chat_template_kwargs``'
+    ``thinking`` (vLLM's and SGLang's DeepSeek switch) or ``enable_thinking``, else whether a
+    ``reasoning_effort`` other than "none" is given. The effort, for templates that have one
+    (DeepSeek-V4: "high" or "max"), as DeepSeek's API maps OpenAI's levels: up to "high" is
+    "high", "xhigh" and "max" are "max"."""
+    kwargs = req.chat_template_kwargs or {}
+    raw = req.reasoning_effort if req.reasoning_effort is not None else kwargs.get("reasoning_effort")
+    param = "reasoning_effort" if req.reasoning_effort is not None else "chat_template_kwargs"
+    if raw is not None and raw not in EFFORTS:
+        raise bad_request(f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {raw!r}", param=param)
+    switch = next((kwargs[k] for k in _THINKING_KWARGS if k in kwargs), None)
+    if switch is not None and not isinstance(switch, bool):
+        raise bad_request("chat_template_kwargs.thinking must be true or false", param="chat_template_kwargs")
+    thinking = switch if switch is not None else raw is not None and EFFORTS[raw] is not None
+    effort = EFFORTS[raw] if thinking and raw is not None else None
+    return thinking, effort
+
+
 def render_chat(
     req: ChatCompletionRequest,
     tokenizer: Tokenizer,
@@ -341,6 +372,12 @@ def render_chat(
         raise bad_request(f"chat_template_kwargs must not set {reserved[0]!r}", param="chat_template_kwargs")
     if tools:
         kwargs["tools"] = tools
+    thinking, effort = reasoning_mode(req)
+    kwargs.pop("reasoning_effort", None)  # the template sees the mapped effort only
+    if thinking:
+        kwargs["thinking"] = True
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     try:
         text = tokenizer.apply_chat_template(
@@ -357,7 +394,8 @@ def prepare_chat(
 ) -> Prepared:
     check_model(req.model, limits)
     _refuse_unsupported(req)
-    tools = plan_tools(req, tool_parser, tokenizer.token_to_id)
+    thinking = reasoning_mode(req)[0]
+    tools = plan_tools(req, tool_parser, tokenizer.token_to_id, thinking)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     top = req.top_logprobs or 0
@@ -388,6 +426,6 @@ def prepare_chat(
         include_stop_str=req.include_stop_str_in_output,
         return_token_ids=req.return_tokens_as_token_ids,
         top_logprobs=top,
-        thinking=bool((req.chat_template_kwargs or {}).get("thinking", False)),
+        thinking=thinking,
         tool_format=tools.format if tools else None,
     )

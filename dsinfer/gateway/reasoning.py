@@ -78,7 +78,7 @@ class DeepSeekR1ReasoningParser:
 
 
 class DeepSeekV3ReasoningParser:
-    """DeepSeek-V3.1 and V3.2: thinking is a per-request mode of the chat template
+    """DeepSeek-V3.1, V3.2 and V4: thinking is a per-request mode of the chat template
     (``chat_template_kwargs: {"thinking": true}``, as vLLM and SGLang take it). A thinking prompt
     ends with ``<think>`` and the output parses as R1's; otherwise the prompt ends with ``</think>``
     and the whole output is the answer."""
@@ -93,7 +93,7 @@ class DeepSeekV3ReasoningParser:
         return ("", "") if self._thinking is None else self._thinking.flush()
 
 
-PARSERS = ("think-optional", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2")
+PARSERS = ("think-optional", "deepseek-r1", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4")
 
 
 def make_reasoning_parser(name: str | None, thinking: bool = False) -> ReasoningParser | None:
@@ -104,6 +104,6 @@ def make_reasoning_parser(name: str | None, thinking: bool = False) -> Reasoning
         return DeepSeekR1ReasoningParser()
     if name == "think-optional":
         return DeepSeekR1ReasoningParser(forced=False)
-    if name in ("deepseek-v3.1", "deepseek-v3.2"):
+    if name in ("deepseek-v3.1", "deepseek-v3.2", "deepseek-v4"):
         return DeepSeekV3ReasoningParser(thinking)
     raise ValueError(f"unknown reasoning parser {name!r} (choose from {', '.join(PARSERS)})")

@@ -128,6 +128,8 @@ class ResponsesFormatter:
         if self.req.store:
             state = self.run.choices[0]
             answer: dict[str, Any] = {"role": "assistant", "content": state.text}
+            if state.reasoning:
+                answer["reasoning_content"] = state.reasoning
             if state.tool_calls:
                 answer["tool_calls"] = [
                     {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}

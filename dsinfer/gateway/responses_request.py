@@ -6,7 +6,8 @@ previous response, if one is named (its input and its output; its instructions a
 over, as OpenAI documents); then ``input``: a string (one user message) or items. Message items
 (``role`` with a string or ``input_text``/``output_text`` parts) become messages;
 ``function_call`` items become the assistant's ``tool_calls``, ``function_call_output`` items
-``tool`` messages; ``reasoning`` items are skipped (the template drops past thinking). Function
+``tool`` messages; a ``reasoning`` item is the next assistant message's ``reasoning_content``
+(templates keep or drop past thinking), and ``reasoning.effort`` is chat's ``reasoning_effort``. Function
 ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``max_output_tokens`` and
 ``text.format`` (json_object / json_schema) map to their chat completion fields.
 """
@@ -131,11 +132,32 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    """A ``reasoning`` item's text: its ``content`` (reasoning_text parts), else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        if not isinstance(parts, list):
+            raise bad_request(f"{where}.{key} must be a list of parts", param="input")
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if texts:
+            return "".join(texts)
+    return ""
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's ``input`` as chat messages."""
+    """The request's ``input`` as chat messages; a ``reasoning`` item becomes the
+    ``reasoning_content`` of the assistant message that follows it (templates keep or drop it)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        nonlocal reasoning
+        if reasoning is not None:
+            message["reasoning_content"], reasoning = reasoning, None
+        return message
+
     for i, item in enumerate(items):
         where = f"input.{i}"
         kind = item.get("type", "message")
@@ -148,7 +170,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 content = "".join(_part_text(p, f"{where}.content.{j}") for j, p in enumerate(content))
             elif not isinstance(content, str):
                 raise bad_request(f"{where}.content must be a string or a list of parts", param="input")
-            messages.append({"role": role, "content": content})
+            message = {"role": role, "content": content}
+            messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             call = {
                 "id": _string(item, "call_id", where),
@@ -159,16 +182,18 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 },
             }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif kind == "function_call_output":
             output = _string(item, "output", where)
             messages.append(
                 {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output}
             )
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            reasoning = (reasoning or "") + _reasoning_text(item, where)
+        else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported", param="input")
     return messages
 
@@ -216,6 +241,7 @@ def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> Cha
         else choice,
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})

@@ -38,9 +38,10 @@ def _spec(tool: ChatTool) -> ToolSpec:
 
 
 def plan_tools(
-    req: ChatCompletionRequest, parser: str, token_id: Callable[[str], int | None]
+    req: ChatCompletionRequest, parser: str, token_id: Callable[[str], int | None], thinking: bool = False
 ) -> ToolPlan | None:
-    """``token_id``: a text's id when the vocabulary has it as one token (tool-call markers usually)."""
+    """``token_id``: a text's id when the vocabulary has it as one token (tool-call markers usually);
+    ``thinking``: the prompt opens the thinking, so a forced call comes after it."""
     if req.functions is not None or req.function_call is not None:
         name = "functions" if req.functions is not None else "function_call"
         raise bad_request(
@@ -71,5 +72,5 @@ def plan_tools(
         parallel = False
     else:  # required
         allowed, parallel = specs, req.parallel_tool_calls
-    grammar = checked(lambda: lark(fmt.grammar(allowed, parallel, token_id)), "tools")
+    grammar = checked(lambda: lark(fmt.grammar(allowed, parallel, token_id, thinking)), "tools")
     return ToolPlan(template_tools, fmt, grammar)

@@ -20,6 +20,7 @@ PARSERS: dict[str, str] = {
     "deepseek-v3": "dsinfer.gateway.tool_parsers.deepseek:DEEPSEEK_V3",  # V3, R1, R1-0528
     "deepseek-v3.1": "dsinfer.gateway.tool_parsers.deepseek:DEEPSEEK_V31",
     "deepseek-v3.2": "dsinfer.gateway.tool_parsers.dsml:DEEPSEEK_V32",  # V3.2's DSML
+    "deepseek-v4": "dsinfer.gateway.tool_parsers.dsml:DEEPSEEK_V4",  # V4's DSML
     "kimi-k2": "dsinfer.gateway.tool_parsers.kimi:KIMI_K2",
 }
 

@@ -8,13 +8,19 @@ outside a section is content; a marker split across deltas is held back until it
 no marker leaks into the content and arguments stream as they are generated. A section that
 never ended is dropped, and so is a call that never ended when the output was cut (by max_tokens:
 ``flush(cut=True)``), with the start of a marker held back at the cut: the answer is the text
-before it. An output that ended by itself inside a call keeps the call and the arguments it got.
+before it. An output that ended by itself inside a call keeps the call and the arguments it got,
+except in a format that returns malformed calls as text (``malformed_as_text``): there the text
+of the section from its last complete call on is the answer's, with a log line.
+
+A format may write a ``lead`` before its section (DeepSeek-V4's blank line): it is part of the
+section's marker when present, and the grammar writes it.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -25,6 +31,8 @@ from typing import Any
 from dsinfer.base.grammar import JSON_OPTIONS, lark_string
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+END_THINK = "</think>"  # where a thinking prompt's reasoning ends (DeepSeek's and Kimi's)
+log = logging.getLogger("dsinfer.gateway")
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,9 @@ class ToolFormat(ABC):
     stream_arguments = True  # False: the arguments are converted at the call's end (DSML)
     needs_special_tokens = False  # markers are special tokens the detokenizer would skip
     tokens: tuple[str, ...] = ()  # the markers a vocabulary may have as single tokens
+    lead = ""  # written before section_begin; dropped from the content when present
+    gap = ""  # what the grammar writes between the section's markers and its calls
+    malformed_as_text = False  # True: an unfinished call at the end is returned as text
 
     @abstractmethod
     def parse_header(self, header: str, index: int) -> tuple[str, str]:
@@ -101,11 +112,19 @@ class ToolFormat(ABC):
         rest, _ = parser.flush(cut)
         return content + rest, parser.calls
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool, token_id: Callable[[str], int | None]) -> str:
+    def grammar(
+        self,
+        tools: list[ToolSpec],
+        parallel: bool,
+        token_id: Callable[[str], int | None],
+        thinking: bool = False,
+    ) -> str:
         """Lark (llguidance's dialect): one section of one call (or several when ``parallel``) of
         one of ``tools``, with arguments valid under the tool's parameter schema. A marker the
         vocabulary has as one token (``token_id``) is written as that token (``<[id]>``), which
-        is how the model emits it and how llguidance matches it."""
+        is how the model emits it and how llguidance matches it. ``thinking``: the prompt opened
+        the model's thinking, which runs free until ``</think>`` before the call (any text when
+        the vocabulary has ``</think>`` as one token, else text without ``<``)."""
         single = {t: i for t in self.tokens if (i := token_id(t)) is not None}
 
         def text(literal: str) -> str:
@@ -116,9 +135,19 @@ class ToolFormat(ABC):
             )
             return " ".join(f"<[{single[p]}]>" if p in single else lark_string(p) for p in pieces if p)
 
+        gap = f" {text(self.gap)} " if self.gap else " "
+        end_think = token_id(END_THINK) if thinking else None
+        thought = (
+            f"thought <[{end_think}]> " if end_think is not None else f"thought {lark_string(END_THINK)} "
+        )
         lines = [
-            f"start: {text(self.section_begin)} calls {text(self.section_end)}",
-            "calls: call+" if parallel else "calls: call",
+            f"start: {thought if thinking else ''}{text(self.lead + self.section_begin)}{gap}calls{gap}"
+            f"{text(self.section_end)}",
+            f"calls: call ({gap.strip()} call)*"
+            if parallel and self.gap
+            else "calls: call+"
+            if parallel
+            else "calls: call",
             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
         ]
         for i, tool in enumerate(tools):
@@ -126,8 +155,14 @@ class ToolFormat(ABC):
                 f"call_{i}: {text(self.call_begin)} {self.header_for(tool, text)} "
                 f"{text(self.args_begin)} args_{i} {text(self.args_end)}"
             )
-            lines.append(f"args_{i}: %json {json.dumps(compact_schema(tool.parameters), ensure_ascii=False)}")
+            lines.extend(self.arguments_rules(f"args_{i}", tool, text))
+        if thinking:
+            lines.append("thought: /(?s:.*)/" if end_think is not None else "thought: /[^<]*/")
         return "\n".join(lines) + "\n"
+
+    def arguments_rules(self, rule: str, tool: ToolSpec, text: Callable[[str], str]) -> list[str]:
+        """The Lark rules of a call's arguments, ``rule`` first: one JSON object by default."""
+        return [f"{rule}: %json {json.dumps(compact_schema(tool.parameters), ensure_ascii=False)}"]
 
 
 def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -159,18 +194,31 @@ class MarkerParser(ToolParser):
         self._buf = ""
         self._state = _TEXT
         self._args = ""  # the current call's raw arguments (formats that convert them at the end)
+        self._raw = ""  # the section's text since its begin or its last complete call
+        self._section_calls = 0  # calls completed in the current section
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._buf += text
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
-        while self._advance(content, deltas):
-            pass
-        return "".join(content), deltas
+        while True:
+            before, state = self._buf, self._state
+            moved = self._advance(content, deltas)
+            if state not in (_TEXT, _AFTER):  # the buffer only loses a prefix in a section
+                self._raw += before[: len(before) - len(self._buf)]
+            if state == _ARGS and self._state == _SECTION:
+                self._raw, self._section_calls = "", self._section_calls + 1
+            if not moved:
+                return "".join(content), deltas
 
     def flush(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []
-        if self._state == _AFTER or (self._state == _TEXT and not cut):
+        if not cut and self.fmt.malformed_as_text and self._unfinished():
+            if self._state == _ARGS:
+                self.calls.pop()  # its arguments were never sent: they convert at the call's end
+            content = self._raw + self._buf
+            log.warning("%s tool-call text is malformed or unfinished; returned as content", self.fmt.name)
+        elif self._state == _AFTER or (self._state == _TEXT and not cut):
             content = self._buf  # in _TEXT: what could have begun a section (held back)
         elif self._state == _ARGS and cut:
             self.calls.pop()  # streamed, its deltas are sent already; the finish reason tells
@@ -179,18 +227,30 @@ class MarkerParser(ToolParser):
         self._buf = ""
         return content, deltas
 
+    def _unfinished(self) -> bool:
+        if self._state in (_HEADER, _ARGS):
+            return True
+        return self._state == _SECTION and self._section_calls == 0
+
     def _advance(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
         """One transition if the buffer allows it; False when it must wait for more text."""
         fmt, buf = self.fmt, self._buf
         if self._state in (_TEXT, _AFTER):
             at = buf.find(fmt.section_begin) if self._state == _TEXT else -1
             if at < 0:
-                keep = _partial_suffix(buf, fmt.section_begin) if self._state == _TEXT else 0
+                keep = 0
+                if self._state == _TEXT:
+                    keep = max(
+                        _partial_suffix(buf, m) for m in (fmt.section_begin, fmt.lead + fmt.section_begin)
+                    )
                 content.append(buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 return False
-            content.append(buf[:at])
+            before = buf[:at]
+            lead = fmt.lead if fmt.lead and before.endswith(fmt.lead) else ""
+            content.append(before[: len(before) - len(lead)])
             self._buf, self._state = buf[at + len(fmt.section_begin) :], _SECTION
+            self._raw, self._section_calls = lead + fmt.section_begin, 0
             return True
         if self._state == _SECTION:
             stripped = buf.lstrip()
