@@ -46,7 +46,9 @@ from dsinfer.gateway.openai_api import ChatCompletionRequest
 from dsinfer.gateway.prepare import reasoning_mode
 from dsinfer.gateway.reasoning import make_reasoning_parser
 from dsinfer.gateway.responses_request import input_messages
+from dsinfer.gateway.structured import request_grammar
 from dsinfer.gateway.tool_parsers import ToolSpec, tool_format
+from dsinfer.gateway.tools import plan_tools
 from harness.server import Server, serve
 from harness.v4_checkpoints import build_v4
 
@@ -61,6 +63,13 @@ WEATHER = {
     },
     "required": ["city", "unit"],
 }
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["sunny", "rainy"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}
 ]
@@ -294,8 +303,37 @@ def test_forced_call_after_thinking_is_in_the_grammar(tiny_tokenizer: Tokenizer)
     ]
 
 
+def test_auto_tools_with_a_response_format_allow_a_call_or_the_answer(tiny_tokenizer: Tokenizer) -> None:
+    """tool_choice auto and a JSON response_format: a call or an answer in the format, nothing else."""
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": ASK,
+            "tools": TOOLS,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+        }
+    )
+    plan = plan_tools(req, "deepseek-v4", tiny_tokenizer.token_to_id)
+    assert plan is not None and plan.with_response_format and plan.grammar is not None
+    assert request_grammar(req, plan.grammar, True) == plan.grammar
+    cache = GrammarCache(tiny_tokenizer, tiny_tokenizer.vocab_size, tiny_tokenizer.eos_token_ids)
+    call = dsml_tool_calls(
+        [{"function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]
+    )
+    for output, accepted in (
+        ('{"answer":"sunny"}', True),
+        ("\n\n" + call, True),
+        ("Sunny.", False),
+        ('{"answer":"hot"}', False),
+    ):
+        matcher = cache.compiled(plan.grammar).deep_copy()
+        ok = (
+            matcher.consume_tokens(tiny_tokenizer.encode(output, add_special_tokens=False))
+            and matcher.is_accepting()
+        )
+        assert ok == accepted, output
+
+
 # End to end ----------------------------------------------------------------------------------------
-ASK = [{"role": "user", "content": "Weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -477,3 +515,36 @@ def test_anthropic_messages_two_round_tool_use(server: Server, model: str) -> No
         extra_body={"temperature": 0},
     )
     assert thinking.content[0].type == "thinking" and thinking.content[0].thinking  # type: ignore[union-attr]
+    with claude.messages.stream(
+        model=model,
+        max_tokens=12,
+        messages=ask,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body={"temperature": 0},
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in thinking.content]
+
+
+@pytest.mark.system
+def test_a_turn_calls_a_tool_or_answers_in_the_response_format(client: openai.OpenAI, model: str) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    for seed in range(3):
+        choice = client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=TOOLS,
+            response_format=fmt,
+            parallel_tool_calls=False,
+            max_tokens=300,
+            seed=seed,
+        ).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            assert json.loads(choice.message.tool_calls[0].function.arguments)["unit"] in (
+                "celsius",
+                "fahrenheit",
+            )
+        else:
+            assert choice.finish_reason == "stop"
+            assert json.loads(choice.message.content or "")["answer"] in ("sunny", "rainy")

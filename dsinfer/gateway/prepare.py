@@ -408,7 +408,9 @@ def prepare_chat(
         max_tokens_param=max_tokens_param,
         logprobs=top if req.logprobs else None,
         logprobs_param="top_logprobs",
-        grammar=request_grammar(req, tools.grammar if tools else None),
+        grammar=request_grammar(
+            req, tools.grammar if tools else None, tools is not None and tools.with_response_format
+        ),
     )
     if tools is not None and tools.format is not None and tools.format.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)

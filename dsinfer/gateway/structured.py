@@ -93,10 +93,15 @@ def _named(
 
 
 def request_grammar(
-    req: CompletionRequest | ChatCompletionRequest, tool_grammar: str | None = None
+    req: CompletionRequest | ChatCompletionRequest,
+    tool_grammar: str | None = None,
+    tools_take_response_format: bool = False,
 ) -> str | None:
-    """The one grammar the request's output must match, checked; None without a constraint."""
+    """The one grammar the request's output must match, checked; None without a constraint.
+    ``tools_take_response_format``: the tool grammar already allows the response format's answer."""
     sources = _sources(req)
+    if tools_take_response_format:
+        sources = [s for s in sources if s[0] != "response_format"]
     if tool_grammar is not None:
         sources.append(("tool_choice", lambda: tool_grammar))
     if not sources:

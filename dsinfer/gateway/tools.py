@@ -7,12 +7,15 @@ output is read for tool calls, and the grammar that forces a call.
 - ``required`` / a named function: generation is constrained to the parser's format, one call
   (or several with ``parallel_tool_calls``) of the allowed function(s), with arguments valid under
   their parameter schema, so the output always parses, whatever the weights.
+- ``auto`` with a JSON ``response_format``: the output is either calls (as under ``required``) or
+  the answer in that format, so an agent's turn may call a tool or answer structured.
 
 The legacy ``functions`` / ``function_call`` are refused with a 400 that names their replacement.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,23 @@ class ToolPlan:
     template_tools: list[dict[str, Any]]  # the chat template's ``tools`` variable
     format: ToolFormat | None  # read the output for calls in this format (None: tool_choice none)
     grammar: str | None  # tool_choice required or named: the output must be a call
+    with_response_format: bool = False  # the grammar also allows the response format's answer
+
+
+def _answer(req: ChatCompletionRequest) -> str | None:
+    """The Lark expression of a JSON ``response_format``'s answer; None for text or none."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return '%json {"type": "object"}'
+    schema = rf.json_schema.schema_ if rf.json_schema is not None else None
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return None  # the response format's own check names the problem
+    return None if schema is None else f"%json {json.dumps(schema, ensure_ascii=False)}"
 
 
 def _spec(tool: ChatTool) -> ToolSpec:
@@ -61,7 +81,14 @@ def plan_tools(
         return ToolPlan(template_tools, None, None)
     fmt = tool_format(parser)
     if choice is None or choice == "auto":
-        return ToolPlan(template_tools, fmt, None)
+        answer = _answer(req)
+        if answer is None:
+            return ToolPlan(template_tools, fmt, None)
+        grammar = checked(
+            lambda: lark(fmt.grammar(specs, req.parallel_tool_calls, token_id, thinking, answer)),
+            "response_format",
+        )
+        return ToolPlan(template_tools, fmt, grammar, with_response_format=True)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(

@@ -118,13 +118,15 @@ class ToolFormat(ABC):
         parallel: bool,
         token_id: Callable[[str], int | None],
         thinking: bool = False,
+        answer: str | None = None,
     ) -> str:
         """Lark (llguidance's dialect): one section of one call (or several when ``parallel``) of
         one of ``tools``, with arguments valid under the tool's parameter schema. A marker the
         vocabulary has as one token (``token_id``) is written as that token (``<[id]>``), which
         is how the model emits it and how llguidance matches it. ``thinking``: the prompt opened
         the model's thinking, which runs free until ``</think>`` before the call (any text when
-        the vocabulary has ``</think>`` as one token, else text without ``<``)."""
+        the vocabulary has ``</think>`` as one token, else text without ``<``). ``answer``: a Lark
+        expression the output may be instead of the calls (a response format's JSON)."""
         single = {t: i for t in self.tokens if (i := token_id(t)) is not None}
 
         def text(literal: str) -> str:
@@ -140,9 +142,10 @@ class ToolFormat(ABC):
         thought = (
             f"thought <[{end_think}]> " if end_think is not None else f"thought {lark_string(END_THINK)} "
         )
+        section = f"{text(self.lead + self.section_begin)}{gap}calls{gap}{text(self.section_end)}"
+        body = f"(({section}) | answer)" if answer is not None else section
         lines = [
-            f"start: {thought if thinking else ''}{text(self.lead + self.section_begin)}{gap}calls{gap}"
-            f"{text(self.section_end)}",
+            f"start: {thought if thinking else ''}{body}",
             f"calls: call ({gap.strip()} call)*"
             if parallel and self.gap
             else "calls: call+"
@@ -158,6 +161,8 @@ class ToolFormat(ABC):
             lines.extend(self.arguments_rules(f"args_{i}", tool, text))
         if thinking:
             lines.append("thought: /(?s:.*)/" if end_think is not None else "thought: /[^<]*/")
+        if answer is not None:
+            lines.append(f"answer: {answer}")
         return "\n".join(lines) + "\n"
 
     def arguments_rules(self, rule: str, tool: ToolSpec, text: Callable[[str], str]) -> list[str]:
