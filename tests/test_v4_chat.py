@@ -439,7 +439,7 @@ def test_responses_two_round_function_calls(client: openai.OpenAI, model: str) -
         {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER}
     ]
     choice: Any = {"type": "function", "name": "get_weather"}
-    first = client.responses.create(
+    kwargs: Any = dict(
         model=model,
         input="Weather in Paris?",
         tools=tools,
@@ -447,17 +447,11 @@ def test_responses_two_round_function_calls(client: openai.OpenAI, model: str) -
         max_output_tokens=300,
         temperature=0,
     )
+    first = client.responses.create(**kwargs)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "get_weather"
     assert json.loads(calls[0].arguments)["unit"] in ("celsius", "fahrenheit")
-    with client.responses.stream(
-        model=model,
-        input="Weather in Paris?",
-        tools=tools,
-        tool_choice=choice,
-        max_output_tokens=300,
-        temperature=0,
-    ) as stream:
+    with client.responses.stream(**kwargs) as stream:
         final = stream.get_final_response()
     assert [(i.name, i.arguments) for i in final.output if i.type == "function_call"] == [
         (calls[0].name, calls[0].arguments)
