@@ -66,190 +66,97 @@ TWO_CALLS = [
     ),
 ]
 
+
+def _case(name: str, mode: str, *messages: dict[str, Any], **options: Any) -> dict[str, Any]:
+    return {"name": name, "messages": list(messages), "thinking_mode": mode, **options}
+
+
+def _msg(role: str, content: str, **fields: Any) -> dict[str, Any]:
+    return {"role": role, "content": content, **fields}
+
+
+def _called(
+    call_id: str, arguments: str, result: str, content: str = "", **fields: Any
+) -> list[dict[str, Any]]:
+    """An assistant turn calling get_weather, and the tool's result."""
+    call = _msg("assistant", content, tool_calls=[_call(call_id, "get_weather", arguments)], **fields)
+    return [call, {"role": "tool", "tool_call_id": call_id, "content": result}]
+
+
+BRIEF = _msg("system", "Be brief.")
+HELLO = [_msg("user", "hello"), _msg("assistant", "Hi!", reasoning_content="a greeting")]
+PROVE = _msg("user", "Prove it.")
+HELPER = _msg("system", "You help.", tools=[WEATHER])
+BARE = _msg("system", "", tools=[WEATHER])
+PARIS = _msg("user", "Weather in Paris?")
+
 CASES: list[dict[str, Any]] = [
-    {
-        "name": "chat_single_turn",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "thinking_single_turn",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1=?"}],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "no_system_chat",
-        "messages": [{"role": "user", "content": "Wie geht's? 你好"}],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "chat_history",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "Hi!", "reasoning_content": "a greeting"},
-            {"role": "user", "content": "1+1=?"},
-        ],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "thinking_history_dropped",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "Hi!", "reasoning_content": "a greeting"},
-            {"role": "user", "content": "1+1=?"},
-            {"role": "assistant", "content": "2", "reasoning_content": "one and one"},
-            {"role": "user", "content": "and 2+2?"},
-        ],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "thinking_history_kept",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "Hi!", "reasoning_content": "a greeting"},
-            {"role": "user", "content": "1+1=?"},
-        ],
-        "thinking_mode": "thinking",
-        "drop_thinking": False,
-    },
-    {
-        "name": "reasoning_effort_max",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Prove it."}],
-        "thinking_mode": "thinking",
-        "reasoning_effort": "max",
-    },
-    {
-        "name": "reasoning_effort_max_no_system",
-        "messages": [{"role": "user", "content": "Prove it."}],
-        "thinking_mode": "thinking",
-        "reasoning_effort": "max",
-    },
-    {
-        "name": "reasoning_effort_high",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Prove it."}],
-        "thinking_mode": "thinking",
-        "reasoning_effort": "high",
-    },
-    {
-        "name": "reasoning_effort_max_in_chat_mode",
-        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Prove it."}],
-        "thinking_mode": "chat",
-        "reasoning_effort": "max",
-    },
-    {
-        "name": "tools_first_turn_chat",
-        "messages": [
-            {"role": "system", "content": "You help.", "tools": [WEATHER, SEARCH]},
-            {"role": "user", "content": "Weather in Paris?"},
-        ],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "tools_first_turn_thinking",
-        "messages": [
-            {"role": "system", "content": "", "tools": [WEATHER]},
-            {"role": "user", "content": "Weather in Paris?"},
-        ],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "tools_round_trip_thinking",
-        "messages": [
-            {"role": "system", "content": "You help.", "tools": [WEATHER, SEARCH]},
-            {"role": "user", "content": "Weather in Paris, and Rome's old town?"},
-            {"role": "assistant", "content": "", "reasoning_content": "two tools", "tool_calls": TWO_CALLS},
-            {"role": "tool", "tool_call_id": "call_b", "content": "Rome: many results"},
-            {"role": "tool", "tool_call_id": "call_a", "content": '{"sky": "clear", "c": 21}'},
-        ],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "tools_round_trip_chat_then_answer",
-        "messages": [
-            {"role": "system", "content": "You help.", "tools": [WEATHER]},
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": "Let me check.",
-                "tool_calls": [_call("call_1", "get_weather", '{"city": "Paris"}')],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-            {"role": "assistant", "content": "It is sunny in Paris."},
-            {"role": "user", "content": "Thanks! And tomorrow?"},
-        ],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "tools_history_thinking_kept",
-        "messages": [
-            {"role": "system", "content": "You help.", "tools": [WEATHER]},
-            {"role": "user", "content": "Weather in Paris?"},
-            {
-                "role": "assistant",
-                "content": "",
-                "reasoning_content": "call the tool",
-                "tool_calls": [_call("call_1", "get_weather", '{"city": "Paris"}')],
-            },
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-            {"role": "assistant", "content": "Sunny.", "reasoning_content": "read the result"},
-            {"role": "user", "content": "And Rome?"},
-        ],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "tool_result_then_user_text",
-        "messages": [
-            {"role": "system", "content": "", "tools": [WEATHER]},
-            {"role": "user", "content": "Weather?"},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [_call("c1", "get_weather", '{"city": "Oslo"}')],
-            },
-            {"role": "tool", "tool_call_id": "c1", "content": "snow"},
-            {"role": "user", "content": "Answer in French."},
-        ],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "arguments_not_json",
-        "messages": [
-            {"role": "system", "content": "", "tools": [WEATHER]},
-            {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": "", "tool_calls": [_call("c1", "get_weather", "Oslo, 3 days")]},
-            {"role": "tool", "tool_call_id": "c1", "content": "snow"},
-        ],
-        "thinking_mode": "chat",
-    },
-    {
-        "name": "ends_with_assistant",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hello"},
-            {"role": "assistant", "content": "Hi!", "reasoning_content": "a greeting"},
-        ],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "developer_with_tools",
-        "messages": [
-            {"role": "developer", "content": "Use tools when useful.", "tools": [SEARCH]},
-            {"role": "user", "content": "Find the news."},
-        ],
-        "thinking_mode": "thinking",
-    },
-    {
-        "name": "two_system_messages",
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "system", "content": "Answer in English."},
-            {"role": "user", "content": "hello"},
-        ],
-        "thinking_mode": "chat",
-    },
+    _case("chat_single_turn", "chat", BRIEF, _msg("user", "hello")),
+    _case("thinking_single_turn", "thinking", BRIEF, _msg("user", "1+1=?")),
+    _case("no_system_chat", "chat", _msg("user", "Wie geht's? 你好")),
+    _case("chat_history", "chat", BRIEF, *HELLO, _msg("user", "1+1=?")),
+    _case(
+        "thinking_history_dropped",
+        "thinking",
+        BRIEF,
+        *HELLO,
+        _msg("user", "1+1=?"),
+        _msg("assistant", "2", reasoning_content="one and one"),
+        _msg("user", "and 2+2?"),
+    ),
+    _case("thinking_history_kept", "thinking", BRIEF, *HELLO, _msg("user", "1+1=?"), drop_thinking=False),
+    _case("reasoning_effort_max", "thinking", BRIEF, PROVE, reasoning_effort="max"),
+    _case("reasoning_effort_max_no_system", "thinking", PROVE, reasoning_effort="max"),
+    _case("reasoning_effort_high", "thinking", BRIEF, PROVE, reasoning_effort="high"),
+    _case("reasoning_effort_max_in_chat_mode", "chat", BRIEF, PROVE, reasoning_effort="max"),
+    _case("tools_first_turn_chat", "chat", _msg("system", "You help.", tools=[WEATHER, SEARCH]), PARIS),
+    _case("tools_first_turn_thinking", "thinking", BARE, PARIS),
+    _case(
+        "tools_round_trip_thinking",
+        "thinking",
+        _msg("system", "You help.", tools=[WEATHER, SEARCH]),
+        _msg("user", "Weather in Paris, and Rome's old town?"),
+        _msg("assistant", "", reasoning_content="two tools", tool_calls=TWO_CALLS),
+        {"role": "tool", "tool_call_id": "call_b", "content": "Rome: many results"},
+        {"role": "tool", "tool_call_id": "call_a", "content": '{"sky": "clear", "c": 21}'},
+    ),
+    _case(
+        "tools_round_trip_chat_then_answer",
+        "chat",
+        HELPER,
+        PARIS,
+        *_called("call_1", '{"city": "Paris"}', "sunny", "Let me check."),
+        _msg("assistant", "It is sunny in Paris."),
+        _msg("user", "Thanks! And tomorrow?"),
+    ),
+    _case(
+        "tools_history_thinking_kept",
+        "thinking",
+        HELPER,
+        PARIS,
+        *_called("call_1", '{"city": "Paris"}', "sunny", reasoning_content="call the tool"),
+        _msg("assistant", "Sunny.", reasoning_content="read the result"),
+        _msg("user", "And Rome?"),
+    ),
+    _case(
+        "tool_result_then_user_text",
+        "chat",
+        BARE,
+        _msg("user", "Weather?"),
+        *_called("c1", '{"city": "Oslo"}', "snow"),
+        _msg("user", "Answer in French."),
+    ),
+    _case(
+        "arguments_not_json", "chat", BARE, _msg("user", "Weather?"), *_called("c1", "Oslo, 3 days", "snow")
+    ),
+    _case("ends_with_assistant", "thinking", BRIEF, *HELLO),
+    _case(
+        "developer_with_tools",
+        "thinking",
+        _msg("developer", "Use tools when useful.", tools=[SEARCH]),
+        _msg("user", "Find the news."),
+    ),
+    _case("two_system_messages", "chat", BRIEF, _msg("system", "Answer in English."), _msg("user", "hello")),
 ]
 
 

@@ -39,17 +39,6 @@ TEXTS = {
         "</｜DSML｜invoke>\n"
         "</｜DSML｜function_calls>"
     ),
-    "deepseek-v4": (
-        "Let me check.\n\n<｜DSML｜tool_calls>\n"
-        '<｜DSML｜invoke name="get_weather">\n'
-        '<｜DSML｜parameter name="location" string="true">Tokyo, Japan</｜DSML｜parameter>\n'
-        '<｜DSML｜parameter name="unit" string="true">celsius</｜DSML｜parameter>\n'
-        "</｜DSML｜invoke>\n"
-        '<｜DSML｜invoke name="get_time">\n'
-        '<｜DSML｜parameter name="tz" string="false">"UTC"</｜DSML｜parameter>\n'
-        "</｜DSML｜invoke>\n"
-        "</｜DSML｜tool_calls>"
-    ),
     "kimi-k2": (
         "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
         "<|tool_call_argument_begin|>"
@@ -59,7 +48,8 @@ TEXTS = {
         + "<|tool_call_end|><|tool_calls_section_end|>"
     ),
 }
-CONTENT = {name: "Let me check." if name != "deepseek-v3.2" else "Let me check.\n\n" for name in TEXTS}
+TEXTS["deepseek-v4"] = TEXTS["deepseek-v3.2"].replace("function_calls", "tool_calls")  # V4 renamed the block
+CONTENT = {name: "Let me check." if name != "deepseek-v3.2" else "Let me check.\n\n" for name in TEXTS}  # V4: its lead
 
 
 def _stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str | None, str | None, str]]]:

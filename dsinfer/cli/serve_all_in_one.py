@@ -28,20 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dsinfer.base import processes
 from dsinfer.base.cluster_secret import SECRET_ENV, generate_secret, load_secret
-from dsinfer.base.processes import (
-    ERROR_PREFIX,
-    KILL_GRACE,
-    STARTUP_FAILED,
-    Backoff,
-    Child,
-    StopSignals,
-    free_port,
-    kill,
-    listening_ports,
-    send,
-    wait_all,
-)
 from dsinfer.cli.engine_args import add_engine_args, engine_args_from
 from dsinfer.cli.flags import POOL_ONLY, SHARED_WITH_GATEWAY, actions_of
 from dsinfer.cli.gateway_args import API_KEY_ENV, add_gateway_args, gateway_args_from
@@ -143,15 +131,15 @@ def run_all_in_one(args: argparse.Namespace, *, cli_module: str = CLI_MODULE) ->
 
         print_all_in_one_plan(layout, gateway, pools, gateway.control_port)
         return 0
-    control_port = gateway.control_port or free_port(connect_host(gateway.host))
+    control_port = gateway.control_port or processes.free_port(connect_host(gateway.host))
     secret = load_secret(args.cluster_secret_file) or generate_secret()
     specs = children_of(args, layout, control_port, secret, cli_module)
-    signals = StopSignals()
-    children: list[Child] = []
+    signals = processes.StopSignals()
+    children: list[processes.Child] = []
     failure: _Failure | None = None
     try:
         for spec in specs:
-            children.append(Child(spec.name, spec.argv, spec.env))
+            children.append(processes.Child(spec.name, spec.argv, spec.env))
         log.info(
             "all-in-one: API at http://%s:%d/v1; pools register on control port %d; %s",
             connect_host(gateway.host),
@@ -179,9 +167,9 @@ class _GatewayPorts:
     http: int  # 0: any free port
     control: int
 
-    def ready(self, gateway: Child) -> bool:
+    def ready(self, gateway: processes.Child) -> bool:
         """The gateway listens on its HTTP port (this process, not another one on that port)."""
-        ports = listening_ports(gateway.pid)
+        ports = processes.listening_ports(gateway.pid)
         return self.http in ports if self.http else bool(ports - {self.control})
 
 
@@ -193,14 +181,14 @@ class _Failure:
 
 
 def _supervise(
-    children: list[Child],
+    children: list[processes.Child],
     gateway: ChildCommand,
     ports: _GatewayPorts,
-    signals: StopSignals,
+    signals: processes.StopSignals,
     max_restarts: int,
 ) -> _Failure | None:
     """Watch the children until a stop is requested (-> None) or one fails for good."""
-    restarts = Backoff(GATEWAY_BACKOFF, max_restarts)
+    restarts = processes.Backoff(GATEWAY_BACKOFF, max_restarts)
     gateway_up = False  # the gateway listened once: from then on its exits are restarted
     while signals.requested is None:
         if not gateway_up and ports.ready(children[0]):
@@ -213,10 +201,10 @@ def _supervise(
             if child.name != gateway.name:
                 return _pool_failure(child, code)
             if not gateway_up:
-                return _Failure(_startup_failure(child, code), STARTUP_FAILED, at_once=True)
+                return _Failure(_startup_failure(child, code), processes.STARTUP_FAILED, at_once=True)
             delay = restarts.next_delay()
             if delay is None:
-                line = f"{ERROR_PREFIX}{child.name} exited with code {code}; stopping everything"
+                line = f"{processes.ERROR_PREFIX}{child.name} exited with code {code}; stopping everything"
                 return _Failure(line, 1, at_once=False)
             child.release()
             log.warning(
@@ -228,38 +216,38 @@ def _supervise(
             )
             if not signals.sleep(delay, POLL_INTERVAL):
                 break
-            children[i] = Child(gateway.name, gateway.argv, gateway.env)
+            children[i] = processes.Child(gateway.name, gateway.argv, gateway.env)
             restarts.started()
             log.info("all-in-one: gateway pid %d", children[i].pid)
         time.sleep(POLL_INTERVAL)
     return None
 
 
-def _pool_failure(launcher: Child, code: int) -> _Failure:
+def _pool_failure(launcher: processes.Child, code: int) -> _Failure:
     """A pool launcher exited: never restarted here (it restarts its own ranks). Its own error
     line, if it printed one, is the one to show."""
     reported = launcher.reported_error()
-    line = reported or f"{ERROR_PREFIX}{launcher.name} exited with code {code}; stopping everything"
-    startup = code == STARTUP_FAILED
-    return _Failure(line, STARTUP_FAILED if startup else 1, at_once=startup)
+    line = reported or f"{processes.ERROR_PREFIX}{launcher.name} exited with code {code}; stopping everything"
+    startup = code == processes.STARTUP_FAILED
+    return _Failure(line, processes.STARTUP_FAILED if startup else 1, at_once=startup)
 
 
-def _startup_failure(child: Child, code: int) -> str:
+def _startup_failure(child: processes.Child, code: int) -> str:
     reported = child.reported_error()
     if reported is not None:
         return reported
-    line = f"{ERROR_PREFIX}{child.name} exited with code {code} before it was ready"
+    line = f"{processes.ERROR_PREFIX}{child.name} exited with code {code} before it was ready"
     detail = child.error_detail()
     return f"{line}: {detail}" if detail else line
 
 
-def _split(children: list[Child]) -> tuple[list[Child], list[Child]]:
+def _split(children: list[processes.Child]) -> tuple[list[processes.Child], list[processes.Child]]:
     """-> (the pool launchers, the gateway)."""
     pools = [child for child in children if child.name != "gateway"]
     return pools, [child for child in children if child.name == "gateway"]
 
 
-def _stop(children: list[Child], drain_timeout: float, signals: StopSignals) -> None:
+def _stop(children: list[processes.Child], drain_timeout: float, signals: processes.StopSignals) -> None:
     """Pools first (they drain, their tokens still reach the gateway), then the gateway; a second
     Ctrl-C (or SIGTERM) on the way stops whatever is left at once."""
     log.info(
@@ -268,37 +256,37 @@ def _stop(children: list[Child], drain_timeout: float, signals: StopSignals) -> 
         drain_timeout,
     )
     pools, gateway = (_procs(group) for group in _split(children))
-    send(pools, signal.SIGTERM)
-    wait_all(pools, drain_timeout + KILL_GRACE, cut_short=signals.is_forced)
+    processes.send(pools, signal.SIGTERM)
+    processes.wait_all(pools, drain_timeout + processes.KILL_GRACE, cut_short=signals.is_forced)
     if not signals.forced:
-        kill(pools)
-        send(gateway, signal.SIGTERM)
-        wait_all(gateway, KILL_GRACE, cut_short=signals.is_forced)
+        processes.kill(pools)
+        processes.send(gateway, signal.SIGTERM)
+        processes.wait_all(gateway, processes.KILL_GRACE, cut_short=signals.is_forced)
     if signals.forced:
         log.warning("all-in-one: second stop signal: stopping every process now, not waiting for the drain")
         _stop_at_once(children)
-    kill(_procs(children))
+    processes.kill(_procs(children))
     for child in children:
         child.release()
     _log_stopped(children)
 
 
-def _stop_at_once(children: list[Child]) -> None:
+def _stop_at_once(children: list[processes.Child]) -> None:
     """Nothing to drain: the gateway is killed; a launcher gets a second stop signal, on which it
-    kills its ranks and cleans up, and SIGKILL if it is not gone after ``KILL_GRACE``."""
+    kills its ranks and cleans up, and SIGKILL if it is not gone after ``processes.KILL_GRACE``."""
     pools, gateway = (_procs(group) for group in _split(children))
-    kill(gateway)
-    send(pools, signal.SIGTERM)
-    send(pools, signal.SIGINT)
-    wait_all(pools, KILL_GRACE)
-    kill(pools)
+    processes.kill(gateway)
+    processes.send(pools, signal.SIGTERM)
+    processes.send(pools, signal.SIGINT)
+    processes.wait_all(pools, processes.KILL_GRACE)
+    processes.kill(pools)
 
 
-def _log_stopped(children: list[Child]) -> None:
+def _log_stopped(children: list[processes.Child]) -> None:
     if children:
         codes = ", ".join(f"{child.name} {child.proc.returncode}" for child in children)
         log.info("all-in-one: stopped (exit codes: %s)", codes)
 
 
-def _procs(children: list[Child]) -> list[subprocess.Popen[bytes]]:
+def _procs(children: list[processes.Child]) -> list[subprocess.Popen[bytes]]:
     return [child.proc for child in children]

@@ -14,18 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from dsinfer.base.protocol import (
-    Deregister,
-    Heartbeat,
-    LoadReport,
-    PoolDown,
-    RankDown,
-    Register,
-    TokenDelta,
-    TokenDeltas,
-    heartbeat_identity,
-    launcher_of,
-)
+from dsinfer.base import protocol
 from dsinfer.connector.messages import AnyMessage, KVDestination
 from dsinfer.gateway.registry import WorkerRegistry
 
@@ -36,28 +25,32 @@ MAX_LOGGED = 4096  # (sender, message kind) pairs remembered so that each is log
 
 def refusal(sender: str, message: AnyMessage, registry: WorkerRegistry) -> str | None:
     """Why ``sender`` may not send ``message``, or None when it may."""
-    if isinstance(message, Register):
+    if isinstance(message, protocol.Register):
         if sender != message.worker:
             return f"it registers {message.worker!r}"
         if not message.worker.startswith(f"{message.role}/{message.pool}/"):
             return f"its name does not match role {message.role!r} and pool {message.pool}"
         return None
-    if isinstance(message, LoadReport | Deregister | KVDestination):
+    if isinstance(message, protocol.LoadReport | protocol.Deregister | KVDestination):
         return None if sender == message.worker else f"it speaks for {message.worker!r}"
-    if isinstance(message, Heartbeat):
-        return None if sender == heartbeat_identity(message.worker) else f"it beats for {message.worker!r}"
-    if isinstance(message, PoolDown):
+    if isinstance(message, protocol.Heartbeat):
+        return (
+            None
+            if sender == protocol.heartbeat_identity(message.worker)
+            else f"it beats for {message.worker!r}"
+        )
+    if isinstance(message, protocol.PoolDown):
         pool = (message.role, message.pool)
         info = registry.get(sender)
-        if launcher_of(sender) == pool or (info is not None and info.pool_key == pool):
+        if protocol.launcher_of(sender) == pool or (info is not None and info.pool_key == pool):
             return None
         return f"it is no launcher or rank of {message.role} pool {message.pool}"
-    if isinstance(message, RankDown):
+    if isinstance(message, protocol.RankDown):
         role, pool, _ = message.worker.split("/")
-        if launcher_of(sender) == (role, int(pool)):
+        if protocol.launcher_of(sender) == (role, int(pool)):
             return None
         return f"it is no launcher of {message.worker}'s pool"
-    if isinstance(message, TokenDelta | TokenDeltas):
+    if isinstance(message, protocol.TokenDelta | protocol.TokenDeltas):
         return None  # the router checks each choice's ranks
     return "ranks do not send it to the gateway"
 

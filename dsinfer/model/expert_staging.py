@@ -11,19 +11,7 @@ from pathlib import Path
 import torch
 
 from dsinfer.base.config import FP8_BLOCK, ModelConfig
-from dsinfer.model.checkpoint import (
-    FP8,
-    SCALE_SUFFIX,
-    CheckpointError,
-    CheckpointReader,
-    Placement,
-    checkpoint_prefix,
-    dummy_tensor,
-    expert_placements,
-    materialize,
-    scale_shape,
-    view,
-)
+from dsinfer.model import checkpoint
 from dsinfer.model.moe import Experts
 from dsinfer.ops import Ops
 from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
@@ -39,7 +27,7 @@ class ExpertSource:
     config: ModelConfig
     ops: Ops
     index: dict[str, Path]
-    fp8: bool  # routed experts are kept in FP8 (the model's are, whichever a rank loaded)
+    fp8: bool  # routed experts are kept in checkpoint.FP8 (the model's are, whichever a rank loaded)
     device: torch.device
     dtype: torch.dtype
     seed: int
@@ -65,15 +53,15 @@ class ExpertSource:
 @dataclass(frozen=True)
 class _Piece:
     """One unit of staging: rows [start, stop) of one expert projection (the checkpoint tensor
-    ``name``, a block of its rows or all of them), with its FP8 block scales when it has some."""
+    ``name``, a block of its rows or all of them), with its checkpoint.FP8 block scales when it has some."""
 
     module: str
     name: str
-    to: Placement  # where the weight goes in the new module
-    to_scale: Placement | None  # where its scales go (weights kept in FP8)
+    to: checkpoint.Placement  # where the weight goes in the new module
+    to_scale: checkpoint.Placement | None  # where its scales go (weights kept in checkpoint.FP8)
     rows: tuple[int, int]
-    held: Placement | None = None  # where the rank's current module holds the same tensor
-    held_scale: Placement | None = None
+    held: checkpoint.Placement | None = None  # where the rank's current module holds the same tensor
+    held_scale: checkpoint.Placement | None = None
 
 
 class ExpertStaging:
@@ -81,7 +69,7 @@ class ExpertStaging:
     ``load_model`` loads for the same experts.
 
     A piece is one expert projection (gate, up or down) or a block of its rows, at most
-    ``piece_bytes`` written and whole 128-row blocks (FP8 scales split with them). What the rank
+    ``piece_bytes`` written and whole 128-row blocks (checkpoint.FP8 scales split with them). What the rank
     already holds (``held``) is copied from there; the rest is read from the checkpoint (only the
     piece's rows, memory-mapped, dequantized where the model does) or drawn (dummy weights: one
     piece per projection, the generator draws the whole tensor). Every module is allocated up
@@ -96,7 +84,7 @@ class ExpertStaging:
         self.modules: dict[str, Experts] = {}
         self._params: dict[str, dict[str, torch.Tensor]] = {}
         self._held_params: dict[str, dict[str, torch.Tensor]] = {}
-        self._reader = CheckpointReader(source.index) if source.index else None
+        self._reader = checkpoint.CheckpointReader(source.index) if source.index else None
         self._pieces: deque[_Piece] = deque()
         for module_name, expert_ids in wanted.items():
             self._plan(module_name, expert_ids, held.get(module_name), piece_bytes)
@@ -110,24 +98,28 @@ class ExpertStaging:
         s = self.source
         with torch.device("meta"):
             experts = Experts(s.config, s.ops, expert_ids)
-        prefix = checkpoint_prefix(module_name, s.config)
+        prefix = checkpoint.checkpoint_prefix(module_name, s.config)
         if s.fp8:
             experts.make_fp8()
         table = _module_table(experts, prefix, s.config, s.fp8)
-        params = {name.lstrip("."): t for name, t in materialize(experts, s.device, s.dtype).items()}
+        params = {
+            name.lstrip("."): t for name, t in checkpoint.materialize(experts, s.device, s.dtype).items()
+        }
         self.modules[module_name], self._params[module_name] = experts, params
-        held_table: dict[str, list[Placement]] = {}
+        held_table: dict[str, list[checkpoint.Placement]] = {}
         if held is not None:
             held_table = _module_table(held, prefix, s.config, s.fp8)
             self._held_params[module_name] = dict(held.named_parameters())
         for name, places in table.items():
-            if name.endswith(SCALE_SUFFIX):
+            if name.endswith(checkpoint.SCALE_SUFFIX):
                 continue  # with its weight
-            scales = table.get(name + SCALE_SUFFIX, [None] * len(places))
+            scales = table.get(name + checkpoint.SCALE_SUFFIX, [None] * len(places))
             for to, to_scale in zip(places, scales, strict=True):
                 found = held_table.get(name)
                 held_at = found[0] if found else None
-                held_scale = held_table[name + SCALE_SUFFIX][0] if found and to_scale is not None else None
+                held_scale = (
+                    held_table[name + checkpoint.SCALE_SUFFIX][0] if found and to_scale is not None else None
+                )
                 n = to.shape[0]
                 if held_at is None and self._reader is None:
                     blocks = [(0, n)]  # a drawn tensor comes whole
@@ -145,48 +137,53 @@ class ExpertStaging:
         scale_rows = (p.rows[0] // FP8_BLOCK, math.ceil(p.rows[1] / FP8_BLOCK))
         if p.held is not None:
             held = self._held_params[p.module]
-            view(params, p.to, p.rows).copy_(view(held, p.held, p.rows))
+            checkpoint.view(params, p.to, p.rows).copy_(checkpoint.view(held, p.held, p.rows))
             if p.to_scale is not None and p.held_scale is not None:
-                view(params, p.to_scale, scale_rows).copy_(view(held, p.held_scale, scale_rows))
+                checkpoint.view(params, p.to_scale, scale_rows).copy_(
+                    checkpoint.view(held, p.held_scale, scale_rows)
+                )
         elif self._reader is not None:
             weight, scale = self._read(p, scale_rows)
-            target = view(params, p.to, p.rows)
+            target = checkpoint.view(params, p.to, p.rows)
             target.copy_(weight.to(target.dtype))
             if p.to_scale is not None:
                 assert scale is not None
-                view(params, p.to_scale, scale_rows).copy_(scale)
+                checkpoint.view(params, p.to_scale, scale_rows).copy_(scale)
         else:
             s = self.source
-            weight = dummy_tensor(p.name, p.to.shape, s.config, s.seed, s.device)
+            weight = checkpoint.dummy_tensor(p.name, p.to.shape, s.config, s.seed, s.device)
             if p.to_scale is not None:
                 weight, scale = quantize_weight_128x128(weight)
-                view(params, p.to_scale, None).copy_(scale)
-            target = view(params, p.to, None)
+                checkpoint.view(params, p.to_scale, None).copy_(scale)
+            target = checkpoint.view(params, p.to, None)
             target.copy_(weight.to(target.dtype))
         return bool(self._pieces)
 
     def _read(self, p: _Piece, scale_rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The piece's rows of a checkpoint tensor (dequantized unless kept FP8) and of its scales."""
+        """The piece's rows of a checkpoint tensor (dequantized unless kept checkpoint.FP8) and of its scales."""
         assert self._reader is not None
         weight = self._reader.rows(p.name, p.to.shape, p.rows)
-        if weight.dtype != FP8:
+        if weight.dtype != checkpoint.FP8:
             return weight, None
-        scale_name = p.name + SCALE_SUFFIX
+        scale_name = p.name + checkpoint.SCALE_SUFFIX
         if scale_name not in self._reader.index:
-            raise CheckpointError(f"FP8 tensor {p.name} has no {scale_name} in the checkpoint")
-        scale = self._reader.rows(scale_name, scale_shape(p.to.shape), scale_rows)
-        if p.to_scale is not None:  # kept FP8
+            raise checkpoint.CheckpointError(
+                f"checkpoint.FP8 tensor {p.name} has no {scale_name} in the checkpoint"
+            )
+        scale = self._reader.rows(scale_name, checkpoint.scale_shape(p.to.shape), scale_rows)
+        if p.to_scale is not None:  # kept checkpoint.FP8
             return weight, scale
         return dequantize_weight_128x128(weight, scale.float(), torch.float32), None
 
 
 def _module_table(
     experts: Experts, prefix: str, config: ModelConfig, fp8: bool
-) -> dict[str, list[Placement]]:
+) -> dict[str, list[checkpoint.Placement]]:
     """Checkpoint tensor name -> where it goes in one routed-experts module (params named w13, ...)."""
     names = {f"{prefix}.{e}.{p}_proj.weight" for e in experts.expert_ids for p in ("gate", "up", "down")}
-    table: dict[str, list[Placement]] = defaultdict(list)
-    expert_placements(table, "", prefix, experts, config, names if fp8 else set())
+    table: dict[str, list[checkpoint.Placement]] = defaultdict(list)
+    checkpoint.expert_placements(table, "", prefix, experts, config, names if fp8 else set())
     return {
-        n: [Placement(p.param.lstrip("."), p.shape, p.slot, p.rows) for p in ps] for n, ps in table.items()
+        n: [checkpoint.Placement(p.param.lstrip("."), p.shape, p.slot, p.rows) for p in ps]
+        for n, ps in table.items()
     }
