@@ -129,8 +129,8 @@ def test_unsupported_family_is_named_before_its_fields(tmp_path: Path) -> None:
         "and deepseek_v4 (DeepSeek-V4, one rank)"
     )
     assert _refusal(V4, tmp_path).endswith(
-        "DeepSeek-V4 (model_type 'deepseek_v4') is served on one rank, colocated, for now: expert "
-        "parallelism, PD, MTP, the simulator and EPLB take the V3 family only"
+        "DeepSeek-V4 (model_type 'deepseek_v4') is served by pools of one rank for now: expert "
+        "parallelism, MTP, the simulator and EPLB take the V3 family only"
     )
     llama = _refusal(LLAMA, tmp_path)
     assert "model_type 'llama' (LlamaForCausalLM) is not supported; dsinfer serves" in llama

@@ -59,6 +59,7 @@ class _Remote:
 @dataclass
 class _Pages:
     released: list[int] = field(default_factory=list)
+    handoff_layer: int | None = None  # a V3 pool: pages only
 
     def release(self, pages: list[int]) -> None:
         self.released += pages

@@ -15,12 +15,16 @@ import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
+import torch
 
 from dsinfer import LLM, SamplingParams
 from dsinfer.base.protocol import Abort, TokenDelta, encode
+from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.connector.messages import DecodeAdmit, KVDestination, PrefillDone, PrefillRequest, decode
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.engine import LLMEngine
@@ -30,6 +34,7 @@ from dsinfer.workers.decode import DecodeWorker
 from dsinfer.workers.prefill import PrefillWorker
 from dsinfer.workers.role import load_report
 from harness.checkpoints import BuiltCheckpoint
+from harness.v4_checkpoints import build_v4, greedy_reference
 
 pytestmark = pytest.mark.system
 
@@ -413,3 +418,37 @@ def test_pd_v32_sends_latent_and_indexer_pages(tiny_ckpt_v32: BuiltCheckpoint) -
             assert h.done_messages[-1].bytes_written == pages * layers * (latent + indexer) * 64
         h.settle()
         assert h.all_pages_free()
+
+
+def test_pd_v4_sends_whole_pages_and_the_resume_point(tmp_path: Path) -> None:
+    """DeepSeek-V4 over PD: the prefill rank writes a prompt's whole pages (each compressing
+    layer's entries and indexer keys) and, in a handoff slot, the resume point at the last of
+    them; the decode rank computes the rest of the prompt itself. PrefillDone says how far the KV
+    goes (0 for a prompt shorter than a page), the bytes are those pages and one slot, and the
+    tokens are transformers'. After aborts at any point, every page and slot is free on both
+    sides."""
+    model = build_v4("flash_like", tmp_path, with_tokenizer=True)
+    lengths, params = (100, 256, 600), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[2 + (1000 * i + t) % 4000 for t in range(n)] for i, n in enumerate(lengths)]
+    with make_harness(SimpleNamespace(path=tmp_path), max_num_seqs=8) as h:  # type: ignore[arg-type]
+        pools = [e.kv.pool for e in h.engines]
+        assert all(isinstance(p, V4StatePool) for p in pools)
+        page_bytes = V4StatePool.page_bytes_for(pools[0].caches.config, torch.float32)
+        for i, prompt in enumerate(prompts):
+            h.done_messages.clear()
+            h.admit(f"v4-{i}", prompt, params)
+            got = h.run([f"v4-{i}"])[f"v4-{i}"]
+            assert _tokens(got) == greedy_reference(model, prompt, 6)
+            whole = len(prompt) // 256
+            done = h.done_messages[-1]
+            assert done.computed_tokens == whole * 256
+            slot = pools[0].handoff.slot_bytes if whole else 0  # type: ignore[union-attr]
+            assert done.bytes_written == whole * page_bytes + slot
+        for cycles in (3, 16, 18):  # aborted while prefilling, around its last chunk, after it
+            h.admit(f"gone-{cycles}", [3 + t % 3000 for t in range(600)], params)
+            for _ in range(cycles):
+                h.cycle()
+            h.abort(f"gone-{cycles}")
+        h.settle()
+        assert h.all_pages_free()
+        assert all(p.handoff.num_free == 8 for p in pools)  # type: ignore[union-attr]

@@ -313,9 +313,12 @@ def test_mismatched_pools_are_refused_at_connect(backend: str) -> None:
             tx.connect("garbage", b"\x00not msgpack")
         # the same pool as this rank's but for one field, as a peer of another build would send it
         own = msgspec.msgpack.decode(tx.metadata())
-        bf16 = [["bfloat16", dim, page_bytes // 2] for _, dim, page_bytes in own["caches"]]
+        bf16 = [
+            [["bfloat16", rows, dim, size // 2] for _, rows, dim, size in caches]
+            for caches in own["geometry"]
+        ]
         for field, value, what in [
-            ("caches", bf16, r"pages are 64 tokens x \(bfloat16 x 40"),
+            ("geometry", bf16, r"pages are 64 tokens x \(bfloat16 x 40"),
             ("layers", own["layers"] * 2, f"has {2 * LAYERS} cache layers"),
             ("backend", "other", "uses transfer backend 'other'"),
         ]:

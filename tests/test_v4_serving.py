@@ -168,13 +168,17 @@ def test_generate_command_equals_transformers(v4: tuple[Path, Any]) -> None:
 
 
 @pytest.mark.system
-def test_serve_colocated_equals_transformers(
-    v4: tuple[Path, Any], expected: list[list[int]], tmp_path: Path
+@pytest.mark.parametrize("mode", ["pd", "colocated"])
+def test_serve_equals_transformers(
+    v4: tuple[Path, Any], expected: list[list[int]], mode: str, tmp_path: Path
 ) -> None:
-    """`dsinfer serve` on a V4 checkpoint runs it colocated (logged) and answers what
-    transformers does, streamed or not, for every prompt at once."""
+    """`dsinfer serve` on a V4 checkpoint, PD (the prompt's whole pages and the resume point at
+    the last of them written over NIXL, the rest computed on the decode rank) or colocated,
+    answers what transformers does, streamed or not, for prompts shorter than a page and of
+    several pages."""
     prompts = _prompts()
-    with serve(["--model", str(v4[0]), "--dtype", "float32"], tmp_path) as server:
+    flags = ["--colocated"] if mode == "colocated" else []
+    with serve(["--model", str(v4[0]), "--dtype", "float32", *flags], tmp_path) as server:
         client = server.openai_client()
         for prompt, want in zip(prompts, expected, strict=True):
             whole = client.completions.create(
@@ -187,7 +191,8 @@ def test_serve_colocated_equals_transformers(
         )
         text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
         assert text == whole_text(client, v4[0].name, prompts[2])
-        assert "DeepSeek-V4: serving colocated pools" in server.log()
+        if mode == "pd":  # the prompts of more than a page: their whole pages were written
+            assert metric_value(server.metrics(), "dsinfer_kv_transfer_bytes_total") > 0
 
 
 @pytest.mark.system
@@ -208,6 +213,7 @@ def test_choice_migrated_after_a_rank_is_killed_keeps_every_token(
         "64",
         "--decode-pools",
         "2",
+        "--colocated",
     ]
     with serve(args, tmp_path) as server:  # ready with one pool: wait for both, or the kill fails the start
         wait_until(lambda: len(healthy(parse_metrics(server.metrics()))) == 2, "both pools up", 120)
@@ -234,7 +240,7 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--role", "decode"], "--role decode (PD needs its cache paged by layer) is not"),
+        (["--role", "decode", "--pool-size", "2"], "pools of more than one rank (expert parallelism) is not"),
         (
             ["--decode-pool-size", "2", "--colocated"],
             "pools of more than one rank (expert parallelism) is not",
@@ -249,9 +255,7 @@ def test_serve_refuses_what_v4_has_not_yet_in_one_line(
     done = run_dsinfer("serve", "--model", str(v4[0]), "--port", "0", *flags, *extra, timeout=60)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "DeepSeek-V4 is served on one rank, colocated, for now" in lines[0], (
-        done.stderr
-    )
+    assert len(lines) == 1 and "DeepSeek-V4 is served by pools of one rank for now" in lines[0], done.stderr
     assert needle in lines[0]
 
 

@@ -74,6 +74,7 @@ class PagePool:
 
     allocator: PageAllocator
     page_size: int
+    sends_partial_pages = True  # PD: a prompt's last partial page travels with its whole ones
 
     @property
     def num_pages(self) -> int:
@@ -177,6 +178,10 @@ class PagedKVPool(PagePool):
     def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
         """Every layer's cache tensors, in spec order (what a KV transfer registers)."""
         return [layer.tensors() for layer in self.caches]
+
+    def transfer_page_bytes(self) -> list[int]:
+        """Bytes of one page per registered layer (every cache of the layer)."""
+        return [self.spec.page_bytes] * self.num_layers
 
     def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """A copy of ``page`` over every layer and cache: uint8 ``[page_bytes]`` on ``device``,

@@ -10,8 +10,14 @@ for ``max_num_seqs`` sequences, and as many prefix-cache resume points (dsinfer/
 before it counts pages, and drops the states of sequences that stop running. The scheduler admits,
 grows and preempts by pages as for V3, and shares cached pages between sequences. A page's record
 (what the disk tier stores, ``read_page``/``write_page``) is its compressed groups and its resume
-point, so a page read back after a restart can end a prefix hit. Pages are not registered with a
-transfer library (no PD) yet.
+point, so a page read back after a restart can end a prefix hit.
+
+PD: a transfer library registers one cache layer per model layer (its paged groups; none for a
+sliding-window layer) and a last layer of handoff slots (dsinfer/cache/handoff_slots.py,
+``max_num_seqs`` of them, made when the pool is first registered). A prefill rank sends a
+prompt's whole pages and, in a slot, the resume point at the last of them; the decode rank
+computes the prompt's last partial page itself from there (at most ``page_size - 1`` tokens), so
+no per-sequence state crosses but a resume point.
 """
 
 from __future__ import annotations
@@ -22,13 +28,17 @@ import torch
 
 from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
 from dsinfer.base.v4_config import V4Config
+from dsinfer.cache.handoff_slots import HandoffSlots
 from dsinfer.cache.kv_pool import PageAllocator, PagePool
 from dsinfer.model.v4_paged import SequenceStates
+from dsinfer.model.v4_state import Boundary
 
 _TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
 
 
 class V4StatePool(PagePool):
+    sends_partial_pages = False  # a prompt's last partial page is computed again by the decode rank
+
     def __init__(
         self,
         config: V4Config,
@@ -36,6 +46,7 @@ class V4StatePool(PagePool):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         max_resume_points: int = 0,
+        handoff_slots: int = 0,
     ) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
@@ -55,6 +66,8 @@ class V4StatePool(PagePool):
         self.page_record_bytes = sum(t.nbytes for t in groups) + self._resume_bytes + _TAIL.size
         shapes = ", ".join(f"{tuple(t.shape)}" for t in groups + self._resume_blank)
         self.page_record_layout = f"{self.page_layout}; record {shapes} x {dtype} + resume point"
+        self._handoff_count = handoff_slots
+        self.handoff: HandoffSlots | None = None  # made by ``layer_tensors`` (a PD rank)
 
     @staticmethod
     def spec_for(config: V4Config, dtype: torch.dtype) -> HybridCacheSpec:
@@ -100,19 +113,9 @@ class V4StatePool(PagePool):
     # and CSA's overlap rows at its end), then the point's position and a presence byte
     def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """A copy of ``page``'s record, uint8 ``[page_record_bytes]`` (no resume point: zeros)."""
-        out = torch.zeros(self.page_record_bytes, dtype=torch.uint8, device=device)
-        point = self.caches.resume_point(page)
-        parts = [t[page] for t in self.caches.tensors()]
-        if point is not None:
-            parts += [*point.windows, *(t for pair in point.overlaps.values() for t in pair)]
-        offset = 0
-        for part in parts:
-            raw = part.contiguous().view(torch.uint8).reshape(-1)
-            out[offset : offset + raw.numel()].copy_(raw)
-            offset += raw.numel()
-        tail = _TAIL.pack(point.position if point is not None else 0, point is not None)
-        out[self.page_record_bytes - _TAIL.size :] = torch.tensor(list(tail), dtype=torch.uint8)
-        return out
+        groups = [t[page].contiguous().view(torch.uint8).reshape(-1) for t in self.caches.tensors()]
+        point = self._encode_point(self.caches.resume_point(page))
+        return torch.cat([*groups, point]).to(device)
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
         """Install a record ``read_page`` made: the groups into ``page``, its resume point if any."""
@@ -125,15 +128,74 @@ class V4StatePool(PagePool):
             target = tensor[page].view(torch.uint8)
             target.copy_(data[offset : offset + target.numel()].view(target.shape))
             offset += target.numel()
-        resume = []
+        point = self._decode_point(data[offset:])
+        self.caches.forget([page])
+        if point is not None:
+            self.caches.install(page, point)
+
+    def _encode_point(self, point: Boundary | None) -> torch.Tensor:
+        """A resume point as uint8 ``[resume bytes + tail]``: its parts, position, presence."""
+        out = torch.zeros(self._resume_bytes + _TAIL.size, dtype=torch.uint8)
+        if point is not None:
+            parts = [*point.windows, *(t for pair in point.overlaps.values() for t in pair)]
+            raw = [part.contiguous().view(torch.uint8).reshape(-1).cpu() for part in parts]
+            out[: self._resume_bytes] = torch.cat(raw)
+        tail = _TAIL.pack(point.position if point is not None else 0, point is not None)
+        out[self._resume_bytes :] = torch.tensor(list(tail), dtype=torch.uint8)
+        return out
+
+    def _decode_point(self, data: torch.Tensor) -> Boundary | None:
+        position, present = _TAIL.unpack(bytes(data[self._resume_bytes :].tolist()))
+        if not present:
+            return None
+        parts, offset = [], 0
         for like in self._resume_blank:
             raw = data[offset : offset + like.nbytes].clone()
-            resume.append(raw.view(like.dtype).view(like.shape).to(self._device))
+            parts.append(raw.view(like.dtype).view(like.shape).to(self._device))
             offset += like.nbytes
-        position, present = _TAIL.unpack(bytes(data[offset:].tolist()))
-        self.caches.forget([page])
-        if present:
-            self.caches.install(page, self.caches.boundary_from(position, resume))
+        return self.caches.boundary_from(position, parts)
 
+    # PD: what a transfer library registers and writes ---------------------------------------------
     def layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
-        raise RuntimeError("DeepSeek-V4's cache is not paged by layer yet: no KV transfer (PD) for it")
+        """Per model layer its paged groups (none for a sliding-window layer), then the handoff
+        slots (made now: only a PD rank registers its pool)."""
+        if self.handoff is None:
+            if self._handoff_count <= 0:
+                raise RuntimeError("this V4 pool has no handoff slots (handoff_slots=0): no KV transfer")
+            self.handoff = HandoffSlots(self._handoff_count, self._resume_bytes + _TAIL.size, self._device)
+            self.caches.max_resume_points = max(self.caches.max_resume_points, self._handoff_count)
+        groups = self.caches.groups
+        per_layer = [tuple(t for t in groups.get(i, ()) if t is not None) for i in range(self.num_layers)]
+        return [*per_layer, (self.handoff.tensor,)]
+
+    def transfer_page_bytes(self) -> list[int]:
+        """Bytes of one page per registered layer (the slots' layer: one slot)."""
+        sizes = [sum(t[0].nbytes for t in layer) for layer in self.layer_tensors()]
+        return sizes
+
+    @property
+    def handoff_layer(self) -> int:
+        return self.num_layers
+
+    def stage_point(self, pages: list[int], num_tokens: int) -> tuple[int, int] | None:
+        """Copy the resume point at the last whole page of a sequence's ``num_tokens`` into a
+        free handoff slot: (slot, its position), or None when there is no such point (a prompt
+        shorter than a page; prefix caching off) or no free slot."""
+        whole = num_tokens // self.page_size
+        point = self.caches.resume_point(pages[whole - 1]) if whole else None
+        if point is None or point.position != whole * self.page_size or self.handoff is None:
+            return None
+        slot = self.handoff.take()
+        if slot is not None:
+            self.handoff.write(slot, self._encode_point(point).to(self._device))
+        return None if slot is None else (slot, point.position)
+
+    def adopt_point(self, slot: int, pages: list[int], position: int) -> None:
+        """The resume point a prefill rank wrote into ``slot``: kept for the page that ends at
+        ``position`` (the sequence resumes there); the slot is free again."""
+        assert self.handoff is not None
+        point = self._decode_point(self.handoff.read(slot).cpu())
+        self.handoff.give(slot)
+        if point is None or point.position != position:
+            raise RuntimeError(f"V4 handoff slot {slot} holds no resume point at token {position}")
+        self.caches.install(pages[position // self.page_size - 1], point)

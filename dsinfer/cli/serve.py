@@ -203,8 +203,8 @@ def model_is_v4(model: str | None) -> bool:
 def check_model(args: argparse.Namespace) -> None:
     """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
     (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
-    restarted, again and again. A DeepSeek-V4 checkpoint is served colocated on one rank: the
-    all-in-one server runs it colocated (logged); the flags it cannot honour yet are refused."""
+    restarted, again and again. A DeepSeek-V4 checkpoint is served by pools of one rank (PD or
+    colocated); the flags it cannot honour yet are refused."""
     if not model_is_v4(args.model):
         return
     path, _ = resolve_model(args.model)
@@ -212,17 +212,12 @@ def check_model(args: argparse.Namespace) -> None:
         getattr(args, name, None) or 1 for name in ("pool_size", "prefill_pool_size", "decode_pool_size")
     ]
     refused = [
-        (args.role in ("prefill", "decode"), f"--role {args.role} (PD needs its cache paged by layer)"),
         (max(sizes) > 1, "pools of more than one rank (expert parallelism)"),
         (args.speculative_mtp, "--speculative-mtp"),
     ]
     for bad, what in refused:
         if bad:
-            raise UsageError(f"{path}: DeepSeek-V4 is served on one rank, colocated, for now: {what} is not")
-    if args.role is None and not args.colocated:
-        if not args.dry_run:
-            log.info("DeepSeek-V4: serving colocated pools (PD needs its cache paged by layer)")
-        args.colocated = True
+            raise UsageError(f"{path}: DeepSeek-V4 is served by pools of one rank for now: {what} is not")
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

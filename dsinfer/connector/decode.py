@@ -2,8 +2,10 @@
 join them to the running batch.
 
 DecodeAdmit -> the request queues until the engine can reserve its pages (seats and KV
-permitting), then KVDestination tells the gateway where the prefill rank writes. PrefillDone
-(sent by the prefill rank after its last write completed) joins the request with its first token.
+permitting; for DeepSeek-V4 also a handoff slot), then KVDestination tells the gateway where the
+prefill rank writes. PrefillDone (sent by the prefill rank after its last write completed) joins
+the request with its first token; for V4 from the resume point the slot holds, this rank
+computing the prompt's last partial page itself.
 
 Deadlines measure silence, not the prefill rank's queue: a reserved transfer is given up after
 ``transfer_timeout`` seconds without a sign of it from the prefill rank, which sends
@@ -48,6 +50,16 @@ class _Incoming:
     msg: DecodeAdmit
     request: RemotePrefill
     deadline: float = 0.0  # monotonic; set once the pages are reserved, renewed by progress
+    num_cached_tokens: int = 0  # this rank's own prefix-cache hit
+    handoff_slot: int | None = None  # V4: where the prefill rank writes the resume point
+
+
+@dataclass(frozen=True)
+class _Held:
+    pages: list[int]
+    slot: int | None
+    release_at: float
+    prefill_worker: str
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,7 @@ class DecodeConnector:
         self.counters = TransferCounters()
         self._queued: deque[_Incoming] = deque()  # waiting for seats or pages
         self._reserved: dict[str, _Incoming] = {}  # pages held, waiting for PrefillDone
-        self._quarantined: dict[str, tuple[list[int], float, str]] = {}  # pages, release time, prefill rank
+        self._quarantined: dict[str, _Held] = {}  # what a late write could still land in
 
     # Messages --------------------------------------------------------------------------------
     def admit(self, msg: DecodeAdmit, now: float) -> None:
@@ -108,8 +120,22 @@ class DecodeConnector:
             self.counters.seconds += max(0.0, done.forward_done_at - done.first_write_at)
         self.counters.bytes += done.bytes_written
         self.counters.count += 1
+        computed = done.computed_tokens
+        if item.handoff_slot is not None:
+            computed = max(computed or 0, item.num_cached_tokens)
+            if computed > item.num_cached_tokens:  # the resume point arrived in the slot
+                self.engine.kv_pages.adopt_handoff(
+                    item.handoff_slot, self.engine.remote.pages(item.request), computed
+                )
+            else:
+                self.engine.kv_pages.release_handoff(item.handoff_slot)
         update = self.engine.remote.join(
-            item.request, done.first_token, done.first_logprobs, done.prompt_logprobs, done.mtp_draft
+            item.request,
+            done.first_token,
+            done.first_logprobs,
+            done.prompt_logprobs,
+            done.mtp_draft,
+            computed,
         )
         self.stages.mark(done.request_id, "generate")
         return Joined(update, done.num_cached_tokens)
@@ -125,16 +151,21 @@ class DecodeConnector:
         """No write of ``request_id``'s transfer can land any more."""
         held = self._quarantined.pop(request_id, None)
         if held is not None:
-            self.engine.kv_pages.release(held[0])
+            self._release(held.pages, held.slot)
             return
         item = self._reserved.pop(request_id, None)
         if item is not None:  # the prefill side gave up on its own
-            self.engine.kv_pages.release(self.engine.remote.cancel(item.request))
+            self._release(self.engine.remote.cancel(item.request), item.handoff_slot)
             self.fail(request_id, f"prefill rank {item.msg.prefill_worker} aborted the KV transfer", True)
+
+    def _release(self, pages: list[int], slot: int | None) -> None:
+        self.engine.kv_pages.release(pages)
+        if slot is not None:
+            self.engine.kv_pages.release_handoff(slot)
 
     def peer_down(self, prefill_worker: str) -> None:
         """Every transfer from the dead prefill rank is fenced: its pages are free again."""
-        fenced = [rid for rid, held in self._quarantined.items() if held[2] == prefill_worker]
+        fenced = [rid for rid, held in self._quarantined.items() if held.prefill_worker == prefill_worker]
         fenced += [rid for rid, item in self._reserved.items() if item.msg.prefill_worker == prefill_worker]
         if fenced:
             log.info("prefill rank %s is dead: %d transfers from it fenced", prefill_worker, len(fenced))
@@ -163,11 +194,11 @@ class DecodeConnector:
                     f"{self.transfer_timeout:g} s (--kv-transfer-timeout)",
                     True,
                 )
-        for request_id, (pages, release_at, _) in list(self._quarantined.items()):
-            if now >= release_at:
-                log.info("quarantine of %s expired; %d pages released", request_id, len(pages))
+        for request_id, held in list(self._quarantined.items()):
+            if now >= held.release_at:
+                log.info("quarantine of %s expired; %d pages released", request_id, len(held.pages))
                 del self._quarantined[request_id]
-                self.engine.kv_pages.release(pages)
+                self._release(held.pages, held.slot)
         self._reserve_queued(now)
 
     def busy(self) -> bool:
@@ -178,12 +209,19 @@ class DecodeConnector:
         return len(self._queued) + len(self._reserved)
 
     def _reserve_queued(self, now: float) -> None:
+        kv = self.engine.kv_pages
         while self._queued:
+            slot = kv.reserve_handoff() if kv.handoff_layer is not None else None
+            if kv.handoff_layer is not None and slot is None:
+                return
             reservation = self.engine.remote.reserve(self._queued[0].request)
             if reservation is None:
+                if slot is not None:
+                    kv.release_handoff(slot)
                 return
             item = self._queued.popleft()
             item.deadline = now + self.transfer_timeout
+            item.num_cached_tokens, item.handoff_slot = reservation.num_cached_tokens, slot
             self._reserved[item.msg.request_id] = item
             self.stages.mark(item.msg.request_id, "kv_wait")
             self.outbox.send_gateway(
@@ -192,11 +230,14 @@ class DecodeConnector:
                     worker=self.worker,
                     num_cached_tokens=reservation.num_cached_tokens,
                     pages=reservation.pages,
+                    handoff_slot=slot,
                 )
             )
 
     def _give_up(self, request_id: str, now: float) -> None:
         item = self._reserved.pop(request_id)
         pages = self.engine.remote.cancel(item.request)
-        self._quarantined[request_id] = (pages, now + self.quarantine, item.msg.prefill_worker)
+        self._quarantined[request_id] = _Held(
+            pages, item.handoff_slot, now + self.quarantine, item.msg.prefill_worker
+        )
         self.outbox.send_peer(item.msg.prefill_inbox, Abort(request_id=request_id, fence_to=self.inbox))

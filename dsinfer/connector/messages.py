@@ -56,6 +56,7 @@ class KVDestination(ControlMessage, kw_only=True):
     worker: str
     num_cached_tokens: int
     pages: list[int]
+    handoff_slot: int | None = None  # DeepSeek-V4: where the resume point at the last whole page goes
 
 
 class PrefillRequest(WorkerRequest, kw_only=True):
@@ -84,6 +85,7 @@ class PrefillDone(ControlMessage, kw_only=True):
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefill rank served from its own cache
     mtp_draft: int | None = None  # the MTP layer's proposal after first_token
+    computed_tokens: int | None = None  # V4: tokens whose KV (and resume point) arrived; None: all
     bytes_written: int = 0
     first_write_at: float = 0.0  # time.time() when the first KV write started
     forward_done_at: float = 0.0  # time.time() when the forward that sampled first_token ended

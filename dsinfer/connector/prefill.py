@@ -5,7 +5,9 @@ Per request: the engine prefills it (chunked, prefix cache) and samples the firs
 each forward this side plans, per request in the batch, the prompt pages that are complete after
 the step and not yet sent (from the decode side's first uncached page); the engine's per-layer
 hook starts the write of layer l as soon as layer l's KV is written, so transfers of the first
-layers run while later layers compute. Pages being read by a write hold an extra reference (they
+layers run while later layers compute. A pool that keeps a state beside its pages (DeepSeek-V4)
+sends whole pages only, and once the prompt is done the resume point at the last of them through
+a handoff slot (dsinfer/engine/kv_pages.py); PrefillDone says how many tokens that covers. Pages being read by a write hold an extra reference (they
 cannot be evicted or reused) until that write is done. When the first token is known and every
 write is done, PrefillDone goes to the decode rank: it is the fence after which the decode side
 may read the pages. An abort stops scheduling, waits for the writes in flight, then sends
@@ -45,11 +47,20 @@ log = logging.getLogger("dsinfer.connector")
 
 
 @dataclass
+class _Write:
+    handle: TransferHandle
+    pages: list[int]  # retained while the write reads them
+    slot: int | None = None  # a handoff slot it reads, given back when it is done
+
+
+@dataclass
 class _Outgoing:
     msg: PrefillRequest
     first_page: int  # prompt pages before this one the decode rank already holds
     sent: set[int] = field(default_factory=set)  # prompt page indices whose writes were started
-    in_flight: list[tuple[TransferHandle, list[int]]] = field(default_factory=list)  # + pages retained
+    in_flight: list[_Write] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # the sequence's pages, as its last step had them
+    computed_tokens: int | None = None  # V4: tokens the decode rank gets KV for (None: all)
     bytes_written: int = 0
     started: float | None = None
     done: SeqUpdate | None = None  # the finished prefill's last update (first token sampled)
@@ -141,8 +152,10 @@ class PrefillConnector:
             out = self._out.get(seq.request_id)
             if out is None or out.aborted:
                 continue
+            out.pages = seq.pages
             last = min(seq.end, seq.context_len)
-            complete = -(-last // self.page_size) if last == seq.context_len else last // self.page_size
+            partial = last == seq.context_len and self.engine.kv_pages.sends_partial_pages
+            complete = -(-last // self.page_size) if partial else last // self.page_size
             new = [p for p in range(out.first_page, complete) if p not in out.sent]
             if not new:
                 continue
@@ -156,21 +169,46 @@ class PrefillConnector:
             return None
 
         def after_layer(layer: int) -> None:
-            now = time.monotonic()
+            if not self.page_bytes[layer]:
+                return  # a layer with nothing in pages (V4's sliding-window layers)
             for out, src, dst in plan:
-                if out.error is not None:
-                    continue
-                try:
-                    handle = self.backend.write_pages(out.msg.decode_agent, layer, src, dst)
-                except TransferError as e:
-                    out.error = f"KV write to {out.msg.destination.worker} failed: {e}"
-                    continue
-                self.engine.kv_pages.retain(src)
-                out.in_flight.append((handle, src))
-                out.bytes_written += len(src) * self.page_bytes[layer]
-                out.started = out.started or now
+                self._write(out, layer, src, dst)
 
         return after_layer
+
+    def _write(
+        self, out: _Outgoing, layer: int, src: list[int], dst: list[int], slot: int | None = None
+    ) -> None:
+        if out.error is not None:
+            return
+        try:
+            handle = self.backend.write_pages(out.msg.decode_agent, layer, src, dst)
+        except TransferError as e:
+            out.error = f"KV write to {out.msg.destination.worker} failed: {e}"
+            return
+        if slot is None:
+            self.engine.kv_pages.retain(src)
+        out.in_flight.append(_Write(handle, [] if slot is not None else src, slot))
+        out.bytes_written += len(src) * self.page_bytes[layer]
+        out.started = out.started or time.monotonic()
+
+    def _hand_over(self, out: _Outgoing) -> None:
+        """The prompt is done: write the resume point at its last whole page, if the pool keeps
+        one, into the decode rank's slot (V4); else it computes from its own cached tokens."""
+        kv, dest = self.engine.kv_pages, out.msg.destination
+        if kv.handoff_layer is None or dest.handoff_slot is None:
+            return
+        known = len(out.msg.prompt_token_ids) + len(out.msg.output_token_ids)
+        staged = kv.stage_handoff(out.pages, known)
+        out.computed_tokens = dest.num_cached_tokens
+        if staged is None:
+            return
+        slot, position = staged
+        if position <= dest.num_cached_tokens:
+            kv.release_handoff(slot)
+            return
+        out.computed_tokens = position
+        self._write(out, kv.handoff_layer, [slot], [dest.handoff_slot], slot)
 
     def stepped(self, updates: list[SeqUpdate]) -> None:
         """Record the step's finished prefills (the decode rank sends the tokens, not this one)."""
@@ -178,6 +216,7 @@ class PrefillConnector:
             out = self._out.get(update.request_id)
             if out is not None and update.finished and update.finish_reason != "abort":
                 out.done, out.forward_done_at = update, time.time()
+                self._hand_over(out)
                 self.stages.mark(update.request_id, "kv_flush")
 
     def step_interrupted(self) -> None:
@@ -232,13 +271,16 @@ class PrefillConnector:
 
     def _poll(self, out: _Outgoing) -> None:
         pending = []
-        for handle, pages in out.in_flight:
-            state = self.backend.poll(handle)
+        for write in out.in_flight:
+            state = self.backend.poll(write.handle)
             if state == "pending":
-                pending.append((handle, pages))
+                pending.append(write)
                 continue
-            self.backend.release(handle)
-            self.engine.kv_pages.release(pages)
+            self.backend.release(write.handle)
+            if write.slot is not None:
+                self.engine.kv_pages.release_handoff(write.slot)
+            else:
+                self.engine.kv_pages.release(write.pages)
             if state == "failed" and out.error is None:
                 out.error = f"KV write to {out.msg.destination.worker} failed"
         out.in_flight = pending
@@ -259,6 +301,7 @@ class PrefillConnector:
                 prompt_logprobs=done.prompt_logprobs if done.is_first else None,
                 num_cached_tokens=done.num_cached_prompt_tokens if done.is_first else 0,
                 mtp_draft=done.mtp_draft,
+                computed_tokens=out.computed_tokens,
                 bytes_written=out.bytes_written,
                 first_write_at=_wall(out.started),
                 forward_done_at=out.forward_done_at,

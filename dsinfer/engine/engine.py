@@ -224,7 +224,7 @@ class LLMEngine:
                 f"are set aside for the windows and compressor state of max_num_seqs {self.args.max_num_seqs}"
             )
         resume_points = self.args.max_num_seqs if self.args.enable_prefix_caching else 0
-        pool = V4StatePool(self.config, num_pages, dtype, device, resume_points)
+        pool = V4StatePool(self.config, num_pages, dtype, device, resume_points, self.args.max_num_seqs)
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB, %d bytes per page) + %.1f MiB for %d sequences' "
             "windows and compressor state and as many resume points (%s; %s)",

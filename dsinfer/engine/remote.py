@@ -2,7 +2,8 @@
 
 ``new`` validates a one-choice request; ``reserve`` holds pages for every token known so far (a
 prefix-cache hit first) while seats and pages allow; once the connector knows the KV has landed,
-``join`` runs the request from the token the prefill rank sampled; ``cancel`` ends a reserved
+``join`` runs the request from the token the prefill rank sampled (after computing what KV did
+not arrive: a V4 prompt's last partial page); ``cancel`` ends a reserved
 request and hands its pages back still referenced, for the connector to release once no write of
 the other rank can land in them (``KVPages.release``).
 """
@@ -63,18 +64,24 @@ class RemotePrefills:
         logprobs: dict[int, float] | None,
         prompt_logprobs: list[dict[int, float] | None] | None,
         draft: int | None,
+        computed: int | None = None,
     ) -> SeqUpdate:
         """The KV has arrived: the request runs from the prefill rank's token (the first, or a
-        continuation's next)."""
+        continuation's next). ``computed``: the tokens whose KV is here when not all of them
+        (DeepSeek-V4: whole pages; this rank computes the rest first)."""
         seq = request._seq
         if seq.prompt_logprobs is not None and prompt_logprobs is not None:
             seq.prompt_logprobs = list(prompt_logprobs)
         self._requests.add(seq.request_id, [seq], None)
-        if self._scheduler.join(seq, first_token, logprobs):
+        if self._scheduler.join(seq, first_token, logprobs, computed):
             self._requests.collect([seq])
-        elif self._speculative:
+        elif self._speculative and computed is None:
             seq.draft = draft
         return SeqUpdate(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
+
+    def pages(self, request: RemotePrefill) -> list[int]:
+        """The reserved request's pages, its cached prefix's first."""
+        return list(request._seq.pages)
 
     def cancel(self, request: RemotePrefill) -> list[int]:
         """End a reserved request; its pages come back still referenced."""

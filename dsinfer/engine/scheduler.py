@@ -166,14 +166,17 @@ class Scheduler:
         self.stats.prompt_tokens_cached += seq.num_cached_prompt_tokens
         return cached
 
-    def join(self, seq: Sequence, first_token: int, logprobs: dict[int, float] | None) -> bool:
-        """The KV of the known tokens has arrived: record the next token (sampled by the prefill
+    def join(
+        self, seq: Sequence, first_token: int, logprobs: dict[int, float] | None, computed: int | None = None
+    ) -> bool:
+        """The KV of the known tokens has arrived (of the first ``computed`` of them: the rest is
+        computed here, as a prompt's next chunk): record the next token (sampled by the prefill
         rank) and run the sequence. Returns whether it finished with that token."""
         self.num_reserved -= 1
-        seq.num_computed_tokens = seq.num_tokens
+        seq.num_computed_tokens = seq.num_tokens if computed is None else computed
         seq.status = SeqStatus.RUNNING
         if seq.uses_prefix_cache:
-            self.kv.commit(seq.token_ids, seq.pages, seq.num_tokens)
+            self.kv.commit(seq.token_ids, seq.pages, seq.num_computed_tokens)
         seq.append(first_token, logprobs)
         if seq.finish_reason is not None:
             self._finish(seq)

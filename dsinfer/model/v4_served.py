@@ -3,8 +3,10 @@
 The engine schedules V4 like V3: chunked prefill, decodes batched, pages charged per 256 tokens.
 Its compressed entries and indexer keys are written to and read from the sequence's pages; its
 window rows and compressor state are the sequence's own (dsinfer/model/v4_paged.py), found by the
-batch's sequence keys, with resume points at page boundaries for the prefix cache. Served this
-way: one rank, colocated (no EP group, no PD transfer, no MTP, no CUDA graphs).
+batch's sequence keys, with resume points at page boundaries for the prefix cache and the PD
+handoff. A KV connector's per-layer hook runs once the whole forward is done (the layers' pages
+are written as the model runs its sequences one by one). One rank per pool (no EP group), no MTP,
+no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ class ServedV4(nn.Module):
     def forward(self, token_ids: torch.Tensor, batch: ForwardBatch, states: SequenceStates) -> torch.Tensor:
         """The step's tokens (sequence after sequence, as ``batch`` says) -> final-normed hidden
         states [T, hidden]."""
-        if batch.after_layer is not None:
-            raise RuntimeError("DeepSeek-V4 has no per-layer KV hook yet (PD transfer is not served)")
         if batch.seq_keys is None:
             raise RuntimeError("DeepSeek-V4 keeps a cache per sequence: the batch must name its sequences")
         page_size = states.page_tokens
@@ -44,7 +44,11 @@ class ServedV4(nn.Module):
         ):
             pages = batch.block_tables[i, : -(-kv_len // page_size)].tolist()
             seq_states.append(states.for_step(key, kv_len - q_len, pages))
-        return self.model.forward_many(token_ids, seq_states, batch.q_lens)
+        hidden = self.model.forward_many(token_ids, seq_states, batch.q_lens)
+        if batch.after_layer is not None:  # every layer's pages are written: a connector may send them
+            for layer in range(self.config.num_hidden_layers):
+                batch.after_layer(layer)
+        return hidden
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, per layer (hash-routed layers included)."""

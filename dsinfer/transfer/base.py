@@ -1,7 +1,8 @@
 """KV transfer between ranks: the interface both backends (NIXL, Mooncake) implement.
 
 A rank registers its KV pool once: per cache layer, the layer's cache tensors (each
-[pages, page_size, dim], every page contiguous: MLA's latent and, for V3.2, the indexer keys);
+[pages, rows, dim], every page contiguous: MLA's latent and, for V3.2, the indexer keys; V4's
+layers differ, dsinfer/transfer/common.py);
 ``metadata()`` is everything a peer needs to write into that pool (agent info plus each cache's
 base address and page stride) and travels in Register / PrefillRequest. The writer addresses
 pages, not bytes: ``write_pages(peer, layer, src, dst)`` copies page ``src[i]`` of every cache of

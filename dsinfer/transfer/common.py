@@ -2,14 +2,16 @@
 byte runs, the bookkeeping of one write handle, and ``PoolBackend``, the library-independent half
 of a backend (pool, peers, handles).
 
-A pool is registered as its cache layers, each one or more tensors ``[pages, page_size, dim]``
-(the layer's caches in the pool's spec order: MLA's latent, V3.2's indexer keys; see
-dsinfer/base/kv_spec.py). A write of a layer's pages writes every cache of that layer.
+A pool is registered as its cache layers, each zero or more tensors ``[pages, rows, dim]`` (the
+layer's caches in the pool's spec order: MLA's latent, V3.2's indexer keys; see
+dsinfer/base/kv_spec.py). A write of a layer's pages writes every cache of that layer. Layers may
+differ (DeepSeek-V4's compressing layers hold their own groups, its sliding-window layers none,
+and its pool adds a layer of resume-point slots): each has its own geometry and page count.
 
 The metadata is one msgpack-encoded ``PoolMetadata``: the backend's own connection info
 (``endpoint``: NIXL agent metadata or Mooncake's ``host:port``) plus, for every cache of every
-layer, its base address, page stride and page count, and the page geometry (tokens per page, each
-cache's dtype and values per token) that a writer must share with the pool it writes into.
+layer, its base address, page stride and page count, and its geometry (rows per page, dtype and
+values per row) that a writer must share with the pool it writes into.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ class LayerRegion(msgspec.Struct, frozen=True, array_like=True):
 
 
 class CacheGeometry(msgspec.Struct, frozen=True, array_like=True):
-    """One cache of a layer: its dtype, values per token and bytes per page."""
+    """One cache of a layer: its dtype, rows (tokens) per page, values per row, bytes per page."""
 
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    rows: int
     dim: int
     page_bytes: int
 
@@ -58,61 +61,74 @@ class CacheGeometry(msgspec.Struct, frozen=True, array_like=True):
 class PoolMetadata(msgspec.Struct, frozen=True, kw_only=True):
     backend: str
     agent: str
-    page_size: int  # tokens per page
-    caches: list[CacheGeometry]  # a layer's caches, in order
     device: str  # "cpu" or "cuda:<index>"
+    geometry: list[list[CacheGeometry]]  # per layer, one per cache
     layers: list[list[LayerRegion]]  # per layer, one region per cache
     endpoint: bytes  # backend-specific connection info
 
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of one layer, over its caches."""
-        return sum(c.page_bytes for c in self.caches)
+    def page_bytes(self, layer: int) -> int:
+        """Bytes of one page of ``layer``, over its caches."""
+        return sum(c.page_bytes for c in self.geometry[layer])
 
     def spans(self) -> list[tuple[int, int]]:
         """(address, extent) of every registered region."""
         return [
             (r.addr, r.extent(c.page_bytes))
-            for regions in self.layers
-            for r, c in zip(regions, self.caches, strict=True)
+            for regions, caches in zip(self.layers, self.geometry, strict=True)
+            for r, c in zip(regions, caches, strict=True)
         ]
 
-    def geometry(self) -> str:
-        caches = " + ".join(f"{c.dtype} x {c.dim}" for c in self.caches)
-        return f"{self.page_size} tokens x ({caches}) ({self.page_bytes} B per page per layer)"
+    def describe(self) -> str:
+        """The page geometry, once per distinct layer geometry."""
+        kinds: dict[str, int] = {}
+        for layer, caches in enumerate(self.geometry):
+            text = _layer_text(caches, self.page_bytes(layer))
+            kinds[text] = kinds.get(text, 0) + 1
+        if len(kinds) == 1:
+            return next(iter(kinds))
+        return "; ".join(f"{n} layers of {text}" for text, n in kinds.items())
+
+
+def _layer_text(caches: list[CacheGeometry], page_bytes: int) -> str:
+    if not caches:
+        return "no caches"
+    rows = {c.rows for c in caches}
+    if len(rows) == 1:
+        inner = " + ".join(f"{c.dtype} x {c.dim}" for c in caches)
+        return f"{rows.pop()} tokens x ({inner}) ({page_bytes} B per page per layer)"
+    inner = " + ".join(f"{c.rows} x {c.dtype} x {c.dim}" for c in caches)
+    return f"({inner}) ({page_bytes} B per page per layer)"
 
 
 def describe_pool(backend: str, agent: str, layers: Sequence[Sequence[torch.Tensor]]) -> PoolMetadata:
-    """A pool's metadata (its endpoint still empty), or TransferError if its layers are not one
-    page geometry on one device with each page of each cache contiguous in memory."""
-    if not layers or not layers[0]:
+    """A pool's metadata (its endpoint still empty), or TransferError if a cache is not
+    ``[pages, rows, dim]`` with each page contiguous, a layer's caches differ in page count, or
+    the caches are not on one device."""
+    tensors = [t for caches in layers for t in caches]
+    if not tensors:
         raise TransferError("register_pool needs at least one cache layer with at least one cache")
-    first = list(layers[0])
-    pages = first[0].shape[0] if first[0].dim() == 3 else 0
+    device = tensors[0].device
     for i, caches in enumerate(layers):
-        if len(caches) != len(first):
-            raise TransferError(f"cache layer {i} has {len(caches)} caches, layer 0 has {len(first)}")
-        for t, ref in zip(caches, first, strict=True):
+        for t in caches:
             if t.dim() != 3:
                 raise TransferError(
                     f"cache layer {i} has a cache of shape {tuple(t.shape)}, expected [pages, page_size, dim]"
                 )
-            if t.shape[1:] != ref.shape[1:] or t.dtype != ref.dtype or t.device != ref.device:
+            num, rows, dim = t.shape
+            if num == 0 or num != caches[0].shape[0]:
+                raise TransferError(f"cache layer {i}: every cache needs the same pages (> 0)")
+            if t.device != device:
                 raise TransferError(
-                    f"cache layer {i} has a {t.dtype} {tuple(t.shape)} cache on {t.device}, layer 0 has "
-                    f"{ref.dtype} {tuple(ref.shape)} on {ref.device}: one geometry per pool"
+                    f"cache layer {i} is on {t.device}, layer 0 on {device}: one device per pool"
                 )
-            num, page_size, dim = t.shape
-            if num == 0 or num != pages or page_size != first[0].shape[1]:
-                raise TransferError(f"cache layer {i}: every cache needs the same pages (> 0) and page size")
-            if t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < page_size * dim:
+            if t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < rows * dim:
                 raise TransferError(f"cache layer {i} has strides {t.stride()}: each page must be contiguous")
-    page_size = first[0].shape[1]
     geometry = [
-        CacheGeometry(
-            str(t.dtype).removeprefix("torch."), t.shape[2], page_size * t.shape[2] * t.element_size()
-        )
-        for t in first
+        [
+            CacheGeometry(str(t.dtype).removeprefix("torch."), t.shape[1], t.shape[2], t[0].nbytes)
+            for t in caches
+        ]
+        for caches in layers
     ]
     regions = [
         [LayerRegion(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]) for t in caches]
@@ -121,12 +137,16 @@ def describe_pool(backend: str, agent: str, layers: Sequence[Sequence[torch.Tens
     return PoolMetadata(
         backend=backend,
         agent=agent,
-        page_size=page_size,
-        caches=geometry,
-        device=device_name(first[0].device),
+        device=device_name(device),
+        geometry=geometry,
         layers=regions,
         endpoint=b"",
     )
+
+
+def _pages(meta: PoolMetadata) -> int:
+    """The page count of the pool's first layer with caches (its KV pages)."""
+    return next(regions[0].num_pages for regions in meta.layers if regions)
 
 
 def device_name(device: torch.device) -> str:
@@ -152,13 +172,13 @@ def check_compatible(local: PoolMetadata, remote: PoolMetadata, peer_agent: str)
         raise TransferError(
             f"peer {peer_agent!r} uses transfer backend {remote.backend!r}, this rank {local.backend!r}"
         )
-    if (remote.page_size, remote.caches) != (local.page_size, local.caches):
-        raise TransferError(
-            f"peer {peer_agent!r} pool pages are {remote.geometry()}, this rank's are {local.geometry()}"
-        )
     if len(remote.layers) != len(local.layers):
         raise TransferError(
             f"peer {peer_agent!r} pool has {len(remote.layers)} cache layers, this rank's {len(local.layers)}"
+        )
+    if remote.geometry != local.geometry:
+        raise TransferError(
+            f"peer {peer_agent!r} pool pages are {remote.describe()}, this rank's are {local.describe()}"
         )
 
 
@@ -279,8 +299,8 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
             self.agent_name,
             self._address(meta),
             len(meta.layers),
-            meta.layers[0][0].num_pages,
-            meta.geometry(),
+            _pages(meta),
+            meta.describe(),
             meta.device,
         )
 
@@ -302,7 +322,7 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
             peer_agent,
             self._address(meta),
             len(meta.layers),
-            meta.layers[0][0].num_pages,
+            _pages(meta),
         )
 
     def _resolve(
@@ -317,11 +337,15 @@ class PoolBackend(TransferBackend, Generic[PeerT, WriteT]):
         if not 0 <= layer < len(local.layers):
             raise TransferError(f"layer {layer} out of range [0, {len(local.layers)})")
         where = f"layer {layer} to peer {peer_agent!r}"
+        if not local.layers[layer]:
+            raise TransferError(f"layer {layer} has no caches: nothing to write ({where})")
         spans: list[tuple[int, int, int]] = []
-        for src, dst, cache in zip(local.layers[layer], peer.meta.layers[layer], local.caches, strict=True):
+        for src, dst, cache in zip(
+            local.layers[layer], peer.meta.layers[layer], local.geometry[layer], strict=True
+        ):
             runs = page_runs(src_pages, dst_pages, src.num_pages, dst.num_pages, where)
             spans += byte_runs(runs, src, dst, cache.page_bytes)
-        return peer, spans, len(src_pages) * local.page_bytes
+        return peer, spans, len(src_pages) * local.page_bytes(layer)
 
     def poll(self, handle: TransferHandle) -> TransferState:
         rec = self._own(handle)
