@@ -30,7 +30,7 @@ from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
 from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.handoff_slots import HandoffSlots
 from dsinfer.cache.kv_pool import PageAllocator, PagePool
-from dsinfer.model.v4_paged import SequenceStates
+from dsinfer.model.v4_paged import SequenceStates, resume_shapes
 from dsinfer.model.v4_state import Boundary
 
 _TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
@@ -87,6 +87,11 @@ class V4StatePool(PagePool):
         window = spec.group("window")
         assert window is not None
         return spec.window * len(window.layers) * window.entry_bytes + spec.state_bytes
+
+    @staticmethod
+    def handoff_slot_bytes_for(config: V4Config, dtype: torch.dtype) -> int:
+        """One handoff slot: a resume point, its position and presence."""
+        return sum(t.nbytes for t in resume_shapes(config, dtype)) + _TAIL.size
 
     @classmethod
     def reserve_bytes_for(cls, config: V4Config, dtype: torch.dtype, max_num_seqs: int) -> int:
@@ -162,7 +167,8 @@ class V4StatePool(PagePool):
         if self.handoff is None:
             if self._handoff_count <= 0:
                 raise RuntimeError("this V4 pool has no handoff slots (handoff_slots=0): no KV transfer")
-            self.handoff = HandoffSlots(self._handoff_count, self._resume_bytes + _TAIL.size, self._device)
+            slot_bytes = self.handoff_slot_bytes_for(self.caches.config, self.caches.dtype)
+            self.handoff = HandoffSlots(self._handoff_count, slot_bytes, self._device)
             self.caches.max_resume_points = max(self.caches.max_resume_points, self._handoff_count)
         groups = self.caches.groups
         per_layer = [tuple(t for t in groups.get(i, ()) if t is not None) for i in range(self.num_layers)]

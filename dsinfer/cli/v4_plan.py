@@ -1,5 +1,5 @@
-"""``dsinfer serve --dry-run`` for a DeepSeek-V4 checkpoint: served colocated on one rank, its
-weights by precision, its hybrid KV cache by group next to V3's, and the pool's pages.
+"""``dsinfer serve --dry-run`` for a DeepSeek-V4 checkpoint: served by pools of one rank (PD or
+colocated), its weights by precision, its hybrid KV cache by group next to V3's, and the pool's pages.
 
 Weights are counted from the model built on the meta device (nothing is read). On CUDA the plan
 keeps FP8 what the release ships FP8 (every linear layer but the head; 128x128 blocks, a 4-byte
@@ -86,7 +86,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
     reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs)
     max_len = engine.max_model_len or config.max_position_embeddings
     lines = [
-        "dsinfer serve: DeepSeek-V4 colocated on one rank (dry run: nothing is started)",
+        "dsinfer serve: DeepSeek-V4, pools of one rank (dry run: nothing is started)",
         f"memory plan: model {engine.model or path.name}, {dtype_name} on {device.type}",
         f"  weights {fmt_bytes(weights.total)}: "
         + (f"FP8 {fmt_bytes(weights.fp8)} (linear layers, 128x128 block scales) + " if cuda else "")
@@ -151,6 +151,11 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
                 f"the KV cache ({fmt_bytes(budget)}) holds no page once {fmt_bytes(reserve)} are set aside "
                 f"for --max-num-seqs {engine.max_num_seqs}: raise --kv-cache-memory or lower --max-num-seqs"
             )
+    slot = V4StatePool.handoff_slot_bytes_for(config, dtype)
+    lines.append(
+        f"  PD: a prefill or decode rank also holds {engine.max_num_seqs} handoff slots of {fmt_bytes(slot)} "
+        f"({fmt_bytes(slot * engine.max_num_seqs)}: the resume point at a prompt's last whole page)"
+    )
     lines += [line.replace("    ", "  ", 1) for line in describe_tiers(engine)]
     lines.append(
         f"  steps: prefill chunks of up to {engine.max_num_batched_tokens} tokens; decode batches of up to "

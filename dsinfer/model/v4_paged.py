@@ -150,19 +150,8 @@ class SequenceStates:
             self._resume.popitem(last=False)
 
     def resume_shapes(self) -> list[torch.Tensor]:
-        """Zero tensors shaped as a resume point's parts, in ``Boundary`` order: every layer's
-        window rows, then each CSA series' overlap (kv, gate)."""
-        c, rows = self.config, max(self.config.sliding_window - 1, 0)
-        parts = [torch.zeros(rows, c.head_dim, dtype=self.dtype) for _ in c.layer_types]
-        for layer, kind in enumerate(c.layer_types):
-            if kind == CSA:
-                rate = c.compress_rate(layer)
-                for dim in (c.head_dim, c.index_head_dim):
-                    parts += [
-                        torch.zeros(rate, dim, dtype=self.dtype),
-                        torch.zeros(rate, dim, dtype=self.dtype),
-                    ]
-        return parts
+        """Zero tensors shaped as a resume point's parts (``resume_shapes``)."""
+        return resume_shapes(self.config, self.dtype)
 
     def boundary_from(self, position: int, parts: list[torch.Tensor]) -> Boundary:
         """The resume point whose parts (``resume_shapes`` order) are ``parts``."""
@@ -212,6 +201,19 @@ class SequenceStates:
             for group, n in state.nbytes().items():
                 totals[group] += n
         return totals
+
+
+def resume_shapes(config: V4Config, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Zero tensors shaped as a resume point's parts, in ``Boundary`` order: every layer's window
+    rows, then each CSA series' overlap (kv, gate)."""
+    rows = max(config.sliding_window - 1, 0)
+    parts = [torch.zeros(rows, config.head_dim, dtype=dtype) for _ in config.layer_types]
+    for layer, kind in enumerate(config.layer_types):
+        if kind == CSA:
+            rate = config.compress_rate(layer)
+            for dim in (config.head_dim, config.index_head_dim):
+                parts += [torch.zeros(rate, dim, dtype=dtype), torch.zeros(rate, dim, dtype=dtype)]
+    return parts
 
 
 def _paged(series: Series, pool: torch.Tensor) -> Series:
