@@ -383,3 +383,56 @@ def test_unknown_backend_and_missing_library_say_what_to_do(monkeypatch: pytest.
 if __name__ == "__main__":
     if sys.argv[1:2] == ["peer"]:
         peer_main(sys.argv[2], int(sys.argv[3]), sys.argv[4:])
+
+
+def _hybrid_pool(pages: int, slots: int, fill: float) -> list[tuple[torch.Tensor, ...]]:
+    """A pool whose layers differ, as DeepSeek-V4's: two caches of other rows and widths, a layer
+    with none, and a layer of byte slots with a page count of its own."""
+    return [
+        (torch.full((pages, 4, 16), fill), torch.full((pages, 2, 8), fill + 1)),
+        (),
+        (torch.full((slots, 1, 100), int(fill) % 256, dtype=torch.uint8),),
+    ]
+
+
+def test_pools_whose_layers_differ() -> None:
+    """Each layer has its own geometry and page count: pages of a layer land whole, a slot lands in
+    its slot, a layer without caches has nothing to write, and another geometry is refused."""
+    tx, rx = (make_transfer_backend("nixl", unique(f"hybrid-{side}")) for side in ("w", "r"))
+    try:
+        writer, reader = _hybrid_pool(8, 3, 3.0), _hybrid_pool(10, 4, 0.0)
+        writer[0][0][1] = torch.arange(64, dtype=torch.float32).view(4, 16)
+        tx.register_pool(writer)
+        rx.register_pool(reader)
+        tx.connect(rx.agent_name, rx.metadata())
+        handles = [
+            tx.write_pages(rx.agent_name, 0, [1, 2], [5, 6]),
+            tx.write_pages(rx.agent_name, 2, [0], [3]),
+        ]
+        deadline = time.monotonic() + WAIT_S
+        while any(tx.poll(h) == "pending" for h in handles):
+            assert time.monotonic() < deadline, "hybrid writes did not complete"
+            tx.progress()
+            rx.progress()
+        assert [tx.poll(h) for h in handles] == ["done", "done"]
+        for h in handles:
+            tx.release(h)
+        assert torch.equal(reader[0][0][5:7], writer[0][0][1:3]) and torch.equal(
+            reader[0][1][5:7], writer[0][1][1:3]
+        )
+        assert int(reader[0][0][4].abs().sum()) == 0 and torch.equal(reader[2][0][3], writer[2][0][0])
+        assert tx.stats.bytes_written == 2 * (4 * 16 + 2 * 8) * 4 + 100
+        with pytest.raises(TransferError, match="layer 1 has no caches"):
+            tx.write_pages(rx.agent_name, 1, [0], [0])
+        odd = make_transfer_backend("nixl", unique("hybrid-odd"))
+        try:
+            odd.register_pool([writer[0], (), (torch.zeros(3, 1, 64, dtype=torch.uint8),)])
+            with pytest.raises(
+                TransferError, match=r"1 layers of \(1 x uint8 x 64\)|1 tokens x \(uint8 x 64\)"
+            ):
+                tx.connect(odd.agent_name, odd.metadata())
+        finally:
+            odd.close()
+    finally:
+        tx.close()
+        rx.close()
