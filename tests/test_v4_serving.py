@@ -196,12 +196,14 @@ def test_serve_equals_transformers(
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
 def test_choice_migrated_after_a_rank_is_killed_keeps_every_token(
-    v4: tuple[Path, Any], tmp_path: Path
+    v4: tuple[Path, Any], mode: str, tmp_path: Path
 ) -> None:
-    """Two colocated pools; one rank killed with kill -9 while 6 streams run (half greedy, half
-    seeded at temperature 0.8): each dead rank's choice goes on on the other pool from the tokens
-    it had delivered, computing its V4 cache again, and ends with the undisturbed run's tokens."""
+    """Two colocated pools, or PD with two decode pools; one (decode) rank killed with kill -9
+    while 6 streams run (half greedy, half seeded at temperature 0.8): each dead rank's choice goes
+    on on the other pool from the tokens it had delivered, computing its V4 cache again (PD: a
+    prefill rank hands it over again), and ends with the undisturbed run's tokens."""
     specs = mixed_specs(6, "Migrate a V4 stream", 60)
     expected = offline_tokens(LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=64), specs)
     args = [
@@ -213,11 +215,12 @@ def test_choice_migrated_after_a_rank_is_killed_keeps_every_token(
         "64",
         "--decode-pools",
         "2",
-        "--colocated",
+        *(["--colocated"] if mode == "colocated" else []),
     ]
-    with serve(args, tmp_path) as server:  # ready with one pool: wait for both, or the kill fails the start
-        wait_until(lambda: len(healthy(parse_metrics(server.metrics()))) == 2, "both pools up", 120)
-        victims = server.rank_pids("colocated", pool=0)
+    role, pools = ("colocated", 2) if mode == "colocated" else ("decode", 3)
+    with serve(args, tmp_path) as server:  # ready with one pool: wait for all, or the kill fails the start
+        wait_until(lambda: len(healthy(parse_metrics(server.metrics()))) == pools, "every pool up", 120)
+        victims = server.rank_pids(role, pool=0)
         assert len(victims) == 1
         streams = start_streams(server.openai_client(), specs)
         wait_streaming(streams, timeout=120, context=lambda: server.log()[-3000:])
