@@ -21,6 +21,8 @@ reference.
   renormalization and scaling), with the ``Ops`` signature.
 - ``pool_windows``: DeepSeek-V4's compressor pooling (a softmax over each window's rows, the
   rows summed under it), with the ``Ops`` signature.
+- ``mxfp4_grouped_gemm``: DeepSeek-V4's routed experts with MXFP4 weights dequantised in the
+  kernel, with the ``Ops`` signature (unverified on a GPU).
 """
 
 from .fp8_gemm import fp8_gemm_nt as fp8_gemm_nt
@@ -32,5 +34,6 @@ from .mla_decode import mla_decode as mla_decode
 from .moe_gate import moe_gate as moe_gate
 from .moe_masked import quantize_masked_1x128 as quantize_masked_1x128
 from .moe_masked import swiglu_quantize_masked as swiglu_quantize_masked
+from .mxfp4_gemm import mxfp4_grouped_gemm as mxfp4_grouped_gemm
 from .sparse_mla import sparse_mla_decode as sparse_mla_decode
 from .v4_compress import pool_windows as pool_windows

@@ -11,7 +11,18 @@ from typing import Any
 
 import pytest
 
-from dsinfer.ops import experts, gate, gemm, indexer, mla, sampling, signatures, sparse_mla, v4_compress
+from dsinfer.ops import (
+    experts,
+    gate,
+    gemm,
+    indexer,
+    mla,
+    mxfp4,
+    sampling,
+    signatures,
+    sparse_mla,
+    v4_compress,
+)
 from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
 from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
 
@@ -29,13 +40,15 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
     backends: dict[str, list[Callable[..., Any]]] = {
         "torch": [gemm.linear, gemm.pack_linear_weight, gemm.grouped_gemm_contiguous, gemm.grouped_gemm_masked,
                   mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, experts.masked_experts,
-                  indexer.indexer_topk, sparse_mla.sparse_mla_decode, v4_compress.pool_windows],
+                  indexer.indexer_topk, sparse_mla.sparse_mla_decode, v4_compress.pool_windows,
+                  mxfp4.mxfp4_grouped_gemm],
         "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts],
         "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
                      DeepGemmAdapter.grouped_gemm_masked, DeepGemmAdapter.masked_experts,
                      DeepGemmIndexerAdapter.indexer_topk],
         "flashmla": [FlashMlaAdapter.mla_decode, FlashMlaSparseAdapter.sparse_mla_decode],
-        "triton": [kernels.mla_decode, kernels.moe_gate, kernels.sparse_mla_decode, kernels.pool_windows],
+        "triton": [kernels.mla_decode, kernels.moe_gate, kernels.sparse_mla_decode, kernels.pool_windows,
+                   kernels.mxfp4_grouped_gemm],
     }  # fmt: skip
     impls = [(f"{b} {fn.__name__}", _protocol(fn.__name__), fn) for b, fns in backends.items() for fn in fns]
     grouped = functools.partial(experts.grouped_experts, gemm.grouped_gemm_contiguous)

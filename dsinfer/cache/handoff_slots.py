@@ -15,7 +15,9 @@ import torch
 class HandoffSlots:
     def __init__(self, num_slots: int, slot_bytes: int, device: torch.device) -> None:
         if num_slots <= 0 or slot_bytes <= 0:
-            raise ValueError(f"handoff slots need a positive count and size, got {num_slots} x {slot_bytes} B")
+            raise ValueError(
+                f"handoff slots need a positive count and size, got {num_slots} x {slot_bytes} B"
+            )
         self.tensor = torch.zeros(num_slots, 1, slot_bytes, dtype=torch.uint8, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
 

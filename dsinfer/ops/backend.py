@@ -12,6 +12,7 @@ indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
 gate        triton, torch                                moe_gate
 v4_compress triton, torch                                pool_windows
+mxfp4       triton, torch                                mxfp4_grouped_gemm
 sampling    triton, torch                                sample
 ==========  ===========================================  ==============================================
 
@@ -47,6 +48,7 @@ from dsinfer.ops import gate as torch_gate
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import indexer as torch_indexer
 from dsinfer.ops import mla as torch_mla
+from dsinfer.ops import mxfp4 as torch_mxfp4
 from dsinfer.ops import sampling as torch_sampling
 from dsinfer.ops import sparse_mla as torch_sparse_mla
 from dsinfer.ops import v4_compress as torch_v4_compress
@@ -61,6 +63,7 @@ from dsinfer.ops.signatures import (
     MaskedExperts,
     MlaDecode,
     MoeGate,
+    Mxfp4GroupedGemm,
     PackLinearWeight,
     PoolWindows,
     Sample,
@@ -90,6 +93,7 @@ KERNELS: tuple[str, ...] = (
     "sparse_mla",
     "gate",
     "v4_compress",
+    "mxfp4",
     "sampling",
 )
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -101,6 +105,7 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sparse_mla": ("flashmla", "triton", "torch"),
         "gate": ("triton", "torch"),
         "v4_compress": ("triton", "torch"),
+        "mxfp4": ("triton", "torch"),
         "sampling": ("triton", "torch"),
     }
 )
@@ -117,6 +122,7 @@ TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sparse_mla": ("sparse_mla_decode",),
         "gate": ("moe_gate",),
         "v4_compress": ("pool_windows",),
+        "mxfp4": ("mxfp4_grouped_gemm",),
         "sampling": ("sample",),
     }
 )
@@ -142,6 +148,7 @@ class Ops:
     sparse_mla_decode: SparseMlaDecode
     moe_gate: MoeGate
     pool_windows: PoolWindows  # DeepSeek-V4's compressor pooling
+    mxfp4_grouped_gemm: Mxfp4GroupedGemm  # DeepSeek-V4's routed experts in MXFP4 (unverified on GPU)
     sample: Sample
     # True: keep checkpoint FP8 weights as fp8 + block scales (the GEMMs take them as they are).
     # False (torch reference on CPU): the loader dequantizes FP8 checkpoints at load.
@@ -174,6 +181,8 @@ def _torch_impl(kernel: str) -> Impl:
         return {"moe_gate": torch_gate.moe_gate}
     if kernel == "v4_compress":
         return {"pool_windows": torch_v4_compress.pool_windows}
+    if kernel == "mxfp4":
+        return {"mxfp4_grouped_gemm": torch_mxfp4.mxfp4_grouped_gemm}
     return {"sample": torch_sampling.sample}
 
 

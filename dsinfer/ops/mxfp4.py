@@ -45,3 +45,26 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (magnitude | ((scaled < 0).long() << 3)).flatten(-2).to(torch.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, torch.exp2(exponent).to(torch.float8_e8m0fnu)
+
+
+def mxfp4_grouped_gemm(
+    a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, expert_of_row: torch.Tensor
+) -> torch.Tensor:
+    """Rows of ``a [M, K]`` through their experts' MXFP4 weights: ``d[m] = a[m] @ W[e].T`` with
+    ``W[e]`` the dequantised ``b [G, N, K/2]`` under ``b_scale [G, N, K/32]`` and ``e =
+    expert_of_row[m]``; rows of expert -1 are zero. Float32 accumulation, ``a``'s dtype out (the
+    torch reference of ``Ops.mxfp4_grouped_gemm``; kernels/mxfp4_gemm.py dequantises in the
+    kernel)."""
+    if a.dim() != 2 or b.dim() != 3 or b.shape[2] * 2 != a.shape[1] or b_scale.shape[:2] != b.shape[:2]:
+        raise ValueError(
+            f"a must be [M, K], b [G, N, K/2] and b_scale [G, N, K/32], got {tuple(a.shape)}, "
+            f"{tuple(b.shape)}, {tuple(b_scale.shape)}"
+        )
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    for expert in expert_of_row.unique().tolist():
+        if expert < 0:
+            continue
+        rows = (expert_of_row == expert).nonzero(as_tuple=True)[0]
+        weight = dequantize_mxfp4(b[expert], b_scale[expert], torch.float32)
+        out[rows] = a[rows].float() @ weight.T
+    return out.to(a.dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dsinfer.ops import experts, gate, gemm, indexer, mla, sampling, sparse_mla, v4_compress
+from dsinfer.ops import experts, gate, gemm, indexer, mla, mxfp4, sampling, sparse_mla, v4_compress
 
 __all__ = [
     "FusedExperts",
@@ -95,6 +95,12 @@ class PoolWindows(Protocol):
     """DeepSeek-V4's compressor pooling: :func:`dsinfer.ops.v4_compress.pool_windows`."""
 
     __call__ = staticmethod(v4_compress.pool_windows)
+
+
+class Mxfp4GroupedGemm(Protocol):
+    """Rows through their experts' MXFP4 weights: :func:`dsinfer.ops.mxfp4.mxfp4_grouped_gemm`."""
+
+    __call__ = staticmethod(mxfp4.mxfp4_grouped_gemm)
 
 
 class Sample(Protocol):
