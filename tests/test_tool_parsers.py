@@ -49,7 +49,9 @@ TEXTS = {
     ),
 }
 TEXTS["deepseek-v4"] = TEXTS["deepseek-v3.2"].replace("function_calls", "tool_calls")  # V4 renamed the block
-CONTENT = {name: "Let me check." if name != "deepseek-v3.2" else "Let me check.\n\n" for name in TEXTS}  # V4: its lead
+CONTENT = {
+    name: "Let me check." if name != "deepseek-v3.2" else "Let me check.\n\n" for name in TEXTS
+}  # V4: its lead
 
 
 def _stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str | None, str | None, str]]]:
