@@ -110,12 +110,15 @@ class TraceReceiver:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
-    def wait_for(self, trace_id: str, services: set[str], timeout: float) -> list[ReceivedSpan]:
-        """The trace's spans once every one of ``services`` sent some (at most ``timeout`` s)."""
+    def wait_for(
+        self, trace_id: str, services: set[str], timeout: float, names: frozenset[str] = frozenset()
+    ) -> list[ReceivedSpan]:
+        """The trace's spans once every one of ``services`` sent some and every span of ``names``
+        arrived (a parent ends, and is exported, after its children; at most ``timeout`` s)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             spans = self.trace(trace_id)
-            if services <= {s.service for s in spans}:
+            if services <= {s.service for s in spans} and names <= {s.name for s in spans}:
                 return spans
             time.sleep(0.2)
         return self.trace(trace_id)

@@ -70,7 +70,8 @@ def test_one_trace_across_gateway_prefill_and_decode(server: Server, receiver: T
     ) as r:
         assert r.status_code == 200
         r.read()
-    spans = receiver.wait_for(trace_id, SERVICES, timeout=30)
+    ends = frozenset({"POST /v1/chat/completions", "attempt", "prefill", "decode"})
+    spans = receiver.wait_for(trace_id, SERVICES, timeout=30, names=ends)
     assert {s.service for s in spans} == SERVICES, [(s.service, s.name) for s in spans]
     root = _one(spans, service="dsinfer-gateway", name="POST /v1/chat/completions")
     assert root.parent_span_id == client_span  # under the client's span
