@@ -126,11 +126,11 @@ def test_unsupported_family_is_named_before_its_fields(tmp_path: Path) -> None:
     assert message == (
         f"{tmp_path / 'config.json'}: model_type 'qwen3_moe' (Qwen3MoeForCausalLM) is not supported; "
         "dsinfer serves deepseek_v3 (DeepSeek-V3/R1, V3.1), deepseek_v32 (DeepSeek-V3.2), kimi_k2 (Kimi-K2) "
-        "and deepseek_v4 (DeepSeek-V4, one rank)"
+        "and deepseek_v4 (DeepSeek-V4)"
     )
     assert _refusal(V4, tmp_path).endswith(
-        "DeepSeek-V4 (model_type 'deepseek_v4') is served by pools of one rank for now: expert "
-        "parallelism, MTP, the simulator and EPLB take the V3 family only"
+        "DeepSeek-V4 (model_type 'deepseek_v4') is served without MTP, two micro-batches, EPLB "
+        "and the simulator for now: they take the V3 family only"
     )
     llama = _refusal(LLAMA, tmp_path)
     assert "model_type 'llama' (LlamaForCausalLM) is not supported; dsinfer serves" in llama

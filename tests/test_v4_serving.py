@@ -168,16 +168,16 @@ def test_generate_command_equals_transformers(v4: tuple[Path, Any]) -> None:
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("mode", ["pd", "colocated"])
+@pytest.mark.parametrize("mode", ["pd", "colocated", "ep"])
 def test_serve_equals_transformers(
     v4: tuple[Path, Any], expected: list[list[int]], mode: str, tmp_path: Path
 ) -> None:
     """`dsinfer serve` on a V4 checkpoint, PD (the prompt's whole pages and the resume point at
-    the last of them written over NIXL, the rest computed on the decode rank) or colocated,
-    answers what transformers does, streamed or not, for prompts shorter than a page and of
-    several pages."""
+    the last of them written over NIXL, the rest computed on the decode rank), colocated, or a
+    colocated expert-parallel pool of 2 ranks, answers what transformers does, streamed or not,
+    for prompts shorter than a page and of several pages."""
     prompts = _prompts()
-    flags = ["--colocated"] if mode == "colocated" else []
+    flags = {"pd": [], "colocated": ["--colocated"], "ep": ["--colocated", "--pool-size", "2"]}[mode]
     with serve(["--model", str(v4[0]), "--dtype", "float32", *flags], tmp_path) as server:
         client = server.openai_client()
         for prompt, want in zip(prompts, expected, strict=True):
@@ -243,12 +243,8 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--role", "decode", "--pool-size", "2"], "pools of more than one rank (expert parallelism) is not"),
-        (
-            ["--decode-pool-size", "2", "--colocated"],
-            "pools of more than one rank (expert parallelism) is not",
-        ),
-        (["--speculative-mtp"], "--speculative-mtp is not"),
+        (["--pool-size", "2", "--colocated", "--enable-overlap"], "--enable-overlap (two micro-batches)"),
+        (["--speculative-mtp"], "--speculative-mtp"),
     ],
 )
 def test_serve_refuses_what_v4_has_not_yet_in_one_line(
@@ -258,7 +254,7 @@ def test_serve_refuses_what_v4_has_not_yet_in_one_line(
     done = run_dsinfer("serve", "--model", str(v4[0]), "--port", "0", *flags, *extra, timeout=60)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "DeepSeek-V4 is served by pools of one rank for now" in lines[0], done.stderr
+    assert len(lines) == 1 and "DeepSeek-V4 is not served with" in lines[0], done.stderr
     assert needle in lines[0]
 
 
@@ -330,3 +326,25 @@ def test_dry_run_pages_are_the_engine_pages(v4: tuple[Path, Any]) -> None:
     assert done.returncode == 0, done.stderr
     llm = LLM(str(v4[0]), dtype="float32", kv_cache_memory="16MiB")
     assert f" + {llm.engine.kv.num_pages} pages of " in done.stdout, done.stdout
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("redundant", [0, 2])
+def test_expert_parallel_pool_equals_transformers(
+    v4: tuple[Path, Any], tmp_path: Path, redundant: int
+) -> None:
+    """A 2-rank expert-parallel pool (gloo all-to-all; each rank attends its own prompts and holds
+    its expert slots, a hash layer routing by the token ids where the tokens are): greedy tokens
+    equal transformers'; the ranks together hold every expert, each only its slots."""
+    from tests.test_ep import run_pool
+
+    prompts = _prompts()[:4]
+    results = run_pool(v4[0], 2, tmp_path, prompts, max_tokens=OUTPUT, num_redundant_experts=redundant)
+    tokens = {rid: t for r in results for rid, t in r["tokens"].items()}
+    assert tokens == {f"p{i}": greedy_reference(v4[1], p, OUTPUT) for i, p in enumerate(prompts)}
+    experts = v4[1].config.n_routed_experts
+    for layer in range(v4[1].config.num_hidden_layers):
+        held = [r["v4_local_experts"][layer] for r in results]
+        assert all(len(slots) == (experts + redundant) // 2 for slots in held)
+        assert set().union(*map(set, held)) == set(range(experts))
+    assert all(r["free_pages_ok"] for r in results)

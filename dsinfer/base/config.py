@@ -22,8 +22,8 @@ FAMILIES = {"deepseek_v3": "DeepSeek-V3/R1, V3.1", "deepseek_v32": "DeepSeek-V3.
 # read by dsinfer/base/model_config.py as V4Config, not as this module's ModelConfig
 V4_MODEL_TYPE = "deepseek_v4"
 V4_SCOPE = (
-    "DeepSeek-V4 (model_type 'deepseek_v4') is served by pools of one rank for now: expert "
-    "parallelism, MTP, the simulator and EPLB take the V3 family only"
+    "DeepSeek-V4 (model_type 'deepseek_v4') is served without MTP, two micro-batches, EPLB "
+    "and the simulator for now: they take the V3 family only"
 )
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
@@ -305,7 +305,7 @@ def family_problem(model_type: object, architectures: object) -> str | None:
 
 
 def _families() -> str:
-    served = {**FAMILIES, V4_MODEL_TYPE: "DeepSeek-V4, one rank"}
+    served = {**FAMILIES, V4_MODEL_TYPE: "DeepSeek-V4"}
     named = [f"{model_type} ({models})" for model_type, models in served.items()]
     return f"{', '.join(named[:-1])} and {named[-1]}"
 

@@ -203,8 +203,9 @@ def model_is_v4(model: str | None) -> bool:
 def check_model(args: argparse.Namespace) -> None:
     """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
     (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
-    restarted, again and again. A DeepSeek-V4 checkpoint is served by pools of one rank (PD or
-    colocated); the flags it cannot honour yet are refused."""
+    restarted, again and again. DeepSeek-V4 is served PD or colocated, by pools of one rank or
+    expert-parallel pools of one node (restarted whole when a rank dies); the flags it cannot
+    honour yet are refused."""
     if not model_is_v4(args.model):
         return
     path, _ = resolve_model(args.model)
@@ -212,12 +213,18 @@ def check_model(args: argparse.Namespace) -> None:
         getattr(args, name, None) or 1 for name in ("pool_size", "prefill_pool_size", "decode_pool_size")
     ]
     refused = [
-        (max(sizes) > 1, "pools of more than one rank (expert parallelism)"),
         (args.speculative_mtp, "--speculative-mtp"),
+        (max(sizes) > 1 and getattr(args, "enable_overlap", False), "--enable-overlap (two micro-batches)"),
+        ((getattr(args, "nnodes", None) or 1) > 1, "a pool over several nodes"),
     ]
     for bad, what in refused:
         if bad:
-            raise UsageError(f"{path}: DeepSeek-V4 is served by pools of one rank for now: {what} is not")
+            raise UsageError(f"{path}: DeepSeek-V4 is not served with {what} yet")
+    if max(sizes) > 1 and getattr(args, "elastic_ep", False):
+        log.info(
+            "DeepSeek-V4: a pool of several ranks restarts whole when one dies (no elastic EP for it yet)"
+        )
+        args.elastic_ep = False
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -83,6 +83,8 @@ class LLMEngine:
             num_redundant_experts=args.num_redundant_experts,
         )
         self.config, self.model = loaded.config, loaded.model
+        if isinstance(self.config, V4Config) and ep_group is not None and args.enable_overlap:
+            raise ValueError("two micro-batches per step (enable_overlap) are not served for DeepSeek-V4 yet")
         self.expert_balancer = (
             OnlineExpertBalancer(
                 self.model,
@@ -91,9 +93,9 @@ class LLMEngine:
                 min_gain=args.eplb_min_gain,
                 stage_budget=args.eplb_stage_budget,
             )
-            if ep_group is not None
+            if ep_group is not None and loaded.experts is not None
             else None
-        )  # online EPLB (--eplb-interval), and the expert moves of a pool's membership change
+        )  # online EPLB (--eplb-interval), and the expert moves of a pool's membership change (V3)
         self.tokenizer = Tokenizer.from_dir(loaded.path)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:

@@ -19,6 +19,7 @@ from torch import nn
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.hyper_connection import HyperConnection, HyperHead
 from dsinfer.model.layers import Embedding, Linear
+from dsinfer.model.moe import ExpertParallel
 from dsinfer.model.v4_attention import V4Attention
 from dsinfer.model.v4_compressor import V4RMSNorm
 from dsinfer.model.v4_moe import V4MoE
@@ -27,11 +28,11 @@ from dsinfer.ops import Ops
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: V4Config, ops: Ops, layer: int) -> None:
+    def __init__(self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.attn = V4Attention(config, ops, layer)
-        self.ffn = V4MoE(config, ops, layer)
+        self.ffn = V4MoE(config, ops, layer, ep)
         self.attn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -57,11 +58,13 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: V4Config, ops: Ops) -> None:
+    def __init__(self, config: V4Config, ops: Ops, ep: ExpertParallel | None = None) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.ep = config, ep
         self.embed = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(V4DecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(config, ops, i, ep) for i in range(config.num_hidden_layers)
+        )
         self.hc_head = HyperHead(config)
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = Linear(config.hidden_size, config.vocab_size, ops)

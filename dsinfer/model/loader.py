@@ -89,15 +89,30 @@ def load_model(
         refused = [
             (load_format == "dummy", "load_format 'dummy'"),
             (bool(num_mtp_layers), "MTP"),
-            (ep_group is not None or expert_ids is not None, "expert parallelism"),
+            (expert_ids is not None, "a subset of experts without an expert-parallel group"),
         ]
         for bad, what in refused:
             if bad:
-                raise CheckpointError(
-                    f"{path}: {what} is not served for DeepSeek-V4 yet (one rank, colocated)"
-                )
-        model = load_v4(path, ops, dtype).to(device).eval()
-        log.info("loaded %s (DeepSeek-V4, dtype %s) on %s", path, str(dtype).removeprefix("torch."), device)
+                raise CheckpointError(f"{path}: {what} is not served for DeepSeek-V4 yet")
+        v4_ep = None
+        if ep_group is not None:
+            layers = list(range(any_config.num_hidden_layers))
+            experts = any_config.n_routed_experts
+            if placement is None:
+                placement = ExpertPlacement.default(layers, experts, ep_group.size, num_redundant_experts)
+            try:
+                placement.check_matches(layers, experts, ep_group.size)
+            except ValueError as e:
+                raise CheckpointError(f"expert placement does not fit this model and pool: {e}") from None
+            v4_ep = ExpertParallel(placement, ep_group)
+        model = load_v4(path, ops, dtype, v4_ep).to(device).eval()
+        log.info(
+            "loaded %s (DeepSeek-V4, dtype %s%s) on %s",
+            path,
+            str(dtype).removeprefix("torch."),
+            f", expert slots of rank {ep_group.rank} of {ep_group.size}" if ep_group is not None else "",
+            device,
+        )
         return LoadedModel(ServedV4(model), any_config, path, "safetensors", None)
     config = any_config
     device = torch.device(device)

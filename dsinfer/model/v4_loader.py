@@ -25,6 +25,7 @@ from safetensors import safe_open
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.layers import Linear
+from dsinfer.model.moe import ExpertParallel
 from dsinfer.ops import Ops
 from dsinfer.ops.fp8 import FP8_DTYPE, dequantize_weight_128x128
 from dsinfer.ops.mxfp4 import dequantize_mxfp4, scale_to_float
@@ -71,12 +72,15 @@ class _Checkpoint:
         return iter(self.where)
 
 
-def load_v4(path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32) -> DeepseekV4ForCausalLM:
+def load_v4(
+    path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32, ep: ExpertParallel | None = None
+) -> DeepseekV4ForCausalLM:
     """A V4 checkpoint directory (config.json and safetensors) -> the model in ``dtype`` (its
-    FP8 linear layers kept FP8 where ``ops`` runs FP8 GEMMs)."""
+    FP8 linear layers kept FP8 where ``ops`` runs FP8 GEMMs); with ``ep`` only this rank's expert
+    slots are read."""
     path = Path(path)
     config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
-    model = DeepseekV4ForCausalLM(config, ops).to(dtype)
+    model = DeepseekV4ForCausalLM(config, ops, ep).to(dtype)
     with ExitStack() as stack:
         checkpoint = _Checkpoint(path, stack)
         for name, module in model.named_modules():
@@ -85,7 +89,8 @@ def load_v4(path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32) -> D
             if isinstance(module, Linear) and fp8 and ops.supports_fp8_gemm:
                 module.make_fp8()
         params = dict(model.named_parameters()) | dict(model.named_buffers())
-        loaded = _load_tensors(checkpoint, params) | _load_experts(checkpoint, params, config, dtype)
+        slots = {f"layers.{i}.ffn": layer.ffn.local_experts for i, layer in enumerate(model.layers)}
+        loaded = _load_tensors(checkpoint, params) | _load_experts(checkpoint, params, slots, config, dtype)
     counters = {n for n, _ in model.named_buffers() if n.endswith("expert_load")}
     missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n and n not in counters)
     if missing:
@@ -122,9 +127,15 @@ def _load_tensors(checkpoint: _Checkpoint, params: dict[str, torch.Tensor]) -> s
 
 
 def _load_experts(
-    checkpoint: _Checkpoint, params: dict[str, torch.Tensor], config: V4Config, dtype: torch.dtype
+    checkpoint: _Checkpoint,
+    params: dict[str, torch.Tensor],
+    slots: dict[str, list[int]],
+    config: V4Config,
+    dtype: torch.dtype,
 ) -> set[str]:
-    """Each layer's routed experts stacked into ``ffn.w13`` (w1 then w3) and ``ffn.w2``."""
+    """Each layer's routed experts stacked into ``ffn.w13`` (w1 then w3) and ``ffn.w2``, at the
+    slots that hold them (``slots``: per layer's ``ffn``, the expert of each slot; an expert
+    another rank holds is not read)."""
     loaded = set()
     inner = config.moe_intermediate_size
     for name in checkpoint.names():
@@ -132,12 +143,16 @@ def _load_experts(
         if match is None:
             continue
         prefix, index, which = match.groups()
+        targets = [slot for slot, expert in enumerate(slots[prefix]) if expert == int(index)]
+        if not targets:
+            continue
         weight = _expert_weight(checkpoint, name, dtype)
         if which == "w2":
             target, rows = f"{prefix}.w2", slice(None)
         else:
             target, rows = f"{prefix}.w13", slice(0, inner) if which == "w1" else slice(inner, 2 * inner)
-        _copy(params[target][int(index), rows], weight, name)
+        for slot in targets:
+            _copy(params[target][slot, rows], weight, name)
         loaded.add(target)
     return loaded
 

@@ -5,6 +5,11 @@ score plus a correction bias (``noaux_tc`` without groups), or, in hash layers, 
 ``tid2eid[token id]``; the picks' scores, normalised to sum 1, times ``routed_scaling_factor``
 weigh their outputs. Every SwiGLU (shared and routed) clamps its gate from above and its up
 projection on both sides at ``swiglu_limit``.
+
+In an expert-parallel pool (``ep``) a rank holds only its slots of the placement
+(``local_experts``); the gate runs where the tokens are (a hash layer reads their ids there), the
+(token, expert) pairs travel to the ranks holding a replica of their expert and back, and each
+token sums its pairs' outputs under their weights.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.layers import Linear
+from dsinfer.model.moe import ExpertParallel
 from dsinfer.ops import Ops
 
 
@@ -71,23 +77,59 @@ class V4Gate(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, config: V4Config, ops: Ops, layer: int) -> None:
+    def __init__(self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None) -> None:
         super().__init__()
-        self.limit = config.swiglu_limit
+        self.limit, self.ep = config.swiglu_limit, ep
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.local_experts = (
+            ep.placement.local_experts(layer, ep.rank) if ep is not None else list(range(experts))
+        )
+        slots = len(self.local_experts)
         self.gate = V4Gate(config, hashed=config.is_hash_layer(layer))
-        self.w13 = nn.Parameter(torch.zeros(experts, 2 * inner, hidden), requires_grad=False)  # gate; up
-        self.w2 = nn.Parameter(torch.zeros(experts, hidden, inner), requires_grad=False)
+        self.w13 = nn.Parameter(torch.zeros(slots, 2 * inner, hidden), requires_grad=False)  # gate; up
+        self.w2 = nn.Parameter(torch.zeros(slots, hidden, inner), requires_grad=False)
         self.shared_experts = ClampedMLP(hidden, inner, self.limit, ops)
         self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64), persistent=False)
+        if ep is not None:
+            replica_slots, num_replicas = ep.placement.routing_table(layer)
+            self.register_buffer("replica_slots", replica_slots, persistent=False)
+            self.register_buffer("num_replicas", num_replicas, persistent=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids)
         self.expert_load += torch.bincount(ids.flatten(), minlength=self.expert_load.shape[0])
+        routed = self._local(x, weights, ids) if self.ep is None else self._expert_parallel(x, weights, ids)
+        return routed + self.shared_experts(x)
+
+    def _expert(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, self.w13[slot].to(rows.dtype)).chunk(2, dim=-1)
+        return F.linear(clamped_swiglu(gate, up, self.limit), self.w2[slot].to(rows.dtype))
+
+    def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         routed = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             rows, slot = (ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.w13[expert].to(x.dtype)).chunk(2, dim=-1)
-            out = F.linear(clamped_swiglu(gate, up, self.limit), self.w2[expert].to(x.dtype))
+            out = self._expert(expert, x[rows])
             routed.index_add_(0, rows, (out * weights[rows, slot, None]).to(x.dtype))
-        return routed + self.shared_experts(x)
+        return routed
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The (token, expert) pairs through the pool: each to a replica of its expert (a token's
+        pairs and consecutive tokens spread over the replicas), back, weighted and summed."""
+        assert self.ep is not None
+        tokens, k = ids.shape
+        pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        experts = ids.flatten()
+        spread = pair_token + torch.arange(k, device=x.device).repeat(tokens)
+        physical = self.replica_slots[experts, spread % self.num_replicas[experts]]
+        per_rank = len(self.local_experts)
+        rows, slots, handle = self.ep.group.dispatch_async(
+            x[pair_token], physical // per_rank, physical % per_rank
+        ).wait()
+        out = torch.zeros_like(rows)
+        for slot in slots.unique().tolist():
+            picked = (slots == slot).nonzero(as_tuple=True)[0]
+            out[picked] = self._expert(slot, rows[picked]).to(out.dtype)
+        combined = self.ep.group.combine_async(out, handle).wait()
+        summed = (combined.view(tokens, k, x.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(dim=1)
+        return summed.to(x.dtype)

@@ -5,8 +5,9 @@ Its compressed entries and indexer keys are written to and read from the sequenc
 window rows and compressor state are the sequence's own (dsinfer/model/v4_paged.py), found by the
 batch's sequence keys, with resume points at page boundaries for the prefix cache and the PD
 handoff. A KV connector's per-layer hook runs once the whole forward is done (the layers' pages
-are written as the model runs its sequences one by one). One rank per pool (no EP group), no MTP,
-no CUDA graphs.
+are written as the model runs its sequences one by one). In an expert-parallel pool each rank
+attends its own sequences and holds its expert slots (dsinfer/model/v4_moe.py); a rank without
+tokens runs the layers' MoE exchanges alone (``idle_forward``). No MTP, no CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from dsinfer.model.v4_paged import SequenceStates
 
 
 class ServedV4(nn.Module):
-    ep = None  # one rank: no expert-parallel group
-
     def __init__(self, model: DeepseekV4ForCausalLM) -> None:
         super().__init__()
         self.model = model
         self.config: V4Config = model.config
+        self.ep = model.ep  # this rank's part in an expert-parallel pool, or None
 
     @property
     def num_cache_layers(self) -> int:
@@ -58,5 +58,15 @@ class ServedV4(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
     def idle_forward(self, decoder_layers: bool = True) -> None:
-        """Nothing to pair: without an expert-parallel group an idle step does no work."""
+        """A step without tokens on this rank of an expert-parallel pool: every layer's experts
+        exchange nothing with the others, as the ranks with tokens expect (each MoE layer's
+        dispatch and combine are collectives). Nothing to pair on one rank."""
+        if self.ep is None or not decoder_layers:
+            return
+        weight = self.model.embed.weight
+        x = torch.zeros(0, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+        ids = torch.zeros(0, dtype=torch.long, device=weight.device)
+        for layer in self.model.layers:
+            layer.ffn(x, ids)

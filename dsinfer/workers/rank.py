@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dsinfer.base.cluster_secret import ControlKeys, SecretError
-from dsinfer.base.config import ModelConfig
+from dsinfer.base.model_config import AnyModelConfig, read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.protocol import (
     HEARTBEAT_INTERVAL,
@@ -38,6 +38,7 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.base.rank_shape import expert_slots_per_rank
 from dsinfer.base.tracing import Tracer
+from dsinfer.base.v4_config import V4Config
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
 from dsinfer.parallel.ep_select import make_ep_group
@@ -108,8 +109,8 @@ def build_role(
     return worker, transfer
 
 
-def _model_config(pool: PoolArgs) -> ModelConfig:
-    return ModelConfig.from_file(resolve_model(pool.engine.model)[0] / "config.json")
+def _model_config(pool: PoolArgs) -> AnyModelConfig:
+    return read_model_config(resolve_model(pool.engine.model)[0] / "config.json")
 
 
 def _ep_group(pool: PoolArgs, slots_per_rank: int) -> EPGroup:
@@ -130,9 +131,14 @@ def _initial_placement(pool: PoolArgs) -> ExpertPlacement:
     """The placement the pool starts with (--placement, else the default layout)."""
     if pool.engine.placement is not None:
         return ExpertPlacement.load(pool.engine.placement)
-    engine = pool.engine
+    engine, config = pool.engine, _model_config(pool)
+    if isinstance(config, V4Config):  # every layer is MoE; no MTP
+        layers = list(range(config.num_hidden_layers))
+        return ExpertPlacement.default(
+            layers, config.n_routed_experts, pool.pool_size, engine.num_redundant_experts
+        )
     return ExpertPlacement.for_model(
-        _model_config(pool), pool.pool_size, engine.num_redundant_experts, int(engine.speculative_mtp)
+        config, pool.pool_size, engine.num_redundant_experts, int(engine.speculative_mtp)
     )
 
 
