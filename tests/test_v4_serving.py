@@ -177,7 +177,7 @@ def test_serve_equals_transformers(
     colocated expert-parallel pool of 2 ranks, answers what transformers does, streamed or not,
     for prompts shorter than a page and of several pages."""
     prompts = _prompts()
-    flags = {"pd": [], "colocated": ["--colocated"], "ep": ["--colocated", "--pool-size", "2"]}[mode]
+    flags = {"pd": [], "colocated": ["--colocated"], "ep": ["--colocated", "--decode-pool-size", "2"]}[mode]
     with serve(["--model", str(v4[0]), "--dtype", "float32", *flags], tmp_path) as server:
         client = server.openai_client()
         for prompt, want in zip(prompts, expected, strict=True):
@@ -243,7 +243,7 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--pool-size", "2", "--colocated", "--enable-overlap"], "--enable-overlap (two micro-batches)"),
+        (["--decode-pool-size", "2", "--colocated", "--enable-overlap"], "--enable-overlap (two micro-batches)"),
         (["--speculative-mtp"], "--speculative-mtp"),
     ],
 )

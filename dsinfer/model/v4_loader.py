@@ -91,7 +91,8 @@ def load_v4(
         params = dict(model.named_parameters()) | dict(model.named_buffers())
         slots = {f"layers.{i}.ffn": layer.ffn.local_experts for i, layer in enumerate(model.layers)}
         loaded = _load_tensors(checkpoint, params) | _load_experts(checkpoint, params, slots, config, dtype)
-    counters = {n for n, _ in model.named_buffers() if n.endswith("expert_load")}
+    runtime = ("expert_load", "replica_slots", "num_replicas")  # counters and the EP routing table
+    counters = {n for n, _ in model.named_buffers() if n.endswith(runtime)}
     missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n and n not in counters)
     if missing:
         raise ValueError(
