@@ -20,6 +20,7 @@ from torch import nn
 
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.layers import Linear, RotaryEmbedding
+from dsinfer.model.v4_paged import PagedEntries
 from dsinfer.model.v4_state import Series
 from dsinfer.ops import Ops
 
@@ -125,6 +126,9 @@ class Indexer(nn.Module):
         self.compressor = Compressor(config, ops, rate, self.dim, overlap=True)
         self.wq_b = Linear(config.q_lora_rank, self.heads * self.dim, ops)
         self.weights_proj = Linear(config.hidden_size, self.heads, ops)
+        # a kernel backend scores the entries through ``ops.indexer_topk`` (V3.2's lightning
+        # indexer over the entries' pages); the torch reference keeps transformers' order of sums
+        self.ops = ops if ops.backends.get("indexer", "torch") != "torch" else None
 
     def project(
         self, x: torch.Tensor, q_lora: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding
@@ -145,6 +149,8 @@ class Indexer(nn.Module):
         """One sequence's entries each query attends to [T, min(topk, E)], -1 where it may see
         fewer; its indexer keys take the tokens in first."""
         self.compressor.compress((rows.kv, rows.gate), series, rope, boundary)
+        if self.ops is not None:
+            return self._select_by_kernel(rows, positions, series)
         keys = series.entries.read().float()  # [E, d]
         scores = torch.einsum("thd,ed->the", rows.q.float(), keys).relu() * self.dim**-0.5
         index_scores = torch.einsum("the,th->te", scores, rows.weights)
@@ -153,6 +159,31 @@ class Indexer(nn.Module):
         index_scores = index_scores.masked_fill(entry >= visible, float("-inf"))
         picks = index_scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return torch.where(picks >= visible, torch.full_like(picks, -1), picks)
+
+
+    def _select_by_kernel(self, rows: IndexerRows, positions: torch.Tensor, series: Series) -> torch.Tensor:
+        """``select`` through ``ops.indexer_topk``: each query is a sequence of one token whose
+        keys are the entries it may see, read from their pages (or from one page: dense)."""
+        assert self.ops is not None
+        entries, tokens = series.entries, positions.shape[0]
+        if len(entries) == 0:
+            return torch.full((tokens, 0), -1, dtype=torch.long, device=positions.device)
+        if isinstance(entries, PagedEntries):
+            used = -(-len(entries) // entries.pool.shape[1])
+            cache, table = entries.pool, torch.tensor(entries.pages[:used], dtype=torch.int32)
+        else:
+            keys = entries.read()
+            cache, table = keys.view(1, keys.shape[0], keys.shape[1]), torch.zeros(1, dtype=torch.int32)
+        device = cache.device
+        picks = self.ops.indexer_topk(
+            rows.q[:, None].to(cache.dtype),
+            (rows.weights * self.dim**-0.5)[:, None],
+            cache,
+            table.to(device).expand(tokens, -1).contiguous(),
+            visible_entries(positions, self.rate).to(torch.int32),
+            self.topk,
+        )
+        return picks[:, 0].long()
 
 
 class IndexerRows(NamedTuple):
