@@ -243,7 +243,10 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--decode-pool-size", "2", "--colocated", "--enable-overlap"], "--enable-overlap (two micro-batches)"),
+        (
+            ["--role", "decode", "--pool-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
+            "a pool over several nodes",
+        ),
         (["--speculative-mtp"], "--speculative-mtp"),
     ],
 )
@@ -329,17 +332,27 @@ def test_dry_run_pages_are_the_engine_pages(v4: tuple[Path, Any]) -> None:
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("redundant", [0, 2])
+@pytest.mark.parametrize(("redundant", "overlap"), [(0, False), (2, False), (0, True)])
 def test_expert_parallel_pool_equals_transformers(
-    v4: tuple[Path, Any], tmp_path: Path, redundant: int
+    v4: tuple[Path, Any], tmp_path: Path, redundant: int, overlap: bool
 ) -> None:
     """A 2-rank expert-parallel pool (gloo all-to-all; each rank attends its own prompts and holds
-    its expert slots, a hash layer routing by the token ids where the tokens are): greedy tokens
-    equal transformers'; the ranks together hold every expert, each only its slots."""
+    its expert slots, a hash layer routing by the token ids where the tokens are), with redundant
+    experts, and with two micro-batches per step (prefill and decode schedules, an idle rank's
+    and a one-sequence rank's empty micro-batch joining the exchanges): greedy tokens equal
+    transformers'; the ranks together hold every expert, each only its slots."""
     from tests.test_ep import run_pool
 
     prompts = _prompts()[:4]
-    results = run_pool(v4[0], 2, tmp_path, prompts, max_tokens=OUTPUT, num_redundant_experts=redundant)
+    if overlap:  # prompts that end together: each rank decodes two sequences after them
+        prompts = [p[:40] for p in _prompts()[2:]] * 2
+    extra = {"enable_overlap": True, "overlap_min_tokens": 1} if overlap else {}
+    results = run_pool(
+        v4[0], 2, tmp_path, prompts, max_tokens=OUTPUT, num_redundant_experts=redundant, **extra
+    )
+    if overlap:
+        steps = [r["two_micro_batch_steps"] for r in results]
+        assert all(s["prefill"] > 0 and s["decode"] > 0 for s in steps), steps
     tokens = {rid: t for r in results for rid, t in r["tokens"].items()}
     assert tokens == {f"p{i}": greedy_reference(v4[1], p, OUTPUT) for i, p in enumerate(prompts)}
     experts = v4[1].config.n_routed_experts

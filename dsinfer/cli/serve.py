@@ -214,7 +214,6 @@ def check_model(args: argparse.Namespace) -> None:
     ]
     refused = [
         (args.speculative_mtp, "--speculative-mtp"),
-        (max(sizes) > 1 and getattr(args, "enable_overlap", False), "--enable-overlap (two micro-batches)"),
         ((getattr(args, "nnodes", None) or 1) > 1, "a pool over several nodes"),
     ]
     for bad, what in refused:

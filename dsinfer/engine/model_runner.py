@@ -26,6 +26,7 @@ steps and expert-parallel models run eagerly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -47,6 +48,7 @@ from dsinfer.engine.sequence import Sequence
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.overlap import DECODE, PREFILL, MicroBatch, forward_two
+from dsinfer.model.v4_served import ServedV4
 from dsinfer.ops import Ops, SamplingTensors
 from dsinfer.ops.logprobs import prompt_logprobs, top_logprobs
 from dsinfer.ops.penalties import apply_penalties, penalty_state
@@ -242,16 +244,19 @@ class ModelRunner:
         absorbed_first = max(0, k - (n - batch.num_decodes))  # decodes come last in a batch
         parts = ((seqs[:k], absorbed_first), (seqs[k:], batch.num_decodes - absorbed_first))
         mbs = (self._micro_batch(*parts[0]), self._micro_batch(*parts[1]))
+        run = (
+            self.model.forward_two
+            if isinstance(self.model, ServedV4)
+            else functools.partial(forward_two, self.model)
+        )
         if self.tracer is None:
-            forward_two(self.model, mbs, self.pool.caches, order, after_layer=after_layer)
+            run(mbs, self.pool.caches, order, after_layer=after_layer)
         else:
             tokens = [len(mb.input_ids) for mb in mbs]
             with self.tracer.span(
                 "FORWARD", COMPUTE, cat="forward", micro_batches=2, order=order, tokens=tokens
             ):
-                forward_two(
-                    self.model, mbs, self.pool.caches, order, tracer=self.tracer, after_layer=after_layer
-                )
+                run(mbs, self.pool.caches, order, tracer=self.tracer, after_layer=after_layer)
         return torch.cat([mb.hidden for mb in mbs if mb.hidden is not None])
 
     def _micro_batch(self, seqs: list[ScheduledSeq], num_absorbed: int) -> MicroBatch:

@@ -13,6 +13,8 @@ sequence over its own hybrid cache.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -48,13 +50,27 @@ class V4DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows;
         ``boundaries[i]``: the page boundary they cross last, if any (its resume state is kept)."""
+        streams = self.attention(streams, positions, states, boundaries)
+        x, post, comb = self.ffn_in(streams)
+        return HyperConnection.expand(streams, self.ffn(x, token_ids), post, comb)
+
+    # The layer in stages (two micro-batches interleave them: dsinfer/model/v4_overlap.py)
+    def attention(
+        self,
+        streams: torch.Tensor,
+        positions: list[torch.Tensor],
+        states: list[SequenceState],
+        boundaries: list[int | None],
+    ) -> torch.Tensor:
         pre, post, comb = self.attn_hc.weights(streams)
         x = self.attn_norm(HyperConnection.collapse(streams, pre))
         h = self.attn(x, positions, [state.layers[self.layer] for state in states], boundaries)
-        streams = HyperConnection.expand(streams, h, post, comb)
-        pre, post, comb = self.ffn_hc.weights(streams)
-        h = self.ffn(self.ffn_norm(HyperConnection.collapse(streams, pre)), token_ids)
         return HyperConnection.expand(streams, h, post, comb)
+
+    def ffn_in(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The MoE's input and the weights that put its output back into the streams."""
+        pre, post, comb = self.ffn_hc.weights(streams)
+        return self.ffn_norm(HyperConnection.collapse(streams, pre)), post, comb
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -81,6 +97,15 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Sequence i's next ``q_lens[i]`` tokens, flattened in order into ``token_ids [T]`` ->
         final-normed hidden states [T, hidden]; each state takes its sequence's tokens in."""
+        step = self.start(token_ids, states, q_lens)
+        streams = step.streams
+        for layer in self.layers:
+            streams = layer(streams, token_ids, step.positions, states, step.boundaries)
+        return self.finish(streams, states, q_lens)
+
+    def start(self, token_ids: torch.Tensor, states: list[SequenceState], q_lens: list[int]) -> V4Step:
+        """A step's positions, the page boundaries it crosses (marked on the states) and the
+        embedded tokens as ``hc_mult`` streams."""
         device = token_ids.device
         positions = [
             torch.arange(state.length, state.length + n, device=device)
@@ -91,9 +116,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             if boundary is not None:
                 state.boundary = boundary
         x = self.embed(token_ids)
-        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
-        for layer in self.layers:
-            streams = layer(streams, token_ids, positions, states, boundaries)
+        return V4Step(positions, boundaries, x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous())
+
+    def finish(self, streams: torch.Tensor, states: list[SequenceState], q_lens: list[int]) -> torch.Tensor:
+        """The last layer's streams -> final-normed hidden states; the states took the tokens in."""
         for state, n in zip(states, q_lens, strict=True):
             state.length += n
         return self.norm(self.hc_head(streams))
@@ -104,6 +130,12 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def new_state(self) -> SequenceState:
         return SequenceState.empty(self.config, self.embed.weight.dtype, self.embed.weight.device)
+
+
+class V4Step(NamedTuple):
+    positions: list[torch.Tensor]
+    boundaries: list[int | None]
+    streams: torch.Tensor  # [T, hc_mult, hidden]
 
 
 def _last_boundary(state: SequenceState, new_tokens: int) -> int | None:

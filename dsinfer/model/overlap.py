@@ -150,24 +150,28 @@ class _Stages:
         return self.layers[n].ffn_end(x, ffn, self._wait(ffn.combine, "COMBINE", i, n))
 
     def _wait(self, pending: Pending[T] | None, what: str, mb: int, layer: int) -> T | None:
-        """Wait for a transfer. Traced: the transfer (posted -> completed) on the comm thread; on
-        the compute thread, as "wait" spans, the time blocked in its synchronous preamble (the
-        counts exchange, inside the chunk that posted it) and in this wait."""
-        if pending is None:
-            return None
-        start = now_ns()
-        value = pending.wait()
-        if self.tracer is not None:
-            end = now_ns()
-            completed = pending.completed_ns if pending.completed_ns is not None else end
-            name, args = f"{what}({mb}) L{layer}", {"mb": mb, "layer": layer}
-            self.tracer.add(name, COMM, pending.posted_ns, completed, cat="comm", **args)
-            if pending.posted_ns > pending.issued_ns:
-                self.tracer.add(
-                    f"post {name}", COMPUTE, pending.issued_ns, pending.posted_ns, cat="wait", **args
-                )
-            self.tracer.add(f"wait {name}", COMPUTE, start, end, cat="wait", **args)
-        return value
+        return wait_transfer(pending, what, mb, layer, self.tracer)
+
+
+def wait_transfer(
+    pending: Pending[T] | None, what: str, mb: int, layer: int, tracer: Tracer | None
+) -> T | None:
+    """Wait for a transfer. Traced: the transfer (posted -> completed) on the comm thread; on the
+    compute thread, as "wait" spans, the time blocked in its synchronous preamble (the counts
+    exchange, inside the chunk that posted it) and in this wait."""
+    if pending is None:
+        return None
+    start = now_ns()
+    value = pending.wait()
+    if tracer is not None:
+        end = now_ns()
+        completed = pending.completed_ns if pending.completed_ns is not None else end
+        name, args = f"{what}({mb}) L{layer}", {"mb": mb, "layer": layer}
+        tracer.add(name, COMM, pending.posted_ns, completed, cat="comm", **args)
+        if pending.posted_ns > pending.issued_ns:
+            tracer.add(f"post {name}", COMPUTE, pending.issued_ns, pending.posted_ns, cat="wait", **args)
+        tracer.add(f"wait {name}", COMPUTE, start, end, cat="wait", **args)
+    return value
 
 
 @torch.inference_mode()
@@ -187,8 +191,20 @@ def forward_two(
     """
     stages = _Stages(model, kv_caches, tracer)
     gens = [stages.run(order, i, mb) for i, mb in enumerate(micro_batches)]
+    drive(gens, order, len(stages.layers), tracer, after_layer)
+
+
+def drive(
+    gens: list[Iterator[Chunk]],
+    order: str,
+    num_layers: int,
+    tracer: Tracer | None,
+    after_layer: Callable[[int], None] | None,
+) -> None:
+    """Advance the two micro-batches' generators in ``order``'s schedule, checking every chunk,
+    and call ``after_layer(i)`` once both have written layer i's cache."""
     written, announced = [0, 0], 0
-    for mb, chunk in schedule(order, len(stages.layers)):
+    for mb, chunk in schedule(order, num_layers):
         start = now_ns()
         done = next(gens[mb], None)
         if done != chunk:

@@ -160,7 +160,6 @@ class Indexer(nn.Module):
         picks = index_scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
         return torch.where(picks >= visible, torch.full_like(picks, -1), picks)
 
-
     def _select_by_kernel(self, rows: IndexerRows, positions: torch.Tensor, series: Series) -> torch.Tensor:
         """``select`` through ``ops.indexer_topk``: each query is a sequence of one token whose
         keys are the entries it may see, read from their pages (or from one page: dense)."""

@@ -14,14 +14,17 @@ token sums its pairs' outputs under their weights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.layers import Linear
-from dsinfer.model.moe import ExpertParallel
+from dsinfer.model.moe import ExpertParallel, Received
 from dsinfer.ops import Ops
+from dsinfer.parallel.ep import Pending
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -96,10 +99,18 @@ class V4MoE(nn.Module):
             self.register_buffer("num_replicas", num_replicas, persistent=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.ep is None:
+            weights, ids = self._route(x, token_ids)
+            return self._local(x, weights, ids) + self.shared_experts(x)
+        work = self.begin(x, token_ids)
+        self.run_experts(work, work.dispatch.wait())
+        assert work.combine is not None
+        return self.end(work, work.combine.wait()) + self.shared_experts(x)
+
+    def _route(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = self.gate(x, token_ids)
         self.expert_load += torch.bincount(ids.flatten(), minlength=self.expert_load.shape[0])
-        routed = self._local(x, weights, ids) if self.ep is None else self._expert_parallel(x, weights, ids)
-        return routed + self.shared_experts(x)
+        return weights, ids
 
     def _expert(self, slot: int, rows: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(rows, self.w13[slot].to(rows.dtype)).chunk(2, dim=-1)
@@ -113,23 +124,43 @@ class V4MoE(nn.Module):
             routed.index_add_(0, rows, (out * weights[rows, slot, None]).to(x.dtype))
         return routed
 
-    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The (token, expert) pairs through the pool: each to a replica of its expert (a token's
-        pairs and consecutive tokens spread over the replicas), back, weighted and summed."""
+    # Expert parallelism, in stages (two micro-batches interleave them: dsinfer/model/v4_overlap.py)
+    def begin(self, x: torch.Tensor, token_ids: torch.Tensor) -> V4Routed:
+        """Route ``x`` and post the dispatch of its (token, expert) pairs, each to a replica of
+        its expert (a token's pairs and consecutive tokens spread over the replicas)."""
         assert self.ep is not None
+        weights, ids = self._route(x, token_ids)
         tokens, k = ids.shape
         pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
         experts = ids.flatten()
         spread = pair_token + torch.arange(k, device=x.device).repeat(tokens)
         physical = self.replica_slots[experts, spread % self.num_replicas[experts]]
         per_rank = len(self.local_experts)
-        rows, slots, handle = self.ep.group.dispatch_async(
-            x[pair_token], physical // per_rank, physical % per_rank
-        ).wait()
+        dispatch = self.ep.group.dispatch_async(x[pair_token], physical // per_rank, physical % per_rank)
+        return V4Routed(x, weights, dispatch)
+
+    def run_experts(self, work: V4Routed, received: Received) -> None:
+        """The pairs this rank received through its slots; posts their combine."""
+        assert self.ep is not None
+        rows, slots, handle = received
         out = torch.zeros_like(rows)
         for slot in slots.unique().tolist():
             picked = (slots == slot).nonzero(as_tuple=True)[0]
             out[picked] = self._expert(slot, rows[picked]).to(out.dtype)
-        combined = self.ep.group.combine_async(out, handle).wait()
-        summed = (combined.view(tokens, k, x.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(dim=1)
-        return summed.to(x.dtype)
+        work.combine = self.ep.group.combine_async(out, handle)
+
+    def end(self, work: V4Routed, combined: torch.Tensor) -> torch.Tensor:
+        """Each token's pairs, back, weighted and summed [T, H] (the shared expert apart)."""
+        tokens, k = work.weights.shape
+        pairs = combined.view(tokens, k, work.x.shape[-1]).float()
+        return (pairs * work.weights.float().unsqueeze(-1)).sum(dim=1).to(work.x.dtype)
+
+
+@dataclass
+class V4Routed:
+    """One micro-batch's routed experts of one layer, between the gate and the weighted sum."""
+
+    x: torch.Tensor  # the MoE input [T, H]
+    weights: torch.Tensor  # [T, k]
+    dispatch: Pending[Received]
+    combine: Pending[torch.Tensor] | None = None

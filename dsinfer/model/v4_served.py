@@ -12,13 +12,19 @@ tokens runs the layers' MoE exchanges alone (``idle_forward``). No MTP, no CUDA 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from dsinfer.base.trace import Tracer
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from dsinfer.model.overlap import MicroBatch
+from dsinfer.model.v4_overlap import V4MicroBatch, forward_two_v4
 from dsinfer.model.v4_paged import SequenceStates
+from dsinfer.model.v4_state import SequenceState
 
 
 class ServedV4(nn.Module):
@@ -37,18 +43,33 @@ class ServedV4(nn.Module):
         states [T, hidden]."""
         if batch.seq_keys is None:
             raise RuntimeError("DeepSeek-V4 keeps a cache per sequence: the batch must name its sequences")
-        page_size = states.page_tokens
-        seq_states = []
-        for i, (key, kv_len, q_len) in enumerate(
-            zip(batch.seq_keys, batch.kv_lens, batch.q_lens, strict=True)
-        ):
-            pages = batch.block_tables[i, : -(-kv_len // page_size)].tolist()
-            seq_states.append(states.for_step(key, kv_len - q_len, pages))
-        hidden = self.model.forward_many(token_ids, seq_states, batch.q_lens)
+        hidden = self.model.forward_many(token_ids, _states_of(batch, states), batch.q_lens)
         if batch.after_layer is not None:  # every layer's pages are written: a connector may send them
             for layer in range(self.config.num_hidden_layers):
                 batch.after_layer(layer)
         return hidden
+
+    def forward_two(
+        self,
+        micro_batches: tuple[MicroBatch, MicroBatch],
+        states: SequenceStates,
+        order: str,
+        *,
+        tracer: Tracer | None = None,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> None:
+        """Two micro-batches interleaved (dsinfer/model/v4_overlap.py); sets their ``hidden``."""
+        v4 = tuple(
+            V4MicroBatch(
+                mb.input_ids,
+                _states_of(mb.batch, states) if mb.batch else [],
+                mb.batch.q_lens if mb.batch else [],
+            )
+            for mb in micro_batches
+        )
+        forward_two_v4(self.model, (v4[0], v4[1]), order, tracer=tracer, after_layer=after_layer)
+        for mb, done in zip(micro_batches, v4, strict=True):
+            mb.hidden = done.hidden
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, per layer (hash-routed layers included)."""
@@ -70,3 +91,13 @@ class ServedV4(nn.Module):
         ids = torch.zeros(0, dtype=torch.long, device=weight.device)
         for layer in self.model.layers:
             layer.ffn(x, ids)
+
+
+def _states_of(batch: ForwardBatch, states: SequenceStates) -> list[SequenceState]:
+    """The states of the batch's sequences for this step, bound to their pages."""
+    assert batch.seq_keys is not None
+    found = []
+    for i, (key, kv_len, q_len) in enumerate(zip(batch.seq_keys, batch.kv_lens, batch.q_lens, strict=True)):
+        pages = batch.block_tables[i, : -(-kv_len // states.page_tokens)].tolist()
+        found.append(states.for_step(key, kv_len - q_len, pages))
+    return found
