@@ -129,7 +129,7 @@ def test_unsupported_family_is_named_before_its_fields(tmp_path: Path) -> None:
         "and deepseek_v4 (DeepSeek-V4)"
     )
     assert _refusal(V4, tmp_path).endswith(
-        "DeepSeek-V4 (model_type 'deepseek_v4') is served without MTP, two micro-batches, EPLB "
+        "DeepSeek-V4 (model_type 'deepseek_v4') is served without MTP, elastic EP, EPLB "
         "and the simulator for now: they take the V3 family only"
     )
     llama = _refusal(LLAMA, tmp_path)

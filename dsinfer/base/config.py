@@ -22,7 +22,7 @@ FAMILIES = {"deepseek_v3": "DeepSeek-V3/R1, V3.1", "deepseek_v32": "DeepSeek-V3.
 # read by dsinfer/base/model_config.py as V4Config, not as this module's ModelConfig
 V4_MODEL_TYPE = "deepseek_v4"
 V4_SCOPE = (
-    "DeepSeek-V4 (model_type 'deepseek_v4') is served without MTP, two micro-batches, EPLB "
+    "DeepSeek-V4 (model_type 'deepseek_v4') is served without MTP, elastic EP, EPLB "
     "and the simulator for now: they take the V3 family only"
 )
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
