@@ -221,6 +221,26 @@ def test_fp8_and_mxfp4_release_weights(tmp_path: Path) -> None:
     assert cosine.median() > 0.98 and cosine.min() > 0.8, cosine
 
 
+def test_mxfp4_experts_kept_packed(tmp_path: Path) -> None:
+    """MXFP4 experts kept packed (as on a GPU with the MXFP4 GEMM kernel; here through its torch
+    reference) hold a quarter of float32's bytes per value plus their scales, and give the
+    dequantized checkpoint's logits; a checkpoint without MXFP4 experts cannot be kept packed."""
+    build_v4("flash_like", tmp_path / "hf")
+    _release_quantized(tmp_path / "hf", tmp_path / "fp8", tmp_path / "dequantized")
+    ops = select_ops("cpu", "torch")
+    reference = load_v4(tmp_path / "dequantized", ops)
+    ids = _prompt(60, 11)
+    expected = reference.compute_logits(reference(ids, reference.new_state()))
+    assert not load_v4(tmp_path / "fp8", ops).layers[3].ffn.mxfp4  # the reference backend: dequantized
+    packed = load_v4(tmp_path / "fp8", ops, keep_mxfp4=True)
+    moe = packed.layers[3].ffn
+    assert moe.mxfp4 and moe.w13.dtype == torch.uint8 and moe.w13_scale.dtype == torch.uint8
+    assert moe.w13.numel() * 2 == reference.layers[3].ffn.w13.numel()
+    _close(packed.compute_logits(packed(ids, packed.new_state())), expected)
+    with pytest.raises(ValueError, match="not MXFP4"):
+        load_v4(tmp_path / "dequantized", ops, keep_mxfp4=True)
+
+
 def test_mxfp4_round_trip() -> None:
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 4)
     exact = torch.stack([grid, -grid * 0.25, grid * 8.0])  # each row one block, scales 1, 1/4, 8

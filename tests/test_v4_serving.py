@@ -299,8 +299,9 @@ def test_invalid_v4_config_is_named_in_one_line() -> None:
 
 @pytest.mark.system
 def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
-    """The preset's plan: each cache group, one request's cache next to V3's, and a one-line
-    refusal where the weights cannot fit one GPU."""
+    """The preset's plan: each cache group, one request's cache next to V3's, the experts kept
+    MXFP4 on a GPU, a one-line refusal where the weights cannot fit one GPU, and a plan that fits
+    two ranks of an expert-parallel pool."""
     done = run_dsinfer("serve", "--model", "deepseek-v4-flash", "--dry-run", "--device", "cuda", timeout=120)
     assert done.returncode == 0, done.stderr
     plan = done.stdout
@@ -318,7 +319,22 @@ def test_dry_run_plans_the_released_flash_on_a_gpu() -> None:
     )
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode != 0 and len(lines) == 1, refused.stderr
-    assert "DeepSeek-V4 on one rank needs 523.9 GiB of weights" in lines[0]
+    assert "DeepSeek-V4 on a rank of a pool of 1 needs 144.9 GiB of weights" in lines[0]
+    assert "routed experts 137.1 GiB (MXFP4, kept packed)" in plan
+    fits = run_dsinfer(
+        "serve",
+        "--model",
+        "deepseek-v4-flash",
+        "--dry-run",
+        "--device",
+        "cuda",
+        *gpu,
+        "--pool-size",
+        "2",
+        timeout=120,
+    )
+    assert fits.returncode == 0, fits.stderr
+    assert "(MXFP4, kept packed; 128 of 256 slots per rank)" in fits.stdout and "fits" in fits.stdout
 
 
 @pytest.mark.system

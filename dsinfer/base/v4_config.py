@@ -63,6 +63,7 @@ class V4Config(BaseModel):
     bos_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
     num_nextn_predict_layers: int = 0
+    expert_dtype: str | None = None  # the release's routed experts: "fp4" (MXFP4) in the instruct checkpoints
 
     @model_validator(mode="before")
     @classmethod

@@ -237,7 +237,10 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         check_model(args)
         from dsinfer.cli.v4_plan import v4_plan_lines
 
-        print("\n".join(v4_plan_lines(engine_args_from(args), gpu_memory_of(args))))
+        ranks = (
+            args.pool_size if args.role is not None else max(args.prefill_pool_size, args.decode_pool_size)
+        )
+        print("\n".join(v4_plan_lines(engine_args_from(args), gpu_memory_of(args), ranks or 1)))
         return 0
     if not args.dry_run:
         check_model(args)

@@ -1,5 +1,5 @@
-"""``dsinfer serve --dry-run`` for a DeepSeek-V4 checkpoint: served by pools of one rank (PD or
-colocated), its weights by precision, its hybrid KV cache by group next to V3's, and the pool's pages.
+"""``dsinfer serve --dry-run`` for a DeepSeek-V4 checkpoint: served PD or colocated by pools of one
+rank or of several (expert parallelism), its weights on a rank by precision, its hybrid KV cache by group next to V3's, and the pool's pages.
 
 Weights are counted from the model built on the meta device (nothing is read). On CUDA the plan
 keeps FP8 what the release ships FP8 (every linear layer but the head; 128x128 blocks, a 4-byte
@@ -19,6 +19,7 @@ from dsinfer.base.kv_groups import HybridCacheSpec
 from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
+from dsinfer.base.rank_shape import expert_slots_per_rank
 from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.cli.errors import UsageError
@@ -35,18 +36,26 @@ CONTEXTS = (8192, 131072, 1048576)  # one request's cache shown at these context
 V3_PRESET = "deepseek-v3"
 
 
+MXFP4_BYTES_PER_VALUE = 0.5 + 1 / 32  # an e2m1 nibble and its share of an e8m0 scale per 32
+
+
 @dataclass(frozen=True)
 class V4Weights:
     fp8: int  # bytes of FP8 weights and their block scales
-    experts: int  # routed experts, in the model's dtype
+    experts: int  # this rank's routed experts: packed MXFP4, or in the model's dtype
     other: int  # the rest (embedding, head, norms, mHC, gates, sinks) in the model's dtype
+    mxfp4: bool = False  # the experts stay packed
 
     @property
     def total(self) -> int:
         return self.fp8 + self.experts + self.other
 
 
-def v4_weights(config: V4Config, dtype: torch.dtype, fp8: bool) -> V4Weights:
+def v4_weights(
+    config: V4Config, dtype: torch.dtype, fp8: bool, mxfp4: bool = False, expert_share: float = 1.0
+) -> V4Weights:
+    """Weight bytes on one rank: ``mxfp4``, the experts packed; ``expert_share``, the part of the
+    experts the rank holds (its slots of an expert-parallel pool)."""
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config, select_ops("cpu", quiet=True))
     item = dtype.itemsize
@@ -58,12 +67,12 @@ def v4_weights(config: V4Config, dtype: torch.dtype, fp8: bool) -> V4Weights:
     }
     for name, param in model.named_parameters():
         if name.endswith((".ffn.w13", ".ffn.w2")):
-            experts += param.numel() * item
+            experts += round(param.numel() * (MXFP4_BYTES_PER_VALUE if mxfp4 else item) * expert_share)
         elif fp8 and name in linear_weights:
             fp8_bytes += param.numel() + 4 * -(-param.numel() // FP8_BLOCK_VALUES)
         else:
             other += param.numel() * item
-    return V4Weights(fp8_bytes, experts, other)
+    return V4Weights(fp8_bytes, experts, other, mxfp4)
 
 
 def _v3_bytes_per_token(dtype: torch.dtype) -> tuple[str, int]:
@@ -72,7 +81,7 @@ def _v3_bytes_per_token(dtype: torch.dtype) -> tuple[str, int]:
     return V3_PRESET, spec.bytes_per_token * config.num_hidden_layers
 
 
-def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
+def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None, pool_size: int = 1) -> list[str]:
     path, _ = resolve_model(engine.model)
     config = read_model_config(path / "config.json")
     assert isinstance(config, V4Config)
@@ -80,17 +89,22 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
     dtype = resolve_dtype(engine.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     cuda = device.type == "cuda"
-    weights = v4_weights(config, dtype, fp8=cuda)
+    slots = expert_slots_per_rank(config.n_routed_experts, engine.num_redundant_experts, pool_size)
+    mxfp4 = cuda and config.expert_dtype == "fp4"  # the MXFP4 GEMM kernel keeps them packed
+    weights = v4_weights(config, dtype, fp8=cuda, mxfp4=mxfp4, expert_share=slots / config.n_routed_experts)
     spec = HybridCacheSpec.for_v4(config, dtype_name)
     page_bytes = V4StatePool.page_bytes_for(config, dtype)
     reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs)
     max_len = engine.max_model_len or config.max_position_embeddings
+    held = "MXFP4, kept packed" if weights.mxfp4 else f"{dtype_name}: dequantised at load"
+    if pool_size > 1:
+        held += f"; {slots} of {config.n_routed_experts + engine.num_redundant_experts} slots per rank"
+    fp8_part = f"FP8 {fmt_bytes(weights.fp8)} (linear layers, 128x128 block scales) + " if cuda else ""
     lines = [
-        "dsinfer serve: DeepSeek-V4, pools of one rank (dry run: nothing is started)",
+        f"dsinfer serve: DeepSeek-V4, pools of {pool_size} rank{'s' if pool_size > 1 else ''} "
+        "(dry run: nothing is started)",
         f"memory plan: model {engine.model or path.name}, {dtype_name} on {device.type}",
-        f"  weights {fmt_bytes(weights.total)}: "
-        + (f"FP8 {fmt_bytes(weights.fp8)} (linear layers, 128x128 block scales) + " if cuda else "")
-        + f"routed experts {fmt_bytes(weights.experts)} ({dtype_name}: dequantised at load) + "
+        f"  weights {fmt_bytes(weights.total)}: {fp8_part}routed experts {fmt_bytes(weights.experts)} ({held}) + "
         f"the rest {fmt_bytes(weights.other)} ({dtype_name})",
         f"  KV cache by group ({dtype_name}; pages of {spec.page_tokens} tokens):",
     ]
@@ -114,9 +128,9 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
         )
     if gpu_memory is not None and weights.total + CUDA_RUNTIME_RESERVE > gpu_memory:
         raise UsageError(
-            f"DeepSeek-V4 on one rank needs {fmt_bytes(weights.total)} of weights (routed experts in "
-            f"{dtype_name}) + {fmt_bytes(CUDA_RUNTIME_RESERVE)} runtime before any KV cache, more than "
-            f"--gpu-memory {fmt_bytes_down(gpu_memory)}: V4 expert parallelism and FP4 experts are not served yet"
+            f"DeepSeek-V4 on a rank of a pool of {pool_size} needs {fmt_bytes(weights.total)} of weights + "
+            f"{fmt_bytes(CUDA_RUNTIME_RESERVE)} runtime before any KV cache, more than --gpu-memory "
+            f"{fmt_bytes_down(gpu_memory)}: spread the experts over more ranks (--pool-size)"
         )
     budget, how = engine.kv_cache_memory, "--kv-cache-memory"
     if budget is None and cuda and gpu_memory is None and not torch.cuda.is_available():
@@ -165,9 +179,10 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None) -> list[str]:
         total = weights.total + (budget or 0) + CUDA_RUNTIME_RESERVE
         if total > gpu_memory:
             raise UsageError(
-                f"DeepSeek-V4 on one rank needs {fmt_bytes(total)} (weights {fmt_bytes(weights.total)} + "
-                f"KV cache {fmt_bytes(budget or 0)} + runtime {fmt_bytes(CUDA_RUNTIME_RESERVE)}), more than "
-                f"--gpu-memory {fmt_bytes_down(gpu_memory)}: a smaller checkpoint, or wait for V4 expert parallelism"
+                f"DeepSeek-V4 on a rank of a pool of {pool_size} needs {fmt_bytes(total)} (weights "
+                f"{fmt_bytes(weights.total)} + KV cache {fmt_bytes(budget or 0)} + runtime "
+                f"{fmt_bytes(CUDA_RUNTIME_RESERVE)}), more than --gpu-memory {fmt_bytes_down(gpu_memory)}: spread "
+                "the experts over more ranks (--pool-size) or lower --kv-cache-memory"
             )
         lines.append(f"  total {fmt_bytes(total)} of --gpu-memory {fmt_bytes(gpu_memory)}: fits")
     return lines

@@ -30,11 +30,13 @@ from dsinfer.ops import Ops
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None) -> None:
+    def __init__(
+        self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None, mxfp4: bool = False
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.attn = V4Attention(config, ops, layer)
-        self.ffn = V4MoE(config, ops, layer, ep)
+        self.ffn = V4MoE(config, ops, layer, ep, mxfp4)
         self.attn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -74,12 +76,15 @@ class V4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: V4Config, ops: Ops, ep: ExpertParallel | None = None) -> None:
+    def __init__(
+        self, config: V4Config, ops: Ops, ep: ExpertParallel | None = None, mxfp4: bool = False
+    ) -> None:
+        """``mxfp4``: the routed experts stay packed MXFP4 (dsinfer/model/v4_moe.py)."""
         super().__init__()
         self.config, self.ep = config, ep
         self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            V4DecoderLayer(config, ops, i, ep) for i in range(config.num_hidden_layers)
+            V4DecoderLayer(config, ops, i, ep, mxfp4) for i in range(config.num_hidden_layers)
         )
         self.hc_head = HyperHead(config)
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -6,8 +6,9 @@ both onto the model's. Weights: high precision; or FP8 e4m3 with one scale per 1
 ``<module>.scale`` in the release (e8m0: powers of two) or ``<module>.weight_scale_inv`` (fp32),
 kept FP8 in the linear layers where the ops run FP8 GEMMs (``ops.supports_fp8_gemm``) and
 dequantized at load otherwise (the CPU, as for V3); routed experts FP8 as well or MXFP4 (packed
-bytes, e8m0 per 32 values: dsinfer/ops/mxfp4.py), dequantized at load into the model's dtype, as
-the reference MoE computes in it.
+bytes, e8m0 per 32 values: dsinfer/ops/mxfp4.py). MXFP4 experts stay packed where the ops run the
+MXFP4 grouped GEMM on a kernel (``keep_mxfp4``; a quarter of bf16's bytes), and are dequantized at
+load into the model's dtype otherwise, as the reference MoE computes in it.
 """
 
 from __future__ import annotations
@@ -73,16 +74,26 @@ class _Checkpoint:
 
 
 def load_v4(
-    path: str | Path, ops: Ops, dtype: torch.dtype = torch.float32, ep: ExpertParallel | None = None
+    path: str | Path,
+    ops: Ops,
+    dtype: torch.dtype = torch.float32,
+    ep: ExpertParallel | None = None,
+    keep_mxfp4: bool | None = None,
 ) -> DeepseekV4ForCausalLM:
     """A V4 checkpoint directory (config.json and safetensors) -> the model in ``dtype`` (its
     FP8 linear layers kept FP8 where ``ops`` runs FP8 GEMMs); with ``ep`` only this rank's expert
-    slots are read."""
+    slots are read. ``keep_mxfp4``: MXFP4 experts stay packed (None: where ``ops`` runs the MXFP4
+    GEMM on a kernel)."""
     path = Path(path)
     config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
-    model = DeepseekV4ForCausalLM(config, ops, ep).to(dtype)
     with ExitStack() as stack:
         checkpoint = _Checkpoint(path, stack)
+        packed = _experts_packed(checkpoint)
+        if keep_mxfp4 is None:
+            keep_mxfp4 = packed and ops.backends.get("mxfp4", "torch") != "torch"
+        if keep_mxfp4 and not packed:
+            raise ValueError(f"{path}: keep_mxfp4 asks for packed experts, the checkpoint's are not MXFP4")
+        model = DeepseekV4ForCausalLM(config, ops, ep, mxfp4=keep_mxfp4).to(dtype)
         for name, module in model.named_modules():
             weight = f"{name}.weight"
             fp8 = weight in checkpoint and checkpoint.get(weight).dtype == FP8_DTYPE
@@ -90,7 +101,9 @@ def load_v4(
                 module.make_fp8()
         params = dict(model.named_parameters()) | dict(model.named_buffers())
         slots = {f"layers.{i}.ffn": layer.ffn.local_experts for i, layer in enumerate(model.layers)}
-        loaded = _load_tensors(checkpoint, params) | _load_experts(checkpoint, params, slots, config, dtype)
+        loaded = _load_tensors(checkpoint, params) | _load_experts(
+            checkpoint, params, slots, config, None if keep_mxfp4 else dtype
+        )
     runtime = ("expert_load", "replica_slots", "num_replicas")  # counters and the EP routing table
     counters = {n for n, _ in model.named_buffers() if n.endswith(runtime)}
     missing = sorted(n for n in params if n not in loaded and "inv_freq" not in n and n not in counters)
@@ -127,16 +140,22 @@ def _load_tensors(checkpoint: _Checkpoint, params: dict[str, torch.Tensor]) -> s
     return loaded
 
 
+def _experts_packed(checkpoint: _Checkpoint) -> bool:
+    """Whether the routed experts are MXFP4 (packed bytes)."""
+    name = next((n for n in checkpoint.names() if _EXPERT.match(n)), None)
+    return name is not None and checkpoint.get(name).dtype in (torch.uint8, torch.int8)
+
+
 def _load_experts(
     checkpoint: _Checkpoint,
     params: dict[str, torch.Tensor],
     slots: dict[str, list[int]],
     config: V4Config,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
 ) -> set[str]:
     """Each layer's routed experts stacked into ``ffn.w13`` (w1 then w3) and ``ffn.w2``, at the
     slots that hold them (``slots``: per layer's ``ffn``, the expert of each slot; an expert
-    another rank holds is not read)."""
+    another rank holds is not read); in ``dtype``, or packed with their scales (None)."""
     loaded = set()
     inner = config.moe_intermediate_size
     for name in checkpoint.names():
@@ -147,14 +166,19 @@ def _load_experts(
         targets = [slot for slot, expert in enumerate(slots[prefix]) if expert == int(index)]
         if not targets:
             continue
-        weight = _expert_weight(checkpoint, name, dtype)
+        if dtype is None:  # packed: the bytes and their e8m0 scales as they are
+            scale = checkpoint.get(name.removesuffix(".weight") + ".scale")
+            parts = [("", checkpoint.get(name).view(torch.uint8)), ("_scale", scale.view(torch.uint8))]
+        else:
+            parts = [("", _expert_weight(checkpoint, name, dtype))]
         if which == "w2":
             target, rows = f"{prefix}.w2", slice(None)
         else:
             target, rows = f"{prefix}.w13", slice(0, inner) if which == "w1" else slice(inner, 2 * inner)
-        for slot in targets:
-            _copy(params[target][slot, rows], weight, name)
-        loaded.add(target)
+        for suffix, tensor in parts:
+            for slot in targets:
+                _copy(params[target + suffix][slot, rows], tensor, name)
+            loaded.add(target + suffix)
     return loaded
 
 

@@ -10,6 +10,10 @@ In an expert-parallel pool (``ep``) a rank holds only its slots of the placement
 (``local_experts``); the gate runs where the tokens are (a hash layer reads their ids there), the
 (token, expert) pairs travel to the ranks holding a replica of their expert and back, and each
 token sums its pairs' outputs under their weights.
+
+With ``mxfp4`` the routed experts stay as the release packs them (e2m1 bytes, an e8m0 scale per
+32 values: dsinfer/ops/mxfp4.py) and run through ``ops.mxfp4_grouped_gemm`` over all of a step's
+(token, expert) pairs at once; otherwise they are dequantised at load and run expert by expert.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dsinfer.base.v4_config import V4Config
 from dsinfer.model.layers import Linear
 from dsinfer.model.moe import ExpertParallel, Received
 from dsinfer.ops import Ops
+from dsinfer.ops.mxfp4 import MX_BLOCK
 from dsinfer.parallel.ep import Pending
 
 
@@ -80,7 +85,9 @@ class V4Gate(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None) -> None:
+    def __init__(
+        self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None, mxfp4: bool = False
+    ) -> None:
         super().__init__()
         self.limit, self.ep = config.swiglu_limit, ep
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
@@ -89,8 +96,15 @@ class V4MoE(nn.Module):
         )
         slots = len(self.local_experts)
         self.gate = V4Gate(config, hashed=config.is_hash_layer(layer))
-        self.w13 = nn.Parameter(torch.zeros(slots, 2 * inner, hidden), requires_grad=False)  # gate; up
-        self.w2 = nn.Parameter(torch.zeros(slots, hidden, inner), requires_grad=False)
+        self.ops, self.mxfp4 = ops, mxfp4
+        if mxfp4:  # packed bytes and scales, as the release stores them
+            self.w13 = _frozen(torch.zeros(slots, 2 * inner, hidden // 2, dtype=torch.uint8))  # gate; up
+            self.w13_scale = _frozen(torch.zeros(slots, 2 * inner, hidden // MX_BLOCK, dtype=torch.uint8))
+            self.w2 = _frozen(torch.zeros(slots, hidden, inner // 2, dtype=torch.uint8))
+            self.w2_scale = _frozen(torch.zeros(slots, hidden, inner // MX_BLOCK, dtype=torch.uint8))
+        else:
+            self.w13 = _frozen(torch.zeros(slots, 2 * inner, hidden))  # gate; up
+            self.w2 = _frozen(torch.zeros(slots, hidden, inner))
         self.shared_experts = ClampedMLP(hidden, inner, self.limit, ops)
         self.register_buffer("expert_load", torch.zeros(experts, dtype=torch.int64), persistent=False)
         if ep is not None:
@@ -116,7 +130,21 @@ class V4MoE(nn.Module):
         gate, up = F.linear(rows, self.w13[slot].to(rows.dtype)).chunk(2, dim=-1)
         return F.linear(clamped_swiglu(gate, up, self.limit), self.w2[slot].to(rows.dtype))
 
+    def _packed(self, rows: torch.Tensor, slot_of_row: torch.Tensor) -> torch.Tensor:
+        """Rows through the packed experts of their slots: two grouped MXFP4 GEMMs around the
+        clamped SwiGLU."""
+        gemm = self.ops.mxfp4_grouped_gemm
+        gate, up = gemm(rows, self.w13, self.w13_scale, slot_of_row).chunk(2, dim=-1)
+        return gemm(clamped_swiglu(gate, up, self.limit), self.w2, self.w2_scale, slot_of_row)
+
     def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.mxfp4:
+            tokens, k = ids.shape
+            pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+            out = self._packed(x[pair_token], ids.flatten())
+            return (
+                (out.view(tokens, k, x.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+            )
         routed = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             rows, slot = (ids == expert).nonzero(as_tuple=True)
@@ -143,10 +171,13 @@ class V4MoE(nn.Module):
         """The pairs this rank received through its slots; posts their combine."""
         assert self.ep is not None
         rows, slots, handle = received
-        out = torch.zeros_like(rows)
-        for slot in slots.unique().tolist():
-            picked = (slots == slot).nonzero(as_tuple=True)[0]
-            out[picked] = self._expert(slot, rows[picked]).to(out.dtype)
+        if self.mxfp4:
+            out = self._packed(rows, slots)
+        else:
+            out = torch.zeros_like(rows)
+            for slot in slots.unique().tolist():
+                picked = (slots == slot).nonzero(as_tuple=True)[0]
+                out[picked] = self._expert(slot, rows[picked]).to(out.dtype)
         work.combine = self.ep.group.combine_async(out, handle)
 
     def end(self, work: V4Routed, combined: torch.Tensor) -> torch.Tensor:
@@ -154,6 +185,10 @@ class V4MoE(nn.Module):
         tokens, k = work.weights.shape
         pairs = combined.view(tokens, k, work.x.shape[-1]).float()
         return (pairs * work.weights.float().unsqueeze(-1)).sum(dim=1).to(work.x.dtype)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 @dataclass
