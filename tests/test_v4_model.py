@@ -25,7 +25,7 @@ from dsinfer.base.v4_config import CSA, HCA, SLIDING, V4Config
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.v4_loader import checkpoint_key, load_v4
 from dsinfer.model.v4_state import cache_bytes
-from dsinfer.ops import select_ops
+from dsinfer.ops import Ops, select_ops
 from dsinfer.ops.fp8 import dequantize_weight_128x128, quantize_weight_128x128
 from dsinfer.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from harness.v4_checkpoints import CONFIGS, VOCAB, build_v4
@@ -200,13 +200,19 @@ def test_presets_are_the_released_configs(preset: str, layers: int, first: tuple
         ModelConfig.from_file(resolve_model(preset)[0] / "config.json")
 
 
-def test_fp8_and_mxfp4_release_weights(tmp_path: Path) -> None:
+def _release_logits(tmp_path: Path) -> tuple[Ops, torch.Tensor, torch.Tensor]:
+    """The release-quantized checkpoint under ``tmp_path / "fp8"``: the reference ops, a prompt
+    and the dequantized checkpoint's logits for it."""
     build_v4("flash_like", tmp_path / "hf")
     _release_quantized(tmp_path / "hf", tmp_path / "fp8", tmp_path / "dequantized")
     ops = select_ops("cpu", "torch")
     reference = load_v4(tmp_path / "dequantized", ops)
     ids = _prompt(60, 11)
-    expected = reference.compute_logits(reference(ids, reference.new_state()))
+    return ops, ids, reference.compute_logits(reference(ids, reference.new_state()))
+
+
+def test_fp8_and_mxfp4_release_weights(tmp_path: Path) -> None:
+    ops, ids, expected = _release_logits(tmp_path)
     dequantized = load_v4(tmp_path / "fp8", ops)  # the CPU's ops run no FP8 GEMM: dequantized at load
     assert dequantized.layers[0].attn.wq_a.weight.dtype == torch.float32
     _close(dequantized.compute_logits(dequantized(ids, dequantized.new_state())), expected)
@@ -225,17 +231,15 @@ def test_mxfp4_experts_kept_packed(tmp_path: Path) -> None:
     """MXFP4 experts kept packed (as on a GPU with the MXFP4 GEMM kernel; here through its torch
     reference) hold a quarter of float32's bytes per value plus their scales, and give the
     dequantized checkpoint's logits; a checkpoint without MXFP4 experts cannot be kept packed."""
-    build_v4("flash_like", tmp_path / "hf")
-    _release_quantized(tmp_path / "hf", tmp_path / "fp8", tmp_path / "dequantized")
-    ops = select_ops("cpu", "torch")
-    reference = load_v4(tmp_path / "dequantized", ops)
-    ids = _prompt(60, 11)
-    expected = reference.compute_logits(reference(ids, reference.new_state()))
+    ops, ids, expected = _release_logits(tmp_path)
     assert not load_v4(tmp_path / "fp8", ops).layers[3].ffn.mxfp4  # the reference backend: dequantized
     packed = load_v4(tmp_path / "fp8", ops, keep_mxfp4=True)
     moe = packed.layers[3].ffn
     assert moe.mxfp4 and moe.w13.dtype == torch.uint8 and moe.w13_scale.dtype == torch.uint8
-    assert moe.w13.numel() * 2 == reference.layers[3].ffn.w13.numel()
+    config = packed.config
+    assert (
+        moe.w13.numel() * 2 == config.n_routed_experts * 2 * config.moe_intermediate_size * config.hidden_size
+    )
     _close(packed.compute_logits(packed(ids, packed.new_state())), expected)
     with pytest.raises(ValueError, match="not MXFP4"):
         load_v4(tmp_path / "dequantized", ops, keep_mxfp4=True)
