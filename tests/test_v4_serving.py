@@ -377,3 +377,21 @@ def test_expert_parallel_pool_equals_transformers(
         assert all(len(slots) == (experts + redundant) // 2 for slots in held)
         assert set().union(*map(set, held)) == set(range(experts))
     assert all(r["free_pages_ok"] for r in results)
+
+
+def test_a_handed_over_resume_point_outlives_the_prefix_cache_lru(v4: tuple[Path, Any]) -> None:
+    """A point a prefill rank handed over stays until its sequence resumes there, however many
+    points the prefix cache takes in meanwhile; then it is the prefix cache's like any other."""
+    from dsinfer.model.v4_paged import SequenceStates, resume_shapes
+
+    config = V4Config.model_validate(json.loads((v4[0] / "config.json").read_text()))
+    states = SequenceStates(config, 8, 256, torch.float32, torch.device("cpu"), max_resume_points=1)
+    handed = states.boundary_from(256, resume_shapes(config, torch.float32))
+    states.hand_over(2, handed)
+    for page in (4, 5, 6):  # the LRU of one point turns over three times
+        states.install(page, states.boundary_from(256, resume_shapes(config, torch.float32)))
+    assert states.resumable(2)
+    state = states.for_step("joined", 256, [2, 3])
+    assert state.length == 256 and states.resume_point(2) is handed
+    states.forget([2])
+    assert not states.resumable(2)

@@ -204,4 +204,4 @@ class V4StatePool(PagePool):
         self.handoff.give(slot)
         if point is None or point.position != position:
             raise RuntimeError(f"V4 handoff slot {slot} holds no resume point at token {position}")
-        self.caches.install(pages[position // self.page_size - 1], point)
+        self.caches.hand_over(pages[position // self.page_size - 1], point)

@@ -7,8 +7,9 @@ the step and not yet sent (from the decode side's first uncached page); the engi
 hook starts the write of layer l as soon as layer l's KV is written, so transfers of the first
 layers run while later layers compute. A pool that keeps a state beside its pages (DeepSeek-V4)
 sends whole pages only, and once the prompt is done the resume point at the last of them through
-a handoff slot (dsinfer/engine/kv_pages.py); PrefillDone says how many tokens that covers. Pages being read by a write hold an extra reference (they
-cannot be evicted or reused) until that write is done. When the first token is known and every
+a handoff slot (dsinfer/engine/kv_pages.py); PrefillDone says how many tokens that covers.
+Pages being read by a write hold an extra reference (they cannot be evicted or reused) until
+that write is done, and a handoff slot stays taken until its write is done. When the first token is known and every
 write is done, PrefillDone goes to the decode rank: it is the fence after which the decode side
 may read the pages. An abort stops scheduling, waits for the writes in flight, then sends
 TransferAborted (the fence for an aborted transfer). An abort from a decode rank
@@ -178,19 +179,21 @@ class PrefillConnector:
 
     def _write(
         self, out: _Outgoing, layer: int, src: list[int], dst: list[int], slot: int | None = None
-    ) -> None:
+    ) -> bool:
+        """Start one write; False when it did not start (the transfer failed before or now)."""
         if out.error is not None:
-            return
+            return False
         try:
             handle = self.backend.write_pages(out.msg.decode_agent, layer, src, dst)
         except TransferError as e:
             out.error = f"KV write to {out.msg.destination.worker} failed: {e}"
-            return
+            return False
         if slot is None:
             self.engine.kv_pages.retain(src)
         out.in_flight.append(_Write(handle, [] if slot is not None else src, slot))
         out.bytes_written += len(src) * self.page_bytes[layer]
         out.started = out.started or time.monotonic()
+        return True
 
     def _hand_over(self, out: _Outgoing) -> None:
         """The prompt is done: write the resume point at its last whole page, if the pool keeps
@@ -204,11 +207,12 @@ class PrefillConnector:
         if staged is None:
             return
         slot, position = staged
-        if position <= dest.num_cached_tokens:
+        if position > dest.num_cached_tokens and self._write(
+            out, kv.handoff_layer, [slot], [dest.handoff_slot], slot
+        ):
+            out.computed_tokens = position
+        else:  # the decode rank's own cache goes as far, or the transfer failed: no point to send
             kv.release_handoff(slot)
-            return
-        out.computed_tokens = position
-        self._write(out, kv.handoff_layer, [slot], [dest.handoff_slot], slot)
 
     def stepped(self, updates: list[SeqUpdate]) -> None:
         """Record the step's finished prefills (the decode rank sends the tokens, not this one)."""

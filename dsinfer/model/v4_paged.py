@@ -87,6 +87,7 @@ class SequenceStates:
             self.groups[layer] = (entries, indexer)
         self._states: dict[str, SequenceState] = {}
         self._resume: OrderedDict[int, Boundary] = OrderedDict()  # page -> the state at its end; LRU
+        self._handed: dict[int, Boundary] = {}  # points a prefill rank handed over, kept until used
         self.max_resume_points = max_resume_points
 
     def tensors(self) -> list[torch.Tensor]:
@@ -109,10 +110,14 @@ class SequenceStates:
         return state
 
     def _resumed(self, page: int, start: int) -> SequenceState:
-        point = self._resume.get(page)
+        point = self._handed.pop(page, None)
+        if point is not None:
+            self.install(page, point)  # a point like any other from now on (the prefix cache's)
+        point = self._resume.get(page, point)
         if point is None or point.position != start:
             raise RuntimeError(f"V4: no state to resume at token {start} (page {page})")
-        self._resume.move_to_end(page)
+        if page in self._resume:
+            self._resume.move_to_end(page)
         state = self._new_state()
         state.length = start
         for i, layer in enumerate(state.layers):
@@ -166,12 +171,18 @@ class SequenceStates:
 
     def resumable(self, page: int) -> bool:
         """Whether a sequence can resume after ``page`` (a prefix hit may end there)."""
-        return page in self._resume
+        return page in self._resume or page in self._handed
+
+    def hand_over(self, page: int, point: Boundary) -> None:
+        """The point a prefill rank handed over for ``page``: kept, whatever the LRU does,
+        until the sequence resumes there (or the page gets a new owner)."""
+        self._handed[page] = point
 
     def forget(self, pages: list[int]) -> None:
         """``pages`` have new owners: their resume points no longer hold."""
         for page in pages:
             self._resume.pop(page, None)
+            self._handed.pop(page, None)
 
     def _new_state(self) -> SequenceState:
         state = SequenceState.empty(self.config, self.dtype, self.device)
