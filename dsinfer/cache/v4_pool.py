@@ -119,7 +119,7 @@ class V4StatePool(PagePool):
     def read_page(self, page: int, device: str | torch.device = "cpu") -> torch.Tensor:
         """A copy of ``page``'s record, uint8 ``[page_record_bytes]`` (no resume point: zeros)."""
         groups = [t[page].contiguous().view(torch.uint8).reshape(-1) for t in self.caches.tensors()]
-        point = self._encode_point(self.caches.resume_point(page))
+        point = self._encode_point(self.caches.resume_point(page), self._device)
         return torch.cat([*groups, point]).to(device)
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
@@ -138,13 +138,15 @@ class V4StatePool(PagePool):
         if point is not None:
             self.caches.install(page, point)
 
-    def _encode_point(self, point: Boundary | None) -> torch.Tensor:
-        """A resume point as uint8 ``[resume bytes + tail]``: its parts, position, presence."""
-        out = torch.zeros(self._resume_bytes + _TAIL.size, dtype=torch.uint8)
+    def _encode_point(self, point: Boundary | None, device: torch.device) -> torch.Tensor:
+        """A resume point as uint8 ``[resume bytes + tail]`` on ``device``: its parts (where they
+        are), position, presence."""
+        out = torch.zeros(self._resume_bytes + _TAIL.size, dtype=torch.uint8, device=device)
         if point is not None:
             parts = [*point.windows, *(t for pair in point.overlaps.values() for t in pair)]
-            raw = [part.contiguous().view(torch.uint8).reshape(-1).cpu() for part in parts]
-            out[: self._resume_bytes] = torch.cat(raw)
+            out[: self._resume_bytes] = torch.cat(
+                [p.contiguous().view(torch.uint8).reshape(-1) for p in parts]
+            )
         tail = _TAIL.pack(point.position if point is not None else 0, point is not None)
         out[self._resume_bytes :] = torch.tensor(list(tail), dtype=torch.uint8)
         return out
@@ -176,8 +178,7 @@ class V4StatePool(PagePool):
 
     def transfer_page_bytes(self) -> list[int]:
         """Bytes of one page per registered layer (the slots' layer: one slot)."""
-        sizes = [sum(t[0].nbytes for t in layer) for layer in self.layer_tensors()]
-        return sizes
+        return [sum(t[0].nbytes for t in layer) for layer in self.layer_tensors()]
 
     @property
     def handoff_layer(self) -> int:
@@ -193,14 +194,14 @@ class V4StatePool(PagePool):
             return None
         slot = self.handoff.take()
         if slot is not None:
-            self.handoff.write(slot, self._encode_point(point).to(self._device))
+            self.handoff.write(slot, self._encode_point(point, self._device))
         return None if slot is None else (slot, point.position)
 
     def adopt_point(self, slot: int, pages: list[int], position: int) -> None:
         """The resume point a prefill rank wrote into ``slot``: kept for the page that ends at
         ``position`` (the sequence resumes there); the slot is free again."""
         assert self.handoff is not None
-        point = self._decode_point(self.handoff.read(slot).cpu())
+        point = self._decode_point(self.handoff.read(slot))
         self.handoff.give(slot)
         if point is None or point.position != position:
             raise RuntimeError(f"V4 handoff slot {slot} holds no resume point at token {position}")

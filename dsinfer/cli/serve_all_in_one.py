@@ -273,7 +273,7 @@ def _stop(children: list[processes.Child], drain_timeout: float, signals: proces
 
 def _stop_at_once(children: list[processes.Child]) -> None:
     """Nothing to drain: the gateway is killed; a launcher gets a second stop signal, on which it
-    kills its ranks and cleans up, and SIGKILL if it is not gone after ``processes.KILL_GRACE``."""
+    kills its ranks and cleans up, and SIGKILL if it is not gone after ``KILL_GRACE``."""
     pools, gateway = (_procs(group) for group in _split(children))
     processes.kill(gateway)
     processes.send(pools, signal.SIGTERM)

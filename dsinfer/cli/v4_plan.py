@@ -1,5 +1,6 @@
 """``dsinfer serve --dry-run`` for a DeepSeek-V4 checkpoint: served PD or colocated by pools of one
-rank or of several (expert parallelism), its weights on a rank by precision, its hybrid KV cache by group next to V3's, and the pool's pages.
+rank or of several (expert parallelism), its weights on a rank by precision, its hybrid KV cache
+by group next to V3's, and the pool's pages.
 
 Weights are counted from the model built on the meta device (nothing is read). On CUDA the plan
 keeps FP8 what the release ships FP8 (every linear layer but the head; 128x128 blocks, a 4-byte

@@ -363,7 +363,9 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     max_tokens: int | None = None,
     max_tokens_param: str = "max_tokens",
+    mode: tuple[bool, str | None] | None = None,
 ) -> list[int]:
+    """``mode``: the request's ``reasoning_mode`` when the caller has it already."""
     if not req.messages:
         raise bad_request("messages must not be empty", param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
@@ -372,7 +374,7 @@ def render_chat(
         raise bad_request(f"chat_template_kwargs must not set {reserved[0]!r}", param="chat_template_kwargs")
     if tools:
         kwargs["tools"] = tools
-    thinking, effort = reasoning_mode(req)
+    thinking, effort = mode or reasoning_mode(req)
     kwargs.pop("reasoning_effort", None)  # the template sees the mapped effort only
     if thinking:
         kwargs["thinking"] = True
@@ -394,7 +396,8 @@ def prepare_chat(
 ) -> Prepared:
     check_model(req.model, limits)
     _refuse_unsupported(req)
-    thinking = reasoning_mode(req)[0]
+    mode = reasoning_mode(req)
+    thinking = mode[0]
     tools = plan_tools(req, tool_parser, tokenizer.token_to_id, thinking)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -415,7 +418,7 @@ def prepare_chat(
     if tools is not None and tools.format is not None and tools.format.needs_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
     template_tools = tools.template_tools if tools else None
-    ids = render_chat(req, tokenizer, limits, template_tools, params.max_tokens, max_tokens_param)
+    ids = render_chat(req, tokenizer, limits, template_tools, params.max_tokens, max_tokens_param, mode)
     if not ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     _check_length(ids, params, limits, max_tokens_param)

@@ -22,7 +22,8 @@ from dsinfer.gateway.openai_api import ChatCompletionRequest, CompletionRequest,
 Source = tuple[str, Callable[[], str]]  # (the parameter, what builds its grammar)
 
 
-def _schema(value: dict[str, Any] | bool | str | None, param: str) -> dict[str, Any] | bool:
+def parse_schema(value: dict[str, Any] | bool | str | None, param: str) -> dict[str, Any] | bool:
+    """A JSON schema given as an object or as JSON text, or a 400 naming ``param``."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -42,7 +43,7 @@ def _response_format(rf: ResponseFormat) -> Source | None:
         raise bad_request(
             "response_format of type json_schema needs json_schema.schema", param="response_format"
         )
-    schema = _schema(rf.json_schema.schema_, "response_format.json_schema.schema")
+    schema = parse_schema(rf.json_schema.schema_, "response_format.json_schema.schema")
     return "response_format", lambda: grammar.json_schema(schema)
 
 
@@ -81,7 +82,7 @@ def _named(
     or vLLM's earlier ``guided_json`` ...), in that order."""
     sources: list[Source] = []
     if schema is not None:
-        checked_schema = _schema(schema, f"{prefix}json")
+        checked_schema = parse_schema(schema, f"{prefix}json")
         sources.append((f"{prefix}json", lambda: grammar.json_schema(checked_schema)))
     if regex is not None:
         sources.append((f"{prefix}regex", lambda: grammar.regex(regex or "")))

@@ -23,7 +23,7 @@ from typing import Any
 from dsinfer.base.grammar import lark
 from dsinfer.gateway.errors import bad_request
 from dsinfer.gateway.openai_api import ChatCompletionRequest, ChatTool, NamedToolChoice
-from dsinfer.gateway.structured import checked
+from dsinfer.gateway.structured import checked, parse_schema
 from dsinfer.gateway.tool_parsers import ToolFormat, ToolSpec, tool_format
 
 
@@ -42,13 +42,10 @@ def _answer(req: ChatCompletionRequest) -> str | None:
         return None
     if rf.type == "json_object":
         return '%json {"type": "object"}'
-    schema = rf.json_schema.schema_ if rf.json_schema is not None else None
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError:
-            return None  # the response format's own check names the problem
-    return None if schema is None else f"%json {json.dumps(schema, ensure_ascii=False)}"
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        return None  # the response format's own check names the problem
+    schema = parse_schema(rf.json_schema.schema_, "response_format.json_schema.schema")
+    return f"%json {json.dumps(schema, ensure_ascii=False)}"
 
 
 def _spec(tool: ChatTool) -> ToolSpec:

@@ -27,7 +27,7 @@ class ExpertSource:
     config: ModelConfig
     ops: Ops
     index: dict[str, Path]
-    fp8: bool  # routed experts are kept in checkpoint.FP8 (the model's are, whichever a rank loaded)
+    fp8: bool  # routed experts are kept in FP8 (the model's are, whichever a rank loaded)
     device: torch.device
     dtype: torch.dtype
     seed: int
@@ -53,12 +53,12 @@ class ExpertSource:
 @dataclass(frozen=True)
 class _Piece:
     """One unit of staging: rows [start, stop) of one expert projection (the checkpoint tensor
-    ``name``, a block of its rows or all of them), with its checkpoint.FP8 block scales when it has some."""
+    ``name``, a block of its rows or all of them), with its FP8 block scales when it has some."""
 
     module: str
     name: str
     to: checkpoint.Placement  # where the weight goes in the new module
-    to_scale: checkpoint.Placement | None  # where its scales go (weights kept in checkpoint.FP8)
+    to_scale: checkpoint.Placement | None  # where its scales go (weights kept in FP8)
     rows: tuple[int, int]
     held: checkpoint.Placement | None = None  # where the rank's current module holds the same tensor
     held_scale: checkpoint.Placement | None = None
@@ -69,7 +69,7 @@ class ExpertStaging:
     ``load_model`` loads for the same experts.
 
     A piece is one expert projection (gate, up or down) or a block of its rows, at most
-    ``piece_bytes`` written and whole 128-row blocks (checkpoint.FP8 scales split with them). What the rank
+    ``piece_bytes`` written and whole 128-row blocks (FP8 scales split with them). What the rank
     already holds (``held``) is copied from there; the rest is read from the checkpoint (only the
     piece's rows, memory-mapped, dequantized where the model does) or drawn (dummy weights: one
     piece per projection, the generator draws the whole tensor). Every module is allocated up
@@ -160,18 +160,16 @@ class ExpertStaging:
         return bool(self._pieces)
 
     def _read(self, p: _Piece, scale_rows: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The piece's rows of a checkpoint tensor (dequantized unless kept checkpoint.FP8) and of its scales."""
+        """The piece's rows of a checkpoint tensor (dequantized unless kept FP8) and of its scales."""
         assert self._reader is not None
         weight = self._reader.rows(p.name, p.to.shape, p.rows)
         if weight.dtype != checkpoint.FP8:
             return weight, None
         scale_name = p.name + checkpoint.SCALE_SUFFIX
         if scale_name not in self._reader.index:
-            raise checkpoint.CheckpointError(
-                f"checkpoint.FP8 tensor {p.name} has no {scale_name} in the checkpoint"
-            )
+            raise checkpoint.CheckpointError(f"FP8 tensor {p.name} has no {scale_name} in the checkpoint")
         scale = self._reader.rows(scale_name, checkpoint.scale_shape(p.to.shape), scale_rows)
-        if p.to_scale is not None:  # kept checkpoint.FP8
+        if p.to_scale is not None:  # kept FP8
             return weight, scale
         return dequantize_weight_128x128(weight, scale.float(), torch.float32), None
 

@@ -96,15 +96,9 @@ def load_model(
                 raise CheckpointError(f"{path}: {what} is not served for DeepSeek-V4 yet")
         v4_ep = None
         if ep_group is not None:
-            layers = list(range(any_config.num_hidden_layers))
-            experts = any_config.n_routed_experts
-            if placement is None:
-                placement = ExpertPlacement.default(layers, experts, ep_group.size, num_redundant_experts)
-            try:
-                placement.check_matches(layers, experts, ep_group.size)
-            except ValueError as e:
-                raise CheckpointError(f"expert placement does not fit this model and pool: {e}") from None
-            v4_ep = ExpertParallel(placement, ep_group)
+            v4_ep = ExpertParallel(
+                _placement(any_config, ep_group.size, placement, num_redundant_experts, 0), ep_group
+            )
         model = load_v4(path, ops, dtype, v4_ep).to(device).eval()
         log.info(
             "loaded %s (DeepSeek-V4, dtype %s%s) on %s",
@@ -174,7 +168,7 @@ def load_model(
 
 
 def _placement(
-    config: ModelConfig,
+    config: ModelConfig | V4Config,
     num_ranks: int,
     placement: ExpertPlacement | None,
     num_redundant: int,

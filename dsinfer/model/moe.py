@@ -139,7 +139,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's routed experts, all hosted here, x: [T, H] -> [T, H]."""
-        pair_token = _pair_tokens(topk_ids)
+        pair_token = pair_tokens(topk_ids)
         y = self.compute(x[pair_token], self.slot_of_expert[topk_ids].flatten())
         return _weighted_sum(x, pair_token, y, topk_weights)
 
@@ -201,7 +201,7 @@ def masked_layout(slots: torch.Tensor, num_slots: int) -> MaskedLayout:
     return MaskedLayout(slot, rank, valid, running[-1, :num_slots])
 
 
-def _pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
+def pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
     """The token of each flattened (token, k) pair."""
     tokens, k = topk_ids.shape
     return torch.arange(tokens, device=topk_ids.device).repeat_interleave(k)
@@ -275,7 +275,7 @@ class MoE(nn.Module):
         if token_mask is not None and not masked:
             raise ValueError("token_mask is read by the masked routed path only")
         topk_weights, topk_ids = self.gate(x)
-        pair_token = _pair_tokens(topk_ids)
+        pair_token = pair_tokens(topk_ids)
         experts = topk_ids.flatten()
         local: Pending[Received]
         if masked:

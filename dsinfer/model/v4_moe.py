@@ -26,7 +26,7 @@ from torch import nn
 
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.layers import Linear
-from dsinfer.model.moe import ExpertParallel, Received
+from dsinfer.model.moe import ExpertParallel, Received, pair_tokens
 from dsinfer.ops import Ops
 from dsinfer.ops.mxfp4 import MX_BLOCK
 from dsinfer.parallel.ep import Pending
@@ -139,12 +139,7 @@ class V4MoE(nn.Module):
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.mxfp4:
-            tokens, k = ids.shape
-            pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
-            out = self._packed(x[pair_token], ids.flatten())
-            return (
-                (out.view(tokens, k, x.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
-            )
+            return _summed(self._packed(x[pair_tokens(ids)], ids.flatten()), weights, x)
         routed = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             rows, slot = (ids == expert).nonzero(as_tuple=True)
@@ -159,7 +154,7 @@ class V4MoE(nn.Module):
         assert self.ep is not None
         weights, ids = self._route(x, token_ids)
         tokens, k = ids.shape
-        pair_token = torch.arange(tokens, device=x.device).repeat_interleave(k)
+        pair_token = pair_tokens(ids)
         experts = ids.flatten()
         spread = pair_token + torch.arange(k, device=x.device).repeat(tokens)
         physical = self.replica_slots[experts, spread % self.num_replicas[experts]]
@@ -182,9 +177,14 @@ class V4MoE(nn.Module):
 
     def end(self, work: V4Routed, combined: torch.Tensor) -> torch.Tensor:
         """Each token's pairs, back, weighted and summed [T, H] (the shared expert apart)."""
-        tokens, k = work.weights.shape
-        pairs = combined.view(tokens, k, work.x.shape[-1]).float()
-        return (pairs * work.weights.float().unsqueeze(-1)).sum(dim=1).to(work.x.dtype)
+        return _summed(combined, work.weights, work.x)
+
+
+def _summed(pairs: torch.Tensor, weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each token's k pair outputs (token-major) weighted and summed in float32, in ``like``'s dtype."""
+    tokens, k = weights.shape
+    out = pairs.view(tokens, k, like.shape[-1]).float() * weights.float().unsqueeze(-1)
+    return out.sum(dim=1).to(like.dtype)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:

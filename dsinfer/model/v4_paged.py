@@ -113,11 +113,10 @@ class SequenceStates:
         point = self._handed.pop(page, None)
         if point is not None:
             self.install(page, point)  # a point like any other from now on (the prefix cache's)
-        point = self._resume.get(page, point)
+        elif (point := self._resume.get(page)) is not None:
+            self._resume.move_to_end(page)
         if point is None or point.position != start:
             raise RuntimeError(f"V4: no state to resume at token {start} (page {page})")
-        if page in self._resume:
-            self._resume.move_to_end(page)
         state = self._new_state()
         state.length = start
         for i, layer in enumerate(state.layers):

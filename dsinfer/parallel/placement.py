@@ -24,13 +24,18 @@ import torch
 
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.rank_shape import expert_slots_per_rank
+from dsinfer.base.v4_config import V4Config
 
 FORMAT = "dsinfer-expert-placement/1"
 
 
-def moe_layer_ids(config: ModelConfig, num_mtp_layers: int = 0) -> list[int]:
-    """The model's MoE layer ids (``ModelConfig.is_moe_layer``), then the MTP layers
-    ``num_hidden_layers .. num_hidden_layers + num_mtp_layers - 1`` (always MoE)."""
+def moe_layer_ids(config: ModelConfig | V4Config, num_mtp_layers: int = 0) -> list[int]:
+    """The model's MoE layer ids (``ModelConfig.is_moe_layer``; every DeepSeek-V4 layer), then the
+    MTP layers ``num_hidden_layers .. num_hidden_layers + num_mtp_layers - 1`` (always MoE)."""
+    if isinstance(config, V4Config):
+        if num_mtp_layers:
+            raise ValueError("MTP layers are not served for DeepSeek-V4")
+        return list(range(config.num_hidden_layers))
     if not 0 <= num_mtp_layers <= config.num_nextn_predict_layers:
         raise ValueError(
             f"{num_mtp_layers} MTP layers asked for, the config has num_nextn_predict_layers="
@@ -191,7 +196,7 @@ class ExpertPlacement:
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, num_ranks: int, num_redundant: int = 0, num_mtp_layers: int = 0
+        cls, config: ModelConfig | V4Config, num_ranks: int, num_redundant: int = 0, num_mtp_layers: int = 0
     ) -> ExpertPlacement:
         """The default layout over the model's MoE layers and its first ``num_mtp_layers`` MTP layers."""
         return cls.default(

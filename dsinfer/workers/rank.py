@@ -38,7 +38,6 @@ from dsinfer.base.protocol import (
 )
 from dsinfer.base.rank_shape import expert_slots_per_rank
 from dsinfer.base.tracing import Tracer
-from dsinfer.base.v4_config import V4Config
 from dsinfer.engine.engine import LLMEngine
 from dsinfer.parallel.ep import EPGroup, UnformedEPGroup
 from dsinfer.parallel.ep_select import make_ep_group
@@ -132,11 +131,6 @@ def _initial_placement(pool: PoolArgs) -> ExpertPlacement:
     if pool.engine.placement is not None:
         return ExpertPlacement.load(pool.engine.placement)
     engine, config = pool.engine, _model_config(pool)
-    if isinstance(config, V4Config):  # every layer is MoE; no MTP
-        layers = list(range(config.num_hidden_layers))
-        return ExpertPlacement.default(
-            layers, config.n_routed_experts, pool.pool_size, engine.num_redundant_experts
-        )
     return ExpertPlacement.for_model(
         config, pool.pool_size, engine.num_redundant_experts, int(engine.speculative_mtp)
     )

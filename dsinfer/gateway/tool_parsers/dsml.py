@@ -22,9 +22,9 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from dsinfer.base.chat_v4 import DSML, TOOL_CALLS_BEGIN, TOOL_CALLS_END
 from dsinfer.gateway.tool_parsers.base import ToolFormat, ToolSpec, compact_schema, new_call_id
 
-DSML = "｜DSML｜"
 _PARAMETER = re.compile(
     rf'<{DSML}parameter\s+name="([^"]*)"\s+string="(true|false)"\s*>(.*?)</{DSML}parameter>', re.DOTALL
 )
@@ -70,8 +70,7 @@ DEEPSEEK_V32 = DeepSeekV32Format()
 
 class DeepSeekV4Format(DeepSeekV32Format):
     name = "deepseek-v4"
-    section_begin = f"<{DSML}tool_calls>"
-    section_end = f"</{DSML}tool_calls>"
+    section_begin, section_end = TOOL_CALLS_BEGIN, TOOL_CALLS_END
     lead = "\n\n"
     gap = "\n"
     malformed_as_text = True
@@ -79,8 +78,8 @@ class DeepSeekV4Format(DeepSeekV32Format):
     def arguments_rules(self, rule: str, tool: ToolSpec, text: Callable[[str], str]) -> list[str]:
         """One line per parameter, required ones first (as the schema lists them), then any of
         the optional ones in order; a string's value is raw text without ``<`` (one of its
-        ``enum``, at most ``maxLength`` characters), any other value JSON under its schema. No properties: no parameters; no ``properties`` at all (any
-        object): one JSON object."""
+        ``enum``, at most ``maxLength`` characters), any other value JSON under its schema. No
+        properties: no parameters; no ``properties`` at all (any object): one JSON object."""
         schema = tool.parameters or {}
         if "properties" not in schema:
             return super().arguments_rules(rule, tool, text)
