@@ -21,9 +21,6 @@ bf16 latent, V3.2's indexer keys in FP8 (the GPU default: 128 e4m3 + one fp32 sc
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,10 +32,8 @@ from dsinfer.base.kv_spec import KVCacheSpec
 from dsinfer.base.presets import resolve_model
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
-from harness.decode_steps import parse_step_args, step_grid, timing_fields, v3_step_times
-from harness.plots import plot_result
-from harness.provenance import command_line, git_commit, utc_now
-from harness.results import save_report, table
+from harness import decode_steps as steps
+from harness.results import table
 
 ATTENTION = {  # DeepSeek-V3 / V3.2 attention, 2 dense layers, small MLP and vocabulary
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -96,79 +91,40 @@ def kv_bytes_per_token() -> list[dict[str, Any]]:
     return rows
 
 
-def _machine() -> dict[str, Any]:
-    return {
-        "date": utc_now(),
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average_before": os.getloadavg(),
-        "commit": git_commit(short=True, paths=("dsinfer",)),
-        "command": command_line(Path(sys.executable).name),
-    }
-
-
 def _markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    steps = [
-        (r["batch"], r["context"], f"{r['v3_ms']:.1f} ({r['v3_min_ms']:.1f})",
-         f"{r['v32_ms']:.1f} ({r['v32_min_ms']:.1f})", f"{r['v32_ms'] / r['v3_ms']:.2f}")
-        for r in result["steps"]
-    ]  # fmt: skip
     kv = [
         (r["model"], f"{r['cache']}: {r['bytes_per_token_per_layer']} B", f"{r['bytes_per_token']:,}")
         for r in result["kv_bytes"]
     ]
-    return (
-        "\n".join(
-            [
-                "# V3.2 (sparse attention) vs V3 (dense MLA): decode step time and KV bytes per token",
-                "",
-                f"{m['date']}, commit {m['commit']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
-                f"load average before {m['load_average_before'][0]:.2f} / after {m['load_average_after'][0]:.2f}.",
-                f"Command: `{m['command']}`",
-                "",
-                "Decode step (2 layers with V3's attention shapes, float32, CPU), median of the timed steps "
-                "(min in brackets), ms:",
-                "",
-                *table(("batch", "context", "V3 dense", "V3.2 sparse", "V3.2 / V3"), steps, "rrrrr"),
-                "",
+    return steps.step_report(
+        "V3.2 (sparse attention) vs V3 (dense MLA): decode step time and KV bytes per token",
+        result["machine"],
+        [
+            steps.step_times_section(
+                result["steps"], "V3's", {"v3": "V3 dense", "v32": "V3.2 sparse"}, ("v32", "v3", "V3.2 / V3")
+            ),
+            (
                 "KV cache per token (61 layers, bf16 latent):",
-                "",
-                *table(("model", "per layer", "bytes per token"), kv, "llr"),
-            ]
-        )
-        + "\n"
+                table(("model", "per layer", "bytes per token"), kv, "llr"),
+            ),
+        ],
     )
 
 
 def main() -> None:
-    args = parse_step_args(__doc__, contexts="1024,4096,16384")
-    machine = _machine()
-    rows = []
+    args = steps.parse_step_args(__doc__, contexts="1024,4096,16384")
+    machine = steps.step_machine()
     with tempfile.TemporaryDirectory() as scratch:
         v3, v3_config = _model(ATTENTION, Path(scratch))
         v32, v32_config = _model({**ATTENTION, **SPARSE}, Path(scratch))
-        for batch, context in step_grid(args):
-            dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
-            sparse = v3_step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
-            row = {
-                "batch": batch,
-                "context": context,
-                **timing_fields("v3", dense),
-                **timing_fields("v32", sparse),
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    machine["load_average_after"] = os.getloadavg()
-    result = {
-        "machine": machine,
-        "steps": rows,
-        "kv_bytes": kv_bytes_per_token(),
-        "ops": select_ops("cpu").describe(),
-    }
-    save_report(result, _markdown(result), args.out, args.markdown)
-    plot_result(args.out)
+
+        def measure(batch: int, context: int) -> dict[str, Any]:
+            dense = steps.v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+            sparse = steps.v3_step_times(v32, v32_config, context, batch, args.warmup, args.repeats)
+            return {**steps.timing_fields("v3", dense), **steps.timing_fields("v32", sparse)}
+
+        rows = steps.sweep(args, measure)
+    steps.save_step_run(args, machine, {"steps": rows, "kv_bytes": kv_bytes_per_token()}, _markdown)
 
 
 if __name__ == "__main__":

@@ -33,10 +33,8 @@ from dsinfer.base.v4_config import CSA, HCA, V4Config
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.loader import load_model
 from dsinfer.ops import select_ops
-from harness.decode_steps import parse_step_args, step_grid, timing_fields, v3_step_times, v4_step_times
-from harness.plots import plot_result
-from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
-from harness.results import save_report, table
+from harness import decode_steps as steps
+from harness.results import table
 
 V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
@@ -75,84 +73,57 @@ def _v4() -> DeepseekV4ForCausalLM:
 
 
 def _markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
-    steps = [
-        (r["batch"], f"{r['context']:,}", f"{r['v3_ms']:.1f} ({r['v3_min_ms']:.1f})",
-         f"{r['v4_ms']:.1f} ({r['v4_min_ms']:.1f})", f"{r['v3_ms'] / r['v4_ms']:.2f}")
-        for r in result["steps"]
-    ]  # fmt: skip
     memory = [
         (f"{r['context']:,}", f"{r['v3_bytes'] / 2**20:.2f}", f"{r['v4_bytes'] / 2**20:.2f}",
          f"{r['v3_bytes'] / r['context']:,.0f}", f"{r['v4_bytes'] / r['context']:,.0f}",
          ", ".join(f"{k} {v / 2**20:.2f}" for k, v in r["v4_groups"].items()))
         for r in result["steps"] if r["batch"] == result["steps"][0]["batch"]
     ]  # fmt: skip
-    return (
-        "\n".join(
-            [
-                "# DeepSeek-V4 against V3: decode step time and KV cache per request at long contexts",
-                "",
-                f"- date: {m['date']}; commit {m['commit']}",
-                f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores, "
-                f"{m['torch_threads']} torch threads; load average before {m['load_before'][0]:.2f}, "
-                f"after {m['load_after'][0]:.2f}",
-                f"- command: `{m['command']}`",
-                "",
-                "Decode step (2 layers with each model's attention shapes, float32, CPU), median of the "
-                "timed steps (min in brackets), ms:",
-                "",
-                *table(("batch", "context", "V3 (MLA)", "V4 (CSA + HCA)", "V3 / V4"), steps, "rrrrr"),
-                "",
+    return steps.step_report(
+        "DeepSeek-V4 against V3: decode step time and KV cache per request at long contexts",
+        result["machine"],
+        [
+            steps.step_times_section(
+                result["steps"],
+                "each model's",
+                {"v3": "V3 (MLA)", "v4": "V4 (CSA + HCA)"},
+                ("v3", "v4", "V3 / V4"),
+            ),
+            (
                 "KV cache one request holds in these 2-layer float32 models (MiB), bytes per token of "
                 "context, and V4's by group (MiB):",
-                "",
-                *table(("context", "V3", "V4", "V3 B/token", "V4 B/token", "V4 groups"), memory, "rrrrrl"),
-                "",
-                "The real 61-layer V3 and 43/61-layer V4 models' figures (bf16): [v4_kv.md](v4_kv.md).",
-            ]
-        )
-        + "\n"
+                table(("context", "V3", "V4", "V3 B/token", "V4 B/token", "V4 groups"), memory, "rrrrrl"),
+            ),
+            ("The real 61-layer V3 and 43/61-layer V4 models' figures (bf16): [v4_kv.md](v4_kv.md).", []),
+        ],
     )
 
 
 def main() -> None:
-    args = parse_step_args(__doc__, contexts="1024,8192,32768")
-    machine = {
-        **machine_info(),
-        "date": utc_now(),
-        "torch_threads": torch.get_num_threads(),
-        "load_before": load_average(),
-        "commit": git_commit(short=True, paths=("dsinfer", "harness")),
-        "command": command_line(".venv/bin/python"),
-    }
-    rows = []
+    args = steps.parse_step_args(__doc__, contexts="1024,8192,32768")
+    machine = steps.step_machine()
     with tempfile.TemporaryDirectory() as scratch:
         v3, v3_config = _v3(Path(scratch))
         v4 = _v4()
-        for batch, context in step_grid(args):
-            dense = v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
-            compressed, groups = v4_step_times(v4, context, batch, args.warmup, args.repeats)
-            row = {
-                "batch": batch,
-                "context": context,
-                **timing_fields("v3", dense),
-                **timing_fields("v4", compressed),
+
+        def measure(batch: int, context: int) -> dict[str, Any]:
+            dense = steps.v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
+            compressed, groups = steps.v4_step_times(v4, context, batch, args.warmup, args.repeats)
+            return {
+                **steps.timing_fields("v3", dense),
+                **steps.timing_fields("v4", compressed),
                 "v3_bytes": context * V3_LATENT * 4 * V3["num_hidden_layers"],
                 "v4_bytes": sum(groups.values()),
                 "v4_groups": groups,
             }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    machine["load_after"] = load_average()
-    result = {
-        "machine": machine,
+
+        rows = steps.sweep(args, measure)
+    fields = {
         "title": "Decode step: DeepSeek-V4 (CSA + HCA) against V3 (MLA), 2 layers, CPU",
         "series": [["v3_ms", "V3 (MLA)"], ["v4_ms", "V4 (CSA + HCA)"]],
         "steps": rows,
-        "ops": select_ops("cpu").describe(),
     }
-    save_report(result, _markdown(result), args.out, args.markdown)
-    plot_result(args.out)
+    steps.save_step_run(args, machine, fields, _markdown)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ random values of the right shapes (a decode step's time does not depend on their
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +26,10 @@ from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.v4_state import DenseEntries, SequenceState
-from harness.results import add_output_args
+from dsinfer.ops import select_ops
+from harness.plots import plot_result
+from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
+from harness.results import add_output_args, save_report, table
 
 PAGE = 64
 
@@ -44,6 +49,81 @@ def parse_step_args(doc: str | None, contexts: str) -> argparse.Namespace:
 def step_grid(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(batch, context) of every measurement ``add_step_args``'s flags ask for, batch-major."""
     return [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
+
+
+def step_machine() -> dict[str, Any]:
+    """Where a step-time run comes from, taken before it starts (it sets ``load_after`` at its end)."""
+    return {
+        **machine_info(),
+        "date": utc_now(),
+        "torch_threads": torch.get_num_threads(),
+        "load_before": load_average(),
+        "commit": git_commit(short=True, paths=("dsinfer", "harness")),
+        "command": command_line(".venv/bin/python"),
+    }
+
+
+def step_report(title: str, machine: dict[str, Any], sections: Sequence[tuple[str, list[str]]]) -> str:
+    """A step-time run's markdown: ``title``, its provenance, then each section's lead line and
+    its lines (a table, or nothing)."""
+    m = machine
+    lines = [
+        f"# {title}",
+        "",
+        f"- date: {m['date']}; commit {m['commit']}",
+        f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores, "
+        f"{m['torch_threads']} torch threads; load average before {m['load_before'][0]:.2f}, "
+        f"after {m['load_after'][0]:.2f}",
+        f"- command: `{m['command']}`",
+    ]
+    for lead, body in sections:
+        lines += ["", lead, *(["", *body] if body else [])]
+    return "\n".join(lines) + "\n"
+
+
+def sweep(args: argparse.Namespace, measure: Callable[[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """A row per (batch, context) of the grid the flags ask for: ``measure(batch, context)``'s
+    fields after the two, each row printed as it lands."""
+    rows = []
+    for batch, context in step_grid(args):
+        rows.append({"batch": batch, "context": context, **measure(batch, context)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def save_step_run(
+    args: argparse.Namespace,
+    machine: dict[str, Any],
+    fields: dict[str, Any],
+    markdown: Callable[[dict[str, Any]], str],
+) -> None:
+    """The run's results file (its ``machine``, ``fields`` and the ops) with its markdown and plot."""
+    machine["load_after"] = load_average()
+    result = {"machine": machine, **fields, "ops": select_ops("cpu").describe()}
+    save_report(result, markdown(result), args.out, args.markdown)
+    plot_result(args.out)
+
+
+def step_times_section(
+    rows: list[dict[str, Any]], shapes: str, series: dict[str, str], ratio: tuple[str, str, str]
+) -> tuple[str, list[str]]:
+    """The decode-step section of ``step_report``: per row its batch, context, each of ``series``
+    (name -> label) as median (min) ms, and ``ratio`` (numerator, denominator, label)."""
+    num, den, label = ratio
+    body = [
+        (
+            r["batch"],
+            f"{r['context']:,}",
+            *(f"{r[f'{name}_ms']:.1f} ({r[f'{name}_min_ms']:.1f})" for name in series),
+            f"{r[f'{num}_ms'] / r[f'{den}_ms']:.2f}",
+        )
+        for r in rows
+    ]
+    lead = (
+        f"Decode step (2 layers with {shapes} attention shapes, float32, CPU), median of the timed "
+        "steps (min in brackets), ms:"
+    )
+    return lead, table(("batch", "context", *series.values(), label), body, "r" * (len(series) + 3))
 
 
 def timing_fields(name: str, seconds: list[float]) -> dict[str, float]:

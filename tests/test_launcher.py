@@ -85,11 +85,12 @@ sys.exit(3)
 DRIVER = """
 import logging, sys
 from dsinfer.workers.args import PoolArgs
-from dsinfer.workers.launcher import run_pool
+from dsinfer.workers.launcher import PoolLauncher, run_pool
 from tests.fixtures.control import TEST_SECRET
 logging.basicConfig(level="INFO", format="%(name)s: %(message)s")
 pool = PoolArgs.model_validate_json(sys.argv[1])
-sys.exit(run_pool(pool, TEST_SECRET, rank_module="fake_rank", drain_timeout=float(sys.argv[2]), kill_grace=1.0))
+launcher = PoolLauncher(pool, TEST_SECRET, rank_module="fake_rank", drain_timeout=float(sys.argv[2]), kill_grace=1.0)
+sys.exit(run_pool(launcher))
 """
 REPO = Path(__file__).resolve().parents[1]
 

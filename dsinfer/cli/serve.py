@@ -271,6 +271,6 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         check_pool_fits(pool, gpu_memory)
     secret = role_secret(args)
-    from dsinfer.workers.launcher import run_pool
+    from dsinfer.workers.launcher import PoolLauncher, run_pool
 
-    return run_pool(pool, secret, drain_timeout=args.drain_timeout)
+    return run_pool(PoolLauncher(pool, secret, drain_timeout=args.drain_timeout))

@@ -347,7 +347,7 @@ class LLMEngine:
             new = seq.num_tokens - num_before
             if new or seq.is_finished:
                 logprobs = seq.logprobs[len(seq.logprobs) - new :] if seq.logprobs is not None else None
-                updates.append(SeqUpdate(seq, seq.token_ids[num_before:], logprobs))
+                updates.append(SeqUpdate.of(seq, seq.token_ids[num_before:], logprobs))
         return updates, self._requests.collect(finished)
 
     def warmup(self) -> None:

@@ -77,7 +77,7 @@ class RemotePrefills:
             self._requests.collect([seq])
         elif self._speculative and computed is None:
             seq.draft = draft
-        return SeqUpdate(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
+        return SeqUpdate.of(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
 
     def pages(self, request: RemotePrefill) -> list[int]:
         """The reserved request's pages, its cached prefix's first."""

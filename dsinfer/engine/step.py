@@ -54,48 +54,40 @@ class StepPlan:
         ]
 
 
+@dataclass(frozen=True)
 class SeqUpdate:
-    """What one step added to one sequence (tokens, or its end), with the prompt's facts that a
-    sequence's first update carries to the client."""
+    """What one step added to one sequence (tokens, or its end), taken when the step ends. A
+    sequence's first update also carries the prompt's facts for the client."""
 
-    def __init__(self, seq: Sequence, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None):
-        self._seq = seq
-        self.new_token_ids, self.new_logprobs = new_token_ids, new_logprobs
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+    mtp_draft: int | None  # the MTP layer's proposal after the last token (a PD prefill hands it on)
+    is_first: bool  # these are the sequence's first output tokens
+    prompt_len: int
+    num_cached_prompt_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None  # on the first update only
 
-    @property
-    def request_id(self) -> str:
-        return self._seq.request_id
-
-    @property
-    def finished(self) -> bool:
-        return self._seq.is_finished
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._seq.finish_reason
-
-    @property
-    def mtp_draft(self) -> int | None:
-        """The MTP layer's proposal after the last token (a PD prefill hands it to decode)."""
-        return self._seq.draft
-
-    @property
-    def is_first(self) -> bool:
-        """These are the sequence's first output tokens."""
-        return self._seq.num_output_tokens == len(self.new_token_ids)
-
-    @property
-    def prompt_len(self) -> int:
-        return self._seq.prompt_len
-
-    @property
-    def num_cached_prompt_tokens(self) -> int:
-        return self._seq.num_cached_prompt_tokens
-
-    @property
-    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
-        seq = self._seq
-        return None if seq.prompt_logprobs is None else seq.prompt_logprobs[: seq.prompt_len]
+    @classmethod
+    def of(
+        cls, seq: Sequence, new_token_ids: list[int], new_logprobs: list[dict[int, float]] | None
+    ) -> SeqUpdate:
+        first = seq.num_output_tokens == len(new_token_ids)
+        prompt = seq.prompt_logprobs
+        return cls(
+            seq.request_id,
+            new_token_ids,
+            new_logprobs,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.draft,
+            first,
+            seq.prompt_len,
+            seq.num_cached_prompt_tokens,
+            prompt[: seq.prompt_len] if first and prompt is not None else None,
+        )
 
 
 class RemotePrefill:

@@ -19,11 +19,77 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from dsinfer.base.protocol import LoadReport
 from dsinfer.base.stages import STAGE_BUCKETS
 from dsinfer.gateway.backend import MIGRATION_CAUSES, BackendMetrics
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+_TTFT = ("dsinfer_time_to_first_token_seconds", "arrival to first token")
+_TPOT = ("dsinfer_time_per_output_token_seconds", "mean time between output tokens of a choice")
+_E2E = ("dsinfer_e2e_request_latency_seconds", "arrival to last token")
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def _hit_tokens(r: LoadReport) -> int:
+    return r.memory_hit_tokens + r.host_hit_tokens + r.disk_hit_tokens
+
+
+# Each worker's series read from its latest LoadReport: (family, name, help, value).
+_PER_WORKER: tuple[
+    tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, Callable[[LoadReport], float]], ...
+] = (
+    (GaugeMetricFamily, "dsinfer_worker_running_requests", "running on the worker", lambda r: r.num_running),
+    (GaugeMetricFamily, "dsinfer_worker_waiting_requests", "queued on the worker", lambda r: r.num_waiting),
+    (
+        GaugeMetricFamily,
+        "dsinfer_kv_cache_usage_ratio",
+        "KV pages in use / total",
+        lambda r: _ratio(r.kv_pages_used, r.kv_pages_total),
+    ),
+    (
+        CounterMetricFamily,
+        "dsinfer_worker_prompt_tokens",
+        "prompt tokens admitted",
+        lambda r: r.prompt_tokens,
+    ),
+    (
+        GaugeMetricFamily,
+        "dsinfer_prefix_cache_hit_rate",
+        "cached / prompt tokens since start",
+        lambda r: _ratio(_hit_tokens(r), r.prompt_tokens),
+    ),
+    (CounterMetricFamily, "dsinfer_kv_transfer_bytes", "KV bytes transferred", lambda r: r.transfer_bytes),
+    (
+        CounterMetricFamily,
+        "dsinfer_kv_transfer_seconds",
+        "KV transfer wall time",
+        lambda r: r.transfer_seconds,
+    ),
+    (CounterMetricFamily, "dsinfer_kv_transfers", "KV transfers completed", lambda r: r.transfers),
+    (
+        CounterMetricFamily,
+        "dsinfer_spec_decode_draft_tokens",
+        "MTP draft tokens verified",
+        lambda r: r.mtp_drafts_proposed,
+    ),
+    (
+        CounterMetricFamily,
+        "dsinfer_spec_decode_accepted_tokens",
+        "MTP draft tokens the target model agreed with",
+        lambda r: r.mtp_drafts_accepted,
+    ),
+    (
+        GaugeMetricFamily,
+        "dsinfer_spec_decode_acceptance_rate",
+        "accepted / verified MTP drafts since start",
+        lambda r: _ratio(r.mtp_drafts_accepted, r.mtp_drafts_proposed),
+    ),
+)
 
 
 class BackendCollector(Collector):
@@ -44,67 +110,24 @@ class BackendCollector(Collector):
             "dsinfer_in_flight_requests", "worker requests dispatched, not finished", snap.in_flight
         )
         labels = ["worker", "role"]
-        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            "healthy": GaugeMetricFamily(
-                "dsinfer_worker_healthy", "1 when the worker is healthy", labels=labels
-            ),
-            "running": GaugeMetricFamily(
-                "dsinfer_worker_running_requests", "running on the worker", labels=labels
-            ),
-            "waiting": GaugeMetricFamily(
-                "dsinfer_worker_waiting_requests", "queued on the worker", labels=labels
-            ),
-            "kv": GaugeMetricFamily("dsinfer_kv_cache_usage_ratio", "KV pages in use / total", labels=labels),
-            "prompt": CounterMetricFamily(
-                "dsinfer_worker_prompt_tokens", "prompt tokens admitted", labels=labels
-            ),
-            "hits": CounterMetricFamily(
-                "dsinfer_prefix_cache_hit_tokens",
-                "prompt tokens served from a cache tier",
-                labels=[*labels, "tier"],
-            ),
-            "hit_rate": GaugeMetricFamily(
-                "dsinfer_prefix_cache_hit_rate", "cached / prompt tokens since start", labels=labels
-            ),
-            "bytes": CounterMetricFamily("dsinfer_kv_transfer_bytes", "KV bytes transferred", labels=labels),
-            "seconds": CounterMetricFamily(
-                "dsinfer_kv_transfer_seconds", "KV transfer wall time", labels=labels
-            ),
-            "transfers": CounterMetricFamily("dsinfer_kv_transfers", "KV transfers completed", labels=labels),
-            "drafts": CounterMetricFamily(
-                "dsinfer_spec_decode_draft_tokens", "MTP draft tokens verified", labels=labels
-            ),
-            "accepted": CounterMetricFamily(
-                "dsinfer_spec_decode_accepted_tokens",
-                "MTP draft tokens the target model agreed with",
-                labels=labels,
-            ),
-            "acceptance": GaugeMetricFamily(
-                "dsinfer_spec_decode_acceptance_rate",
-                "accepted / verified MTP drafts since start",
-                labels=labels,
-            ),
-        }
+        healthy = GaugeMetricFamily("dsinfer_worker_healthy", "1 when the worker is healthy", labels=labels)
+        families = [kind(name, text, labels=labels) for kind, name, text, _ in _PER_WORKER]
+        hits = CounterMetricFamily(
+            "dsinfer_prefix_cache_hit_tokens",
+            "prompt tokens served from a cache tier",
+            labels=[*labels, "tier"],
+        )
         for w in snap.workers:
             key, r = [w.worker, w.role], w.report
-            families["healthy"].add_metric(key, int(w.healthy))
-            families["running"].add_metric(key, r.num_running)
-            families["waiting"].add_metric(key, r.num_waiting)
-            families["kv"].add_metric(key, r.kv_pages_used / r.kv_pages_total if r.kv_pages_total else 0.0)
-            families["prompt"].add_metric(key, r.prompt_tokens)
-            families["hits"].add_metric([*key, "memory"], r.memory_hit_tokens)
-            families["hits"].add_metric([*key, "host"], r.host_hit_tokens)
-            families["hits"].add_metric([*key, "disk"], r.disk_hit_tokens)
-            hits = r.memory_hit_tokens + r.host_hit_tokens + r.disk_hit_tokens
-            families["hit_rate"].add_metric(key, hits / r.prompt_tokens if r.prompt_tokens else 0.0)
-            families["bytes"].add_metric(key, r.transfer_bytes)
-            families["seconds"].add_metric(key, r.transfer_seconds)
-            families["transfers"].add_metric(key, r.transfers)
-            families["drafts"].add_metric(key, r.mtp_drafts_proposed)
-            families["accepted"].add_metric(key, r.mtp_drafts_accepted)
-            rate = r.mtp_drafts_accepted / r.mtp_drafts_proposed if r.mtp_drafts_proposed else 0.0
-            families["acceptance"].add_metric(key, rate)
-        yield from families.values()
+            healthy.add_metric(key, int(w.healthy))
+            for family, (*_, value) in zip(families, _PER_WORKER, strict=True):
+                family.add_metric(key, value(r))
+            hits.add_metric([*key, "memory"], r.memory_hit_tokens)
+            hits.add_metric([*key, "host"], r.host_hit_tokens)
+            hits.add_metric([*key, "disk"], r.disk_hit_tokens)
+        yield healthy
+        yield from families
+        yield hits
         yield from _rank_histograms(snap)
         moves = CounterMetricFamily(
             "dsinfer_choice_migrations",
@@ -174,24 +197,9 @@ class GatewayMetrics:
         self.http_in_flight = Gauge(
             "dsinfer_http_requests_in_flight", "generation requests being served", registry=r
         )
-        self.ttft = Histogram(
-            "dsinfer_time_to_first_token_seconds",
-            "arrival to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "dsinfer_time_per_output_token_seconds",
-            "mean time between output tokens of a choice",
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "dsinfer_e2e_request_latency_seconds",
-            "arrival to last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.ttft = Histogram(*_TTFT, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(*_TPOT, buckets=_TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram(*_E2E, buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter(
             "dsinfer_prompt_tokens", "prompt tokens of finished requests", registry=r
         )

@@ -284,11 +284,14 @@ class DeltaToolCall(_Sparse):
     function: DeltaFunctionCall
 
 
-class ChatChoice(_Response):
+class _ChatChoiceCommon(_Response):
     index: int
-    message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+
+
+class ChatChoice(_ChatChoiceCommon):
+    message: ChatResponseMessage
 
 
 class ChatCompletionResponse(_Completion):
@@ -304,11 +307,8 @@ class ChatDelta(_Sparse):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(_Response):
-    index: int
+class ChatChunkChoice(_ChatChoiceCommon):
     delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
 
 
 class ChatCompletionChunk(_Completion):

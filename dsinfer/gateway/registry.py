@@ -14,7 +14,7 @@ host taken away. Coming back later, it registers afresh.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsinfer.base.protocol import HEARTBEAT_TIMEOUT, LoadReport, Register
 from dsinfer.gateway.backend import Capacity
@@ -33,17 +33,13 @@ class WorkerInfo:
     pool_down: bool = False  # this incarnation died (its pool, or the rank alone): never healthy again
     expert_load: dict[int, list[int]] | None = None  # the latest one reported
 
-    @property
-    def name(self) -> str:
-        return self.register.worker
+    name: str = field(init=False)  # the rest: the Register's identity, for short
+    role: str = field(init=False)
+    pool_key: tuple[str, int] = field(init=False)
 
-    @property
-    def role(self) -> str:
-        return self.register.role
-
-    @property
-    def pool_key(self) -> tuple[str, int]:
-        return self.register.role, self.register.pool
+    def __post_init__(self) -> None:
+        self.name, self.role = self.register.worker, self.register.role
+        self.pool_key = (self.register.role, self.register.pool)
 
 
 class WorkerRegistry:
@@ -180,8 +176,8 @@ def _disagreement(msg: Register, reference: Register) -> str | None:
     """Why ``msg`` cannot serve beside the ranks registered like ``reference``, or None."""
     if msg.model != reference.model:
         return f"it serves another model ({msg.model[:12]}, not {reference.model[:12]})"
-    for field in ("max_model_len", "page_size"):
-        mine, theirs = getattr(msg, field), getattr(reference, field)
+    for name in ("max_model_len", "page_size"):
+        mine, theirs = getattr(msg, name), getattr(reference, name)
         if mine != theirs:
-            return f"its {field} is {mine}, the registered pools' is {theirs}"
+            return f"its {name} is {mine}, the registered pools' is {theirs}"
     return None

@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
         kv_cache: LayerCache,
     ) -> torch.Tensor:
         """Core attention and output projection, added to the residual ``x``."""
-        return x + self.self_attn.attend(*q, batch, kv_cache)
+        return x + self.self_attn.attend(q, batch, kv_cache)
 
     def ffn_begin(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> FeedForward:
         """Post-attention norm and, in MoE layers, the gate and the dispatch. ``batch`` (when

@@ -20,6 +20,8 @@ cache slots (FlashMLA's sparse form).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,8 +33,17 @@ from dsinfer.model.layers import Linear, RMSNorm, RotaryEmbedding
 from dsinfer.ops import Ops
 from dsinfer.ops.indexer import positions_to_slots
 
-# What the projections hand to core attention: q_nope, q_pe and the indexer's query (sparse only).
-Projected = tuple[torch.Tensor, torch.Tensor, IndexerQuery | None]
+
+class Projected(NamedTuple):
+    """What the projections hand to core attention, a row per new token of the step."""
+
+    q_nope: torch.Tensor  # [T, H, nope]
+    q_pe: torch.Tensor  # [T, H, rope], rotated
+    index: IndexerQuery | None  # the indexer's query (sparse attention only)
+
+    def rows(self, start: int, stop: int | None = None) -> Projected:
+        index = None if self.index is None else self.index.rows(start, stop)
+        return Projected(self.q_nope[start:stop], self.q_pe[start:stop], index)
 
 
 class MLA(nn.Module):
@@ -68,7 +79,7 @@ class MLA(nn.Module):
         self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
-        return self.attend(*self.project(x, batch, kv_cache), batch, kv_cache)
+        return self.attend(self.project(x, batch, kv_cache), batch, kv_cache)
 
     # Stage 1: projections; the new tokens' latents (and indexer keys) go into the cache.
     def project(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> Projected:
@@ -86,25 +97,17 @@ class MLA(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(k_pe, cos_sin)], dim=-1)
         kv_cache.latent.view(-1, latent.shape[-1])[batch.slot_mapping] = latent.to(kv_cache.latent.dtype)
         if self.indexer is None:
-            return q_nope, q_pe, None
+            return Projected(q_nope, q_pe, None)
         assert q_lora is not None and kv_cache.indexer is not None
-        return q_nope, q_pe, self.indexer.project(x, q_lora, batch, kv_cache.indexer)
+        return Projected(q_nope, q_pe, self.indexer.project(x, q_lora, batch, kv_cache.indexer))
 
     # Stage 2: core attention and the output projection.
-    def attend(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        index: IndexerQuery | None,
-        batch: ForwardBatch,
-        kv_cache: LayerCache,
-    ) -> torch.Tensor:
+    def attend(self, q: Projected, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
         split = batch.num_decompressed_tokens
-        head, tail = (None, None) if index is None else (index.rows(0, split), index.rows(split))
         out = torch.cat(
             [
-                self._decompressed(q_nope[:split], q_pe[:split], head, batch, kv_cache),
-                self._absorbed(q_nope[split:], q_pe[split:], tail, batch, kv_cache),
+                self._decompressed(q.rows(0, split), batch, kv_cache),
+                self._absorbed(q.rows(split), batch, kv_cache),
             ]
         )
         return self.o_proj(out.flatten(1))
@@ -123,15 +126,9 @@ class MLA(nn.Module):
         table = batch.block_tables[seq : seq + 1]
         return self.indexer.selected_mask(index.rows(*rows), cache.indexer, table, kv_len)
 
-    def _decompressed(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        index: IndexerQuery | None,
-        batch: ForwardBatch,
-        kv_cache: LayerCache,
-    ) -> torch.Tensor:
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
+    def _decompressed(self, projected: Projected, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
+        index = projected.index
+        q = torch.cat([projected.q_nope, projected.q_pe], dim=-1)  # [T, H, nope + rope]
         n = batch.num_decompressed
         q_lens, kv_lens = batch.q_lens[:n], batch.kv_lens[:n]
         # Fresh prompts of similar lengths run as one padded batch; otherwise one sequence at a time.
@@ -203,14 +200,8 @@ class MLA(nn.Module):
         )
         return o.transpose(1, 2).reshape(n * length, self.num_heads, self.v_dim)[flat]
 
-    def _absorbed(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        index: IndexerQuery | None,
-        batch: ForwardBatch,
-        kv_cache: LayerCache,
-    ) -> torch.Tensor:
+    def _absorbed(self, projected: Projected, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
+        q_nope, q_pe, index = projected
         assert self.w_uk is not None and self.w_uv_t is not None, "prepare_absorbed() was not called"
         num_tokens, first = q_nope.shape[0], batch.num_decompressed
         if num_tokens == 0:

@@ -412,19 +412,9 @@ class PoolLauncher:
             ctx.term()
 
 
-def run_pool(
-    pool: PoolArgs,
-    secret: str,
-    *,
-    rank_module: str = "dsinfer.workers.rank",
-    drain_timeout: float = 30.0,
-    kill_grace: float = KILL_GRACE,
-) -> int:
+def run_pool(launcher: PoolLauncher) -> int:
     """Run one pool's local ranks until SIGTERM/SIGINT (-> 0), a rank exits before the pool was
     ever up (-> ``STARTUP_FAILED``) or ``max_restarts`` is spent (-> 1)."""
-    launcher = PoolLauncher(
-        pool, secret, rank_module=rank_module, drain_timeout=drain_timeout, kill_grace=kill_grace
-    )
     signals = StopSignals()
     try:
         return launcher.run(signals)
