@@ -69,6 +69,7 @@ def _naive(q: torch.Tensor, tokens: list[torch.Tensor], scale: float, causal: bo
         ([5, 13, 1], 4, 1, False),  # ragged, partial last pages
         ([5, 13, 1], 4, 1, True),  # s_q = 1: causal changes nothing
         ([7, 2, 16], 4, 2, True),  # two query tokens, bottom-right causal mask
+        ([9, 21], 8, 3, True),  # nine query rows: two blocks of four and one left over
         ([70, 3], 64, 2, False),  # production page size, partial second page
         ([0, 9], 8, 1, False),  # an empty sequence
     ],

@@ -1,9 +1,9 @@
 """MTP drafting: the checkpoint's MTP layer proposes the token after the next one.
 
 The MTP layer keeps its own latent cache (the pool's layer after the decoder layers, on the same
-pages). Its attention takes the absorbed decode path for the rows that share the step's most
-common query length (one valid position, or two after an accepted draft), the decompressed path
-for the rest (prefill chunks, the other length). Position t of that cache holds the layer's KV for (target hidden at t, token t+1), so the
+pages). Its attention takes the absorbed decode path for the rows that decode in the target's step
+(one valid position, or two after an accepted draft), the decompressed path for prefill chunks.
+Position t of that cache holds the layer's KV for (target hidden at t, token t+1), so the
 layer runs over exactly the positions whose target KV a step made valid: every prefill chunk,
 and after a verification the last token plus the draft when it was accepted. A draft is sampled
 with the key the target will use at its position, so a draft distribution close to the target's
@@ -41,9 +41,8 @@ class MTPProposer:
             item.num_new - item.num_draft + int(result.draft_accepted)
             for item, result in zip(batch.seqs, results, strict=True)
         ]
-        absorbed_len = _absorbed_len(valid, [item.start for item in batch.seqs])
-        # rows of that length with a cached prefix take the absorbed path, and go last
-        absorbed = [v == absorbed_len and item.start > 0 for v, item in zip(valid, batch.seqs, strict=True)]
+        # the rows that decode in the target's step take the absorbed path, and go last
+        absorbed = [item.is_decode for item in batch.seqs]
         order = sorted(range(len(batch.seqs)), key=lambda i: absorbed[i])
         num_absorbed = sum(absorbed)
         items = [batch.seqs[i] for i in order]
@@ -88,12 +87,3 @@ class MTPProposer:
         )
         for (_, i), token in zip(drafting, self.ops.sample(logits, sampling).tolist(), strict=True):
             results[i].next_draft = token
-
-
-def _absorbed_len(valid: list[int], starts: list[int]) -> int:
-    """The one query length the step's absorbed rows share (the absorbed path takes one): decode
-    rows have one valid position, or two once their draft was accepted (most rows at MTP's
-    acceptance rates), so the more common of the two among rows with a cached prefix."""
-    ones = sum(1 for v, start in zip(valid, starts, strict=True) if v == 1 and start > 0)
-    twos = sum(1 for v, start in zip(valid, starts, strict=True) if v == 2 and start > 0)
-    return 2 if twos > ones else 1

@@ -71,7 +71,8 @@ class ScheduledBatch:
 
     @property
     def decode_q_len(self) -> int:
-        return self.seqs[-1].num_new if self.num_decodes else 0
+        """New tokens of the longest decode (one, or two with an MTP draft); 0 with none."""
+        return max((s.num_new for s in self.seqs[len(self.seqs) - self.num_decodes :]), default=0)
 
     @property
     def num_tokens(self) -> int:
@@ -222,11 +223,9 @@ class Scheduler:
             self.waiting.popleft()
             scheduled.append(item)
             budget -= self._cost(item)
-        # The absorbed MLA path takes decodes with one common length (with or without a draft).
-        lengths = [s.num_new for s in scheduled if s.is_decode]
-        q_len = max(set(lengths), key=lengths.count) if lengths else 0
-        decodes = [s for s in scheduled if s.is_decode and s.num_new == q_len]
-        batch.seqs = [s for s in scheduled if not (s.is_decode and s.num_new == q_len)] + decodes
+        # Decodes (with or without a draft) go last: the absorbed MLA path takes them.
+        decodes = [s for s in scheduled if s.is_decode]
+        batch.seqs = [s for s in scheduled if not s.is_decode] + decodes
         batch.num_decodes = len(decodes)
         self.stats.steps += 1
         return batch

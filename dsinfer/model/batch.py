@@ -41,8 +41,10 @@ class LayerCache:
 @dataclass
 class ForwardBatch:
     """MLA runs two mathematically equal paths: the first ``B - num_absorbed`` sequences (prefill
-    chunks, any lengths) the decompressed one, the last ``num_absorbed`` (decodes, all with the same
-    number of new tokens) the absorbed one over the paged cache (FlashMLA's form)."""
+    chunks, any lengths) the decompressed one, the last ``num_absorbed`` (decodes: one new token, or
+    a few with MTP drafts) the absorbed one over the paged cache (FlashMLA's form). That path takes
+    one query length: sequences with fewer new tokens than the longest are left-padded to it
+    (``absorbed_padding``)."""
 
     positions: torch.Tensor  # int64 [T]: position of each new token in its sequence
     slot_mapping: torch.Tensor  # int64 [T]: cache slot receiving each new token's latent
@@ -63,6 +65,11 @@ class ForwardBatch:
     _rope: dict[tuple[torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False
     )
+    # (gather, keep) when the absorbed sequences' new tokens differ in number, else None: gather
+    # [num_absorbed * S] takes the absorbed tokens' rows into S rows per sequence, left-padded with
+    # its first token's row (a padding query's output is never read); keep [absorbed tokens] finds
+    # each real token among those rows. Built once per step, read by every layer.
+    absorbed_padding: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def rope_cos_sin(self, rotary: RotaryEmbedding, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``rotary.cos_sin`` of ``positions``, computed by the first layer that asks and reused by
@@ -80,8 +87,9 @@ class ForwardBatch:
             raise ValueError("a sequence cannot have more new tokens than cached tokens")
         if not 0 <= self.num_absorbed <= len(self.q_lens):
             raise ValueError("num_absorbed must be between 0 and the number of sequences")
-        if len(set(self.q_lens[self.num_decompressed :])) > 1:
-            raise ValueError("the absorbed MLA path needs the same number of new tokens in every sequence")
+        absorbed_lens = self.q_lens[self.num_decompressed :]
+        if len(set(absorbed_lens)) > 1:
+            self.absorbed_padding = _left_padding(absorbed_lens, self.positions.device)
         if self.cache_seqlens is None and self.num_absorbed:
             self.cache_seqlens = torch.tensor(
                 self.kv_lens[self.num_decompressed :], dtype=torch.int32, device=self.positions.device
@@ -107,3 +115,16 @@ class ForwardBatch:
         """Index into T of each sequence's last new token (where the next token is predicted)."""
         ends = torch.tensor(self.q_lens, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.positions.device)
+
+
+def _left_padding(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ForwardBatch.absorbed_padding`` of sequences with ``lens`` new tokens each."""
+    width, first = max(lens), 0
+    gather: list[int] = []
+    keep: list[int] = []
+    for seq, n in enumerate(lens):
+        pad = width - n
+        gather += [first] * pad + list(range(first, first + n))
+        keep += range(seq * width + pad, (seq + 1) * width)
+        first += n
+    return torch.tensor(gather, device=device), torch.tensor(keep, device=device)

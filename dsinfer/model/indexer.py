@@ -43,6 +43,9 @@ class IndexerQuery:
     def rows(self, start: int, stop: int | None = None) -> IndexerQuery:
         return IndexerQuery(self.q[start:stop], self.weights[start:stop])
 
+    def take(self, rows: torch.Tensor) -> IndexerQuery:
+        return IndexerQuery(self.q[rows], self.weights[rows])
+
 
 class Indexer(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops) -> None:

@@ -45,6 +45,10 @@ class Projected(NamedTuple):
         index = None if self.index is None else self.index.rows(start, stop)
         return Projected(self.q_nope[start:stop], self.q_pe[start:stop], index)
 
+    def take(self, rows: torch.Tensor) -> Projected:
+        index = None if self.index is None else self.index.take(rows)
+        return Projected(self.q_nope[rows], self.q_pe[rows], index)
+
 
 class MLA(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
@@ -107,10 +111,16 @@ class MLA(nn.Module):
         out = torch.cat(
             [
                 self._decompressed(q.rows(0, split), batch, kv_cache),
-                self._absorbed(q.rows(split), batch, kv_cache),
+                self._absorbed_padded(q.rows(split), batch, kv_cache),
             ]
         )
         return self.o_proj(out.flatten(1))
+
+    def _absorbed_padded(self, q: Projected, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
+        if batch.absorbed_padding is None:
+            return self._absorbed(q, batch, kv_cache)
+        gather, keep = batch.absorbed_padding
+        return self._absorbed(q.take(gather), batch, kv_cache)[keep]
 
     def _selected(
         self,

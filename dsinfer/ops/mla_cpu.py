@@ -90,10 +90,11 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
     rows, dim = qb.shape
     blocked = rows - rows % 4
     padded = -(-count // KEY_TILE) * KEY_TILE
-    for t in range(0, padded, KEY_TILE):
-        for r in range(0, blocked, 4):
+    for r in range(0, blocked, 4):
+        for t in range(0, padded, KEY_TILE):
             _scores_block(qb, kv, t, r, dim, scale, scores)
-        for r in range(blocked, rows):
+    for r in range(blocked, rows):
+        for t in range(0, padded, KEY_TILE):
             for j in range(KEY_TILE):
                 scores[r, t + j] = _dot(qb, kv, t + j, r, dim) * scale
     for r in range(rows):
@@ -111,9 +112,10 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
             scores[r, t] = np.exp(scores[r, t] - new_max) if t < visible else 0.0
             denom[r] += scores[r, t]
         m[r] = new_max
-    for t in range(0, padded, KEY_TILE):
-        for r in range(0, blocked, 4):
+    for r in range(0, blocked, 4):
+        for t in range(0, padded, KEY_TILE):
             _accumulate_block(acc, kv, scores, t, r, dv)
+    for t in range(0, padded, KEY_TILE):
         for r in range(blocked, rows):
             for j in range(KEY_TILE):
                 p = scores[r, t + j]
