@@ -149,6 +149,9 @@ def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
     next_tokens = torch.tensor(prompt[1:])
     mtp_hidden = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches)
     draft = loaded.model.compute_mtp_logits(mtp_hidden)
+    # what a draft reads: the last position alone (attention on the absorbed path over the cache)
+    last = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches, last_only=True)
+    torch.testing.assert_close(last, mtp_hidden[-1:], rtol=1e-4, atol=1e-4)
     assert built.mtp_state is not None
     reference = mtp_reference(
         built.hf_model.config, built.mtp_state, hidden[:n], next_tokens, torch.arange(n)

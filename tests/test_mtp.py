@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from dsinfer import LLM, SamplingParams
-from harness.checkpoints import BuiltCheckpoint, load_tensors
+from harness.checkpoints import BuiltCheckpoint, agreeing_mtp_checkpoint
 from harness.hf_reference import compare_tokens, hf_greedy_steps
 
 pytestmark = pytest.mark.system
@@ -55,32 +54,8 @@ def test_asking_mtp_of_a_checkpoint_without_it_fails_clearly(tmp_path: Path) -> 
         _llm(built.path, True)
 
 
-def _bigram_checkpoint(source: BuiltCheckpoint, out: Path) -> Path:
-    """A model whose next token depends only on the current token (attention and MLP outputs zeroed),
-    with an MTP layer that computes the same function of the token it is given: its drafts agree
-    with the main model."""
-    tensors = load_tensors(source.path)
-    layers = source.hf_model.config.num_hidden_layers
-    mtp = f"model.layers.{layers}."
-    for name, tensor in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[name] = torch.zeros_like(tensor)
-    hidden = source.hf_model.config.hidden_size
-    tensors[mtp + "eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
-    tensors[mtp + "enorm.weight"] = torch.ones(hidden)
-    tensors[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-    tensors[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
-    tensors[mtp + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
-    out.mkdir()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
-    for extra in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (source.path / extra).exists():
-            (out / extra).write_bytes((source.path / extra).read_bytes())
-    return out
-
-
 def test_agreeing_mtp_layer_accepts_most_drafts(tiny_ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
-    path = _bigram_checkpoint(tiny_ckpt, tmp_path / "bigram")
+    path = agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "bigram")
     prompts = _prompts(8, seed=2)
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
     on = _llm(path, True)

@@ -151,11 +151,18 @@ class ModelRunner:
         order = None
         if self.overlap and agreed.two_micro_batches:
             order = PREFILL if agreed.prefill_order else DECODE
-        try:
+        if self.tracer is None:
             return self._run(batch, after_layer, order)
+        try:
+            prefill_tokens = sum(s.num_new for s in batch.seqs if not s.is_decode)
+            with self.tracer.span(
+                "STEP", COMPUTE, cat="step", seqs=len(batch.seqs), prefill_tokens=prefill_tokens
+            ) as extra:
+                results = self._run(batch, after_layer, order)
+                extra["tokens_out"] = sum(len(r.tokens) for r in results)
+                return results
         finally:
-            if self.tracer is not None:
-                self.tracer.end_step()
+            self.tracer.end_step()
 
     def _run(
         self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None, order: str | None
@@ -197,7 +204,11 @@ class ModelRunner:
                         result.tokens.append(bonus)
         self._prompt_logprobs(batch, hidden, ends, results)
         if self.mtp is not None:
-            self.mtp.propose(batch, hidden, ends, results, after_layer)
+            if self.tracer is None:
+                self.mtp.propose(batch, hidden, ends, results, after_layer)
+            else:
+                with self.tracer.span("MTP_DRAFT", COMPUTE, cat="mtp"):
+                    self.mtp.propose(batch, hidden, ends, results, after_layer)
         return results
 
     def _forward_one(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> torch.Tensor:

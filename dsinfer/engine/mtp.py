@@ -1,8 +1,8 @@
 """MTP drafting: the checkpoint's MTP layer proposes the token after the next one.
 
 The MTP layer keeps its own latent cache (the pool's layer after the decoder layers, on the same
-pages). Its attention takes the absorbed decode path for the rows that decode in the target's step
-(one valid position, or two after an accepted draft), the decompressed path for prefill chunks.
+pages). Every valid position of the step writes its latent KV there; attention (the absorbed
+decode path) and the FFN run for each sequence's last position only, the one a draft reads.
 Position t of that cache holds the layer's KV for (target hidden at t, token t+1), so the
 layer runs over exactly the positions whose target KV a step made valid: every prefill chunk,
 and after a verification the last token plus the draft when it was accepted. A draft is sampled
@@ -41,39 +41,29 @@ class MTPProposer:
             item.num_new - item.num_draft + int(result.draft_accepted)
             for item, result in zip(batch.seqs, results, strict=True)
         ]
-        # the rows that decode in the target's step take the absorbed path, and go last
-        absorbed = [item.is_decode for item in batch.seqs]
-        order = sorted(range(len(batch.seqs)), key=lambda i: absorbed[i])
-        num_absorbed = sum(absorbed)
-        items = [batch.seqs[i] for i in order]
+        # every valid position writes its latent KV; attention and FFN run at each sequence's last
         forward = build_forward_batch(
-            items,
-            [s.start for s in items],
-            [valid[i] for i in order],
-            num_absorbed,
-            self.pool.page_size,
-            self.device,
+            batch.seqs, [s.start for s in batch.seqs], valid, 0, self.pool.page_size, self.device
         )
         forward.after_layer = after_layer
         rows, next_tokens = [], []
-        for i in order:
-            item, result = batch.seqs[i], results[i]
-            first_row = ends[i] - item.num_new + 1
-            rows.extend(range(first_row, first_row + valid[i]))
+        for item, result, end, n in zip(batch.seqs, results, ends, valid, strict=True):
+            first_row = end - item.num_new + 1
+            rows.extend(range(first_row, first_row + n))
             extended = item.seq.token_ids + [token for token, _ in result.tokens]
-            next_tokens.extend(extended[item.start + 1 : item.start + valid[i] + 1])
-        mtp_hidden = self.model.forward_mtp(
+            next_tokens.extend(extended[item.start + 1 : item.start + n + 1])
+        last_hidden = self.model.forward_mtp(
             hidden[torch.tensor(rows, device=self.device)],
             torch.tensor(next_tokens, device=self.device),
             forward,
             self.pool.caches,
+            last_only=True,
         )
-        last_rows = forward.last_token_indices().tolist()
-        drafting = [(k, i) for k, i in enumerate(order) if results[i].tokens]
+        drafting = [i for i, result in enumerate(results) if result.tokens]
         if not drafting:
             return
-        logits = self.model.compute_mtp_logits(mtp_hidden[torch.tensor([last_rows[k] for k, _ in drafting])])
-        seqs = [batch.seqs[i].seq for _, i in drafting]
+        logits = self.model.compute_mtp_logits(last_hidden[torch.tensor(drafting, device=self.device)])
+        seqs = [batch.seqs[i].seq for i in drafting]
         sampling = SamplingTensors.from_params(
             [seq.params for seq in seqs],
             seed=[seq.seed for seq in seqs],
@@ -81,9 +71,9 @@ class MTPProposer:
             # the output index the draft would take: after this step's tokens and the next target token
             position=[
                 seq.num_output_tokens + len(results[i].tokens) + 1
-                for seq, (_, i) in zip(seqs, drafting, strict=True)
+                for seq, i in zip(seqs, drafting, strict=True)
             ],
             device=self.device,
         )
-        for (_, i), token in zip(drafting, self.ops.sample(logits, sampling).tolist(), strict=True):
+        for i, token in zip(drafting, self.ops.sample(logits, sampling).tolist(), strict=True):
             results[i].next_draft = token

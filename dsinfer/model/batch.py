@@ -111,6 +111,20 @@ class ForwardBatch:
     def num_decompressed_tokens(self) -> int:
         return sum(self.q_lens[: self.num_decompressed])
 
+    def last_tokens(self) -> ForwardBatch:
+        """Each sequence's last new token alone, all on the absorbed path: attention after this
+        batch's KV is written, for rows whose other tokens' outputs nobody reads."""
+        last = self.last_token_indices()
+        return ForwardBatch(
+            positions=self.positions[last],
+            slot_mapping=self.slot_mapping[last],
+            block_tables=self.block_tables,
+            q_lens=[1] * self.num_seqs,
+            kv_lens=list(self.kv_lens),
+            num_absorbed=self.num_seqs,
+            seq_keys=self.seq_keys,
+        )
+
     def last_token_indices(self) -> torch.Tensor:
         """Index into T of each sequence's last new token (where the next token is predicted)."""
         ends = torch.tensor(self.q_lens, dtype=torch.int64).cumsum(0) - 1

@@ -72,7 +72,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
-        x = self.attention_out(x, self.attention_in(x, batch, kv_cache), batch, kv_cache)
+        return self.feed_forward(
+            self.attention_out(x, self.attention_in(x, batch, kv_cache), batch, kv_cache), batch
+        )
+
+    def feed_forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ffn = self.ffn_begin(x, batch)
         self.ffn_experts(ffn, ffn.dispatch.wait() if ffn.dispatch is not None else None)
         self.ffn_shared(ffn)
@@ -154,10 +158,22 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(config, ops)
 
     def forward_mtp(
-        self, hidden: torch.Tensor, next_tokens: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache
+        self,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: LayerCache,
+        last_only: bool = False,
     ) -> torch.Tensor:
+        """Hidden states [T, H], or with ``last_only`` [B, H] of each sequence's last position: a
+        draft reads no other, so the rest only write their latent KV (no attention, no FFN)."""
         x = torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(hidden)], dim=-1)
-        return super().forward(self.eh_proj(x), batch, kv_cache)
+        x = self.eh_proj(x)
+        if not last_only:
+            return super().forward(x, batch, kv_cache)
+        q = self.attention_in(x, batch, kv_cache)
+        last, tail = batch.last_token_indices(), batch.last_tokens()
+        return self.feed_forward(self.attention_out(x[last], q.take(last), tail, kv_cache), tail)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(self.shared_head.norm(hidden)).float()
@@ -259,11 +275,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         batch: ForwardBatch,
         kv_caches: list[LayerCache],
         depth: int = 0,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """MTP module ``depth`` over (hidden of position t, token t+1) -> its hidden states [T, H]."""
+        """MTP module ``depth`` over (hidden of position t, token t+1) -> its hidden states [T, H]
+        (``last_only``: [B, H], each sequence's last position; every position's KV is written)."""
         layer = self._mtp_layer(depth)
         index = self.config.num_hidden_layers + depth
-        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[index])
+        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[index], last_only)
         if batch.after_layer is not None:
             batch.after_layer(index)
         return out

@@ -1,0 +1,335 @@
+"""MTP against plain decoding on the built-in model: decode speed, the draft's share of a step,
+the verify's cost, and the outputs compared token for token.
+
+Two offline engines in one process on the same checkpoint (``tiny-chat``, the trained built-in
+model, by default), the second with ``speculative_mtp``. Each writes the Chrome step trace
+(dsinfer/base/trace.py): a ``STEP`` span per step (with its prefill tokens and the tokens it
+produced), ``FORWARD`` (the target model's forward: a plain step's one token, or the verify's
+token plus draft) and ``MTP_DRAFT`` (the MTP layer's forward and the draft's sampling).
+
+Workload: chat prompts of one of the model's trained tasks (``--task``): ``mul``, two-digit
+products worked out as long multiplication (replies of about 40 tokens, drafted with about 100%
+acceptance), or ``lines``, a table of 6-8 lines then "Repeat the lines." (40-120 tokens, 80-92%
+acceptance). ``--model wide``: a random model whose batch-1 step is bound by reading its weights
+(about 1 GB in float32, built here with transformers), made a bigram model whose MTP layer agrees
+with it (full acceptance at any size), over random prompts of 32-64 tokens, 64 tokens each.
+For each batch B,
+``--repeats`` paired passes (the engines alternate which runs first); each pass generates the
+first B prompts to EOS (at most 256 tokens), greedy. Prefix caching is off, so every pass
+prefills its prompts. Per engine and batch, medians over the passes:
+
+- decode tok/s: tokens produced by decode-only steps over those steps' time (what MTP speeds up);
+- end-to-end tok/s: output tokens over the pass's wall time (prefill and the batch's tail included);
+- step, forward and draft times of decode-only steps (medians), the draft's share of the MTP
+  step, and the verify's forward against a plain one (its two query tokens per sequence);
+- MTP acceptance (drafts accepted / verified) over the batch's passes.
+
+Then, at batch 16: greedy and seeded sampling (temperature 0.8, a seed per request) each
+compared token for token between the engines.
+
+    .venv/bin/python benchmarks/mtp_speed.py --out benchmarks/results/mtp_speed.json \\
+        --markdown benchmarks/results/mtp_speed.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dsinfer.base.sampling_params import SamplingParams
+from dsinfer.base.trace import load_trace
+from dsinfer.engine.llm import LLM
+from dsinfer.evals.tasks import lookup_context, make_question, render_context
+from harness.checkpoints import agreeing_mtp_checkpoint, build_checkpoint
+from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
+from harness.results import add_output_args, save_report, table
+
+MAX_TOKENS = 256
+WIDE_TOKENS = 64
+# --model wide: random weights, 16 heads over hidden 1024, 32 experts of 512 (about 1 GB in float32),
+# made a bigram model whose MTP layer agrees with it (harness.checkpoints.agreeing_mtp_checkpoint)
+WIDE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 384,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 32,
+    "num_experts_per_tok": 4,
+    "max_position_embeddings": 1024,
+    "vocab_size": 4096,
+}
+SAME_BATCH = 16  # the batch whose outputs are compared between the engines
+SPEED = ("batch", "acceptance", "plain decode", "MTP decode", "speed-up", "plain e2e", "MTP e2e", "speed-up")
+PHASES = (
+    "batch",
+    "plain step",
+    "MTP step",
+    "tokens per sequence and MTP step",
+    "plain forward",
+    "verify forward",
+    "verify / plain",
+    "draft",
+    "draft share",
+)
+
+
+def _checkpoint(model: str | None, scratch: Path) -> str | None:
+    if model != "wide":
+        return model
+    print("building the wide checkpoint (transformers, random weights)", flush=True)
+    source = build_checkpoint(scratch / "wide-source", WIDE, num_shards=1)
+    return str(agreeing_mtp_checkpoint(source, scratch / "wide"))
+
+
+def _sampling(args: argparse.Namespace, **params: Any) -> SamplingParams:
+    if args.model == "wide":  # a bigram model's replies cycle: fixed lengths
+        return SamplingParams(max_tokens=WIDE_TOKENS, ignore_eos=True, **params)
+    return SamplingParams(max_tokens=MAX_TOKENS, **params)
+
+
+def _random_prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(2, WIDE["vocab_size"]) for _ in range(rng.randrange(32, 65))] for _ in range(count)
+    ]
+
+
+def _question(task: str, rng: random.Random) -> str:
+    if task == "lines":
+        return render_context(lookup_context(rng, rng.randrange(6, 9))) + "Repeat the lines."
+    return make_question(task, rng).prompt
+
+
+def _prompts(llm: LLM, task: str, count: int, seed: int) -> list[list[int]]:
+    tok, rng = llm.get_tokenizer(), random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        messages = [{"role": "user", "content": _question(task, rng)}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        prompts.append(tok.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def _pass(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> dict[str, Any]:
+    start = time.perf_counter_ns()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    end = time.perf_counter_ns()
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return {"start_ns": start, "end_ns": end, "tokens": tokens, "output_tokens": sum(map(len, tokens))}
+
+
+def _phases(events: list[dict[str, Any]], start_ns: int, end_ns: int) -> dict[str, float]:
+    """Decode-only steps of one pass, from the trace: their tokens, time and phase medians."""
+    inside = [e for e in events if start_ns / 1e3 <= e["ts"] and e["ts"] + e["dur"] <= end_ns / 1e3]
+    steps = {e["args"]["step"]: e for e in inside if e["name"] == "STEP" and e["args"]["prefill_tokens"] == 0}
+    phase = {name: [e["dur"] for e in inside if e["name"] == name and e["args"]["step"] in steps]
+             for name in ("FORWARD", "MTP_DRAFT")}  # fmt: skip
+    seconds = sum(e["dur"] for e in steps.values()) / 1e6
+    out = {
+        "decode_steps": len(steps),
+        "decode_tok_s": sum(e["args"]["tokens_out"] for e in steps.values()) / seconds,
+        "tokens_per_seq_step": sum(e["args"]["tokens_out"] for e in steps.values())
+        / sum(e["args"]["seqs"] for e in steps.values()),
+        "step_ms": statistics.median(e["dur"] for e in steps.values()) / 1e3,
+        "forward_ms": statistics.median(phase["FORWARD"]) / 1e3,
+    }
+    if phase["MTP_DRAFT"]:
+        out["draft_ms"] = statistics.median(phase["MTP_DRAFT"]) / 1e3
+        draft = sum(phase["MTP_DRAFT"]) / 1e6
+        out["draft_share"] = draft / seconds
+    return out
+
+
+def _acceptance(llm: LLM) -> tuple[int, int]:
+    stats = llm.engine.scheduler.stats
+    return stats.drafts_proposed, stats.drafts_accepted
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    scratch = Path(tempfile.mkdtemp(prefix="mtp-speed-"))
+    model = _checkpoint(args.model, scratch)
+    engines = {
+        mode: LLM(
+            model,
+            dtype=args.dtype,
+            speculative_mtp=mode == "mtp",
+            enable_prefix_caching=False,
+            kv_cache_memory=2**30,
+            trace_dir=scratch / mode,
+            trace_flush_steps=10**6,
+        )
+        for mode in ("plain", "mtp")
+    }
+    batches = [int(b) for b in args.batches.split(",")]
+    count = max(*batches, SAME_BATCH)
+    if args.model == "wide":
+        prompts = _random_prompts(count, args.seed)
+    else:
+        prompts = _prompts(engines["plain"], args.task, count, args.seed)
+    greedy = _sampling(args, temperature=0.0)
+    for llm in engines.values():  # compile and warm every path once
+        llm.generate(prompts[: max(batches)], greedy, use_tqdm=False)
+    passes: list[dict[str, Any]] = []
+    for batch in batches:
+        before = _acceptance(engines["mtp"])
+        for rep in range(args.repeats):
+            order = ("plain", "mtp") if rep % 2 == 0 else ("mtp", "plain")
+            for mode in order:
+                result = _pass(engines[mode], prompts[:batch], greedy)
+                passes.append({"batch": batch, "mode": mode, "rep": rep, **result})
+                print(f"batch {batch} {mode} pass {rep}: {result['output_tokens']} tokens", flush=True)
+        proposed, accepted = (a - b for a, b in zip(_acceptance(engines["mtp"]), before, strict=True))
+        passes.append({"batch": batch, "mode": "acceptance", "proposed": proposed, "accepted": accepted})
+    seeded = [_sampling(args, temperature=0.8, seed=i) for i in range(SAME_BATCH)]
+    same = {
+        name: _pass(engines["plain"], prompts[:SAME_BATCH], params)["tokens"]
+        == _pass(engines["mtp"], prompts[:SAME_BATCH], params)["tokens"]
+        for name, params in (("greedy", greedy), ("seeded", seeded))
+    }
+    for llm in engines.values():
+        llm.engine.close()  # flushes the traces
+    traces = {mode: load_trace(next((scratch / mode).glob("*.json"))) for mode in engines}
+    return {"rows": _rows(passes, traces), "identical": same}
+
+
+def _rows(passes: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for batch in sorted({p["batch"] for p in passes}):
+        row: dict[str, Any] = {"batch": batch}
+        for mode in ("plain", "mtp"):
+            mine = [p for p in passes if p["batch"] == batch and p["mode"] == mode]
+            phases = [_phases(traces[mode], p["start_ns"], p["end_ns"]) for p in mine]
+            row[mode] = {
+                "e2e_tok_s": statistics.median(p["output_tokens"] / ((p["end_ns"] - p["start_ns"]) / 1e9) for p in mine),
+                **{k: statistics.median(ph[k] for ph in phases) for k in phases[0]},
+            }  # fmt: skip
+        [acc] = [p for p in passes if p["batch"] == batch and p["mode"] == "acceptance"]
+        row["acceptance"] = acc["accepted"] / acc["proposed"] if acc["proposed"] else None
+        row["decode_speedup"] = row["mtp"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
+        row["e2e_speedup"] = row["mtp"]["e2e_tok_s"] / row["plain"]["e2e_tok_s"]
+        row["verify_vs_plain_forward"] = row["mtp"]["forward_ms"] / row["plain"]["forward_ms"]
+        rows.append(row)
+    return rows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    rows = [
+        (r["batch"], f"{r['acceptance']:.1%}", f"{r['plain']['decode_tok_s']:,.0f}", f"{r['mtp']['decode_tok_s']:,.0f}",
+         f"{r['decode_speedup']:.2f}x", f"{r['plain']['e2e_tok_s']:,.0f}", f"{r['mtp']['e2e_tok_s']:,.0f}",
+         f"{r['e2e_speedup']:.2f}x")
+        for r in result["rows"]
+    ]  # fmt: skip
+    phases = [
+        (r["batch"], f"{r['plain']['step_ms']:.2f}", f"{r['mtp']['step_ms']:.2f}", f"{r['mtp']['tokens_per_seq_step']:.2f}",
+         f"{r['plain']['forward_ms']:.2f}", f"{r['mtp']['forward_ms']:.2f}", f"{r['verify_vs_plain_forward']:.2f}",
+         f"{r['mtp']['draft_ms']:.2f}", f"{r['mtp']['draft_share']:.0%}")
+        for r in result["rows"]
+    ]  # fmt: skip
+    same = result["identical"]
+    return "\n".join(
+        [
+            "# MTP against plain decoding (offline, one process, paired passes)",
+            "",
+            f"- date: {m['date']}; commit {m['commit']}; model {result['model']}, {result['dtype']}; "
+            f"task {result['task']}",
+            f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores; "
+            f"load average before {m['load_before'][0]:.2f}, after {m['load_after'][0]:.2f}",
+            f"- command: `{m['command']}`",
+            f"- medians of {result['repeats']} paired passes per batch; outputs identical to plain decoding "
+            f"(batch 16): greedy {'yes' if same['greedy'] else 'NO'}, seeded {'yes' if same['seeded'] else 'NO'}",
+            "",
+            "Output tokens per second:",
+            "",
+            *table(
+                (
+                    "batch",
+                    "acceptance",
+                    "plain decode",
+                    "MTP decode",
+                    "speed-up",
+                    "plain e2e",
+                    "MTP e2e",
+                    "speed-up",
+                ),
+                rows,
+                "rrrrrrrr",
+            ),
+            "",
+            "Decode-only steps (medians, ms): the step, the tokens an MTP step yields per sequence (mean), the "
+            "target's forward (a plain step's, the verify's), the MTP layer's draft and its share of the "
+            "MTP steps' time:",
+            "",
+            *table(
+                (
+                    "batch",
+                    "plain step",
+                    "MTP step",
+                    "tokens per sequence and MTP step",
+                    "plain forward",
+                    "verify forward",
+                    "verify / plain",
+                    "draft",
+                    "draft share",
+                ),
+                phases,
+                "rrrrrrrrr",
+            ),
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="checkpoint, preset or wide (default: the built-in model)"
+    )
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--task",
+        default="mul",
+        help="mul (worked long multiplication) or lines; a wide model: random prompts",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the questions")
+    add_output_args(parser)
+    args = parser.parse_args()
+    machine = {
+        **machine_info(),
+        "date": utc_now(),
+        "load_before": load_average(),
+        "commit": git_commit(short=True),
+        "command": command_line(".venv/bin/python"),
+    }
+    result: dict[str, Any] = {
+        "machine": machine,
+        "model": args.model or "tiny-chat",
+        "dtype": args.dtype,
+        "task": "random prompts" if args.model == "wide" else args.task,
+        "repeats": args.repeats,
+        **run(args),
+    }
+    machine["load_after"] = load_average()
+    save_report(result, markdown(result), args.out, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
