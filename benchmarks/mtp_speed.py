@@ -22,7 +22,9 @@ prefills its prompts. Per engine and batch, medians over the passes:
 - end-to-end tok/s: output tokens over the pass's wall time (prefill and the batch's tail included);
 - step, forward and draft times of decode-only steps (medians), the draft's share of the MTP
   step, and the verify's forward against a plain one (its two query tokens per sequence);
-- MTP acceptance (drafts accepted / verified) over the batch's passes.
+- MTP acceptance (drafts accepted / verified) over the batch's passes;
+- the speed-ups: the median (and range) of the ratios of the passes run back to back, so that
+  the slow drifts of a shared machine cancel.
 
 Then, at batch 16: greedy and seeded sampling (temperature 0.8, a seed per request) each
 compared token for token between the engines.
@@ -210,28 +212,39 @@ def _rows(passes: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]])
     rows = []
     for batch in sorted({p["batch"] for p in passes}):
         row: dict[str, Any] = {"batch": batch}
+        per_pass: dict[str, list[dict[str, float]]] = {}
         for mode in ("plain", "mtp"):
-            mine = [p for p in passes if p["batch"] == batch and p["mode"] == mode]
-            phases = [_phases(traces[mode], p["start_ns"], p["end_ns"]) for p in mine]
-            row[mode] = {
-                "e2e_tok_s": statistics.median(p["output_tokens"] / ((p["end_ns"] - p["start_ns"]) / 1e9) for p in mine),
-                **{k: statistics.median(ph[k] for ph in phases) for k in phases[0]},
-            }  # fmt: skip
+            mine = sorted(
+                (p for p in passes if p["batch"] == batch and p["mode"] == mode), key=lambda p: p["rep"]
+            )
+            per_pass[mode] = [
+                {"e2e_tok_s": p["output_tokens"] / ((p["end_ns"] - p["start_ns"]) / 1e9),
+                 **_phases(traces[mode], p["start_ns"], p["end_ns"])}
+                for p in mine
+            ]  # fmt: skip
+            row[mode] = {k: statistics.median(x[k] for x in per_pass[mode]) for k in per_pass[mode][0]}
         [acc] = [p for p in passes if p["batch"] == batch and p["mode"] == "acceptance"]
         row["acceptance"] = acc["accepted"] / acc["proposed"] if acc["proposed"] else None
-        row["decode_speedup"] = row["mtp"]["decode_tok_s"] / row["plain"]["decode_tok_s"]
-        row["e2e_speedup"] = row["mtp"]["e2e_tok_s"] / row["plain"]["e2e_tok_s"]
+        # speed-ups of each pair of passes run back to back: slow drifts of a shared machine cancel
+        for key, name in (("decode_tok_s", "decode_speedup"), ("e2e_tok_s", "e2e_speedup")):
+            ratios = [m[key] / p[key] for p, m in zip(per_pass["plain"], per_pass["mtp"], strict=True)]
+            row[name], row[name + "_range"] = statistics.median(ratios), (min(ratios), max(ratios))
         row["verify_vs_plain_forward"] = row["mtp"]["forward_ms"] / row["plain"]["forward_ms"]
         rows.append(row)
     return rows
+
+
+def _speedup(row: dict[str, Any], name: str) -> str:
+    low, high = row[name + "_range"]
+    return f"{row[name]:.2f}x ({low:.2f}-{high:.2f})"
 
 
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     rows = [
         (r["batch"], f"{r['acceptance']:.1%}", f"{r['plain']['decode_tok_s']:,.0f}", f"{r['mtp']['decode_tok_s']:,.0f}",
-         f"{r['decode_speedup']:.2f}x", f"{r['plain']['e2e_tok_s']:,.0f}", f"{r['mtp']['e2e_tok_s']:,.0f}",
-         f"{r['e2e_speedup']:.2f}x")
+         _speedup(r, "decode_speedup"), f"{r['plain']['e2e_tok_s']:,.0f}", f"{r['mtp']['e2e_tok_s']:,.0f}",
+         _speedup(r, "e2e_speedup"))
         for r in result["rows"]
     ]  # fmt: skip
     phases = [
@@ -253,7 +266,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"- medians of {result['repeats']} paired passes per batch; outputs identical to plain decoding "
             f"(batch 16): greedy {'yes' if same['greedy'] else 'NO'}, seeded {'yes' if same['seeded'] else 'NO'}",
             "",
-            "Output tokens per second:",
+            "Output tokens per second (medians); speed-ups: the median of the paired passes' ratios (their "
+            "range in brackets):",
             "",
             *table(
                 (

@@ -18,19 +18,18 @@ def build_forward_batch(
     device: torch.device,
 ) -> ForwardBatch:
     """Sequence i computes positions [starts[i], starts[i] + q_lens[i]) over its pages."""
-    positions: list[int] = []
-    slots: list[int] = []
-    for item, start, q_len in zip(items, starts, q_lens, strict=True):
-        pages = item.seq.pages
-        positions.extend(range(start, start + q_len))
-        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + q_len))
     width = max(len(item.seq.pages) for item in items)
     table = torch.tensor(
         [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in items], dtype=torch.int32
     )
+    lens = torch.tensor(q_lens)
+    seq = torch.repeat_interleave(torch.arange(len(items)), lens)
+    first = torch.repeat_interleave(torch.tensor(starts) - (lens.cumsum(0) - lens), lens)
+    positions = first + torch.arange(len(seq))  # the step's tokens in order: position of each
+    slots = table[seq, positions // page_size].long() * page_size + positions % page_size
     return ForwardBatch(
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=positions.to(device),
+        slot_mapping=slots.to(device),
         block_tables=table.to(device),
         q_lens=list(q_lens),
         kv_lens=[start + q for start, q in zip(starts, q_lens, strict=True)],

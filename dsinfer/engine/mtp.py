@@ -50,8 +50,11 @@ class MTPProposer:
         for item, result, end, n in zip(batch.seqs, results, ends, valid, strict=True):
             first_row = end - item.num_new + 1
             rows.extend(range(first_row, first_row + n))
-            extended = item.seq.token_ids + [token for token, _ in result.tokens]
-            next_tokens.extend(extended[item.start + 1 : item.start + n + 1])
+            # the token after each position: known ones, then the ones this step sampled
+            tokens = item.seq.token_ids
+            next_tokens.extend(tokens[item.start + 1 : item.start + n + 1])
+            sampled = item.start + n + 1 - len(tokens)
+            next_tokens.extend(token for token, _ in result.tokens[: max(sampled, 0)])
         last_hidden = self.model.forward_mtp(
             hidden[torch.tensor(rows, device=self.device)],
             torch.tensor(next_tokens, device=self.device),
