@@ -269,40 +269,13 @@ def markdown(result: dict[str, Any]) -> str:
             "Output tokens per second (medians); speed-ups: the median of the paired passes' ratios (their "
             "range in brackets):",
             "",
-            *table(
-                (
-                    "batch",
-                    "acceptance",
-                    "plain decode",
-                    "MTP decode",
-                    "speed-up",
-                    "plain e2e",
-                    "MTP e2e",
-                    "speed-up",
-                ),
-                rows,
-                "rrrrrrrr",
-            ),
+            *table(SPEED, rows, "r" * len(SPEED)),
             "",
             "Decode-only steps (medians, ms): the step, the tokens an MTP step yields per sequence (mean), the "
             "target's forward (a plain step's, the verify's), the MTP layer's draft and its share of the "
             "MTP steps' time:",
             "",
-            *table(
-                (
-                    "batch",
-                    "plain step",
-                    "MTP step",
-                    "tokens per sequence and MTP step",
-                    "plain forward",
-                    "verify forward",
-                    "verify / plain",
-                    "draft",
-                    "draft share",
-                ),
-                phases,
-                "rrrrrrrrr",
-            ),
+            *table(PHASES, phases, "r" * len(PHASES)),
             "",
         ]
     )
