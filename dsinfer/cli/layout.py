@@ -1,4 +1,4 @@
-"""The pools of an all-in-one server (``dsinfer serve`` without ``--role``) and their threads."""
+"""The pools of an all-in-one server (``dsinfer serve`` without ``--role``) and their ranks' threads."""
 
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """The pools of an all-in-one server and the torch threads of each role's ranks.
+    """The pools of an all-in-one server and the torch threads of each of their ranks.
 
-    The ranks of one role share the machine's cores; prefill and decode each get all of them,
-    because on one machine their busy spells mostly alternate (a burst is prefilled, then
-    decoded), and a decode rank left on half the cores while the prefill rank idles was measured
-    14-21% slower (benchmarks/results/serving_throughput.md)."""
+    All the ranks of the machine, of every role, share its cores. Under a steady load prefill
+    and decode ranks compute at the same time, and ranks given more threads than their share of
+    the cores wait on each other's spinning OpenMP threads: on 2 cores, 16 streams of the
+    built-in model had requests stalled for 1-4 s (p90 latency 0.7-4.5 s) with both ranks on 2
+    threads, none with one each (p90 0.5 s; no slower at one stream or with 64 arriving at once).
+    ``--threads-per-rank`` sets them."""
 
     pools: tuple[PoolSpec, ...]
-    threads_by_role: dict[str, int]
+    threads: int  # torch threads of each rank
 
     @property
     def num_ranks(self) -> int:
@@ -46,8 +48,5 @@ def layout_of(args: argparse.Namespace) -> Layout:
     else:
         pools = tuple(PoolSpec("prefill", i, args.prefill_pool_size) for i in range(args.prefill_pools))
         pools += tuple(PoolSpec("decode", i, args.decode_pool_size) for i in range(args.decode_pools))
-    threads: dict[str, int] = {}
-    for role in {p.role for p in pools}:
-        ranks = sum(p.size for p in pools if p.role == role)
-        threads[role] = args.threads_per_rank or shared_cores(ranks)
+    threads = args.threads_per_rank or shared_cores(sum(p.size for p in pools))
     return Layout(pools, threads)

@@ -47,7 +47,8 @@ def add_pool_args(parser: argparse.ArgumentParser) -> None:
     flag(
         "threads_per_rank",
         int,
-        help="torch threads per rank (default: the cores shared by the local ranks of one role)",
+        help="torch threads per rank (default: the machine's cores shared by its ranks: a pool's local "
+        "ranks, or every pool's in the all-in-one server)",
     )
     flag("max_restarts", int)
     flag("restart_backoff", float)

@@ -60,7 +60,7 @@ def pool_args_of(args: argparse.Namespace, layout: Layout, gateway_addr: str) ->
             pool_id=spec.pool_id,
             pool_size=spec.size,
             gateway_addr=gateway_addr,
-            threads_per_rank=layout.threads_by_role[spec.role],
+            threads_per_rank=layout.threads,
         )
         for spec in layout.pools
     ]
@@ -116,7 +116,7 @@ def children_of(
     gateway_addr = f"{connect_host(args.host)}:{control_port}"
     for spec in layout.pools:
         own = ["--role", spec.role, "--pool-id", str(spec.pool_id), "--pool-size", str(spec.size)]
-        own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads_by_role[spec.role])]
+        own += ["--gateway-addr", gateway_addr, "--threads-per-rank", str(layout.threads)]
         children.append(ChildCommand(spec.name, [*base, *own, *engine, *pool_flags], env))
     return children
 

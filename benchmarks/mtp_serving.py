@@ -1,0 +1,165 @@
+"""MTP through ``dsinfer serve``: output tok/s of the all-in-one PD server with and without
+``--speculative-mtp``, at one stream and at 16.
+
+The built-in model (``tiny-chat``) in float32, served the default way (one prefill and one
+decode pool, KV over the transfer library). The workload: chat completions of the model's
+worked multiplications (``mul``: replies of about 40 tokens its MTP layer drafts at about 100%),
+greedy, to EOS, not streamed. Each server is started, warmed with one pass, timed over
+``--repeats`` passes per concurrency, then stopped; the two servers take turns ``--rounds``
+times so that a drift of the shared machine falls on both. A pass at concurrency C sends
+``C * --requests-per-stream`` requests, C in flight; output tok/s = completion tokens (from each
+response's usage) over the pass's wall time. The MTP server's acceptance comes from its
+``/metrics`` (dsinfer_spec_decode_*).
+
+    .venv/bin/python benchmarks/mtp_serving.py --out benchmarks/results/mtp_serving.json \\
+        --markdown benchmarks/results/mtp_serving.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dsinfer.evals.tasks import make_question
+from harness.progress import progress
+from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
+from harness.results import add_output_args, save_report, table
+from harness.server import Server, serve
+
+MAX_TOKENS = 256
+
+
+async def _one(client: httpx.AsyncClient, url: str, question: str) -> int:
+    body = {
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    }
+    resp = await client.post(f"{url}/v1/chat/completions", json=body)
+    resp.raise_for_status()
+    return int(resp.json()["usage"]["completion_tokens"])
+
+
+async def _pass(url: str, questions: list[str], concurrency: int) -> dict[str, float]:
+    pending = list(questions)
+    tokens: list[int] = []
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        while pending:
+            tokens.append(await _one(client, url, pending.pop()))
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(client) for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return {"tokens": sum(tokens), "seconds": seconds, "tok_s": sum(tokens) / seconds}
+
+
+def _acceptance(server: Server) -> tuple[float, float]:
+    text = server.metrics()
+    counts = [
+        sum(float(v) for v in re.findall(rf"^{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+        for name in ("dsinfer_spec_decode_draft_tokens", "dsinfer_spec_decode_accepted_tokens")
+    ]
+    return counts[0], counts[1]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    questions = [
+        make_question("mul", rng).prompt for _ in range(max(concurrencies) * args.requests_per_stream)
+    ]
+    passes: list[dict[str, Any]] = []
+    drafts = [0.0, 0.0]
+    log_dir = Path(tempfile.mkdtemp(prefix="mtp-serving-"))
+    for round_ in range(args.rounds):
+        for mode in ("plain", "mtp") if round_ % 2 == 0 else ("mtp", "plain"):
+            flags = ["--dtype", "float32", *(["--speculative-mtp"] if mode == "mtp" else [])]
+            with serve(flags, log_dir, startup_timeout=args.start_timeout, say=progress) as server:
+                url = server.base_url
+                asyncio.run(_pass(url, questions[: max(concurrencies)], max(concurrencies)))  # warm-up
+                before = _acceptance(server)
+                for concurrency in concurrencies:
+                    for rep in range(args.repeats):
+                        count = concurrency * args.requests_per_stream
+                        result = asyncio.run(_pass(url, questions[:count], concurrency))
+                        passes.append({"mode": mode, "concurrency": concurrency, "round": round_, **result})
+                        progress(f"{mode} C={concurrency} pass {rep}: {result['tok_s']:.0f} tok/s")
+                if mode == "mtp":
+                    after = _acceptance(server)
+                    drafts = [d + a - b for d, a, b in zip(drafts, after, before, strict=True)]
+    rows = []
+    for concurrency in concurrencies:
+        tok_s = {
+            mode: statistics.median(p["tok_s"] for p in passes if p["mode"] == mode and p["concurrency"] == concurrency)
+            for mode in ("plain", "mtp")
+        }  # fmt: skip
+        rows.append({"concurrency": concurrency, **tok_s, "speedup": tok_s["mtp"] / tok_s["plain"]})
+    return {"rows": rows, "passes": passes, "acceptance": drafts[1] / drafts[0] if drafts[0] else None}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    rows = [
+        (r["concurrency"], f"{r['plain']:,.0f}", f"{r['mtp']:,.0f}", f"{r['speedup']:.2f}x")
+        for r in result["rows"]
+    ]
+    acceptance = result["acceptance"]
+    return "\n".join(
+        [
+            "# MTP through dsinfer serve (all-in-one PD, tiny-chat, float32)",
+            "",
+            f"- date: {m['date']}; commit {m['commit']}",
+            f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores; "
+            f"load average before {m['load_before'][0]:.2f}, after {m['load_after'][0]:.2f}",
+            f"- command: `{m['command']}`",
+            f"- {result['rounds']} rounds of each server, {result['repeats']} timed passes per concurrency "
+            f"each; MTP acceptance {acceptance:.1%}"
+            if acceptance is not None
+            else "- no drafts seen",
+            "",
+            "Output tok/s (medians of the passes):",
+            "",
+            *table(("streams", "plain", "MTP", "speed-up"), rows, "rrrr"),
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--requests-per-stream", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start-timeout", type=float, default=300)
+    add_output_args(parser)
+    args = parser.parse_args()
+    machine = {
+        **machine_info(),
+        "date": utc_now(),
+        "load_before": load_average(),
+        "commit": git_commit(short=True),
+        "command": command_line(".venv/bin/python"),
+    }
+    result = {"machine": machine, "rounds": args.rounds, "repeats": args.repeats, **run(args)}
+    machine["load_after"] = load_average()
+    save_report(result, markdown(result), args.out, args.markdown)
+
+
+if __name__ == "__main__":
+    main()
