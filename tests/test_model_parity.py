@@ -136,6 +136,38 @@ def test_chunked_prefill_over_cached_prefix(built: BuiltCheckpoint) -> None:
     compare_prompt(built, prompt, loaded.model.compute_logits(torch.cat(hidden)))
 
 
+def test_absorbed_decodes_of_mixed_lengths_equal_the_decompressed_path(built: BuiltCheckpoint) -> None:
+    """Decodes with and without an MTP draft in one step (2, 1 and 3 new tokens): the absorbed
+    path left-pads them to one query length and gives what the decompressed path gives."""
+    loaded = _load(built)
+    pool = _pool(loaded, 12)
+    prompts = [_prompt(n, seed=20 + n) for n in (30, 21, 17)]
+    pages = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    table = pool.block_table(pages)
+
+    def batch(spans: list[tuple[int, int]], num_absorbed: int) -> ForwardBatch:
+        slots = [pool.slots(p, start, end) for p, (start, end) in zip(pages, spans, strict=True)]
+        return ForwardBatch(
+            positions=torch.cat([torch.arange(start, end) for start, end in spans]),
+            slot_mapping=torch.cat(slots),
+            block_tables=table,
+            q_lens=[end - start for start, end in spans],
+            kv_lens=[end for _, end in spans],
+            num_absorbed=num_absorbed,
+        )
+
+    cached = [len(p) - q for p, q in zip(prompts, (2, 1, 3), strict=True)]
+    ids = torch.tensor([t for p, c in zip(prompts, cached, strict=True) for t in p[:c]])
+    loaded.model(ids, batch([(0, c) for c in cached], 0), pool.caches)  # the cached prefixes
+    step = torch.tensor([t for p, c in zip(prompts, cached, strict=True) for t in p[c:]])
+    spans = [(c, len(p)) for p, c in zip(prompts, cached, strict=True)]
+    mixed = batch(spans, 3)
+    assert mixed.absorbed_padding is not None
+    absorbed = loaded.model(step, mixed, pool.caches)
+    decompressed = loaded.model(step, batch(spans, 0), pool.caches)
+    torch.testing.assert_close(absorbed, decompressed, rtol=1e-4, atol=1e-4)
+
+
 def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
     loaded = _load(built)
     assert len(loaded.model.mtp_layers) == 1
