@@ -31,8 +31,8 @@ import httpx
 
 from dsinfer.evals.tasks import make_question
 from harness.progress import progress
-from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
-from harness.results import add_output_args, save_report, table
+from harness.provenance import load_average, run_machine
+from harness.results import add_output_args, machine_lines, save_report, table
 from harness.server import Server, serve
 
 MAX_TOKENS = 256
@@ -110,7 +110,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
     rows = [
         (r["concurrency"], f"{r['plain']:,.0f}", f"{r['mtp']:,.0f}", f"{r['speedup']:.2f}x")
         for r in result["rows"]
@@ -120,10 +119,7 @@ def markdown(result: dict[str, Any]) -> str:
         [
             "# MTP through dsinfer serve (all-in-one PD, tiny-chat, float32)",
             "",
-            f"- date: {m['date']}; commit {m['commit']}",
-            f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores; "
-            f"load average before {m['load_before'][0]:.2f}, after {m['load_after'][0]:.2f}",
-            f"- command: `{m['command']}`",
+            *machine_lines(result["machine"]),
             f"- {result['rounds']} rounds of each server, {result['repeats']} timed passes per concurrency "
             f"each; MTP acceptance {acceptance:.1%}"
             if acceptance is not None
@@ -149,13 +145,7 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=300)
     add_output_args(parser)
     args = parser.parse_args()
-    machine = {
-        **machine_info(),
-        "date": utc_now(),
-        "load_before": load_average(),
-        "commit": git_commit(short=True),
-        "command": command_line(".venv/bin/python"),
-    }
+    machine = run_machine()
     result = {"machine": machine, "rounds": args.rounds, "repeats": args.repeats, **run(args)}
     machine["load_after"] = load_average()
     save_report(result, markdown(result), args.out, args.markdown)

@@ -48,8 +48,8 @@ from dsinfer.base.trace import load_trace
 from dsinfer.engine.llm import LLM
 from dsinfer.evals.tasks import lookup_context, make_question, render_context
 from harness.checkpoints import agreeing_mtp_checkpoint, build_checkpoint
-from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
-from harness.results import add_output_args, save_report, table
+from harness.provenance import load_average, run_machine
+from harness.results import add_output_args, machine_lines, save_report, table
 
 MAX_TOKENS = 256
 WIDE_TOKENS = 64
@@ -240,7 +240,6 @@ def _speedup(row: dict[str, Any], name: str) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    m = result["machine"]
     rows = [
         (r["batch"], f"{r['acceptance']:.1%}", f"{r['plain']['decode_tok_s']:,.0f}", f"{r['mtp']['decode_tok_s']:,.0f}",
          _speedup(r, "decode_speedup"), f"{r['plain']['e2e_tok_s']:,.0f}", f"{r['mtp']['e2e_tok_s']:,.0f}",
@@ -258,11 +257,8 @@ def markdown(result: dict[str, Any]) -> str:
         [
             "# MTP against plain decoding (offline, one process, paired passes)",
             "",
-            f"- date: {m['date']}; commit {m['commit']}; model {result['model']}, {result['dtype']}; "
-            f"task {result['task']}",
-            f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores; "
-            f"load average before {m['load_before'][0]:.2f}, after {m['load_after'][0]:.2f}",
-            f"- command: `{m['command']}`",
+            *machine_lines(result["machine"]),
+            f"- model {result['model']}, {result['dtype']}; task {result['task']}",
             f"- medians of {result['repeats']} paired passes per batch; outputs identical to plain decoding "
             f"(batch 16): greedy {'yes' if same['greedy'] else 'NO'}, seeded {'yes' if same['seeded'] else 'NO'}",
             "",
@@ -299,13 +295,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the questions")
     add_output_args(parser)
     args = parser.parse_args()
-    machine = {
-        **machine_info(),
-        "date": utc_now(),
-        "load_before": load_average(),
-        "commit": git_commit(short=True),
-        "command": command_line(".venv/bin/python"),
-    }
+    machine = run_machine()
     result: dict[str, Any] = {
         "machine": machine,
         "model": args.model or "tiny-chat",

@@ -28,8 +28,8 @@ from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.v4_state import DenseEntries, SequenceState
 from dsinfer.ops import select_ops
 from harness.plots import plot_result
-from harness.provenance import command_line, git_commit, load_average, machine_info, utc_now
-from harness.results import add_output_args, save_report, table
+from harness.provenance import load_average, run_machine
+from harness.results import add_output_args, machine_lines, save_report, table
 
 PAGE = 64
 
@@ -53,29 +53,13 @@ def step_grid(args: argparse.Namespace) -> list[tuple[int, int]]:
 
 def step_machine() -> dict[str, Any]:
     """Where a step-time run comes from, taken before it starts (it sets ``load_after`` at its end)."""
-    return {
-        **machine_info(),
-        "date": utc_now(),
-        "torch_threads": torch.get_num_threads(),
-        "load_before": load_average(),
-        "commit": git_commit(short=True, paths=("dsinfer", "harness")),
-        "command": command_line(".venv/bin/python"),
-    }
+    return run_machine(torch.get_num_threads())
 
 
 def step_report(title: str, machine: dict[str, Any], sections: Sequence[tuple[str, list[str]]]) -> str:
     """A step-time run's markdown: ``title``, its provenance, then each section's lead line and
     its lines (a table, or nothing)."""
-    m = machine
-    lines = [
-        f"# {title}",
-        "",
-        f"- date: {m['date']}; commit {m['commit']}",
-        f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores, "
-        f"{m['torch_threads']} torch threads; load average before {m['load_before'][0]:.2f}, "
-        f"after {m['load_after'][0]:.2f}",
-        f"- command: `{m['command']}`",
-    ]
+    lines = [f"# {title}", "", *machine_lines(machine)]
     for lead, body in sections:
         lines += ["", lead, *(["", *body] if body else [])]
     return "\n".join(lines) + "\n"

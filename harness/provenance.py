@@ -141,6 +141,21 @@ def provenance(torch: bool = False) -> dict[str, Any]:
     }
 
 
+def run_machine(torch_threads: int | None = None) -> dict[str, Any]:
+    """Where a benchmark's run comes from, taken as it starts (it sets ``load_after`` as it
+    ends): the machine, the date, the commit of what it runs, the command, the load."""
+    machine = {
+        **machine_info(),
+        "date": utc_now(),
+        "load_before": load_average(),
+        "commit": git_commit(short=True, paths=(*SOURCES, "harness")),
+        "command": command_line(".venv/bin/python"),
+    }
+    if torch_threads is not None:
+        machine["torch_threads"] = torch_threads
+    return machine
+
+
 # A commit to run -------------------------------------------------------------------------------
 def export_commit(rev: str, dest: Path) -> tuple[str, Path]:
     """A clean copy of ``rev`` (``git archive``) in ``dest``, laid out as the editable install maps

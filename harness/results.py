@@ -90,6 +90,19 @@ def report_header(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def machine_lines(machine: dict[str, Any]) -> list[str]:
+    """The bullets of a ``provenance.run_machine`` record: date and commit, the machine and its
+    load, the command."""
+    m = machine
+    threads = f", {m['torch_threads']} torch threads" if "torch_threads" in m else ""
+    return [
+        f"- date: {m['date']}; commit {m['commit']}",
+        f"- machine: {m['cpu_model']}, ISA {', '.join(m['cpu_isa'])}; {m['online_cpus']} cores{threads}; "
+        f"load average before {m['load_before'][0]:.2f}, after {m['load_after'][0]:.2f}",
+        f"- command: `{m['command']}`",
+    ]
+
+
 @dataclass
 class ToolRun:
     """Another tool's run against a server (schemathesis, lm-eval): its exit code and output, the
