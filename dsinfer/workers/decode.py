@@ -19,15 +19,16 @@ from dsinfer.connector.messages import (
     TransferAborted,
     TransferProgress,
 )
-from dsinfer.connector.outbox import Outbox, TransferCounters
+from dsinfer.connector.outbox import Outbox
 from dsinfer.engine.facade import EngineFacade
-from dsinfer.workers.role import RoleWorker, abort_running, token_delta
+from dsinfer.workers.role import ConnectedWorker, abort_running, token_delta
 
 log = logging.getLogger("dsinfer.worker")
 
 
-class DecodeWorker(RoleWorker):
+class DecodeWorker(ConnectedWorker):
     role = "decode"
+    connector: DecodeConnector
 
     def __init__(
         self,
@@ -76,15 +77,6 @@ class DecodeWorker(RoleWorker):
             self.connector.peer_down(message.worker)
         else:
             log.warning("decode worker ignored %s", type(message).__name__)
-
-    def tick(self, now: float) -> None:
-        self.connector.tick(now)
-
-    def busy(self) -> bool:
-        return self.has_work() or self.connector.busy()
-
-    def transfer_counters(self) -> TransferCounters:
-        return self.connector.counters
 
     def num_queued_elsewhere(self) -> int:
         return self.connector.num_waiting()

@@ -8,19 +8,20 @@ import logging
 
 from dsinfer.base.protocol import Abort
 from dsinfer.connector.messages import PROGRESS_INTERVAL, AnyMessage, PrefillRequest
-from dsinfer.connector.outbox import Outbox, TransferCounters
+from dsinfer.connector.outbox import Outbox
 from dsinfer.connector.prefill import PrefillConnector
 from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.facade import EngineFacade
 from dsinfer.engine.step import StepPlan
 from dsinfer.transfer.base import TransferBackend
-from dsinfer.workers.role import RoleWorker
+from dsinfer.workers.role import ConnectedWorker
 
 log = logging.getLogger("dsinfer.worker")
 
 
-class PrefillWorker(RoleWorker):
+class PrefillWorker(ConnectedWorker):
     role = "prefill"
+    connector: PrefillConnector
 
     def __init__(
         self,
@@ -58,15 +59,6 @@ class PrefillWorker(RoleWorker):
 
     def step_interrupted(self) -> None:
         self.connector.step_interrupted()
-
-    def tick(self, now: float) -> None:
-        self.connector.tick(now)
-
-    def busy(self) -> bool:
-        return self.has_work() or self.connector.busy()
-
-    def transfer_counters(self) -> TransferCounters:
-        return self.connector.counters
 
     def num_queued_elsewhere(self) -> int:
         return self.connector.num_done_waiting()

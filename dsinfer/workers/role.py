@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from dsinfer.base.protocol import Abort, GenerateRequest, LoadReport, TokenDelta, WorkerRequest
 from dsinfer.base.stages import RequestStages, StageHistogram
@@ -149,6 +150,32 @@ class RoleWorker(ABC):
     def num_queued_elsewhere(self) -> int:
         """Requests the role holds outside the scheduler's queues."""
         return 0
+
+
+class ConnectorSide(Protocol):
+    """What a PD role's worker asks of its side of the KV connector besides its messages."""
+
+    counters: TransferCounters
+
+    def tick(self, now: float) -> None: ...
+
+    def busy(self) -> bool: ...
+
+
+class ConnectedWorker(RoleWorker):
+    """A PD role: its side of the KV connector has timed work, keeps the loop busy and counts
+    the role's transfers."""
+
+    connector: ConnectorSide
+
+    def tick(self, now: float) -> None:
+        self.connector.tick(now)
+
+    def busy(self) -> bool:
+        return self.has_work() or self.connector.busy()
+
+    def transfer_counters(self) -> TransferCounters:
+        return self.connector.counters
 
 
 class ColocatedWorker(RoleWorker):
