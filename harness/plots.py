@@ -805,6 +805,52 @@ def plot_memory(memory: dict[str, list[tuple[float, float]]], faults_at: Iterabl
     return save(fig, path, "Soak: resident memory of every process")
 
 
+def plot_mtp_speed(doc: Doc, path: Path) -> None:
+    """MTP against plain decoding: decode and end-to-end tok/s per batch (median bars), and the
+    MTP step's time split into the verify forward, the draft and the rest."""
+    rows = doc["rows"]
+    labels = [f"batch {r['batch']}" for r in rows]
+    fig, axes = figure(3, 3, size=(15, 4.5))
+    for ax, key, what in (
+        (axes[0], "decode_tok_s", "decode tok/s"),
+        (axes[1], "e2e_tok_s", "end-to-end tok/s"),
+    ):
+        _bars(ax, labels, {mode: [r[mode][key] for r in rows] for mode in ("plain", "mtp")})
+        for i, r in enumerate(rows):
+            speedup = r["decode_speedup" if key == "decode_tok_s" else "e2e_speedup"]
+            ax.annotate(f"{speedup:.2f}x", (i, r["mtp"][key]), ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel(what)
+        ax.legend(fontsize=8)
+    bottom = [0.0] * len(rows)
+    parts = (("verify forward", "forward_ms"), ("draft", "draft_ms"))
+    for name, key in parts:
+        values = [r["mtp"][key] / r["mtp"]["step_ms"] for r in rows]
+        axes[2].bar(range(len(rows)), values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes[2].set_xticks(range(len(rows)), labels)
+    axes[2].set_ylabel("share of the MTP step (medians)")
+    axes[2].legend(fontsize=8)
+    title = f"MTP against plain decoding: {doc['model']}, {doc['dtype']}, {doc['task']}"
+    save(fig, path, title, machine_note(doc))
+
+
+def plot_mtp_serving(doc: Doc, path: Path) -> None:
+    """MTP through dsinfer serve: output tok/s per concurrency (median bars, a dot a pass)."""
+    rows, passes = doc["rows"], doc["passes"]
+    labels = [f"{r['concurrency']} stream{'s' if r['concurrency'] > 1 else ''}" for r in rows]
+    series = {mode: [r[mode] for r in rows] for mode in ("plain", "mtp")}
+    points = {
+        mode: [[p["tok_s"] for p in passes if p["mode"] == mode and p["concurrency"] == r["concurrency"]]
+               for r in rows]
+        for mode in ("plain", "mtp")
+    }  # fmt: skip
+    fig, axes = figure(1, 1, size=(7, 4.5))
+    _bars(axes[0], labels, series, points)
+    axes[0].set_ylabel("output tok/s")
+    axes[0].legend(fontsize=8)
+    save(fig, path, "MTP through dsinfer serve (all-in-one PD)", machine_note(doc))
+
+
 # Registry -----------------------------------------------------------------------------------------
 PLOTTERS: dict[str, Plotter] = {
     "serving_throughput*.json": plot_serving_throughput,
@@ -826,6 +872,8 @@ PLOTTERS: dict[str, Plotter] = {
     "overload.json": plot_overload,
     "kv_replay*.json": plot_kv_replay,
     "tracing_cost.json": plot_tracing_cost,
+    "mtp_speed*.json": plot_mtp_speed,
+    "mtp_serving*.json": plot_mtp_serving,
     "accuracy.json": plot_accuracy,
     "*sweep_mla*.json": plot_mla_sweep,
     "*sweep_gemm*.json": plot_gemm_sweep,
