@@ -162,7 +162,11 @@ def _acceptance(llm: LLM) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    scratch = Path(tempfile.mkdtemp(prefix="mtp-speed-"))
+    with tempfile.TemporaryDirectory(prefix="mtp-speed-") as scratch:  # traces, the wide checkpoint
+        return _run(args, Path(scratch))
+
+
+def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     model = _checkpoint(args.model, scratch)
     engines = {
         mode: LLM(
@@ -186,6 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for llm in engines.values():  # compile and warm every path once
         llm.generate(prompts[: max(batches)], greedy, use_tqdm=False)
     passes: list[dict[str, Any]] = []
+    acceptance: dict[int, float | None] = {}
     for batch in batches:
         before = _acceptance(engines["mtp"])
         for rep in range(args.repeats):
@@ -195,7 +200,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 passes.append({"batch": batch, "mode": mode, "rep": rep, **result})
                 print(f"batch {batch} {mode} pass {rep}: {result['output_tokens']} tokens", flush=True)
         proposed, accepted = (a - b for a, b in zip(_acceptance(engines["mtp"]), before, strict=True))
-        passes.append({"batch": batch, "mode": "acceptance", "proposed": proposed, "accepted": accepted})
+        acceptance[batch] = accepted / proposed if proposed else None
     seeded = [_sampling(args, temperature=0.8, seed=i) for i in range(SAME_BATCH)]
     same = {
         name: _pass(engines["plain"], prompts[:SAME_BATCH], params)["tokens"]
@@ -205,12 +210,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for llm in engines.values():
         llm.engine.close()  # flushes the traces
     traces = {mode: load_trace(next((scratch / mode).glob("*.json"))) for mode in engines}
-    return {"rows": _rows(passes, traces), "identical": same}
+    return {"rows": _rows(passes, traces, acceptance), "identical": same}
 
 
-def _rows(passes: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def _rows(
+    passes: list[dict[str, Any]],
+    traces: dict[str, list[dict[str, Any]]],
+    acceptance: dict[int, float | None],
+) -> list[dict[str, Any]]:
     rows = []
-    for batch in sorted({p["batch"] for p in passes}):
+    for batch in sorted(acceptance):
         row: dict[str, Any] = {"batch": batch}
         per_pass: dict[str, list[dict[str, float]]] = {}
         for mode in ("plain", "mtp"):
@@ -223,8 +232,7 @@ def _rows(passes: list[dict[str, Any]], traces: dict[str, list[dict[str, Any]]])
                 for p in mine
             ]  # fmt: skip
             row[mode] = {k: statistics.median(x[k] for x in per_pass[mode]) for k in per_pass[mode][0]}
-        [acc] = [p for p in passes if p["batch"] == batch and p["mode"] == "acceptance"]
-        row["acceptance"] = acc["accepted"] / acc["proposed"] if acc["proposed"] else None
+        row["acceptance"] = acceptance[batch]
         # speed-ups of each pair of passes run back to back: slow drifts of a shared machine cancel
         for key, name in (("decode_tok_s", "decode_speedup"), ("e2e_tok_s", "e2e_speedup")):
             ratios = [m[key] / p[key] for p, m in zip(per_pass["plain"], per_pass["mtp"], strict=True)]

@@ -111,10 +111,10 @@ class ForwardBatch:
     def num_decompressed_tokens(self) -> int:
         return sum(self.q_lens[: self.num_decompressed])
 
-    def last_tokens(self) -> ForwardBatch:
-        """Each sequence's last new token alone, all on the absorbed path: attention after this
-        batch's KV is written, for rows whose other tokens' outputs nobody reads."""
-        last = self.last_token_indices()
+    def last_tokens(self, last: torch.Tensor) -> ForwardBatch:
+        """Each sequence's last new token alone (``last``: ``last_token_indices()``), all on the
+        absorbed path: attention after this batch's KV is written, for rows whose other tokens'
+        outputs nobody reads."""
         return ForwardBatch(
             positions=self.positions[last],
             slot_mapping=self.slot_mapping[last],

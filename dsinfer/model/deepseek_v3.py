@@ -172,7 +172,8 @@ class MTPLayer(DecoderLayer):
         if not last_only:
             return super().forward(x, batch, kv_cache)
         q = self.attention_in(x, batch, kv_cache)
-        last, tail = batch.last_token_indices(), batch.last_tokens()
+        last = batch.last_token_indices()
+        tail = batch.last_tokens(last)
         return self.feed_forward(self.attention_out(x[last], q.take(last), tail, kv_cache), tail)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
