@@ -82,7 +82,13 @@ def test_evicted_pages_come_back_from_the_host_tier(tiny_ckpt: BuiltCheckpoint) 
     assert (stats.memory_hit_tokens, stats.host_hit_tokens) == (64, 192)
     load = llm.engine.load()
     assert load.host_hit_tokens == 192
-    assert load_report("w", "i", load).host_hit_tokens == 192  # what /metrics shows as tier="host"
+    report = load_report("w", "i", load)  # what /metrics shows as tier="host"
+    assert report.host_hit_tokens == 192
+    host = report.kv_tiers["host"]
+    # written: the first prompt's three pages, then three of the second's evicted for the loads
+    loaded = (host["pages_loaded"], host["bytes_loaded"], host["pages_written"])
+    assert loaded == (3, 3 * _page_bytes(tiny_ckpt), 6)
+    assert host["load_seconds"] > 0 and host["bytes"] == stats.host_bytes
 
     cold = _engine(tiny_ckpt, 0)
     assert cold.engine.kv.host is None

@@ -353,6 +353,8 @@ def test_disk_write_through_and_restart(tmp_path: Path) -> None:
     assert again.pages == match.pages and again.memory_pages == 3
     fresh.flush()
     stats = fresh.stats
+    assert stats.disk_load_seconds > 0 and fresh.disk is not None
+    page_bytes = fresh.pool.page_record_bytes
     assert stats == CacheStats(
         memory_hit_tokens=3 * PS,
         disk_hit_tokens=3 * PS,
@@ -360,6 +362,10 @@ def test_disk_write_through_and_restart(tmp_path: Path) -> None:
         disk_pages_written=0,
         disk_pages_read=3,
         disk_files_rejected=0,
+        disk_bytes=3 * fresh.disk.file_bytes,
+        disk_pages_loaded=3,
+        disk_bytes_loaded=3 * page_bytes,
+        disk_load_seconds=stats.disk_load_seconds,
     )
     assert stats.as_dict()["disk_hit_tokens"] == 3 * PS
     fresh.release(match.pages + again.pages)

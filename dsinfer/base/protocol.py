@@ -93,6 +93,8 @@ class LoadReport(ControlMessage, kw_only=True):
     memory_hit_tokens: int = 0
     disk_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    # per KV tier below the pool ("host", "disk"): counters by name (dsinfer.cache.cache_stats)
+    kv_tiers: dict[str, dict[str, float]] = {}
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing

@@ -18,113 +18,35 @@ Tiers below the pool, looked up in this order when a prefix misses it: the host-
 (``host``: an evicted cached page is copied there just before its page gets a new owner) and the
 disk. Disk writes run on one background thread fed by a bounded queue: ``commit`` snapshots each newly
 cached page to host memory (one copy) and enqueues it; when the queue is full the write is dropped
-(counted), never waited for. Reads from disk happen in ``match_prefix``, on the calling thread.
+(counted), never waited for.
+
+Loads from those tiers run ahead of the step that needs them: ``prefetch`` takes free pages for a
+waiting prompt's pages that a lower tier holds and hands the reads to a background thread
+(dsinfer/cache/tier_loader.py); ``finish_loads`` caches the pages whose loads are done, each
+tagged with the tier it came from until a match counts it. The scheduler admits the prompt once
+its loads are done (``loading``) and matches with ``load=False``, so no step waits for a tier.
+``match_prefix`` with ``load=True`` (the default; PD's decode side) still loads on the caller's
+thread.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import torch
 
 from dsinfer.base.hashing import page_hashes
+from dsinfer.cache.cache_stats import CacheStats, Prefetch, PrefixMatch
 from dsinfer.cache.disk_tier import DiskKVTier
+from dsinfer.cache.disk_writer import DiskWriter
 from dsinfer.cache.host_tier import HostKVTier
 from dsinfer.cache.kv_pool import OutOfPagesError, PagedKVPool
+from dsinfer.cache.tier_loader import PageLoad, TierLoader
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CacheStats:
-    memory_hit_tokens: int = 0
-    disk_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    host_pages_written: int = 0  # evicted pages copied to the host tier
-    host_evictions: int = 0  # pages the host tier dropped for room
-    host_bytes: int = 0  # what the host tier holds now
-    queried_tokens: int = 0  # prompt tokens passed to match_prefix (the hit-rate denominator)
-    disk_pages_written: int = 0
-    disk_pages_read: int = 0
-    disk_files_rejected: int = 0
-    disk_writes_dropped: int = 0  # write queue full or I/O error
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-@dataclass
-class PrefixMatch:
-    pages: list[int]  # referenced for the caller: release them like allocated pages
-    num_tokens: int  # len(pages) * page_size
-    memory_pages: int
-    disk_pages: int
-    queried_tokens: int = 0
-    host_pages: int = 0
-
-
-class _DiskWriter:
-    """One background thread writing page snapshots to the disk tier.
-
-    Shared with the caller's thread: the queue, and a pending count under a condition for flush.
-    """
-
-    def __init__(self, disk: DiskKVTier, max_pending: int) -> None:
-        self.disk = disk
-        self._queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(max_pending)
-        self._idle = threading.Condition()
-        self._pending = 0
-        self.failed = 0  # written by the writer thread only
-        self._thread = threading.Thread(target=self._run, name="dsinfer-kv-disk-writer", daemon=True)
-        self._thread.start()
-        self.stopped = False
-
-    def has_room(self) -> bool:
-        return not self.stopped and not self._queue.full()
-
-    def submit(self, key: bytes, data: torch.Tensor) -> bool:
-        with self._idle:
-            self._pending += 1
-        try:
-            self._queue.put_nowait((key, data))
-        except queue.Full:
-            self._done()
-            return False
-        return True
-
-    def flush(self, timeout: float) -> None:
-        with self._idle:
-            if not self._idle.wait_for(lambda: self._pending == 0, timeout):
-                raise TimeoutError(f"{self._pending} KV page writes still pending after {timeout} s")
-
-    def stop(self) -> None:
-        if not self.stopped:
-            self.stopped = True
-            self._queue.put(None)
-            self._thread.join()
-
-    def _done(self) -> None:
-        with self._idle:
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.notify_all()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            key, data = item
-            try:
-                if not self.disk.contains(key) and not self.disk.write(key, data):
-                    self.failed += 1
-            except Exception:  # keep the thread alive: one bad write must not stop the tier
-                logger.exception("disk KV tier: write failed")
-                self.failed += 1
-            finally:
-                self._done()
 
 
 class KVCacheManager:
@@ -162,8 +84,14 @@ class KVCacheManager:
         self._key_of: dict[int, bytes] = {}  # page -> its key, for every owned page whose key is known
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._stats = CacheStats()
-        self._writer = _DiskWriter(self.disk, max_pending_writes) if self.disk is not None else None
+        self._writer = DiskWriter(self.disk, max_pending_writes) if self.disk is not None else None
         self.host = host if enable_prefix_cache else None
+        self._loader: TierLoader | None = None
+        if self.host is not None or self.disk is not None:
+            self._loader = TierLoader(pool)
+        self._loading: dict[bytes, int] = {}  # key -> the page its load writes
+        self._origin: dict[int, str] = {}  # a cached page loaded from a tier -> that tier, until matched
+        self.max_loading_pages = max(1, self.num_pages // 2)
 
     # Sizes -----------------------------------------------------------------------------------
     @property
@@ -208,6 +136,7 @@ class KVCacheManager:
             s.disk_pages_written = disk.pages_written
             s.disk_files_rejected = disk.files_rejected
             s.disk_writes_dropped += self._writer.failed
+            s.disk_evictions, s.disk_bytes = disk.files_evicted, disk.bytes
         return s
 
     # Allocation ------------------------------------------------------------------------------
@@ -264,6 +193,7 @@ class KVCacheManager:
         page, _ = self._evictable.popitem(last=False)
         key = self._key_of.pop(page)
         del self._cached[key]
+        self._origin.pop(page, None)
         if self.host is not None:  # before the page gets its new owner
             self.host.put(key, self._pool.read_page(page))
         return page
@@ -277,9 +207,10 @@ class KVCacheManager:
         self._refs[page] = self._refs.get(page, 0) + 1
 
     # Prefix cache ----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> PrefixMatch:
+    def match_prefix(self, token_ids: list[int], *, load: bool = True) -> PrefixMatch:
         """Reference the longest cached run of full pages at the start of ``token_ids``, from
-        memory then disk, stopping at the first miss. The last token is never covered."""
+        memory then (``load``) the host tier and the disk, stopping at the first miss. The last
+        token is never covered. A page ``prefetch`` loaded counts as a hit of its tier."""
         self._stats.queried_tokens += len(token_ids)
         pages: list[int] = []
         if not self.enable_prefix_cache or len(token_ids) <= self.page_size:
@@ -289,10 +220,10 @@ class KVCacheManager:
             page = self._cached.get(key)
             if page is not None:
                 self._reference(page)
-                origins.append("memory")
-            elif (page := self._load_from_host(key)) is not None:
+                origins.append(self._origin.pop(page, "memory"))
+            elif load and (page := self._load_from_host(key)) is not None:
                 origins.append("host")
-            elif (page := self._load_from_disk(key)) is not None:
+            elif load and (page := self._load_from_disk(key)) is not None:
                 origins.append("disk")
             else:
                 break
@@ -306,13 +237,18 @@ class KVCacheManager:
         self._stats.host_hit_tokens += host_pages * self.page_size
         self._stats.disk_hit_tokens += disk_pages * self.page_size
         self._stats.disk_pages_read += disk_pages
-        return PrefixMatch(pages, len(pages) * self.page_size, memory, disk_pages, len(token_ids), host_pages)
+        return PrefixMatch(
+            pages, len(pages) * self.page_size, memory, disk_pages, len(token_ids), host_pages, origins
+        )
 
     def abandon(self, match: PrefixMatch) -> None:
         """Give back a match the caller could not use (it will ask again): release its pages and
         take its tokens out of the hit statistics, so that a request waiting for pages counts
         once. Pages read from disk stay read (``disk_pages_read``) and cached in memory."""
         self.release(match.pages)
+        for page, origin in zip(match.pages, match.origins, strict=True):
+            if origin != "memory" and self.is_cached(page):
+                self._origin[page] = origin  # counted as that tier's hit when matched again
         self._stats.queried_tokens -= match.queried_tokens
         self._stats.memory_hit_tokens -= match.memory_pages * self.page_size
         self._stats.disk_hit_tokens -= match.disk_pages * self.page_size
@@ -324,11 +260,12 @@ class KVCacheManager:
         page = self._take_page()
         if page is None:
             return None
+        start = time.perf_counter()
         record = self.host.get(key)
         assert record is not None
         self._pool.write_page(page, record)
-        self._cached[key] = page
-        self._key_of[page] = key
+        self._install(key, page)
+        self._stats.count_load("host", record.numel(), time.perf_counter() - start)
         return page
 
     def _load_from_disk(self, key: bytes) -> int | None:
@@ -337,14 +274,84 @@ class KVCacheManager:
         page = self._take_page()
         if page is None:
             return None
+        start = time.perf_counter()
         data = self.disk.read(key)
         if data is None:  # bad file: the tier counted and deleted it
             self.release([page])
             return None
         self._pool.write_page(page, data)
+        self._install(key, page)
+        self._stats.count_load("disk", data.numel(), time.perf_counter() - start)
+        return page
+
+    def _install(self, key: bytes, page: int) -> None:
         self._cached[key] = page
         self._key_of[page] = key
-        return page
+
+    # Loads ahead of the step -----------------------------------------------------------------
+    @property
+    def loads_ahead(self) -> bool:
+        """Whether lower tiers exist to ``prefetch`` from (else ``match_prefix`` finds all)."""
+        return self._loader is not None
+
+    @property
+    def loads_pending(self) -> bool:
+        return bool(self._loading)
+
+    def prefetch(self, token_ids: list[int]) -> Prefetch | None:
+        """Start loading, in the background, the pages of ``token_ids``' cached prefix that only a
+        lower tier holds, each into a page taken now (at most ``max_loading_pages`` in flight);
+        pages in the pool are touched. None when nothing is loading for it."""
+        if self._loader is None or len(token_ids) <= self.page_size:
+            return None
+        held: list[int] = []
+        keys: list[bytes] = []
+        try:
+            for key in page_hashes(token_ids[:-1], self.page_size, self.root):
+                if (page := self._cached.get(key)) is not None:
+                    self._reference(page)  # not evicted by this prefetch's own allocations
+                    held.append(page)
+                    continue
+                if key not in self._loading:
+                    source = self._tier_reader(key) if len(self._loading) < self.max_loading_pages else None
+                    if source is None or (page := self._take_page()) is None:
+                        break
+                    self._loading[key] = page
+                    self._loader.submit(PageLoad(key, page, *source))
+                keys.append(key)
+        finally:
+            self.release(held)
+        return Prefetch(keys) if keys else None
+
+    def loading(self, prefetch: Prefetch) -> bool:
+        return any(key in self._loading for key in prefetch.keys)
+
+    def finish_loads(self) -> None:
+        """Cache the pages whose loads are done (a failed one is freed: a miss, computed)."""
+        if self._loader is None:
+            return
+        for load in self._loader.completed():
+            del self._loading[load.key]
+            if load.data is not None:  # a pool written on this thread only
+                self._pool.write_page(load.page, load.data)
+            if load.ok and load.key not in self._cached:
+                self._install(load.key, load.page)
+                self._origin[load.page] = load.tier
+                self._stats.count_load(load.tier, load.nbytes, load.seconds)
+            self.release([load.page])
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Wait until a load is done or ``timeout`` seconds pass (for a rank with nothing else to do)."""
+        if self._loader is not None and self._loading:
+            self._loader.wait(timeout)
+
+    def _tier_reader(self, key: bytes) -> tuple[str, Callable[[], torch.Tensor | None]] | None:
+        if self.host is not None and (record := self.host.get(key)) is not None:
+            return "host", lambda: record
+        disk = self.disk
+        if disk is not None and disk.contains(key):
+            return "disk", lambda: disk.read(key)
+        return None
 
     def commit(self, token_ids: list[int], pages: list[int], num_computed_tokens: int) -> None:
         """Cache every full page whose tokens are all computed (idempotent). A page whose key
@@ -388,8 +395,10 @@ class KVCacheManager:
             self._writer.flush(timeout)
 
     def close(self) -> None:
-        """Flush and stop the writer thread (idempotent). The cache keeps serving from memory and
-        disk; pages committed afterwards are no longer written to disk."""
+        """Flush and stop the writer and loader threads (idempotent). The cache keeps serving from
+        memory and disk; pages committed afterwards are no longer written to disk."""
+        if self._loader is not None:
+            self._loader.stop()
         if self._writer is None or self._writer.stopped:
             return
         try:

@@ -75,6 +75,8 @@ class PagePool:
     allocator: PageAllocator
     page_size: int
     sends_partial_pages = True  # PD: a prompt's last partial page travels with its whole ones
+    # write_page may run on another thread for a page no sequence holds (tensor copies only)
+    page_writes_off_thread = False
 
     @property
     def num_pages(self) -> int:
@@ -90,6 +92,8 @@ class PagePool:
 
 
 class PagedKVPool(PagePool):
+    page_writes_off_thread = True
+
     def __init__(
         self, num_layers: int, num_pages: int, spec: KVCacheSpec, *, device: str | torch.device = "cpu"
     ) -> None:

@@ -49,6 +49,7 @@ from dsinfer.parallel.ep import EPGroup, all_reduce_in_place
 from dsinfer.parallel.placement import ExpertPlacement
 
 log = logging.getLogger("dsinfer.engine")
+IDLE_LOAD_WAIT = 0.05  # seconds a rank alone waits for a tier load when it has nothing to run
 
 
 class LLMEngine:
@@ -293,6 +294,8 @@ class LLMEngine:
         """This rank's batch and votes for the coming step (no collective)."""
         has_work = self.scheduler.has_work()
         batch = self.scheduler.schedule() if has_work else ScheduledBatch()
+        if has_work and not batch.seqs and self._all_reduce_max is None:
+            self.kv.wait_for_loads(IDLE_LOAD_WAIT)  # alone, with only tier loads to wait for
         votes = self.runner.vote(batch, StepVotes(has_work=has_work))
         if self.expert_balancer is not None:
             if not has_work:
@@ -388,6 +391,7 @@ class LLMEngine:
             memory_hit_tokens=stats.memory_hit_tokens,
             disk_hit_tokens=stats.disk_hit_tokens,
             host_hit_tokens=stats.host_hit_tokens,
+            kv_tiers=stats.tiers(),
             mtp_drafts_proposed=sched.stats.drafts_proposed,
             mtp_drafts_accepted=sched.stats.drafts_accepted,
             eplb_swaps=self.expert_balancer.swaps if self.expert_balancer is not None else 0,

@@ -9,6 +9,10 @@ are then admitted first-come first-served while the budget, ``max_num_seqs`` and
 a prefix-cache hit lets a sequence skip computing its cached pages. A request that could never fit
 the pool is refused before it is queued (``check_fits``), so nobody waits forever.
 
+Prefix pages in a tier below the pool (host memory, disk) are loaded ahead: every step starts the
+loads of waiting sequences not yet asked for (``KVCacheManager.prefetch``), and a sequence whose
+loads are still running is passed over (the ones behind it may go first) until they are done.
+
 Attention-aware chunking (optional, ``attention_token_weight``): the budget is then counted in
 new-token equivalents of the attention stage, a prefill chunk costing ``prefill_chunk_cost``:
 its tokens (their projections), plus its causal query-key pairs over ``attention_token_weight``
@@ -26,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dsinfer.base.chunking import fit_prefill_chunk, prefill_chunk_cost
+from dsinfer.cache.cache_stats import Prefetch
 from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.engine.sequence import SeqStatus, Sequence
 
@@ -124,6 +129,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_reserved = 0
         self.stats = SchedulerStats()
+        self._prefetches: dict[str, Prefetch | None] = {}  # waiting sequence -> its tier loads
 
     def pages_for(self, num_tokens: int) -> int:
         return self.kv.pool.pages_for(num_tokens)
@@ -216,11 +222,18 @@ class Scheduler:
             scheduled.append(item)
             budget -= self._cost(item)
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            item = self._admit(self.waiting[0], budget, first=not scheduled)
+        self._start_loads()
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or batch.preempted:
+                break
+            prefetch = self._prefetches.get(seq.key)
+            if prefetch is not None and self.kv.loading(prefetch):
+                continue  # its prefix is still coming from a slower tier: the step goes on without it
+            item = self._admit(seq, budget, first=not scheduled)
             if item is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
+            self._prefetches.pop(seq.key, None)
             scheduled.append(item)
             budget -= self._cost(item)
         # Decodes (with or without a draft) go last: the absorbed MLA path takes them.
@@ -229,6 +242,19 @@ class Scheduler:
         batch.num_decodes = len(decodes)
         self.stats.steps += 1
         return batch
+
+    def _start_loads(self) -> None:
+        self.kv.finish_loads()
+        if not self.kv.loads_ahead:
+            return
+        for seq in self.waiting:
+            if not seq.uses_prefix_cache:
+                continue
+            # asked again once its loads are done: more of its pages may be below the pool (the
+            # loads in flight are capped), until a prefetch finds nothing to load
+            prefetch = self._prefetches.get(seq.key, Prefetch([]))
+            if prefetch is not None and not self.kv.loading(prefetch):
+                self._prefetches[seq.key] = self.kv.prefetch(seq.token_ids)
 
     def _chunk(self, start: int, remaining: int, budget: float, first: bool) -> int:
         """Tokens of a sequence at ``start`` with ``remaining`` to compute that ``budget`` affords."""
@@ -259,7 +285,8 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: float, first: bool) -> ScheduledSeq | None:
-        match = self.kv.match_prefix(seq.token_ids) if seq.uses_prefix_cache else None
+        load = not self.kv.loads_ahead  # else prefetched: no step waits for a tier
+        match = self.kv.match_prefix(seq.token_ids, load=load) if seq.uses_prefix_cache else None
         cached = match.num_tokens if match else 0
         num_new = self._chunk(cached, seq.num_tokens - cached, budget, first)
         needed = self.pages_for(cached + num_new) - (len(match.pages) if match else 0)
@@ -280,6 +307,7 @@ class Scheduler:
         self.kv.release(seq.pages)
         seq.pages, seq.num_computed_tokens, seq.status, seq.draft = [], 0, SeqStatus.WAITING, None
         self.waiting.appendleft(seq)
+        self._prefetches.pop(seq.key, None)  # its pages may be in a lower tier by readmission
         self.stats.preemptions += 1
 
     # After the step -----------------------------------------------------------------------
@@ -318,6 +346,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._prefetches.pop(seq.key, None)
         self.kv.release(seq.pages)
         seq.pages = []
         seq.status = SeqStatus.FINISHED

@@ -9,7 +9,7 @@ engine's load is an :class:`EngineLoad` (the workers add theirs and map it to a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.scheduler import ScheduledBatch
@@ -124,6 +124,7 @@ class EngineLoad:
     memory_hit_tokens: int
     disk_hit_tokens: int
     host_hit_tokens: int = 0
+    kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # CacheStats.tiers()
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing since start

@@ -91,6 +91,31 @@ _PER_WORKER: tuple[
     ),
 )
 
+# The KV tiers below each worker's pool, from LoadReport.kv_tiers: (family, name, help, counter).
+_PER_TIER: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, str], ...] = (
+    (
+        CounterMetricFamily,
+        "dsinfer_kv_tier_pages_loaded",
+        "KV pages copied from the tier into the pool",
+        "pages_loaded",
+    ),
+    (
+        CounterMetricFamily,
+        "dsinfer_kv_tier_loaded_bytes",
+        "bytes copied from the tier into the pool",
+        "bytes_loaded",
+    ),
+    (
+        CounterMetricFamily,
+        "dsinfer_kv_tier_load_seconds",
+        "seconds from asking for a page to its being in the pool, summed over pages",
+        "load_seconds",
+    ),
+    (CounterMetricFamily, "dsinfer_kv_tier_pages_written", "KV pages copied to the tier", "pages_written"),
+    (CounterMetricFamily, "dsinfer_kv_tier_evictions", "pages the tier dropped for room", "evictions"),
+    (GaugeMetricFamily, "dsinfer_kv_tier_bytes", "bytes the tier holds now", "bytes"),
+)
+
 
 class BackendCollector(Collector):
     def __init__(self, snapshot: Callable[[], BackendMetrics]) -> None:
@@ -117,6 +142,7 @@ class BackendCollector(Collector):
             "prompt tokens served from a cache tier",
             labels=[*labels, "tier"],
         )
+        tiers = [kind(name, text, labels=[*labels, "tier"]) for kind, name, text, _ in _PER_TIER]
         for w in snap.workers:
             key, r = [w.worker, w.role], w.report
             healthy.add_metric(key, int(w.healthy))
@@ -125,9 +151,13 @@ class BackendCollector(Collector):
             hits.add_metric([*key, "memory"], r.memory_hit_tokens)
             hits.add_metric([*key, "host"], r.host_hit_tokens)
             hits.add_metric([*key, "disk"], r.disk_hit_tokens)
+            for tier, counters in r.kv_tiers.items():
+                for family, (*_, counter) in zip(tiers, _PER_TIER, strict=True):
+                    family.add_metric([*key, tier], counters.get(counter, 0.0))
         yield healthy
         yield from families
         yield hits
+        yield from tiers
         yield from _rank_histograms(snap)
         moves = CounterMetricFamily(
             "dsinfer_choice_migrations",
