@@ -436,14 +436,14 @@ def test_decode_normalizes_by_each_ranks_capacity() -> None:
 def test_decode_finished_bookkeeping() -> None:
     workers = _workers(2, "decode")
     balancer = DecodeBalancer(PS)
-    picks = [balancer.pick(_request(f"r{i}", [1] * 1000, max_tokens=512), workers, now=0.0) for i in range(4)]
+    picks = [balancer.pick(_request(f"r{i}", [i] * 1000, max_tokens=512), workers, now=0.0) for i in range(4)]
     assert picks == [workers[0], workers[1], workers[0], workers[1]]
     balancer.finished("r0", workers[0])
     balancer.finished("r2", workers[0])
     balancer.finished("r2", workers[0])  # twice: no effect
     balancer.finished("nope", workers[1])
-    assert balancer.pick(_request("r4", [1] * 1000, max_tokens=512), workers, now=0.0) == workers[0]
-    assert balancer.pick(_request("r5", [1] * 1000, max_tokens=512), workers, now=0.0) == workers[0]
+    assert balancer.pick(_request("r4", [4] * 1000, max_tokens=512), workers, now=0.0) == workers[0]
+    assert balancer.pick(_request("r5", [5] * 1000, max_tokens=512), workers, now=0.0) == workers[0]
 
 
 def test_decode_counts_committed_requests_over_a_stale_report() -> None:
@@ -465,9 +465,9 @@ def test_decode_remove_forgets_inflight() -> None:
     balancer = DecodeBalancer(PS)
     for i in range(3):
         balancer.pick(_request(f"r{i}", [1] * 1000), [workers[0]], now=0.0)
-    assert balancer.pick(_request("a", [1] * 100), workers, now=0.0) == workers[1]
+    assert balancer.pick(_request("a", [2] * 100), workers, now=0.0) == workers[1]
     balancer.remove(workers[0])
-    assert balancer.pick(_request("b", [1] * 100), workers, now=0.0) == workers[0]
+    assert balancer.pick(_request("b", [3] * 100), workers, now=0.0) == workers[0]
 
 
 # Every balancer ---------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_restart_with_smaller_capacity_evicts(tmp_path: Path) -> None:
     for i, key in enumerate(_keys(4)):
         tier.write(key, _page(i))
     again = _tier(tmp_path, capacity_pages=2)
-    assert len(again) == 2 and len(list(tmp_path.iterdir())) == 2
+    assert len(again) == 2 and len(list(tmp_path.glob("[0-9a-f]*"))) == 2
 
 
 def test_bad_files_are_rejected_never_served(tmp_path: Path) -> None:
@@ -195,6 +195,26 @@ def test_file_written_by_another_process_is_found(tmp_path: Path) -> None:
     assert not tier.is_indexed(key) and tier.contains(key)
     got = tier.read(key)
     assert got is not None and torch.equal(got, _page(0))
+
+
+def test_a_shared_directory_has_one_id_and_one_cap(tmp_path: Path) -> None:
+    """Two processes' tiers over one directory: the same id (another directory: another id), and
+    a writer that rescans evicts the other's files too, oldest first, so the cap holds jointly."""
+    shared, other = (
+        _tier(tmp_path / "d", capacity_pages=3, rescan_seconds=0),
+        _tier(tmp_path / "d", capacity_pages=3),
+    )
+    assert shared.tier_id == other.tier_id != _tier(tmp_path / "e").tier_id
+    keys = _keys(5)
+    for i, key in enumerate(keys[:3]):
+        other.write(key, _page(i))
+        os.utime(tmp_path / "d" / key.hex(), (1000.0 + i, 1000.0 + i))  # written in this order
+    shared.write(keys[3], _page(3))
+    shared.write(keys[4], _page(4))
+    left = sorted(p.name for p in (tmp_path / "d").glob("[0-9a-f]*"))
+    assert left == sorted(k.hex() for k in (keys[2], keys[3], keys[4]))
+    assert len(shared) == 3 and shared.stats().files_evicted == 2
+    assert other.read(keys[0]) is None and other.read(keys[2]) is not None
 
 
 def _version1_file(key: bytes, payload: bytes) -> bytes:

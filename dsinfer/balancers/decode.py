@@ -25,6 +25,15 @@ usage is within ``kv_slack`` of the least usage count as equal in KV; among them
 
     argmin_r ( count_r + 1,  usage_r,  r )
 
+Conversation affinity. A conversation's next turn re-sends the earlier turns, whose pages the rank
+that decoded them may still hold in its prefix cache (then the prefill rank sends only the rest).
+The balancer keeps, per rank, a record of the page hashes it sent there (``prefix_capacity``
+pages, dsinfer/balancers/prefix_record.py); a leading page counts while fewer pages than the
+rank's pool were sent after it. Among the ranks equal in KV whose ``count_r`` is within
+``count_slack`` of the least, the one holding the longest prefix is picked (then the key above):
+affinity never takes a rank out of the KV slack, nor more than ``count_slack`` requests past the
+least busy.
+
 Draining ranks are only picked when every candidate drains.
 """
 
@@ -33,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsinfer.balancers.base import Balancer, RouteRequest
+from dsinfer.balancers.prefix_record import PrefixRecord
 from dsinfer.base.protocol import LoadReport
 
 
@@ -52,6 +62,11 @@ class _Rank:
     inflight: dict[str, int] = field(default_factory=dict)  # request id -> footprint pages
     inflight_pages: int = 0
     recent: dict[str, _Dispatch] = field(default_factory=dict)  # not in a report yet
+    prefix: PrefixRecord = field(default_factory=lambda: PrefixRecord(0))
+
+    def held_pages(self, page_hashes: list[bytes]) -> int:
+        pool = self.pages_total or float("inf")
+        return sum(1 for depth in self.prefix.leading(page_hashes) if depth < pool)
 
     def estimate(self) -> tuple[int, int]:
         recent_pages = sum(d.pages for d in self.recent.values())
@@ -79,6 +94,8 @@ class DecodeBalancer(Balancer):
         kv_slack: float = 0.02,
         default_kv_pages: int = 4096,
         report_margin: float = 0.25,
+        count_slack: int = 2,
+        prefix_capacity: int = 8192,
     ) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
@@ -90,6 +107,11 @@ class DecodeBalancer(Balancer):
             raise ValueError(f"default_kv_pages must be positive, got {default_kv_pages}")
         if report_margin < 0:
             raise ValueError(f"report_margin must be >= 0, got {report_margin}")
+        if count_slack < 0 or prefix_capacity < 0:
+            raise ValueError(
+                f"count_slack and prefix_capacity must be >= 0, got {count_slack}, {prefix_capacity}"
+            )
+        self.count_slack, self.prefix_capacity = count_slack, prefix_capacity
         self.page_size = page_size
         self.max_tokens_cap = max_tokens_cap
         self.kv_slack = kv_slack
@@ -104,7 +126,7 @@ class DecodeBalancer(Balancer):
     def _rank(self, worker: str) -> _Rank:
         rank = self._ranks.get(worker)
         if rank is None:
-            rank = self._ranks[worker] = _Rank()
+            rank = self._ranks[worker] = _Rank(prefix=PrefixRecord(self.prefix_capacity))
         return rank
 
     def pick(self, request: RouteRequest, candidates: list[str], now: float) -> str:
@@ -123,8 +145,16 @@ class DecodeBalancer(Balancer):
             used, count = rank.estimate()
             scored.append((count + 1, (used + pages) / (rank.pages_total or fallback_total), name))
         least_usage = min(usage for _, usage, _ in scored)
-        _, _, chosen = min(s for s in scored if s[1] <= least_usage + self.kv_slack)
+        equal = [s for s in scored if s[1] <= least_usage + self.kv_slack]
+        least_count = min(count for count, _, _ in equal)
+        near = [s for s in equal if s[0] <= least_count + self.count_slack]
+        held = {name: ranks[name].held_pages(request.page_hashes) for _, _, name in near}
+        if max(held.values()) > 0:
+            _, _, _, chosen = min((-held[s[2]], *s) for s in near)
+        else:
+            _, _, chosen = min(equal)
         ranks[chosen].add(request.request_id, pages, now)
+        ranks[chosen].prefix.remember(request.page_hashes)
         return chosen
 
     def update(self, report: LoadReport, now: float) -> None:
@@ -133,6 +163,7 @@ class DecodeBalancer(Balancer):
             rank.inflight.clear()
             rank.inflight_pages = 0
             rank.recent.clear()
+            rank.prefix.clear()
         rank.incarnation = report.incarnation
         rank.pages_used = report.kv_pages_used
         rank.pages_total = report.kv_pages_total

@@ -95,6 +95,7 @@ class LoadReport(ControlMessage, kw_only=True):
     host_hit_tokens: int = 0
     # per KV tier below the pool ("host", "disk"): counters by name (dsinfer.cache.cache_stats)
     kv_tiers: dict[str, dict[str, float]] = {}
+    kv_disk_tier_id: str = ""  # the disk tier's directory id: ranks reporting one id share it
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing

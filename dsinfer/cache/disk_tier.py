@@ -17,9 +17,16 @@ counted, deleted and reported as a miss; ``read`` never raises and never returns
 
 The directory is capped at ``capacity_bytes``; the least recently used file (written or read)
 goes first. The order lives in memory and is rebuilt at start-up from the files' mtimes (reads
-touch the mtime), so a restarted process reuses what an earlier one wrote. Several processes may
-share a directory: each keeps its own index and adopts files others wrote when it looks them up
-(the cap is then enforced per process, not jointly).
+touch the mtime), so a restarted process reuses what an earlier one wrote.
+
+Several processes may share a directory (every rank of a server, or of a cluster on a shared
+filesystem: the cluster-wide tier). Each keeps its own index and adopts files others wrote when it
+looks them up; a writer rescans the directory at most every ``rescan_seconds`` and then evicts by
+mtime over every file, its own or not, so the cap holds jointly (two processes may evict the same
+file: one unlink fails, harmlessly; a reader that opened a file before it was unlinked still reads
+it whole). ``tier_id`` names the directory itself, not its path: it is read from (or, first,
+created in) the directory's ``.tier-id`` file, so ranks that report the same id share their pages,
+and two nodes mounting different disks at the same path do not.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ _HEADER = struct.Struct("<8sHH16sB32s16sQ32s")
 _NAME = re.compile(r"^(?:[0-9a-f]{2}){1,32}$")
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_SECONDS = 300.0
+_TIER_ID_FILE = ".tier-id"
 
 
 @dataclass
@@ -74,6 +82,7 @@ class DiskKVTier:
         root: bytes,
         page_layout: str,
         page_bytes: int,
+        rescan_seconds: float = 10.0,
     ) -> None:
         """``page_layout`` and ``page_bytes``: the pool's (``PagedKVPool.page_layout`` and
         ``page_bytes``); a file written for another layout is rejected."""
@@ -94,7 +103,10 @@ class DiskKVTier:
         self._total = 0
         self._counts = dict.fromkeys(("written", "read", "rejected", "evicted", "write_errors"), 0)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.tier_id = _tier_id(self.directory)
+        self.rescan_seconds = rescan_seconds
         self._scan()
+        self._scanned_at = time.monotonic()
 
     # Public API ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -177,6 +189,9 @@ class DiskKVTier:
             victims = self._evict_over_capacity()
         for victim in victims:  # outside the lock: lookups from other threads never wait on unlink
             _unlink(victim)
+        if time.monotonic() - self._scanned_at >= self.rescan_seconds:
+            self._scanned_at = time.monotonic()
+            self._scan()  # adopt what other processes wrote, so that the cap holds jointly
         return True
 
     def read(self, key: bytes) -> torch.Tensor | None:
@@ -265,7 +280,7 @@ class DiskKVTier:
         return victims
 
     def _scan(self) -> None:
-        """Rebuild the LRU index from the files present, oldest mtime first."""
+        """Rebuild the LRU index from the files present, oldest mtime first, and evict over the cap."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
         with os.scandir(self.directory) as entries:
@@ -283,12 +298,29 @@ class DiskKVTier:
                     found.append((st.st_mtime, entry.name, st.st_size))
         found.sort()
         with self._lock:
+            self._index.clear()
+            self._total = 0
             for _, name, size in found:
                 self._index[name] = size
                 self._total += size
             victims = self._evict_over_capacity()
         for victim in victims:
             _unlink(victim)
+
+
+def _tier_id(directory: Path) -> str:
+    """The directory's id: whichever process comes first links a written file into place."""
+    path = directory / _TIER_ID_FILE
+    if not path.exists():
+        tmp = directory / f"{_TIER_ID_FILE}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        tmp.write_text(os.urandom(8).hex())
+        try:
+            os.link(tmp, path)  # atomic, and never replaces an id another process put there
+        except FileExistsError:
+            pass
+        finally:
+            _unlink(tmp)
+    return path.read_text().strip()
 
 
 def _unlink(path: Path) -> None:

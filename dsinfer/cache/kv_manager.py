@@ -139,6 +139,20 @@ class KVCacheManager:
             s.disk_evictions, s.disk_bytes = disk.files_evicted, disk.bytes
         return s
 
+    def tier_report(self) -> dict[str, dict[str, float]]:
+        """``CacheStats.tiers`` plus each tier's capacity in pages (0 for a tier that is off)."""
+        tiers = self.stats.tiers()
+        tiers["host"]["capacity_pages"] = float(self.host.max_pages if self.host is not None else 0)
+        disk = self.disk
+        tiers["disk"]["capacity_pages"] = float(
+            disk.capacity_bytes // disk.file_bytes if disk is not None else 0
+        )
+        return tiers
+
+    @property
+    def disk_tier_id(self) -> str:
+        return self.disk.tier_id if self.disk is not None else ""
+
     # Allocation ------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         """``n`` pages with one reference each; evicts cached unreferenced pages (LRU first) when

@@ -124,7 +124,8 @@ class EngineLoad:
     memory_hit_tokens: int
     disk_hit_tokens: int
     host_hit_tokens: int = 0
-    kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # CacheStats.tiers()
+    kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # KVCacheManager.tier_report()
+    kv_disk_tier_id: str = ""  # ranks reporting one id share the disk tier's directory
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing since start

@@ -114,6 +114,7 @@ _PER_TIER: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, 
     (CounterMetricFamily, "dsinfer_kv_tier_pages_written", "KV pages copied to the tier", "pages_written"),
     (CounterMetricFamily, "dsinfer_kv_tier_evictions", "pages the tier dropped for room", "evictions"),
     (GaugeMetricFamily, "dsinfer_kv_tier_bytes", "bytes the tier holds now", "bytes"),
+    (GaugeMetricFamily, "dsinfer_kv_tier_capacity_pages", "KV pages the tier can hold", "capacity_pages"),
 )
 
 
