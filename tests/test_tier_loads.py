@@ -4,11 +4,13 @@ The manager: ``prefetch`` takes pages and reads them on the loader's thread; ``f
 caches them tagged with their tier, which the next match counts; a rejected file frees its page.
 The engine: while a disk answers only when the test lets it, the steps go on (another request
 decodes, the step never waits), and once the loads land the waiting request answers as a cold
-engine does with every one of its cached pages counted as a disk hit.
+engine does with every one of its cached pages counted as a disk hit. Over a long run of
+distinct prompts every tier stays within its bound, and so does the process's memory.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ from dsinfer import LLM
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.cache.host_tier import HostKVTier
 from harness.checkpoints import BuiltCheckpoint
+from harness.metrics import RssSampler, rss_mib
 from tests.test_kv_manager import PAGE_BYTES, PS, _disk, _manager, _run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -131,3 +134,39 @@ def test_a_slow_disk_never_holds_up_the_step(
     assert outputs["hit"].outputs[0].token_ids == answer[0].outputs[0].token_ids
     stats = engine.kv.stats
     assert (stats.disk_hit_tokens, stats.disk_pages_loaded) == (4 * 64, 4)
+
+
+def test_tiers_stay_within_their_bounds_over_a_long_replay(
+    tiny_ckpt: BuiltCheckpoint, tmp_path: Path
+) -> None:
+    """300 distinct prompts of four pages through a pool of 16 pages, a 2 MiB host tier and a
+    4 MiB disk tier: about 43 MiB of pages pass through both. Each tier holds at most its bound,
+    having evicted, and the process's resident memory (sampled every 50 ms) grows by less than
+    half of what passed through."""
+    c = tiny_ckpt.config
+    page_bytes = c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4 * 64
+    directory = tmp_path / "kv"
+    llm = LLM(
+        str(tiny_ckpt.path),
+        dtype="float32",
+        kv_cache_memory=16 * page_bytes,
+        kv_host_cache_size="2MiB",
+        kv_disk_cache_dir=str(directory),
+        kv_disk_cache_size="4MiB",
+        max_num_seqs=4,
+    )
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, c["vocab_size"], (4 * 64 + 1,), generator=gen).tolist() for _ in range(300)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompts[:20], one, use_tqdm=False)
+    baseline = sum(rss_mib([os.getpid()]).values())
+    with RssSampler(lambda: [os.getpid()], interval=0.05) as sampler:
+        for start in range(20, 300, 40):
+            llm.generate(prompts[start : start + 40], one, use_tqdm=False)
+    llm.engine.kv.flush()
+    stats = llm.engine.kv.stats
+    passed_through = 300 * 4 * page_bytes / 2**20
+    assert stats.host_bytes <= 2 * 2**20 and stats.host_evictions > 0
+    on_disk = sum(p.stat().st_size for p in directory.glob("[0-9a-f]*"))
+    assert on_disk <= 4 * 2**20 and stats.disk_evictions > 0
+    assert sampler.peak_mib - baseline < passed_through / 2, (sampler.peak_mib, baseline, passed_through)
