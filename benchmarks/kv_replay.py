@@ -9,13 +9,17 @@ prefix trees (requests whose first block is one of a random 1/N of the first blo
 share among themselves is kept). Requests go out at their timestamps sped up ``--speedup`` times, each a stream of
 ``--max-tokens`` tokens; a prompt longer than the model's context is cut to fit.
 
-Settings (the all-in-one PD server, the random-weight ``tiny`` model; the decode pool's KV is not
-what is measured, the prefill rank's cache is):
+Settings (the all-in-one PD server on the random-weight ``tiny`` model, or ``--checkpoint``; the
+decode pool's KV is not what is measured, the prefill ranks' caches are):
 - ``off``: ``--no-prefix-caching``;
 - ``device``: the prefix cache in the rank's KV pool only (``--kv-cache-memory``, small on
   purpose; ``--kv-host-cache-size 0``);
 - ``host``: the same plus the host-memory tier (``--kv-host-cache-size``);
-- ``disk``: the same plus the on-disk tier (``--kv-disk-cache-dir``).
+- ``disk``: the same plus the on-disk tier (``--kv-disk-cache-dir``);
+- ``shared``: two prefill pools of one rank over one disk directory (the cluster-wide tier), the
+  prefill balancer weighing each rank's prefix by tier;
+- ``vllm``: vLLM's CPU server (``--vllm-python``) on ``--checkpoint`` with its prefix cache, in
+  its smallest KV space (1 GiB; it counts hits in ``vllm:prefix_cache_hits``).
 
 Reported per setting: the share of input tokens served from each tier (the prefill ranks'
 ``dsinfer_prefix_cache_hit_tokens_total`` by tier over ``dsinfer_worker_prompt_tokens_total``),
@@ -30,46 +34,80 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsinfer.base.processes import free_port
 from harness.clients import Stream, client_for, completion_body, outcome, stream_completion
 from harness.plots import plot_result
 from harness.progress import progress
 from harness.provenance import provenance
 from harness.results import add_output_args, fmt, percentile, report_header, save_report, table
-from harness.server import TINY_CPU, serve
+from harness.server import TINY_CPU, Server, engine_env, running, serve
 from harness.traces import TraceRequest, ideal_hit_share, load_trace, replay_prompts, thin
 
 TRACE = Path(__file__).resolve().parent / "data/mooncake/conversation_trace_20min.jsonl"
-SETTINGS = ("off", "device", "host", "disk")
+SETTINGS = ("off", "device", "host", "disk", "shared", "vllm")
 TIERS = ("memory", "host", "disk")
 VOCAB = range(10, 250)
+SERVED = "tiny"  # the model name every setting serves under
 
 
 def _flags(setting: str, args: argparse.Namespace, scratch: Path) -> list[str]:
-    flags = [*TINY_CPU, "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory]
+    model = TINY_CPU if args.checkpoint is None else ["--model", str(args.checkpoint), "--dtype", "float32"]
+    flags = [*model, "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory]
+    flags += ["--served-model-name", SERVED]
     if setting == "off":
         return [*flags, "--no-prefix-caching"]
     if setting == "device":
         return [*flags, "--kv-host-cache-size", "0"]
     flags += ["--kv-host-cache-size", args.host_size]
-    if setting == "disk":
-        return [*flags, "--kv-disk-cache-dir", str(scratch / "disk"), "--kv-disk-cache-size", args.disk_size]
-    return flags
+    if setting in ("disk", "shared"):
+        flags += ["--kv-disk-cache-dir", str(scratch / "disk"), "--kv-disk-cache-size", args.disk_size]
+    return [*flags, "--prefill-pools", "2"] if setting == "shared" else flags
+
+
+@contextlib.contextmanager
+def _vllm(args: argparse.Namespace, scratch: Path) -> Iterator[Server]:
+    if args.checkpoint is None:
+        raise SystemExit("the vllm setting needs --checkpoint (benchmarks/make_bench_checkpoint.py)")
+    port = free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.checkpoint)]
+    cmd += ["--served-model-name", SERVED, "--dtype", "float32", "--attention-backend", "CPU_MLA"]
+    cmd += [
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
+    cmd += ["--block-size", str(args.block_tokens), "--enable-prefix-caching"]
+    env = engine_env("vllm", scratch, "0,1", 1, 0)
+    with running(Server(cmd, port, scratch / "vllm.log"), 600, env=env, say=progress) as server:
+        yield server
 
 
 def _prefill_tokens(base_url: str) -> dict[str, float]:
-    """Prompt tokens and hits by tier, summed over the prefill ranks."""
+    """Prompt tokens and hits by tier, summed over the prefill ranks (vLLM: its prefix cache's
+    queried and hit tokens, as device hits)."""
     out = dict.fromkeys(("prompt", *TIERS), 0.0)
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     for family in text_string_to_metric_families(text):
         for s in family.samples:
+            if s.name == "vllm:prefix_cache_queries_total":
+                out["prompt"] += s.value
+            elif s.name == "vllm:prefix_cache_hits_total":
+                out["memory"] += s.value
             if s.labels.get("role") != "prefill":
                 continue
             if s.name == "dsinfer_worker_prompt_tokens_total":
@@ -89,7 +127,7 @@ async def _replay(
         await asyncio.sleep(
             max(0.0, (request.timestamp_ms - t0) / 1000 / args.speedup - (time.monotonic() - start))
         )
-        body = completion_body(prompt, args.max_tokens, model="tiny", stream_options={"include_usage": True})
+        body = completion_body(prompt, args.max_tokens, model=SERVED, stream_options={"include_usage": True})
         return await stream_completion(client, base_url, body, retries=3)
 
     async with client_for(256, timeout=600) as client:
@@ -101,7 +139,12 @@ async def _replay(
 def _measure(
     setting: str, requests: list[TraceRequest], prompts: list[list[int]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as tmp, serve(_flags(setting, args, Path(tmp)), Path(tmp)) as server:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if setting == "vllm":
+            server = stack.enter_context(_vllm(args, tmp))
+        else:
+            server = stack.enter_context(serve(_flags(setting, args, tmp), tmp, say=progress))
         before = _prefill_tokens(server.base_url)
         started = time.monotonic()
         streams = asyncio.run(_replay(server.base_url, requests, prompts, args))
@@ -188,6 +231,10 @@ def main() -> None:
     )
     parser.add_argument("--disk-size", default="8GiB")
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument(
+        "--checkpoint", type=Path, help="served by dsinfer and vLLM (default: dsinfer's tiny)"
+    )
+    parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     add_output_args(parser)
     args = parser.parse_args()
     requests = thin([r for r in load_trace(args.trace) if r.timestamp_ms < args.minutes * 60_000], args.keep)
