@@ -11,6 +11,7 @@ import pytest
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.main import main
 from dsinfer.cli.plan import load_pool_specs
+from dsinfer.cli.plan_cache import measured_hit_fraction
 from dsinfer.sim import planner
 from dsinfer.sim.deployment import Assumptions
 from dsinfer.sim.workload import DAY, TrafficProfile, mean_rate
@@ -128,3 +129,33 @@ def test_cli(profiles: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[
     assert 2000 < json.loads(out.read_text())["prefill_pool"]["attention_token_weight"] < 2700
     assert main(["plan", "--config", profiles[0], "--traffic", str(TRAFFIC_FILE)]) == 2
     assert "no decode profile" in capsys.readouterr().err
+
+
+def test_cli_takes_measured_cache_hits(
+    profiles: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A kv_replay result's best dsinfer setting replaces the profile's hit rate, and the plan
+    without hits shows what the cache saves; bad values are named."""
+    replay = tmp_path / "replay.json"
+    runs = [("off", 0.0), ("device", 0.05), ("shared", 0.6), ("vllm", 0.7)]
+    replay.write_text(json.dumps({"runs": [{"setting": n, "share_total": v} for n, v in runs]}))
+    argv = ["plan", "--config", profiles[0], "--config", profiles[1], "--traffic", str(TRAFFIC_FILE)]
+    argv += ["--blocks", "2", "--duration", "4", "--prefill-duration", "10", "--warmup", "2"]
+    argv += ["--no-verify", "--quiet", "--prefill-budgets", "2048", "--cache-hits", str(replay)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"KV cache: 60.0% of input tokens served from cache ({replay}, setting shared)" in text
+    saved = float(text.split("the cache saves ")[1].split(" nodes")[0])
+    without = float(text.split("without it: ")[1].split(" nodes")[0])
+    with_cache = float(text.split("daily mean nodes: ")[1].split(" ")[0])
+    assert saved == pytest.approx(without - with_cache, abs=0.06) and saved > 0
+
+    assert measured_hit_fraction(f"{replay}:device") == (0.05, f"{replay}, setting device")
+    assert measured_hit_fraction("0.25") == (0.25, "given")
+    for bad, needle in (
+        ("1.5", "in [0, 1)"),
+        (f"{replay}:nope", "no setting 'nope'"),
+        ("x.json", "not a fraction"),
+    ):
+        with pytest.raises(UsageError, match=needle):
+            measured_hit_fraction(bad)

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from dsinfer.cli.errors import UsageError
+from dsinfer.cli.plan_cache import measured_hit_fraction, plan_without_hits, saving_lines
 
 PLAN_ROLES = ("prefill", "decode")
 
@@ -66,6 +67,14 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         "attention_token_weight policy, with the model's FLOP-derived weights; no serve flag sets it yet)",
     )
     parser.add_argument("--expert-skew", type=float, default=0.5, help="lognormal sigma of expert popularity")
+    parser.add_argument(
+        "--cache-hits",
+        default=None,
+        metavar="FRACTION|FILE[:SETTING]",
+        help="the share of input tokens the KV cache serves, instead of the traffic profile's: a fraction, "
+        "or a benchmarks/kv_replay.py result (its best dsinfer setting, or SETTING); also plans without "
+        "hits and shows the nodes the cache saves",
+    )
     parser.add_argument("--no-verify", dest="verify", action="store_false", help="skip the per-block checks")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -150,6 +159,9 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ValueError, TrafficError) as e:
         raise UsageError(str(e)) from None
     specs = load_pool_specs(args.config, args.overrides)
+    measured = measured_hit_fraction(args.cache_hits) if args.cache_hits is not None else None
+    if measured is not None:
+        traffic = traffic.model_copy(update={"cache_hit_fraction": measured[0]})
     from dataclasses import replace
 
     if args.attention_chunking:
@@ -178,9 +190,20 @@ def run_plan(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)
 
     result = planner.plan(traffic, prefill, specs["decode"], a, args.blocks, window, args.verify, progress)
-    print(format_plan(result, traffic))
+    text = format_plan(result, traffic)
+    without: dict[str, float] = {}
+    if measured is not None:
+        progress("planning again with no cache hits")
+        cold = plan_without_hits(traffic)
+        baseline = planner.plan(cold, prefill, specs["decode"], a, args.blocks, window, False, progress)
+        without = baseline.mean_nodes(cold)
+        text += "\n".join(saving_lines(result.mean_nodes(traffic), without, *measured))
+    print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(plan_to_dict(result, traffic), indent=2) + "\n")
+        data = plan_to_dict(result, traffic)
+        if measured is not None:
+            data["cache"] = {"hit_fraction": measured[0], "source": measured[1], "mean_nodes_without_hits": without}
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     return 0 if not args.verify or result.verified() else 1
 
 
