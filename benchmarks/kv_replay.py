@@ -45,6 +45,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsinfer.base.processes import free_port
+from harness.aiperf import run_aiperf, write_mooncake_trace
 from harness.clients import Stream, client_for, completion_body, outcome, stream_completion
 from harness.plots import plot_result
 from harness.progress import progress
@@ -58,6 +59,7 @@ SETTINGS = ("off", "device", "host", "disk", "shared", "vllm")
 TIERS = ("memory", "host", "disk")
 VOCAB = range(10, 250)
 SERVED = "tiny"  # the model name every setting serves under
+TINY_TOKENIZER = Path(__file__).resolve().parents[1] / "configs/models/tiny"  # the built-in model's
 
 
 def _flags(setting: str, args: argparse.Namespace, scratch: Path) -> list[str]:
@@ -146,21 +148,52 @@ def _measure(
         else:
             server = stack.enter_context(serve(_flags(setting, args, tmp), tmp, say=progress))
         before = _prefill_tokens(server.base_url)
-        started = time.monotonic()
-        streams = asyncio.run(_replay(server.base_url, requests, prompts, args))
-        seconds = time.monotonic() - started
+        if args.client == "aiperf":
+            trace = tmp / "trace.jsonl"
+            limit = args.max_model_len - args.max_tokens
+            write_mooncake_trace(
+                requests,
+                trace,
+                block_tokens=args.block_tokens,
+                limit=limit,
+                max_tokens=args.max_tokens,
+                speedup=args.speedup,
+            )
+            tokenizer = str(args.checkpoint or TINY_TOKENIZER)
+            run = run_aiperf(
+                args.aiperf,
+                server.base_url,
+                trace,
+                tmp / "aiperf",
+                model=SERVED,
+                tokenizer=tokenizer,
+                block_tokens=args.block_tokens,
+                timeout=3600,
+            )
+        else:
+            run = _client_run(server.base_url, requests, prompts, args)
         time.sleep(2.0)  # the last load reports
         after = _prefill_tokens(server.base_url)
-    ok = [s for s in streams if s.error is None]
     prompt = after["prompt"] - before["prompt"]
     share = {tier: (after[tier] - before[tier]) / prompt if prompt else 0.0 for tier in TIERS}
-    ttfts = [s.ttft for s in ok if s.ttft is not None]
     return {
         "setting": setting,
-        **outcome(streams, seconds),
+        **run,
         "prompt_tokens": prompt,
         "share": share,
         "share_total": sum(share.values()),
+    }
+
+
+def _client_run(
+    base_url: str, requests: list[TraceRequest], prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    started = time.monotonic()
+    streams = asyncio.run(_replay(base_url, requests, prompts, args))
+    seconds = time.monotonic() - started
+    ttfts = [s.ttft for s in streams if s.error is None and s.ttft is not None]
+    return {
+        **outcome(streams, seconds),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
     }
@@ -190,7 +223,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['requests']} requests (1 in {a['keep']} of the prefix trees of the trace's first {a['minutes']:g} "
         f"minutes, at {a['speedup']:g}x its pace), "
         f"prompts at {a['block_tokens']} tokens per trace block; the trace allows {report['ideal_share']:.1%} "
-        "(an unbounded cache).",
+        f"(an unbounded cache). Played by {'aiperf (unmodified, --fixed-schedule)' if a.get('client') == 'aiperf' else 'harness.clients'}.",
         "",
         *table(
             [
@@ -235,6 +268,13 @@ def main() -> None:
         "--checkpoint", type=Path, help="served by dsinfer and vLLM (default: dsinfer's tiny)"
     )
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    parser.add_argument(
+        "--client",
+        choices=("harness", "aiperf"),
+        default="harness",
+        help="who plays the trace (harness.aiperf)",
+    )
+    parser.add_argument("--aiperf", default="/work/aiperf-venv/bin/aiperf")
     add_output_args(parser)
     args = parser.parse_args()
     requests = thin([r for r in load_trace(args.trace) if r.timestamp_ms < args.minutes * 60_000], args.keep)

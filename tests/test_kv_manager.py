@@ -16,8 +16,9 @@ import torch
 from dsinfer.base.config import ModelConfig
 from dsinfer.base.hashing import model_root, page_hash, page_hashes
 from dsinfer.base.kv_spec import CacheComponent, KVCacheSpec
+from dsinfer.cache.cache_stats import CacheStats, TierLoads
 from dsinfer.cache.disk_tier import DiskKVTier
-from dsinfer.cache.kv_manager import CacheStats, KVCacheManager
+from dsinfer.cache.kv_manager import KVCacheManager
 from dsinfer.cache.kv_pool import OutOfPagesError, PagedKVPool
 
 PS = 4  # page size
@@ -353,7 +354,7 @@ def test_disk_write_through_and_restart(tmp_path: Path) -> None:
     assert again.pages == match.pages and again.memory_pages == 3
     fresh.flush()
     stats = fresh.stats
-    assert stats.disk_load_seconds > 0 and fresh.disk is not None
+    assert stats.disk_loads.seconds > 0 and fresh.disk is not None
     page_bytes = fresh.pool.page_record_bytes
     assert stats == CacheStats(
         memory_hit_tokens=3 * PS,
@@ -363,9 +364,7 @@ def test_disk_write_through_and_restart(tmp_path: Path) -> None:
         disk_pages_read=3,
         disk_files_rejected=0,
         disk_bytes=3 * fresh.disk.file_bytes,
-        disk_pages_loaded=3,
-        disk_bytes_loaded=3 * page_bytes,
-        disk_load_seconds=stats.disk_load_seconds,
+        disk_loads=TierLoads(3, 3 * page_bytes, stats.disk_loads.seconds),
     )
     assert stats.as_dict()["disk_hit_tokens"] == 3 * PS
     fresh.release(match.pages + again.pages)

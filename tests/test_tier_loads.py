@@ -62,8 +62,8 @@ def test_prefetch_loads_disk_and_host_pages_then_counts_their_tiers(tmp_path: Pa
     again = mgr.match_prefix(tokens, load=False)
     assert again.origins == ["disk"] * 4 and mgr.match_prefix(tokens, load=False).origins == ["memory"] * 4
     stats = mgr.stats
-    assert (stats.disk_pages_loaded, stats.disk_bytes_loaded) == (4, 4 * PAGE_BYTES)
-    assert stats.disk_load_seconds > 0 and stats.disk_hit_tokens == 4 * PS
+    assert (stats.disk_loads.pages, stats.disk_loads.bytes) == (4, 4 * PAGE_BYTES)
+    assert stats.disk_loads.seconds > 0 and stats.disk_hit_tokens == 4 * PS
 
 
 def test_a_rejected_file_frees_its_page_and_ends_the_prefix(tmp_path: Path) -> None:
@@ -78,7 +78,7 @@ def test_a_rejected_file_frees_its_page_and_ends_the_prefix(tmp_path: Path) -> N
     _settle(mgr)
     assert mgr.num_available_pages() == 8 and mgr.num_cached_pages() == 0
     assert mgr.match_prefix(tokens, load=False).pages == []
-    assert mgr.stats.disk_files_rejected == 3 and mgr.stats.disk_pages_loaded == 0
+    assert mgr.stats.disk_files_rejected == 3 and mgr.stats.disk_loads.pages == 0
 
 
 def test_loads_in_flight_are_capped(tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_a_slow_disk_never_holds_up_the_step(
         outputs.update((o.request_id, o) for o in engine.step())
     assert outputs["hit"].outputs[0].token_ids == answer[0].outputs[0].token_ids
     stats = engine.kv.stats
-    assert (stats.disk_hit_tokens, stats.disk_pages_loaded) == (4 * 64, 4)
+    assert (stats.disk_hit_tokens, stats.disk_loads.pages) == (4 * 64, 4)
 
 
 def test_tiers_stay_within_their_bounds_over_a_long_replay(

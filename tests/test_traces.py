@@ -4,8 +4,10 @@ replay prompts that share exactly the prefixes the trace's block hashes share.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from harness.aiperf import write_mooncake_trace
 from harness.traces import TraceRequest, ideal_hit_share, load_trace, lru_hit_share, replay_prompts, thin
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks/data/mooncake/conversation_trace_20min.jsonl"
@@ -50,3 +52,19 @@ def test_thinning_keeps_whole_prefix_trees() -> None:
     assert 0.08 < len(kept) / len(requests) < 0.2
     # what the kept requests share stays: the share allowed moves by a few points, not to 0
     assert abs(ideal_hit_share(kept) - ideal_hit_share(requests)) < 0.05
+
+
+def test_mooncake_trace_for_aiperf(tmp_path: Path) -> None:
+    """What aiperf replays: timestamps from zero at the speed-up, lengths scaled to 64-token blocks
+    and cut to the context, only the hash ids the cut prompt still covers."""
+    requests = [
+        TraceRequest(1000, 1300, 99, (1, 2, 3)),  # 1300 tokens at 512 per block -> 163 at 64
+        TraceRequest(3000, 40_000, 99, tuple(range(100, 179))),  # cut to 256 tokens: 4 blocks
+    ]
+    path = tmp_path / "trace.jsonl"
+    write_mooncake_trace(requests, path, block_tokens=64, limit=256, max_tokens=4, speedup=2.0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [
+        {"timestamp": 0, "input_length": 163, "output_length": 4, "hash_ids": [1, 2, 3]},
+        {"timestamp": 1000, "input_length": 256, "output_length": 4, "hash_ids": [100, 101, 102, 103]},
+    ]

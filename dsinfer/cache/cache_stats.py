@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # per tier: pages copied into the pool, their bytes, seconds from asking to done (summed), pages
 # copied to the tier, pages it dropped for room, bytes it holds now
 TIER_COUNTERS = ("pages_loaded", "bytes_loaded", "load_seconds", "pages_written", "evictions", "bytes")
+
+
+@dataclass
+class TierLoads:
+    """Pages copied from one tier into the pool, their bytes, the seconds from asking to done."""
+
+    pages: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def as_tuple(self) -> tuple[int, int, float]:
+        return self.pages, self.bytes, self.seconds
 
 
 @dataclass
@@ -24,29 +37,28 @@ class CacheStats:
     disk_writes_dropped: int = 0  # write queue full or I/O error
     disk_evictions: int = 0  # files the disk tier deleted for room
     disk_bytes: int = 0  # what the disk tier holds now (this process's index)
-    # pages copied from a tier into the pool, their bytes, and the seconds from asking to done
-    host_pages_loaded: int = 0
-    host_bytes_loaded: int = 0
-    host_load_seconds: float = 0.0
-    disk_pages_loaded: int = 0
-    disk_bytes_loaded: int = 0
-    disk_load_seconds: float = 0.0
+    host_loads: TierLoads = field(default_factory=TierLoads)
+    disk_loads: TierLoads = field(default_factory=TierLoads)
 
-    def as_dict(self) -> dict[str, int | float]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def tiers(self) -> dict[str, dict[str, float]]:
         """Per tier below the pool ("host", "disk"): ``TIER_COUNTERS`` by name."""
-        return {
-            t: {name: float(getattr(self, f"{t}_{name}")) for name in TIER_COUNTERS} for t in ("host", "disk")
-        }
+        out = {}
+        for tier, loads in (("host", self.host_loads), ("disk", self.disk_loads)):
+            kept = (getattr(self, f"{tier}_{name}") for name in ("pages_written", "evictions", "bytes"))
+            out[tier] = dict(zip(TIER_COUNTERS, map(float, (*loads.as_tuple(), *kept)), strict=True))
+        return out
 
     def count_load(self, tier: str, nbytes: int, seconds: float) -> None:
         """One page copied from ``tier`` ("host" or "disk") into the pool."""
-        pages, moved, spent = (f"{tier}_pages_loaded", f"{tier}_bytes_loaded", f"{tier}_load_seconds")
-        setattr(self, pages, getattr(self, pages) + 1)
-        setattr(self, moved, getattr(self, moved) + nbytes)
-        setattr(self, spent, getattr(self, spent) + seconds)
+        loads = self.host_loads if tier == "host" else self.disk_loads
+        loads.pages, loads.bytes, loads.seconds = (
+            loads.pages + 1,
+            loads.bytes + nbytes,
+            loads.seconds + seconds,
+        )
 
 
 @dataclass

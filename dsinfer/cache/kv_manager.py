@@ -31,6 +31,7 @@ thread.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -123,7 +124,7 @@ class KVCacheManager:
     @property
     def stats(self) -> CacheStats:
         """A snapshot of the counters (disk ones include the writer thread's progress)."""
-        s = CacheStats(**self._stats.as_dict())
+        s = copy.deepcopy(self._stats)
         if self.host is not None:
             host = self.host.stats()
             s.host_pages_written, s.host_evictions, s.host_bytes = (

@@ -57,7 +57,6 @@ class TierLoader:
         self.pending = 0  # submitted and not yet collected (the caller's thread only)
         self._thread = threading.Thread(target=self._run, name="dsinfer-kv-tier-loader", daemon=True)
         self._thread.start()
-        self._stopped = False
 
     def submit(self, load: PageLoad) -> None:
         self.pending += 1
@@ -76,14 +75,13 @@ class TierLoader:
             self._cond.wait_for(lambda: bool(self._done), timeout)
 
     def stop(self) -> None:
-        if not self._stopped:
-            self._stopped = True
+        """Ends the thread once the loads queued before are done (idempotent)."""
+        if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join()
 
     def _run(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            load, submitted = item
+        for load, submitted in iter(self._jobs.get, None):  # type: ignore[misc]
             try:
                 self._load(load)
             except Exception:  # a bad load is a miss; the thread serves the next one

@@ -202,7 +202,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         data = plan_to_dict(result, traffic)
         if measured is not None:
-            data["cache"] = {"hit_fraction": measured[0], "source": measured[1], "mean_nodes_without_hits": without}
+            data["cache"] = {
+                "hit_fraction": measured[0],
+                "source": measured[1],
+                "mean_nodes_without_hits": without,
+            }
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     return 0 if not args.verify or result.verified() else 1
 
