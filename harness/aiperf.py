@@ -11,6 +11,7 @@ summary: requests, failures, throughput and TTFT percentiles.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,22 @@ def write_mooncake_trace(
             f.write(json.dumps(record) + "\n")
 
 
+def offline_tokenizer(directory: Path, cache: Path) -> tuple[str, dict[str, str]]:
+    """A repo name and the environment under which aiperf loads the tokenizer files of
+    ``directory`` offline: aiperf's worker processes force offline mode, where it resolves
+    names in the Hugging Face cache only, so the files become that cache's snapshot of the name."""
+    snapshot = cache / "models--dsinfer--tokenizer" / "snapshots" / "local"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        if (directory / name).exists():
+            (snapshot / name).write_bytes((directory / name).read_bytes())
+    refs = cache / "models--dsinfer--tokenizer" / "refs"
+    refs.mkdir(exist_ok=True)
+    (refs / "main").write_text("local")
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return "dsinfer/tokenizer", env
+
+
 def run_aiperf(
     aiperf: str,
     base_url: str,
@@ -52,16 +69,21 @@ def run_aiperf(
     block_tokens: int,
     timeout: float,
 ) -> dict[str, Any]:
-    """One replay of ``trace``; aiperf's artifacts and log under ``out``."""
+    """One replay of ``trace``; aiperf's artifacts and log under ``out``; ``tokenizer``: a
+    directory with the served model's tokenizer files."""
     out.mkdir(parents=True, exist_ok=True)
+    name, env = offline_tokenizer(Path(tokenizer), out / "hf-cache")
     cmd = [aiperf, "profile", "--model", model, "--url", base_url, "--endpoint-type", "completions"]
     cmd += ["--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace"]
-    cmd += ["--fixed-schedule", "--tokenizer", tokenizer, "--isl-block-size", str(block_tokens)]
+    cmd += ["--fixed-schedule", "--tokenizer", name, "--isl-block-size", str(block_tokens)]
     cmd += ["--artifact-dir", str(out), "--ui-type", "none", "--random-seed", "0"]
     with (out / "aiperf.log").open("w") as log:
-        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+        done = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False, env={**os.environ, **env}
+        )
     if done.returncode != 0:
-        raise RuntimeError(f"aiperf exited {done.returncode}; see {out / 'aiperf.log'}")
+        tail = (out / "aiperf.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"aiperf exited {done.returncode}; the end of its log:\n{tail}")
     (summary,) = out.rglob("profile_export_aiperf.json")
     return summarise(json.loads(summary.read_text()))
 
