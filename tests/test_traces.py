@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.aiperf import write_mooncake_trace
+from harness.aiperf import summarise, write_mooncake_trace
 from harness.traces import TraceRequest, ideal_hit_share, load_trace, lru_hit_share, replay_prompts, thin
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks/data/mooncake/conversation_trace_20min.jsonl"
@@ -68,3 +68,21 @@ def test_mooncake_trace_for_aiperf(tmp_path: Path) -> None:
         {"timestamp": 0, "input_length": 163, "output_length": 4, "hash_ids": [1, 2, 3]},
         {"timestamp": 1000, "input_length": 256, "output_length": 4, "hash_ids": [100, 101, 102, 103]},
     ]
+
+
+def test_aiperf_summary() -> None:
+    data = {
+        "request_count": {"unit": "requests", "avg": 114},
+        "error_request_count": {"unit": "requests", "avg": 2},
+        "benchmark_duration": {"unit": "sec", "avg": 300.5},
+        "request_throughput": {"unit": "requests/sec", "avg": 0.38},
+        "time_to_first_token": {"unit": "ms", "p50": 650.0, "p90": 3100.0},
+    }
+    assert summarise(data) == {
+        "requests": 116,
+        "failed": 2,
+        "seconds": 300.5,
+        "requests_per_s": 0.38,
+        "ttft_p50_s": 0.65,
+        "ttft_p90_s": 3.1,
+    }
