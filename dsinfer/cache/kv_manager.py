@@ -140,9 +140,9 @@ class KVCacheManager:
             s.disk_evictions, s.disk_bytes = disk.files_evicted, disk.bytes
         return s
 
-    def tier_report(self) -> dict[str, dict[str, float]]:
-        """``CacheStats.tiers`` plus each tier's capacity in pages (0 for a tier that is off)."""
-        tiers = self.stats.tiers()
+    def tier_report(self, stats: CacheStats) -> dict[str, dict[str, float]]:
+        """``stats.tiers()`` (a ``stats`` snapshot) plus each tier's capacity in pages (0: off)."""
+        tiers = stats.tiers()
         tiers["host"]["capacity_pages"] = float(self.host.max_pages if self.host is not None else 0)
         disk = self.disk
         tiers["disk"]["capacity_pages"] = float(

@@ -391,7 +391,7 @@ class LLMEngine:
             memory_hit_tokens=stats.memory_hit_tokens,
             disk_hit_tokens=stats.disk_hit_tokens,
             host_hit_tokens=stats.host_hit_tokens,
-            kv_tiers=kv.tier_report(),
+            kv_tiers=kv.tier_report(stats),
             kv_disk_tier_id=kv.disk_tier_id,
             mtp_drafts_proposed=sched.stats.drafts_proposed,
             mtp_drafts_accepted=sched.stats.drafts_accepted,
