@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .fp8_gemm import _scaled_dot, _store_tile, _swizzle, _tile_offsets, check_operands, tile_config
+from .grouped_gemm_tma import launch_masked_tma, masked_tma_unsupported
 
 __all__ = ["contiguous_tile_config", "m_grouped_fp8_gemm_nt_contiguous", "m_grouped_fp8_gemm_nt_masked"]
 
@@ -180,7 +181,8 @@ def m_grouped_fp8_gemm_nt_masked(
     [G, ceil(n/128), ceil(k/128)])``, ``d`` bf16 or fp32 ``[G, max_m, n]``, ``masked_m`` int ``[G]``
     (read on the device, no host sync). Rows at or past ``masked_m[g]`` are left untouched.
     ``expected_m`` (a host-side hint of the typical ``masked_m``) picks the row tile; ``tile``
-    replaces the launch parameters (tuning).
+    replaces the launch parameters (tuning; ``TMA: 1`` runs :mod:`.grouped_gemm_tma`'s kernel, which
+    raises where it cannot take the operands).
     """
     check_operands(a, b, d, "m_grouped_fp8_gemm_nt_masked")
     (qa, sa), (qb, sb) = a, b
@@ -197,7 +199,13 @@ def m_grouped_fp8_gemm_nt_masked(
         )
     if num_groups == 0 or m_max == 0 or n == 0:
         return
-    cfg = tile or tile_config(min(max(int(expected_m), 1), m_max), n)
+    cfg = dict(tile or tile_config(min(max(int(expected_m), 1), m_max), n))
+    if cfg.pop("TMA", 0):
+        why = masked_tma_unsupported(qa, qb, cfg["BLOCK_N"])
+        if why is not None:
+            raise ValueError(f"m_grouped_fp8_gemm_nt_masked: the TMA kernel cannot run: {why}")
+        launch_masked_tma(a, b, d, masked_m, cfg)
+        return
     grid = (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), num_groups)
     _masked_kernel[grid](
         qa, sa, qb, sb, d, masked_m, m_max, n, k,

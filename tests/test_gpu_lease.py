@@ -56,3 +56,17 @@ def test_cpu_smoke(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "pack" / "results.tgz") as tar:
         names = tar.getnames()
     assert "lease/phase1/summary.json" in names and "lease/phase2/v3-graphs/result.json" in names
+
+
+def test_deepgemm_variants() -> None:
+    """DeepGEMM is built with -Bsymbolic-functions cancelled, and by the system's g++ as a second
+    variant where there is one."""
+    from scripts.gpukit.lease import LIBRARIES, deepgemm_variants
+
+    variants = deepgemm_variants()
+    assert variants[0] == ("deep-gemm", {"LDFLAGS": "-Wl,-Bno-symbolic"})
+    assert len({n for n, _ in variants}) == len(variants) and all(
+        n.startswith("deep-gemm") for n, _ in variants
+    )
+    assert len(variants) == 1 + Path("/usr/bin/g++").exists()
+    assert LIBRARIES["deep-gemm"] == "deep_gemm"

@@ -258,6 +258,38 @@ def check_masked_grouped() -> None:
             _assert_gemm_close(out[g, :count], ref, bound, k, f"{what} group {g}")
 
 
+def check_masked_grouped_tma() -> None:
+    """The TMA kernel (a ``TMA: 1`` tile): boxes that reach into the next group's rows (max_m and n
+    not multiples of the tile) and past the last group; rows past masked_m untouched; a k that is
+    not a multiple of 128 refused."""
+    from dsinfer.kernels import grouped_gemm as kmod
+    from dsinfer.kernels import grouped_gemm_tma
+
+    gen = torch.Generator().manual_seed(GEN_SEED + 5)
+    groups, m_max, n, k = 3, 20, 192, 256
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 2, "TMA": 1}
+    qb, sb = _weights(gen, groups, n, k)
+    qa, sa = _activations(gen, groups, m_max, k)
+    counts = [20, 0, 17]
+    out = torch.full((groups, m_max, n), float("nan"), dtype=torch.bfloat16)
+    masked_m = torch.tensor(counts, dtype=torch.int32)
+    with launches(grouped_gemm_tma._masked_tma_kernel) as calls:
+        kmod.m_grouped_fp8_gemm_nt_masked((qa, sa), (qb, sb), out, masked_m, 8, tile)
+    _expect(len(calls) == 1, f"masked TMA: {len(calls)} launches")
+    for g, count in enumerate(counts):
+        _expect(bool(out[g, count:].isnan().all()), f"masked TMA: group {g} wrote rows past masked_m")
+        ref, bound = _reference_rows(qa[g, :count], sa[g, :count], qb, sb, torch.full((count,), g), n)
+        _assert_gemm_close(out[g, :count], ref, bound, k, f"masked TMA group {g}")
+    qa, sa = _activations(gen, groups, m_max, 320)
+    qb, sb = _weights(gen, groups, n, 320)
+    try:
+        kmod.m_grouped_fp8_gemm_nt_masked((qa, sa), (qb, sb), out, masked_m, 8, tile)
+    except ValueError as exc:
+        _expect("TMA kernel cannot run: k 320" in str(exc), str(exc))
+    else:
+        raise AssertionError("the TMA kernel took k = 320")
+
+
 def check_adapter_runs_the_kernels() -> None:
     """``DeepGemmAdapter(dsinfer.kernels)`` (what select_ops builds on CUDA) matches the torch Ops."""
     import dsinfer.kernels as kernels
@@ -376,6 +408,7 @@ CHECKS: tuple[Callable[[], None], ...] = (
     check_dense_gemm_fp32_and_accumulate,
     check_contiguous_grouped,
     check_masked_grouped,
+    check_masked_grouped_tma,
     check_adapter_runs_the_kernels,
     check_masked_experts_valid_rows,
     check_rejects_bad_operands,

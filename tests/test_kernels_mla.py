@@ -89,6 +89,23 @@ CASES: dict[str, Case] = {
         kernel="tma",
         dv_parts=1,
     ),
+    # V3's 512 value channels in one program (two TMA boxes, scores once), 2 tokens x 32 heads,
+    # split partials: whole tiles, a tail tile past the length (NaN there), a split of one tail
+    "v3_tma_one_program_two_boxes": Case(
+        (130, 64, 7, 1),
+        64,
+        2,
+        32,
+        576,
+        512,
+        "bfloat16",
+        True,
+        2,
+        2,
+        expect_kernel="tma",
+        kernel="tma",
+        dv_parts=1,
+    ),
     # pages of 8 slots cannot hold a 32-key tile: more than 16 rows fall back to the pointer kernel
     "tma_fallback_small_pages": Case((45, 12, 3), 8, 2, 12, 48, 32, "bfloat16", True, 2, 2),
     # the heuristic splits: table 11 pages = 704 keys = 44 fp32 tiles of 16, >= 16 tiles per split

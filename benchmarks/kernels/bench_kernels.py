@@ -775,9 +775,15 @@ def mla_sweep_configs(
         for stages in (2, 3)
         for ns in splits
     ]
-    # one channel part: tma_unsupported refuses parts over a TMA box's 256 channels (V3's 512), so
-    # this records why at no cost, and times it wherever head_dim_v <= 256
-    configs.append(launch_cfg(launch(64, 32, 8, 2, "tma", 1)))
+    # one program per row block (scores once, two 64 x 256 accumulators): its registers decide
+    configs += [
+        at(launch(64, block_n, 8, stages, "tma", 1), ns)
+        for block_n, stages in ((32, 2), (32, 3), (64, 2))
+        for ns in (1, 2)
+    ]
+    # one warpgroup, one stage: 106 KB of shared memory, so two programs share an SM and one's
+    # softmax runs under the other's wgmma (the offline sm_90a build spills 168 bytes)
+    configs += [at(launch(64, 32, 4, 1, "tma", 2), ns) for ns in (1, 2)]
     pointer = launch(32, 32, 8, 2, "pointer", 1)
     configs += [at(pointer, ns) for ns in sorted({launch_cfg(pointer)["num_splits"], tma_splits})]
     return configs

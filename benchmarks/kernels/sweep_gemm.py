@@ -38,15 +38,25 @@ CANDIDATES = (  # BLOCK_M, BLOCK_N, num_warps, num_stages
     (128, 128, 8, 4),
     (128, 256, 8, 3),
 )
+# the masked kernel's operands by TMA (kernels/grouped_gemm_tma.py): columns in one 128-wide scale block
+MASKED_TMA = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 4))
 DENSE = ("q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense down_proj")  # the kit's kernels stage
 DENSE_ROWS = (128, 4096)
 GROUPED_TOKENS = (32, 256)  # per expert; 8 local experts (256 over EP32)
 EXPERTS = 8
 
 
-def tile(cfg: tuple[int, int, int, int]) -> dict[str, int]:
-    bm, bn, warps, stages = cfg
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+Candidate = tuple[int, ...]  # BLOCK_M, BLOCK_N, num_warps, num_stages[, TMA]
+
+
+def tile(cfg: Candidate) -> dict[str, int]:
+    bm, bn, warps, stages, *tma = cfg
+    out = {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+    return {**out, "TMA": 1} if tma and tma[0] else out
+
+
+def label(cfg: Candidate) -> str:
+    return "{}x{} w{} s{}".format(*cfg[:4]) + (" tma" if len(cfg) > 4 and cfg[4] else "")
 
 
 def sweep_case(
@@ -56,7 +66,7 @@ def sweep_case(
     ref: torch.Tensor,
     timer: bk.Timer,
     fp8_tflops: float,
-    candidates: tuple[tuple[int, int, int, int], ...],
+    candidates: tuple[Candidate, ...],
     deadline: float,
 ) -> dict[str, Any]:
     """Time the default launch and every candidate; each row: config, us, TFLOP/s, error."""
@@ -64,17 +74,17 @@ def sweep_case(
     for cfg in (None, *candidates):
         if time.monotonic() > deadline:
             break
-        label = "default" if cfg is None else "{}x{} w{} s{}".format(*cfg)
+        name_of = "default" if cfg is None else label(cfg)
         try:
             out = call(None if cfg is None else tile(cfg))
             t = timer(lambda cfg=cfg: call(None if cfg is None else tile(cfg)))
         except Exception as exc:  # out of shared memory or registers: not a candidate
-            rows.append({"config": label, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+            rows.append({"config": name_of, "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
             continue
         us = t["median_us"]
         err = bk.rel_err(out, ref)
         rows.append({
-            "config": label, "us": us, "tflops": flops / (us * 1e-6) / 1e12,
+            "config": name_of, "us": us, "tflops": flops / (us * 1e-6) / 1e12,
             "of_fp8": flops / (us * 1e-6) / 1e12 / fp8_tflops, "rel_err": err,
             "ok": err <= bk.GEMM_TOL,
         })  # fmt: skip
@@ -132,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     log(
         f"sweep_gemm on {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}: fp8 {fp8_tflops:.0f} TFLOP/s"
     )
-    candidates = CANDIDATES if not args.tiny else ((16, 32, 4, 2), (32, 32, 4, 2))
+    candidates: tuple[Candidate, ...] = CANDIDATES if not args.tiny else ((16, 32, 4, 2), (32, 32, 4, 2))
+    masked_tma = tuple((*c, 1) for c in (MASKED_TMA if not args.tiny else ((16, 64, 4, 2),)))
     shapes = (
         [(n, k) for name, n, k in bk.projection_shapes(v3) if name in DENSE] if not args.tiny else [(64, 256)]
     )
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             ref = torch_gemm.grouped_gemm_masked(x, w, ws, masked_m, tokens)
             results["masked"].append(sweep_case(
                 f"masked E{EXPERTS} m{tokens} n{n} k{k}", flops, masked, ref,
-                timer, fp8_tflops, candidates, deadline,
+                timer, fp8_tflops, candidates + masked_tma, deadline,
             ))  # fmt: skip
             xf = x.reshape(EXPERTS * tokens, k)
             qf, sf = kernels.quantize_activation_1x128(xf)

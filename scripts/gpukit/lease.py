@@ -64,6 +64,8 @@ BUILD_JOBS = {"flash-mla": 0.9, "deep-gemm": 0.1}  # shares of the CPUs (MAX_JOB
 class Build:
     name: str
     log: Path
+    module: str = ""
+    env: dict[str, str] = field(default_factory=dict)  # what this variant's build sets (compiler, link)
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
     seconds: float | None = None
@@ -93,6 +95,7 @@ class Lease:
     builds: list[Build] = field(default_factory=list)
     deepgemm_jit: str | None = None  # the way DeepGEMM's self-test passed
     deepgemm_env: dict[str, str] = field(default_factory=dict)  # what phase 2 sets for it
+    backtraced: bool = False  # a crash got its cuda-gdb backtrace (one per lease)
 
     def left(self) -> float:
         return self.args.deadline_s - (time.monotonic() - self.start)
@@ -142,35 +145,59 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def deepgemm_variants() -> list[tuple[str, dict[str, str]]]:
+    """DeepGEMM's builds, each linked another way. The H100's build by the image's compiler, linked
+    ``-Bsymbolic-functions`` as Python's LDSHARED says, crashed in ``std::regex`` on a locale facet
+    of the wrong type, as when libstdc++'s locale code is partly bound inside the extension and
+    partly in the process's runtime. So: the image's compiler with that option cancelled
+    (``-Bno-symbolic``, GNU ld 2.37+, appended through LDFLAGS), and the system's g++ where there
+    is one. The first whose self-test passes is the one phase 2 uses."""
+    variants = [("deep-gemm", {"LDFLAGS": "-Wl,-Bno-symbolic"})]
+    if Path("/usr/bin/g++").exists():
+        link = "/usr/bin/g++ -shared -Wl,-O1 -Wl,-Bsymbolic-functions"
+        system = {"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++", "LDSHARED": link, "LDCXXSHARED": link}
+        variants.append(("deep-gemm-syscxx", system))
+    return variants
+
+
 def start_builds(lease: Lease, libdir: Path) -> None:
-    """The two library builds in the background, each in its own session, each installing into its
-    own folder under ``libdir`` (so that phase 2 can leave out one that builds but does not work)."""
+    """The library builds in the background, each in its own session, each installing into its own
+    folder under ``libdir`` (so that phase 2 can leave out one that builds but does not work)."""
     args = lease.args
     cpus = os.cpu_count() or 2
-    for name in LIBRARIES:
-        build = Build(name, args.out / f"build-{name}.log")
+    plan = [
+        ("flash-mla", "flash-mla", {}),
+        *((name, "deep-gemm", extra) for name, extra in deepgemm_variants()),
+    ]
+    for name, library, extra in plan:
+        build = Build(name, args.out / f"build-{name}.log", LIBRARIES[library], extra)
         lease.builds.append(build)
         env = {
             **os.environ,
+            **extra,
             "PYTHON": sys.executable,
-            "MAX_JOBS": str(max(1, int(cpus * BUILD_JOBS[name]))),
+            "MAX_JOBS": str(max(1, int(cpus * BUILD_JOBS[library]))),
             "PIP_TARGET": str(libdir / name),  # pip install --target: invisible to phase 1
             "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir / name), os.environ.get("PYTHONPATH")])),
         }
         argv = ["nice", "-n", "10", str(ROOT / "scripts" / "build-deepseek-kernels"), "--archives",
-                str(args.sources), "--only", name, "--work", str(args.out / "build")]  # fmt: skip
+                str(args.sources), "--only", library, "--work", str(args.out / "build" / name)]  # fmt: skip
         with build.log.open("wb") as out:
             build.process = subprocess.Popen(
                 argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         build.started = time.monotonic()
-        log(f"lease: {name} build started (MAX_JOBS={env['MAX_JOBS']}), log {build.log}")
+        log(
+            f"lease: {name} build started (MAX_JOBS={env['MAX_JOBS']}; {extra or 'the image defaults'}), log {build.log}"
+        )
 
 
 def check_sources(lease: Lease) -> None:
     """Under --cpu-smoke: the archives' check only (nothing can be built without CUDA)."""
     for name in LIBRARIES:
-        lease.builds.append(Build(name, lease.args.out / f"build-{name}.log", note="not built: CPU smoke"))
+        lease.builds.append(
+            Build(name, lease.args.out / f"build-{name}.log", LIBRARIES[name], note="not built: CPU smoke")
+        )
     if lease.args.sources is None or not lease.args.sources.is_dir():
         lease.builds[0].note = lease.builds[1].note = "not built: CPU smoke, no archives here"
         return
@@ -202,9 +229,9 @@ def wait_for_builds(lease: Lease) -> None:
             log(f"lease: {b.note} ({b.name})")
 
 
-def build_cxx_runtime() -> str | None:
-    """The libstdc++ of the compiler extensions are built with (``CXX``, else ``c++``), if it has one."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+def build_cxx_runtime(compiler: str | None = None) -> str | None:
+    """The libstdc++ of ``compiler`` (default ``CXX``, else ``c++``), if it has one."""
+    compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return None
     run = subprocess.run(
@@ -214,13 +241,13 @@ def build_cxx_runtime() -> str | None:
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
-def choose_deepgemm_jit(lease: Lease, env: dict[str, str]) -> str | None:
+def choose_deepgemm_jit(lease: Lease, build: Build, env: dict[str, str]) -> str | None:
     """Run the DeepGEMM self-test each way it may work, ``--deepgemm-jit`` first: that compiler, then
     it with the build compiler's libstdc++ preloaded, then the other compiler. The first that
     passes becomes ``lease.deepgemm_jit`` (and ``lease.deepgemm_env``). -> None, or why none did
     (each attempt's log is kept; a first crash also gets a cuda-gdb backtrace)."""
     first, other = ("nvrtc", "nvcc") if lease.args.deepgemm_jit == "nvrtc" else ("nvcc", "nvrtc")
-    runtime = build_cxx_runtime()
+    runtime = build_cxx_runtime(build.env.get("CXX"))
     attempts = [
         (first, {}),
         *([(f"{first}+preload", {"LD_PRELOAD": runtime})] if runtime else []),
@@ -233,17 +260,19 @@ def choose_deepgemm_jit(lease: Lease, env: dict[str, str]) -> str | None:
         if label.startswith("nvrtc"):
             trial["DG_JIT_USE_NVRTC"] = "1"
         argv = [sys.executable, "-X", "faulthandler", "-m", "scripts.gpukit.dg_selftest"]
-        code, tail = run_logged(argv, lease.args.out / f"dg-selftest-{label}.log", 150, trial)
+        log_name = f"dg-selftest-{build.name}-{label}"
+        code, tail = run_logged(argv, lease.args.out / f"{log_name}.log", 150, trial)
         last = tail.strip().splitlines()[-1][-160:] if tail.strip() else ""
         outcomes.append(f"{label}: exit {code}: {last}")
-        log(f"lease: DeepGEMM self-test {label}: exit {code}")
+        log(f"lease: DeepGEMM ({build.name}) self-test {label}: exit {code}")
         debugger = shutil.which("cuda-gdb")
-        if code is not None and code < 0 and debugger and len(outcomes) == 1:  # a signal: where, once
+        if code is not None and code < 0 and debugger and not lease.backtraced:  # a signal: where, once
+            lease.backtraced = True
             gdb = [debugger, "-batch", "-ex", "run", "-ex", "bt 40", "--args", *argv]
-            run_logged(gdb, lease.args.out / f"dg-selftest-{label}-backtrace.log", 120, trial)
+            run_logged(gdb, lease.args.out / f"{log_name}-backtrace.log", 90, trial)
         if code == 0:
             lease.deepgemm_jit, lease.deepgemm_env = (
-                label,
+                f"{build.name} {label}",
                 {k: v for k, v in trial.items() if k in ("DG_JIT_USE_NVRTC", "LD_PRELOAD")},
             )
             return None
@@ -256,23 +285,24 @@ def check_usable(lease: Lease, build: Build, libdir: Path, env: dict[str, str]) 
         **env,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(libdir / build.name), env.get("PYTHONPATH")])),
     }
-    why = importable(LIBRARIES[build.name], env_b)
-    if why is None and build.name == "deep-gemm":
-        why = choose_deepgemm_jit(lease, env_b)
+    why = importable(build.module, env_b)
+    if why is None and build.module == "deep_gemm":
+        why = choose_deepgemm_jit(lease, build, env_b)
     build.usable = why or ""
     build.note = "imports and runs" if why is None else f"built, not usable: {why}"
     log(f"lease: {build.name}: {build.note}")
 
 
-def check_when_built(lease: Lease, name: str, libdir: Path, env: dict[str, str]) -> None:
-    """Thread: wait for ``name``'s build, then :func:`check_usable` it (beside phase 1)."""
-    build = next((b for b in lease.builds if b.name == name), None)
-    if build is None or build.process is None:
-        return
-    while not build.poll() and lease.left() > lease.args.phase2_reserve_s:
+def check_deepgemm_when_built(lease: Lease, libdir: Path, env: dict[str, str]) -> None:
+    """Thread: :func:`check_usable` each DeepGEMM build as it finishes (beside phase 1), until one
+    passes its self-test."""
+    pending = [b for b in lease.builds if b.module == "deep_gemm" and b.process is not None]
+    while pending and lease.left() > lease.args.phase2_reserve_s:
+        for build in [b for b in pending if b.poll()]:
+            pending.remove(build)
+            if build.code == 0 and not any(b.usable == "" for b in lease.builds if b.module == "deep_gemm"):
+                check_usable(lease, build, libdir, env)
         time.sleep(2)
-    if build.code == 0:
-        check_usable(lease, build, libdir, env)
 
 
 def importable(module: str, env: dict[str, str]) -> str | None:
@@ -385,9 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             start_builds(lease, libdir)
         env = {**os.environ, "DG_JIT_CACHE_DIR": str(args.out / "dg-cache")}
         # DeepGEMM builds in about 100 s: its self-test runs beside phase 1, not in phase 2's reserve
-        watcher = threading.Thread(
-            target=check_when_built, args=(lease, "deep-gemm", libdir, env), daemon=True
-        )
+        watcher = threading.Thread(target=check_deepgemm_when_built, args=(lease, libdir, env), daemon=True)
         watcher.start()
         summaries["phase1"] = run_phase(
             lease, "phase1", args.phase1, lease.left() - args.phase2_reserve_s - PACK_RESERVE_S, env
@@ -397,14 +425,14 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_builds(lease)
         watcher.join(timeout=max(lease.left() - args.phase2_reserve_s / 2, 1.0))
         for b in lease.builds:
-            if b.code == 0 and b.usable is None and b.name != "deep-gemm":
+            if b.code == 0 and b.usable is None and b.module != "deep_gemm":
                 check_usable(lease, b, libdir, env)
         env2 = {**env}
         imported = [b.name for b in lease.builds if b.usable == ""]
         if imported:
             paths = [str(libdir / name) for name in imported]
             env2["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
-        if "deep-gemm" in imported:
+        if any(b.module == "deep_gemm" and b.usable == "" for b in lease.builds):
             env2.update(lease.deepgemm_env)
         lease.step("builds", time.monotonic() - started, note=f"usable: {', '.join(imported) or 'none'}")
         stages = args.phase2 if imported or args.cpu_smoke else list(PHASE2_WITHOUT_LIBRARIES)

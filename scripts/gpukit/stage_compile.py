@@ -72,31 +72,31 @@ def _mla_sources(tl: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any]
     import torch
     from dsinfer.kernels import mla_decode_tma
     from dsinfer.kernels.mla_decode import _mla_decode_split_kernel, default_launch, pointer_fallback
+    from dsinfer.kernels.mla_launch import MlaLaunch
 
     sources = []
     wide = default_launch(128, torch.bfloat16)
-    part = 512 // wide.dv_parts
-    for split in (True, False):
-        const = dict(DV=512, DPE=64, PAGE_SIZE=64, BLOCK_M=wide.block_m, BLOCK_N=wide.block_n,
-                     DV_PARTS=wide.dv_parts, CAUSAL=True, SPLIT=split, DOT=tl.bfloat16)  # fmt: skip
+    one_program = [MlaLaunch(64, block_n, 8, 2, "tma", 1) for block_n in (32, 64)]  # scores once
+    tma_builds = [
+        (wide, True),
+        (wide, False),
+        *((launch, True) for launch in one_program),
+    ]
+    for launch, split in tma_builds:
+        box = mla_decode_tma.value_box(512, launch.dv_parts)
+        const = dict(DV=512, DPE=64, PAGE_SIZE=64, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BOX=box,
+                     DV_PARTS=launch.dv_parts, CAUSAL=True, SPLIT=split, DOT=tl.bfloat16)  # fmt: skip
         descs = {
-            "kv_desc": f"tensordesc<bf16[{wide.block_n}, {part}]>",
-            "pe_desc": f"tensordesc<bf16[{wide.block_n}, 64]>",
+            "kv_desc": f"tensordesc<bf16[{launch.block_n}, {box}]>",
+            "pe_desc": f"tensordesc<bf16[{launch.block_n}, 64]>",
         }
         sig = _mla_signature(mla_decode_tma._mla_decode_tma_kernel, const, descs)
         name = (
-            f"mla {wide.kernel} 128 heads {wide.block_m}x{wide.block_n}x{wide.dv_parts} w{wide.num_warps}"
-            + (" split" if split else "")
+            f"mla {launch.kernel} 128 heads {launch.block_m}x{launch.block_n}x{launch.dv_parts} "
+            f"w{launch.num_warps}" + (" split" if split else "")
         )
-        sources.append(
-            (
-                name,
-                mla_decode_tma._mla_decode_tma_kernel,
-                sig,
-                const,
-                {"num_warps": wide.num_warps, "num_stages": wide.num_stages},
-            )
-        )
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        sources.append((name, mla_decode_tma._mla_decode_tma_kernel, sig, const, options))
     for label, launch in (
         ("16 heads", default_launch(16, torch.bfloat16)),
         ("fallback", pointer_fallback(wide)),

@@ -1,8 +1,8 @@
 """Stage ``sweeps``: launch parameters around the defaults, measured.
 
-1. MLA decode at B128 x 4K, one query token, 128 heads (``bench_kernels.py --only mla
-   --sweep-mla``): the TMA kernel's tiles, stages and split counts, and the pointer kernel's, each
-   timed; the best beside the default launch. (16 heads were swept on the H100 on 2026-11-26.)
+1. MLA decode at B128 x 4K, one query token, 16 and 128 heads (``bench_kernels.py --only mla
+   --sweep-mla``): the TMA kernel's tiles, stages, channel parts and split counts, and the pointer
+   kernel's, each timed; the best beside the default launch.
 2. The FP8 GEMM tiles (``sweep_gemm.py``) with the time left.
 
 Every timed configuration is checked against the torch reference by the scripts; a failed script
@@ -44,7 +44,7 @@ def run(ctx: StageContext, result: StageResult) -> None:
     mla_out = ctx.out / "sweep_mla.json"
     argv = [sys.executable, "benchmarks/kernels/bench_kernels.py", *MLA_ARGS, "--out", str(mla_out),
             "--markdown", str(ctx.out / "sweep_mla.md")]  # fmt: skip
-    argv += ["--mla-heads", "16" if ctx.cpu_smoke else "128"]
+    argv += ["--mla-heads", "16" if ctx.cpu_smoke else "16,128"]
     if ctx.cpu_smoke:
         argv += [*SMOKE, *SMOKE_TIMING]
     code, tail = run_logged(argv, ctx.out / "sweep_mla.log", ctx.budget_s * 0.7, env)
