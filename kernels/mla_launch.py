@@ -9,12 +9,12 @@ import torch
 
 MIN_KEYS_PER_SPLIT = 256  # below this a split costs more in the combine than it saves
 MAX_SPLITS = 64
-# H100 sweep, B128 x 4K, 16 heads: 6 splits 258 us, 3 splits 293 us (the kit's run: 5 splits, 279 us)
-PROGRAMS_PER_SM = 4
-# The TMA kernel holds 148-221 KB of shared memory and 246-251 registers x 256 threads: one program
-# per SM at a time. H100, B128 x 4K, 128 heads (2026-11-27): 1 split 1,050 us, 2 splits 1,096, 4
-# splits 1,140 (the heuristic gives 1 there)
-TMA_PROGRAMS_PER_SM = 2
+# H100, B128 x 4K, 16 heads, pointer kernel 16x32 w4 s3 (2026-11-28): 2 splits 240 us, 5 splits 276,
+# 10 splits 260 (2026-11-26, s2: 6 splits 258 us, 3 splits 293): one program per SM at B128
+PROGRAMS_PER_SM = 1
+# The TMA kernel holds 221 KB of shared memory: one program per SM at a time. H100, B128 x 4K, 128
+# heads, one program per row block (2026-11-28): 1 split 542 us, 2 splits 589
+TMA_PROGRAMS_PER_SM = 1
 CPU_SMS = 8  # what the split heuristic assumes when there is no CUDA device (the interpreter)
 
 
@@ -30,24 +30,24 @@ class MlaLaunch(NamedTuple):
 def default_launch(rows: int, compute: torch.dtype) -> MlaLaunch:
     """The launch for ``rows = s_q * h_q`` query rows computed in ``compute``.
 
-    From the H100 run of 2026-11-27 (benchmarks/results/gpu_h100_2026-11-27/), B x 4K contexts:
-    more than 32 rows in 16-bit (V3's 128 heads) take the TMA kernel in 64-row blocks with 8 warps,
-    two channel halves and 64-key tiles (the configuration that compiles to wgmma without
-    spilling; mla_decode_tma.py says why): 1,050 us at B128, 128 heads, against 1,514 us with
-    32-key tiles and 1,720-1,775 us for the pointer kernel's 32-row blocks. Up to 32 rows stay on
-    the pointer kernel: padding 32 rows to a 64-row block and computing the scores twice made the
-    TMA kernel slower there (B128, 16 heads x 2 tokens: 802 against 499 us). One 16-row block
-    runs best with 4 warps (258 us at B128 x 4K, 16 heads, against 299 us with 8, 2026-11-26).
+    From the H100 sweeps of 2026-11-27 and 2026-11-28 (benchmarks/results/gpu_h100_2026-11-27/,
+    gpu_h100_2026-11-28/), B x 4K contexts: more than 32 rows in 16-bit (V3's 128 heads) take the
+    TMA kernel in 64-row blocks with 8 warps, 64-key tiles and one program per row block (both
+    256-channel boxes, scores once): 542 us at B128, 128 heads, against 938 us for two channel
+    parts (each computing the scores), 782 us with 32-key tiles and 1,708 us for the pointer
+    kernel's 32-row blocks. Up to 32 rows stay on the pointer kernel: padded to a 64-row block the
+    TMA kernel was slower there (B128, 16 heads: 421 against 240 us). One 16-row block runs best
+    with 4 warps and 3 stages (240 us at B128 x 4K, 16 heads; 248 with 2 stages, 390 with 8 warps).
     Where the TMA kernel cannot run (:func:`tma_unsupported`), :func:`pointer_fallback` gives the
     pointer kernel's 32-row blocks. float32 uses 16 x 16 tiles (IEEE fp32 dots, no wgmma).
     """
     if compute == torch.float32:
         return MlaLaunch(16, 16, 8, 2, "pointer", 1)
     if rows <= 16:
-        return MlaLaunch(16, 32, 4, 2, "pointer", 1)
+        return MlaLaunch(16, 32, 4, 3, "pointer", 1)
     if rows <= 32:
         return MlaLaunch(32, 32, 8, 2, "pointer", 1)
-    return MlaLaunch(64, 64, 8, 2, "tma", 2)
+    return MlaLaunch(64, 64, 8, 2, "tma", 1)
 
 
 def pointer_fallback(launch: MlaLaunch) -> MlaLaunch:

@@ -69,7 +69,7 @@ CASES: dict[str, Case] = {
     # DeepSeek-V3's shape: 512 latent + 64 rope, page 64
     # 16 heads x 2 tokens = 32 rows: the pointer kernel (the TMA kernel was slower there on the H100)
     "v3_bf16_two_tokens_split3": Case((130, 64, 1), 64, 2, 16, 576, 512, "bfloat16", True, 3, 3),
-    # V3's 128 heads: two 64-row blocks, each in two channel halves, by TMA; one split (heuristic)
+    # V3's 128 heads: two 64-row blocks by TMA, each one program over all 512 value channels; one split
     "v3_bf16_128_heads_tma": Case(
         (130, 64, 1), 64, 1, 128, 576, 512, "bfloat16", True, None, 1, expect_kernel="tma"
     ),
@@ -200,10 +200,11 @@ def _check_split_heuristic() -> None:
     from dsinfer.kernels.mla_decode import MAX_SPLITS, choose_num_splits
 
     # batch, row blocks, max keys (block-table width x page size), SMs, block_n
-    assert choose_num_splits(1, 4, 32768, 132, 32) == MAX_SPLITS  # one long sequence: split wide
+    assert choose_num_splits(1, 4, 32768, 132, 32) == 33  # one long sequence: a program per SM
+    assert choose_num_splits(1, 1, 32768, 132, 32, 4) == MAX_SPLITS  # capped
     assert choose_num_splits(1, 4, 4096, 132, 32) == 16  # capped at 256 keys per split
     assert choose_num_splits(256, 4, 32768, 132, 32) == 1  # the batch alone fills the GPU
-    assert choose_num_splits(16, 4, 32768, 132, 32) == 9
+    assert choose_num_splits(16, 4, 32768, 132, 32) == 3
     assert choose_num_splits(1, 1, 200, 132, 32) == 1  # short context: one split
 
 

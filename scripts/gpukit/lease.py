@@ -134,6 +134,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"stage time limits, as scripts/gpu-check takes them (default {BUDGETS})",
     )
     p.add_argument("--deepgemm-jit", choices=("nvrtc", "nvcc"), default="nvrtc")
+    p.add_argument(
+        "--builds",
+        default=None,
+        help="the library builds to run, by name (default all: flash-mla, deep-gemm, ...)",
+    )
     p.add_argument("--cpu-smoke", action="store_true", help="the plumbing on CPU: no builds, smoke stages")
     args = p.parse_args(argv)
     for option in ("phase1", "phase2"):
@@ -169,7 +174,10 @@ def start_builds(lease: Lease, libdir: Path) -> None:
         ("flash-mla", "flash-mla", {}),
         *((name, "deep-gemm", extra) for name, extra in deepgemm_variants()),
     ]
+    wanted = set(args.builds.split(",")) if args.builds else None
     for name, library, extra in plan:
+        if wanted is not None and name not in wanted:
+            continue
         build = Build(name, args.out / f"build-{name}.log", LIBRARIES[library], extra)
         lease.builds.append(build)
         env = {
