@@ -280,8 +280,22 @@ def check_masked_grouped_tma() -> None:
         _expect(bool(out[g, count:].isnan().all()), f"masked TMA: group {g} wrote rows past masked_m")
         ref, bound = _reference_rows(qa[g, :count], sa[g, :count], qb, sb, torch.full((count,), g), n)
         _assert_gemm_close(out[g, :count], ref, bound, k, f"masked TMA group {g}")
-    qa, sa = _activations(gen, groups, m_max, 320)
+    qa, sa = _activations(gen, groups, 256, k)  # 256 rows per group expected, k <= 2048: TMA by default
+    counts = [5, 0, 3]
+    out = torch.full((groups, 256, n), float("nan"), dtype=torch.bfloat16)
+    masked_m = torch.tensor(counts, dtype=torch.int32)
+    with launches(grouped_gemm_tma._masked_tma_kernel) as calls:
+        kmod.m_grouped_fp8_gemm_nt_masked((qa, sa), (qb, sb), out, masked_m, 256)
+    _expect(len(calls) == 1, "the masked default at 256 rows, k = 256 did not run the TMA kernel")
+    for g, count in enumerate(counts):
+        _expect(bool(out[g, count:].isnan().all()), f"masked TMA default: group {g} wrote rows past masked_m")
+        ref, bound = _reference_rows(qa[g, :count], sa[g, :count], qb, sb, torch.full((count,), g), n)
+        _assert_gemm_close(out[g, :count], ref, bound, k, f"masked TMA default group {g}")
+    qa, sa = _activations(gen, groups, 256, 320)
     qb, sb = _weights(gen, groups, n, 320)
+    with launches(kmod._masked_kernel) as calls:  # no TMA over k = 320: the default falls back
+        kmod.m_grouped_fp8_gemm_nt_masked((qa, sa), (qb, sb), out, masked_m, 256)
+    _expect(len(calls) == 1, "the masked default did not fall back to the pointer kernel at k = 320")
     try:
         kmod.m_grouped_fp8_gemm_nt_masked((qa, sa), (qb, sb), out, masked_m, 8, tile)
     except ValueError as exc:

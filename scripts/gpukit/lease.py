@@ -2,16 +2,17 @@
 
 1. Installs the carried wheels and dsinfer (as ``scripts/gpu-check --wheels`` does).
 2. Starts the builds of FlashMLA and DeepGEMM from the carried source archives in the background
-   (``scripts/build-deepseek-kernels --archives --only``, niced, two processes), installing into a
-   folder of their own that only phase 2 puts on ``PYTHONPATH``: phase 1 measures dsinfer's own
-   kernels even when a build finishes early.
+   (``scripts/build-deepseek-kernels --archives --only``, niced, two processes; DeepGEMM by the
+   system's g++, :func:`deepgemm_variants` says why), installing into a folder of their own that
+   only phase 2 puts on ``PYTHONPATH``: phase 1 measures dsinfer's own kernels even when a build
+   finishes early.
 3. Phase 1 (``scripts/gpu-check`` stages): environment, the offline compile check, the GPU tests,
    the kernel figures, the decode step from CUDA graphs with a profile, Nsight Compute launches,
    and last the sweeps, which take what is left of phase 1.
 4. Checks each built library: it imports, and DeepGEMM runs one GEMM equal to the reference
-   (``dg_selftest.py``) with a JIT compiler that works: NVRTC first (``--deepgemm-jit``; each
-   kernel compiles in seconds instead of tens of seconds under nvcc), then nvcc; a crash gets one
-   cuda-gdb backtrace. DeepGEMM's check runs beside phase 1 as soon as it is built; the lease
+   (``dg_selftest.py``) with a JIT compiler that works: nvcc first (``--deepgemm-jit``; on the
+   H100 image NVRTC's kernels fail to load, CUDA_ERROR_INVALID_IMAGE), then NVRTC; a crash gets
+   one cuda-gdb backtrace. DeepGEMM's check runs beside phase 1 as soon as it is built; the lease
    waits for the builds at most until phase 2's reserve of the deadline begins.
 5. Phase 2 with the libraries that passed: their adapters against the torch references, the
    kernel figures with DeepGEMM and FlashMLA beside Triton, the decode step with the library
@@ -53,7 +54,7 @@ LIBRARIES = {"flash-mla": "flash_mla", "deep-gemm": "deep_gemm"}  # build name -
 # Stage limits within a lease (the kit's defaults are for a machine held longer): a stage that hangs
 # costs its own limit, not the rest of the phase.
 BUDGETS = (
-    "env=40,triton-compile=60,gpu-tests=90,kernels=150,v3-graphs=100,ncu=70,sweeps=200,adapters=90,parity=150"
+    "env=40,triton-compile=60,gpu-tests=90,kernels=150,v3-graphs=160,ncu=70,sweeps=200,adapters=90,parity=150"
 )
 PACK_LIMIT = 8  # files the device tool brings back
 PACK_RESERVE_S = 15.0
@@ -133,7 +134,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=BUDGETS,
         help=f"stage time limits, as scripts/gpu-check takes them (default {BUDGETS})",
     )
-    p.add_argument("--deepgemm-jit", choices=("nvrtc", "nvcc"), default="nvrtc")
+    p.add_argument("--deepgemm-jit", choices=("nvrtc", "nvcc"), default="nvcc")
     p.add_argument(
         "--builds",
         default=None,
@@ -151,18 +152,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def deepgemm_variants() -> list[tuple[str, dict[str, str]]]:
-    """DeepGEMM's builds, each linked another way. The H100's build by the image's compiler, linked
-    ``-Bsymbolic-functions`` as Python's LDSHARED says, crashed in ``std::regex`` on a locale facet
-    of the wrong type, as when libstdc++'s locale code is partly bound inside the extension and
-    partly in the process's runtime. So: the image's compiler with that option cancelled
-    (``-Bno-symbolic``, GNU ld 2.37+, appended through LDFLAGS), and the system's g++ where there
-    is one. The first whose self-test passes is the one phase 2 uses."""
-    variants = [("deep-gemm", {"LDFLAGS": "-Wl,-Bno-symbolic"})]
-    if Path("/usr/bin/g++").exists():
-        link = "/usr/bin/g++ -shared -Wl,-O1 -Wl,-Bsymbolic-functions"
-        system = {"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++", "LDSHARED": link, "LDCXXSHARED": link}
-        variants.append(("deep-gemm-syscxx", system))
-    return variants
+    """DeepGEMM's build: by the system's g++ where there is one. The image's ``/opt/gcc/bin/g++``
+    (a wrapper of GCC 13.3) links libstdc++ statically: its ``_C`` defined 4,901 ``std::`` symbols
+    and did not need libstdc++.so.6, and every first call crashed in ``std::regex`` on a locale
+    facet of the wrong type (H100, 2026-11-27 and -28); built by /usr/bin/g++ (the same GCC) it
+    runs (2026-11-28). build-deepseek-kernels refuses a DeepGEMM that carries its own libstdc++."""
+    if not Path("/usr/bin/g++").exists():
+        return [("deep-gemm", {})]
+    link = "/usr/bin/g++ -shared -Wl,-O1 -Wl,-Bsymbolic-functions"
+    return [
+        ("deep-gemm", {"CC": "/usr/bin/gcc", "CXX": "/usr/bin/g++", "LDSHARED": link, "LDCXXSHARED": link})
+    ]
 
 
 def start_builds(lease: Lease, libdir: Path) -> None:
@@ -237,35 +237,15 @@ def wait_for_builds(lease: Lease) -> None:
             log(f"lease: {b.note} ({b.name})")
 
 
-def build_cxx_runtime(compiler: str | None = None) -> str | None:
-    """The libstdc++ of ``compiler`` (default ``CXX``, else ``c++``), if it has one."""
-    compiler = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        return None
-    run = subprocess.run(
-        [compiler, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, timeout=30
-    )
-    path = run.stdout.strip()
-    return path if os.path.isabs(path) and os.path.exists(path) else None
-
-
 def choose_deepgemm_jit(lease: Lease, build: Build, env: dict[str, str]) -> str | None:
-    """Run the DeepGEMM self-test each way it may work, ``--deepgemm-jit`` first: that compiler, then
-    it with the build compiler's libstdc++ preloaded, then the other compiler. The first that
+    """Run the DeepGEMM self-test under each JIT compiler, ``--deepgemm-jit`` first. The first that
     passes becomes ``lease.deepgemm_jit`` (and ``lease.deepgemm_env``). -> None, or why none did
     (each attempt's log is kept; a first crash also gets a cuda-gdb backtrace)."""
-    first, other = ("nvrtc", "nvcc") if lease.args.deepgemm_jit == "nvrtc" else ("nvcc", "nvrtc")
-    runtime = build_cxx_runtime(build.env.get("CXX"))
-    attempts = [
-        (first, {}),
-        *([(f"{first}+preload", {"LD_PRELOAD": runtime})] if runtime else []),
-        (other, {}),
-    ]
     outcomes = []
-    for label, extra in attempts:
-        trial = {**env, "DG_JIT_DEBUG": "1", **extra}
+    for label in ("nvrtc", "nvcc") if lease.args.deepgemm_jit == "nvrtc" else ("nvcc", "nvrtc"):
+        trial = {**env, "DG_JIT_DEBUG": "1"}
         trial.pop("DG_JIT_USE_NVRTC", None)
-        if label.startswith("nvrtc"):
+        if label == "nvrtc":
             trial["DG_JIT_USE_NVRTC"] = "1"
         argv = [sys.executable, "-X", "faulthandler", "-m", "scripts.gpukit.dg_selftest"]
         log_name = f"dg-selftest-{build.name}-{label}"
@@ -281,7 +261,7 @@ def choose_deepgemm_jit(lease: Lease, build: Build, env: dict[str, str]) -> str 
         if code == 0:
             lease.deepgemm_jit, lease.deepgemm_env = (
                 f"{build.name} {label}",
-                {k: v for k, v in trial.items() if k in ("DG_JIT_USE_NVRTC", "LD_PRELOAD")},
+                {k: v for k, v in trial.items() if k == "DG_JIT_USE_NVRTC"},
             )
             return None
     return "self-test failed (" + "; ".join(outcomes) + ")"
