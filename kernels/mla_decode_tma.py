@@ -59,11 +59,11 @@ def _tile(q_a, q_b, q_pe, kv_desc, pe_desc, slot, key0, stop, last_key, box_a, b
     p = p.to(DOT)
     if MASK_KV:
         kv_a = tl.where(key_ok[:, None], kv_a, 0.0)
-    acc_a = acc_a * alpha[:, None] + tl.dot(p, kv_a)
+    acc_a = tl.dot(p, kv_a, acc_a * alpha[:, None])  # accumulated in place by the tensor cores
     if ACC_B:
         if MASK_KV:
             kv_b = tl.where(key_ok[:, None], kv_b, 0.0)
-        acc_b = acc_b * alpha[:, None] + tl.dot(p, kv_b)
+        acc_b = tl.dot(p, kv_b, acc_b * alpha[:, None])
     return acc_a, acc_b, m_i, l_i
 
 

@@ -76,12 +76,8 @@ def _mla_sources(tl: Any) -> list[tuple[str, Any, dict[str, str], dict[str, Any]
 
     sources = []
     wide = default_launch(128, torch.bfloat16)
-    one_program = [MlaLaunch(64, block_n, 8, 2, "tma", 1) for block_n in (32, 64)]  # scores once
-    tma_builds = [
-        (wide, True),
-        (wide, False),
-        *((launch, True) for launch in one_program),
-    ]
+    others = [MlaLaunch(64, 32, 8, 2, "tma", 1), MlaLaunch(64, 64, 8, 2, "tma", 2)]  # the sweep's next best
+    tma_builds = [(wide, True), (wide, False), *((launch, True) for launch in others if launch != wide)]
     for launch, split in tma_builds:
         box = mla_decode_tma.value_box(512, launch.dv_parts)
         const = dict(DV=512, DPE=64, PAGE_SIZE=64, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BOX=box,
