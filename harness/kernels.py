@@ -118,6 +118,7 @@ def projection_shapes(v3: V3) -> list[tuple[str, int, int]]:
         ("q_a_proj", v3.q_lora_rank, v3.hidden),
         ("q_b_proj", v3.heads * qk, v3.q_lora_rank),
         ("kv_a_proj_with_mqa", v3.kv_dim, v3.hidden),
+        ("q_a + kv_a stacked", v3.q_lora_rank + v3.kv_dim, v3.hidden),  # MLA.stack_a_proj: one GEMM
         ("kv_b_proj", v3.heads * (v3.qk_nope + v3.v_head), v3.kv_lora_rank),
         ("o_proj", v3.hidden, v3.heads * v3.v_head),
         ("dense gate_proj/up_proj", v3.intermediate, v3.hidden),

@@ -70,10 +70,58 @@ def test_bf16_load_packs_every_dense_linear_with_the_same_results() -> None:
         pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
     model = load_model("tiny", OPS, dtype=torch.bfloat16).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    run = [m for m in linears if not m.stacked_into]  # q_a and kv_a run as their stack's rows
+    assert linears and all(m.packed is not None for m in run) and len(run) < len(linears)
+    assert all(m.packed is None for m in linears if m.stacked_into)
     gen = torch.Generator().manual_seed(0)
     for m in linears:
         x = torch.randn(5, m.in_features, generator=gen).bfloat16()
         assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))
     fp32 = load_model("tiny", OPS, dtype=torch.float32).model
     assert all(m.packed is None for m in fp32.modules() if isinstance(m, Linear))
+
+
+def test_linear_stack_runs_its_parts_as_one_gemm() -> None:
+    """Linear.stack: the stack's rows are the parts' (its output split equals theirs), the parts'
+    tensors become views of the stack's, FP8 scale blocks follow their rows; it refuses parts
+    whose scale blocks would straddle two of them, or whose bias or inputs differ. A loaded V3
+    model runs q_a and kv_a as one stack."""
+    from dsinfer.model.layers import Linear
+    from dsinfer.ops.fp8 import quantize_weight_128x128
+
+    gen = torch.Generator().manual_seed(3)
+    parts = [Linear(256, n, OPS, bias=True) for n in (256, 72)]
+    for p in parts:
+        p.weight.copy_(torch.randn(p.weight.shape, generator=gen))
+        p.bias.copy_(torch.randn(p.bias.shape, generator=gen))  # type: ignore[union-attr]
+    x = torch.randn(4, 256, generator=gen)
+    want = [p(x) for p in parts]
+    stacked = Linear.stack(parts)
+    assert stacked is not None and stacked.out_features == 328 and all(p.stacked_into for p in parts)
+    for got, ref in zip(stacked(x).split([256, 72], dim=-1), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert parts[1].weight.data_ptr() == stacked.weight.data_ptr() + 256 * 256 * 4  # a view, no copy
+    assert parts[1].bias.data_ptr() == stacked.bias.data_ptr() + 256 * 4  # type: ignore[union-attr]
+
+    fp8 = [Linear(256, n, OPS) for n in (128, 72)]
+    for p in fp8:
+        w, s = quantize_weight_128x128(torch.randn(p.out_features, 256, generator=gen))
+        p.make_fp8()
+        p.weight.copy_(w)
+        p.weight_scale_inv.copy_(s)  # type: ignore[union-attr]
+    dense = torch.cat([p.dense_weight(torch.float32) for p in fp8])
+    stacked = Linear.stack(fp8)
+    assert stacked is not None and stacked.weight_scale_inv is not None
+    assert tuple(stacked.weight_scale_inv.shape) == (2, 2)
+    assert torch.equal(stacked.dense_weight(torch.float32), dense)
+    assert torch.equal(fp8[1].dense_weight(torch.float32), dense[128:])
+
+    straddling = [Linear(256, n, OPS) for n in (72, 128)]
+    for p in straddling:
+        p.make_fp8()
+    assert Linear.stack(straddling) is None  # 72 rows: the second part's first block would be shared
+    assert Linear.stack([Linear(256, 8, OPS, bias=True), Linear(256, 8, OPS)]) is None
+    assert Linear.stack([Linear(256, 8, OPS), Linear(128, 8, OPS)]) is None
+
+    attn = load_model("tiny", OPS).model.model.layers[0].self_attn
+    assert attn.a_proj is not None and attn.q_a_proj.stacked_into and attn.kv_a_proj_with_mqa.stacked_into

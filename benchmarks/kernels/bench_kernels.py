@@ -284,7 +284,7 @@ def make_plan(args: argparse.Namespace, v3: V3, v32: V32Sparse) -> Plan:
     ]
     projections = projection_shapes(v3)
     if quick:
-        keep = {"q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense down_proj"}
+        keep = {"q_b_proj", "kv_a_proj_with_mqa", "q_a + kv_a stacked", "o_proj", "dense down_proj"}
         projections = [p for p in projections if p[0] in keep]
     gemm_rows = (128, 4096) if quick else (64, 128, 4096)
     gemm = [GemmCase(name, m, n, k) for name, n, k in projections for m in gemm_rows]

@@ -223,11 +223,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.config.num_hidden_layers + len(self.mtp_layers)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Derive what the loaded weights imply (absorbed MLA weights, packed GEMM weights)."""
-        for module in self.modules():
+        """Derive what the loaded weights imply (stacked and absorbed MLA weights, packed GEMM weights)."""
+        for module in list(self.modules()):
             if isinstance(module, MLA):
+                module.stack_a_proj()
                 module.prepare_absorbed(dtype)
-            elif isinstance(module, Linear):
+        for module in self.modules():
+            if isinstance(module, Linear):
                 module.pack()
 
     @torch.inference_mode()

@@ -63,11 +63,55 @@ class Linear(nn.Module):
         self.weight_scale_inv: nn.Parameter | None = None
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.stacked_into = False  # its rows live in a stack's weight (Linear.stack): not run, not packed
 
     def pack(self) -> None:
         """Derive ``packed`` from the loaded high-precision weight, where the backend has a form."""
-        if self.weight_scale_inv is None:
+        if self.weight_scale_inv is None and not self.stacked_into:
             self.packed = self.ops.pack_linear_weight(self.weight)
+
+    @classmethod
+    def stack(cls, parts: list[Linear]) -> Linear | None:
+        """One Linear whose output rows are ``parts``' in order, for inputs they share: one GEMM
+        instead of several. Each part's weight, scales and bias become views of the stack's (no
+        second copy) and it is marked ``stacked_into`` (not packed; callers run the stack). None
+        where they cannot stack: other inputs or storage, or FP8 scale blocks that would straddle
+        two parts (every part but the last needs a multiple of 128 rows)."""
+        first = parts[0]
+        fp8 = first.weight_scale_inv is not None
+        if any(
+            p.in_features != first.in_features
+            or p.weight.dtype != first.weight.dtype
+            or (p.weight_scale_inv is not None) != fp8
+            or (p.bias is not None) != (first.bias is not None)
+            for p in parts
+        ):
+            return None
+        if fp8 and any(p.out_features % FP8_BLOCK for p in parts[:-1]):
+            return None
+        stacked = cls(
+            first.in_features, sum(p.out_features for p in parts), first.ops, first.bias is not None
+        )
+        stacked.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+        if fp8:
+            scales = torch.cat([p.weight_scale_inv for p in parts])  # type: ignore[misc]
+            stacked.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        if first.bias is not None:
+            stacked.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)  # type: ignore[misc]
+        row = 0
+        for p in parts:
+            rows = slice(row, row + p.out_features)
+            p.weight = nn.Parameter(stacked.weight[rows], requires_grad=False)
+            if fp8:
+                assert stacked.weight_scale_inv is not None
+                blocks = slice(row // FP8_BLOCK, (row + p.out_features + FP8_BLOCK - 1) // FP8_BLOCK)
+                p.weight_scale_inv = nn.Parameter(stacked.weight_scale_inv[blocks], requires_grad=False)
+            if p.bias is not None:
+                assert stacked.bias is not None
+                p.bias = nn.Parameter(stacked.bias[rows], requires_grad=False)
+            p.stacked_into = True
+            row += p.out_features
+        return stacked
 
     def make_fp8(self) -> None:
         """Switch to FP8 storage (called by the loader before copying an FP8 checkpoint in)."""
