@@ -137,9 +137,36 @@ def test_engine_decode_through_static_buffers_gives_eager_tokens(
     assert graphs.padding_rows > 0
 
 
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
+def test_mtp_verification_through_static_buffers_gives_eager_tokens(
+    checkpoint: str, request: pytest.FixtureRequest
+) -> None:
+    """With MTP every all-decode step verifies a draft per sequence: two tokens each, run through
+    the static buffers' two-token buckets (causal over the last token and the draft, the MTP layer
+    after it eager); the tokens equal the eager engine's with MTP and without it."""
+    tiny_ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
+    plain = make_llm(tiny_ckpt)
+    expected = _generate(plain)
+    plain.engine.close()
+    eager = make_llm(tiny_ckpt, speculative_mtp=True)
+    assert _generate(eager) == expected
+    eager.engine.close()
+
+    llm = make_llm(tiny_ckpt, speculative_mtp=True)
+    graphs = llm.engine.runner.enable_decode_graphs(
+        max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
+    )
+    assert graphs.tokens_per_seq == (1, 2)
+    got = _generate(llm)
+    llm.engine.close()
+    assert got == expected
+    assert graphs.steps_by_q[2] >= 4 and len(graphs.steps) >= 2, (graphs.steps_by_q, graphs.steps)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint) -> None:
+    """Captured decode steps give the eager tokens, and with MTP so do captured verifications."""
     eager = make_llm(tiny_ckpt, device="cuda", enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     expected = _generate(eager)
@@ -163,3 +190,10 @@ def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint)
     compare(eager_logits, replayed)
     runner.pool.allocator.free(pages)
     llm.engine.close()
+
+    mtp = make_llm(tiny_ckpt, device="cuda", max_num_seqs=8, speculative_mtp=True)
+    graphs = mtp.engine.runner.decode_graphs
+    assert graphs is not None and graphs.tokens_per_seq == (1, 2)
+    assert _generate(mtp) == expected  # verification steps replayed from two-token graphs
+    assert graphs.steps_by_q[2] >= 4, graphs.steps_by_q
+    mtp.engine.close()

@@ -1,33 +1,36 @@
 """CUDA graphs of the decode step, one per batch-size bucket, so that decode is not launch-bound.
 
 What is captured: the whole decode-only forward (embedding, every decoder layer, final norm) and
-the logits of every row, for ``B`` sequences of one new token each, through the graph-safe paths:
+the logits of every row, for ``B`` sequences of ``q`` new tokens each (``q`` = 1; with MTP also 2:
+the verification step, last token and draft), through the graph-safe paths:
 MLA's absorbed path with ``cache_seqlens`` read from a device buffer (V3.2: the indexer's logits
 over the static block table, a top-k as wide as the table, sparse MLA over the picked slots; no
 host read either), and the routed experts in the masked layout (``ForwardBatch.masked_moe``: device-side per-expert counts and ranks,
-``grouped_gemm_masked``). Sampling, logprobs and the MTP layer stay outside, eager.
+``grouped_gemm_masked``). Sampling, logprobs and the MTP draft layer stay outside, eager.
 
-Static buffers (allocated once, for the largest bucket): per row the input id, position, cache
-slot, cached length and a valid flag (one int64 ``[5, max_bs]`` tensor, one host-to-device copy per
-step) and the block table ``[max_bs, pages of max_seq_len]``. Each step's values are staged in host
+Static buffers (allocated once, for the largest bucket): per token row the input id, position,
+cache slot and a valid flag, per sequence its cached length (one int64 ``[5, max_bs * max q]``
+tensor, one host-to-device copy per step) and the block table ``[max_bs, pages of max_seq_len]``. Each step's values are staged in host
 buffers of the same shapes, pinned on CUDA so that both copies are asynchronous; the next step
 waits on an event of the last copies before it overwrites the staging buffers. A step of ``n``
-sequences is padded to the smallest bucket ``>= n``: padding rows read token 0 at position 0, write
-their latent (and indexer key) to the pool's dummy page (``PagedKVPool.reserve_dummy_page``:
+sequences is padded to the smallest bucket ``>= n``: padding sequences read token 0 at positions
+0..q-1, write their latents (and indexer keys) to the pool's dummy page (``PagedKVPool.reserve_dummy_page``:
 reserved for good, owned by no sequence)
 and attend to it alone; they are masked out of the experts and of the expert-load counters. The
 graph replays and the first ``n`` rows of its output are returned (views of the static outputs,
 valid until the next replay).
 
 Buckets: 1, 2, 4, 8, then every multiple of 8 up to 256 and of 16 beyond, up to ``max_batch_size``
-(which is always one). Graphs are captured largest first into one shared memory pool.
+(which is always one), for each ``q`` of ``tokens_per_seq``. Graphs are captured largest first
+into one shared memory pool.
 
 What stays eager, and why:
 
 - prefill and mixed steps (their shapes vary with the prompts; the decompressed MLA path and the
   contiguous expert layout read lengths and counts on the host);
-- MTP verification steps (two query tokens per sequence) and the MTP draft layer: they could be
-  captured the same way with ``s_q = 2`` buckets, not done yet;
+- MTP verification steps where some sequences carry no draft (their query lengths differ), and
+  the MTP draft layer (it runs over one or two positions per sequence, as the drafts were
+  accepted);
 - steps with a per-layer callback (``after_layer``, the PD prefill side's KV push);
 - expert parallelism: today's EP dispatch (pair rows over ``EPGroup.dispatch``: TorchEPGroup's
   all-to-all over gloo/NCCL, DeepEPGroup's pair-level path) reads row counts on the host, so an EP
@@ -83,19 +86,24 @@ def graph_unsupported_reason(model: DeepseekV3ForCausalLM) -> str | None:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """One decode-only step, one row per sequence: the token it feeds, at which position, and the
-    sequence's pages (its block table row; the token's slot is derived from them)."""
+    """One decode-only step of ``q_len`` new tokens per sequence: the tokens it feeds (sequence
+    after sequence), the position of each sequence's first one, and its pages (its block table row;
+    the tokens' slots are derived from them)."""
 
     input_ids: list[int]
     positions: list[int]
     page_lists: list[list[int]]
+    q_len: int = 1
 
     def __post_init__(self) -> None:
-        if not len(self.input_ids) == len(self.positions) == len(self.page_lists):
-            raise ValueError("input_ids, positions and page_lists need one entry per sequence")
+        if not len(self.positions) == len(self.page_lists) or len(self.input_ids) != self.q_len * len(
+            self.positions
+        ):
+            raise ValueError("positions and page_lists need one entry per sequence, input_ids q_len")
 
     def __len__(self) -> int:
-        return len(self.input_ids)
+        """Sequences."""
+        return len(self.positions)
 
 
 class CudaGraphRunner:
@@ -111,6 +119,7 @@ class CudaGraphRunner:
         max_seq_len: int,
         capture: bool = True,
         batch_sizes: tuple[int, ...] | None = None,
+        tokens_per_seq: tuple[int, ...] = (1,),
     ) -> None:
         reason = graph_unsupported_reason(model)
         if reason is not None:
@@ -121,22 +130,27 @@ class CudaGraphRunner:
         self.model, self.pool, self.capture = model, pool, capture
         self.batch_sizes = batch_sizes or graph_batch_sizes(max_batch_size)
         self.max_batch_size = max(self.batch_sizes)
+        self.tokens_per_seq = tokens_per_seq
+        rows = self.max_batch_size * max(tokens_per_seq)
         self.page_size = pool.page_size
         self.max_pages = math.ceil(max_seq_len / self.page_size)
         self.dummy_page = pool.reserve_dummy_page()
         with torch.inference_mode():
-            self._rows = torch.zeros(5, self.max_batch_size, dtype=torch.int64, device=self.device)
+            self._rows = torch.zeros(5, rows, dtype=torch.int64, device=self.device)
             self._tables = torch.full(
                 (self.max_batch_size, self.max_pages), self.dummy_page, dtype=torch.int32, device=self.device
             )
         pinned = self.device.type == "cuda"
-        self._rows_host = torch.zeros(5, self.max_batch_size, dtype=torch.int64, pin_memory=pinned)
+        self._rows_host = torch.zeros(5, rows, dtype=torch.int64, pin_memory=pinned)
         self._tables_host = torch.zeros(
             self.max_batch_size, self.max_pages, dtype=torch.int32, pin_memory=pinned
         )
         self._copied = torch.cuda.Event() if pinned else None  # the last step's copies have run
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._graphs: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]
+        ] = {}
         self.steps: Counter[int] = Counter()  # bucket -> steps run
+        self.steps_by_q: Counter[int] = Counter()  # new tokens per sequence -> steps run
         self.padding_rows = 0  # rows added to fill buckets, over all steps
         if capture:
             self._capture_all()
@@ -147,54 +161,61 @@ class CudaGraphRunner:
         return next((b for b in self.batch_sizes if b >= num_seqs), None) if num_seqs > 0 else None
 
     def fits(self, rows: DecodeRows) -> bool:
-        return self.bucket_for(len(rows)) is not None and all(
-            len(pages) <= self.max_pages for pages in rows.page_lists
+        return (
+            rows.q_len in self.tokens_per_seq
+            and self.bucket_for(len(rows)) is not None
+            and all(len(pages) <= self.max_pages for pages in rows.page_lists)
         )
 
     @torch.inference_mode()
     def run(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (final-normed hidden [n, H], logits fp32 [n, V]) of the step's ``n`` sequences; the
-        latents of their tokens are written to the pool. Views of static outputs: read them before
-        the next ``run``."""
+        """-> (final-normed hidden [n * q, H], logits fp32 [n * q, V]) of the step's ``n`` sequences
+        of ``q`` tokens; the latents of their tokens are written to the pool. Views of static
+        outputs: read them before the next ``run``."""
         bucket = self.bucket_for(len(rows))
         if bucket is None or not self.fits(rows):
             raise ValueError(
                 f"{len(rows)} sequences (longest {max(map(len, rows.page_lists), default=0)} pages) do not "
-                f"fit the captured buckets (up to {self.max_batch_size} rows of {self.max_pages} pages)"
+                f"fit the captured buckets (up to {self.max_batch_size} rows of {self.max_pages} pages, "
+                f"{', '.join(map(str, self.tokens_per_seq))} tokens each; these have {rows.q_len})"
             )
+        q = rows.q_len
         self._load(rows, bucket)
         if self.capture:
-            graph, (hidden, logits) = self._graphs[bucket]
+            graph, (hidden, logits) = self._graphs[bucket, q]
             graph.replay()
         else:
-            hidden, logits = self._forward(bucket)
+            hidden, logits = self._forward(bucket, q)
         self.steps[bucket] += 1
+        self.steps_by_q[q] += 1
         self.padding_rows += bucket - len(rows)
-        n = len(rows)
+        n = len(rows) * q
         return hidden[:n], logits[:n]
 
     def _load(self, rows: DecodeRows, bucket: int) -> None:
-        """Copy the step's rows into the static buffers; rows n..bucket-1 become padding."""
-        n, pad, ps, dummy = len(rows), bucket - len(rows), self.page_size, self.dummy_page
-        slots = [
-            pages[p // ps] * ps + p % ps for pages, p in zip(rows.page_lists, rows.positions, strict=True)
-        ]
+        """Copy the step's rows into the static buffers; sequences n..bucket-1 become padding."""
+        n, q, pad, ps, dummy = len(rows), rows.q_len, bucket - len(rows), self.page_size, self.dummy_page
+        positions = [start + j for start in rows.positions for j in range(q)] + list(range(q)) * pad
+        pages = [p for p in rows.page_lists for _ in range(q)]
+        slots = [pg[p // ps] * ps + p % ps for pg, p in zip(pages, positions, strict=False)]
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
-        host = self._rows_host[:, :bucket]
+        tokens = bucket * q
+        lengths = [start + q for start in rows.positions] + [q] * pad  # cached tokens after this step
+        host = self._rows_host[:, :tokens]
         host.copy_(
             torch.tensor(
                 [
-                    rows.input_ids + [0] * pad,
-                    rows.positions + [0] * pad,
-                    slots + [dummy * ps] * pad,
-                    [p + 1 for p in rows.positions] + [1] * pad,  # cached tokens after this step
-                    [1] * n + [0] * pad,
+                    rows.input_ids + [0] * (pad * q),
+                    positions,
+                    slots + [dummy * ps + j for j in range(q)] * pad,
+                    lengths + [0] * (tokens - bucket),  # per sequence, in the first ``bucket`` entries
+                    [1] * (n * q) + [0] * (pad * q),
                 ],
                 dtype=torch.int64,
             )
         )
-        self._rows[:, :bucket].copy_(host, non_blocking=True)
+        self._rows[:, :tokens].copy_(host, non_blocking=True)
         width = max((len(pages) for pages in rows.page_lists), default=1)
         table = [pages + [dummy] * (width - len(pages)) for pages in rows.page_lists]
         table += [[dummy] * width] * pad
@@ -204,17 +225,17 @@ class CudaGraphRunner:
         if self._copied is not None:
             self._copied.record()
 
-    def _forward(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured callable: the model over the first ``bucket`` rows of the static buffers."""
-        rows = self._rows[:, :bucket]
+    def _forward(self, bucket: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured callable: the model over the first ``bucket`` sequences of the static buffers."""
+        rows = self._rows[:, : bucket * q]
         batch = ForwardBatch(
             positions=rows[_POS],
             slot_mapping=rows[_SLOT],
             block_tables=self._tables[:bucket],
-            q_lens=[1] * bucket,
-            kv_lens=[1] * bucket,  # placeholders: cache_seqlens (on the device) holds the lengths
+            q_lens=[q] * bucket,
+            kv_lens=[q] * bucket,  # placeholders: cache_seqlens (on the device) holds the lengths
             num_absorbed=bucket,
-            cache_seqlens=rows[_LEN].to(torch.int32),
+            cache_seqlens=self._rows[_LEN, :bucket].to(torch.int32),
             token_mask=rows[_VALID] != 0,
             masked_moe=True,
         )
@@ -226,24 +247,25 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         start = time.monotonic()
         memory_pool = torch.cuda.graph_pool_handle()
-        empty = DecodeRows([], [], [])
         side = torch.cuda.Stream(self.device)
-        for bucket in tqdm(sorted(self.batch_sizes, reverse=True), desc="CUDA graphs", unit="graph"):
-            self._load(empty, bucket)  # all padding: only the dummy page is written
+        shapes = [(b, q) for b in sorted(self.batch_sizes, reverse=True) for q in self.tokens_per_seq]
+        for bucket, q in tqdm(shapes, desc="CUDA graphs", unit="graph"):
+            self._load(DecodeRows([], [], [], q), bucket)  # all padding: only the dummy page is written
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
-                    self._forward(bucket)
+                    self._forward(bucket, q)
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory_pool):
-                outputs = self._forward(bucket)
-            self._graphs[bucket] = (graph, outputs)
+                outputs = self._forward(bucket, q)
+            self._graphs[bucket, q] = (graph, outputs)
         torch.cuda.synchronize(self.device)
         log.info(
-            "captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+            "captured %d decode CUDA graphs (batch sizes %s; %s tokens per sequence) in %.1f s",
             len(self._graphs),
             ",".join(map(str, self.batch_sizes)),
+            ",".join(map(str, self.tokens_per_seq)),
             time.monotonic() - start,
         )

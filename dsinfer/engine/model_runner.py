@@ -17,10 +17,11 @@ prefill schedule when any rank has a prefill chunk and in the decode schedule ot
 of even attention load; a rank with fewer than two sequences runs empty micro-batches where it
 has none, so its transfers pair the others'. The MTP layer's forward stays one micro-batch.
 
-On CUDA, unless ``enforce_eager``, decode-only steps (every sequence one new token, no MTP draft,
-no per-layer callback) replay a CUDA graph of the forward and its logits, padded to a batch-size
-bucket (dsinfer/engine/cuda_graph.py); prefill, mixed and MTP-verification steps, two-micro-batch
-steps and expert-parallel models run eagerly.
+On CUDA, unless ``enforce_eager``, decode-only steps (every sequence one new token, or with MTP
+every sequence its last token and a draft; no per-layer callback) replay a CUDA graph of the forward
+and its logits, padded to a batch-size bucket (dsinfer/engine/cuda_graph.py); prefill and mixed
+steps, verification steps where some sequences carry no draft, the MTP draft layer,
+two-micro-batch steps and expert-parallel models run eagerly.
 """
 
 from __future__ import annotations
@@ -120,10 +121,16 @@ class ModelRunner:
         self, *, max_batch_size: int, max_seq_len: int, capture: bool = True
     ) -> CudaGraphRunner:
         """Run decode-only steps of up to ``max_batch_size`` sequences through static buffers,
-        replayed from CUDA graphs (``capture=False``: the same callable run eagerly, for CPU tests).
-        Reserves the pool's dummy page: call it before sequences hold pages."""
+        replayed from CUDA graphs (``capture=False``: the same callable run eagerly, for CPU tests);
+        with MTP, verification steps of two tokens per sequence too. Reserves the pool's dummy
+        page: call it before sequences hold pages."""
         self.decode_graphs = CudaGraphRunner(
-            self.model, self.pool, max_batch_size=max_batch_size, max_seq_len=max_seq_len, capture=capture
+            self.model,
+            self.pool,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            capture=capture,
+            tokens_per_seq=(1, 2) if self.mtp is not None else (1,),
         )
         return self.decode_graphs
 
@@ -223,16 +230,19 @@ class ModelRunner:
     def _graph_rows(
         self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None
     ) -> DecodeRows | None:
-        """The step as graph rows when it can replay: decode-only, one token each, no callback."""
+        """The step as graph rows when it can replay: decode-only, the same number of new tokens in
+        every sequence (one; two when each verifies a draft), no callback."""
         graphs = self.decode_graphs
         if graphs is None or after_layer is not None or not batch.seqs:
             return None
-        if batch.num_decodes != len(batch.seqs) or batch.decode_q_len != 1:
-            return None  # prefill chunks, or MTP verification (two query tokens): eager
+        q = batch.decode_q_len
+        if batch.num_decodes != len(batch.seqs) or any(s.num_new != q for s in batch.seqs):
+            return None  # prefill chunks, or a verification where some sequences have no draft
         rows = DecodeRows(
             input_ids=[t for s in batch.seqs for t in _step_tokens(s)],
             positions=[s.start for s in batch.seqs],
             page_lists=[s.seq.pages for s in batch.seqs],
+            q_len=q,
         )
         return rows if graphs.fits(rows) else None
 
