@@ -170,6 +170,19 @@ def _scaled_dot(
 
 
 @triton.jit
+def _masked_tile(masked_m_ptr, M_MAX, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """A masked grouped GEMM program's tile: ``(group, pid_m, pid_n, offs_m, offs_n, row_mask,
+    live)``, groups on grid axis 1 (int64: a group's offsets pass 2^31), swizzled tiles over
+    ``max_m x n`` on axis 0; ``live`` is False past the group's valid rows (the program exits)."""
+    g = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M_MAX, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    valid_rows = tl.minimum(tl.load(masked_m_ptr + g).to(tl.int32), M_MAX)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return g, pid_m, pid_n, offs_m, offs_n, offs_m < valid_rows, pid_m * BLOCK_M < valid_rows
+
+
+@triton.jit
 def _store_tile(d_ptr, acc, offs_m, offs_n, row_mask, N, stride_dm, stride_dn, ACCUMULATE: tl.constexpr):
     ptrs = d_ptr + offs_m.to(tl.int64)[:, None] * stride_dm + offs_n[None, :] * stride_dn
     mask = row_mask[:, None] & (offs_n < N)[None, :]

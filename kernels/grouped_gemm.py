@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_gemm import _scaled_dot, _store_tile, _swizzle, _tile_offsets, check_operands, tile_config
+from .fp8_gemm import _masked_tile, _scaled_dot, _store_tile, _tile_offsets, check_operands, tile_config
 from .grouped_gemm_tma import launch_masked_tma, masked_tma_unsupported
 
 __all__ = [
@@ -131,13 +131,8 @@ def _masked_kernel(
     GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    g = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M_MAX, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    valid_rows = tl.minimum(tl.load(masked_m_ptr + g).to(tl.int32), M_MAX)
-    if pid_m * BLOCK_M < valid_rows:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = offs_m < valid_rows
+    g, _, _, offs_m, offs_n, row_mask, live = _masked_tile(masked_m_ptr, M_MAX, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if live:
         acc = _scaled_dot(
             a_ptr + g * stride_ag, sa_ptr + g * stride_sag, b_ptr + g * stride_bg, sb_ptr + g * stride_sbg,
             offs_m, offs_n, row_mask, N, K,

@@ -17,47 +17,26 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fp8_gemm import _BLOCK_K, SCALE_BLOCK, _store_tile, _swizzle
+from .fp8_gemm import _BLOCK_K, SCALE_BLOCK, _masked_tile, _store_tile
 
 __all__ = ["launch_masked_tma", "masked_tma_unsupported"]
 
 
 @triton.jit
-def _masked_tma_kernel(
-    a_desc,
-    sa_ptr,
-    b_desc,
-    sb_ptr,
-    d_ptr,
-    masked_m_ptr,
-    M_MAX,
-    N,
-    K,
-    stride_sag,
-    stride_sam,
-    stride_sak,
-    stride_sbg,
-    stride_sbn,
-    stride_sbk,
-    stride_dg,
-    stride_dm,
-    stride_dn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    g = tl.program_id(1)
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(M_MAX, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    valid_rows = tl.minimum(tl.load(masked_m_ptr + g).to(tl.int32), M_MAX)
-    if pid_m * BLOCK_M < valid_rows:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = offs_m < valid_rows
-        a_row = g * M_MAX + pid_m * BLOCK_M
-        b_row = g * N + pid_n * BLOCK_N
-        g64 = g.to(tl.int64)
-        sa_ptrs = sa_ptr + g64 * stride_sag + offs_m.to(tl.int64) * stride_sam
-        sb_ptrs = sb_ptr + g64 * stride_sbg + (pid_n * BLOCK_N // _BLOCK_K) * stride_sbn
+def _masked_tma_kernel(a_desc, b_desc,
+                       sa_ptr, stride_sag, stride_sam, stride_sak,
+                       sb_ptr, stride_sbg, stride_sbn, stride_sbk,
+                       d_ptr, stride_dg, stride_dm, stride_dn,
+                       masked_m_ptr, M_MAX, N, K,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    g, pid_m, pid_n, offs_m, offs_n, row_mask, live = _masked_tile(
+        masked_m_ptr, M_MAX, N, BLOCK_M, BLOCK_N, GROUP_M
+    )
+    if live:
+        a_row = (g * M_MAX + pid_m * BLOCK_M).to(tl.int32)
+        b_row = (g * N + pid_n * BLOCK_N).to(tl.int32)
+        sa_ptrs = sa_ptr + g * stride_sag + offs_m.to(tl.int64) * stride_sam
+        sb_ptrs = sb_ptr + g * stride_sbg + (pid_n * BLOCK_N // _BLOCK_K) * stride_sbn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in tl.range(0, K // _BLOCK_K):
             a = a_desc.load([a_row, kb * _BLOCK_K])
@@ -66,7 +45,7 @@ def _masked_tma_kernel(
                 sb_ptrs + kb * stride_sbk
             )
             acc += tl.dot(a, tl.trans(b)) * factor[:, None]
-        _store_tile(d_ptr + g64 * stride_dg, acc, offs_m, offs_n, row_mask, N, stride_dm, stride_dn, False)
+        _store_tile(d_ptr + g * stride_dg, acc, offs_m, offs_n, row_mask, N, stride_dm, stride_dn, False)
 
 
 def masked_tma_unsupported(qa: torch.Tensor, qb: torch.Tensor, block_n: int) -> str | None:
@@ -100,9 +79,7 @@ def launch_masked_tma(
     b_desc = TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [bn, SCALE_BLOCK])
     grid = (triton.cdiv(m_max, bm) * triton.cdiv(n, bn), num_groups)
     _masked_tma_kernel[grid](
-        a_desc, sa, b_desc, sb, d, masked_m, m_max, n, k,
-        sa.stride(0), sa.stride(1), sa.stride(2), sb.stride(0), sb.stride(1), sb.stride(2),
-        d.stride(0), d.stride(1), d.stride(2),
+        a_desc, b_desc, sa, *sa.stride(), sb, *sb.stride(), d, *d.stride(), masked_m, m_max, n, k,
         BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
