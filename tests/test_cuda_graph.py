@@ -5,6 +5,7 @@ buffers, padding rows on the dummy page, masked experts); the GPU test captures 
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +20,7 @@ from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
 from dsinfer.ops import select_ops
-from harness.checkpoints import BuiltCheckpoint
+from harness.checkpoints import BuiltCheckpoint, agreeing_mtp_checkpoint
 from harness.hf_reference import compare, hf_logits
 from tests.test_engine import make_llm
 
@@ -138,29 +139,125 @@ def test_engine_decode_through_static_buffers_gives_eager_tokens(
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
-def test_mtp_verification_through_static_buffers_gives_eager_tokens(
+def test_draft_layer_through_static_buffers_equals_eager(
     checkpoint: str, request: pytest.FixtureRequest
 ) -> None:
-    """With MTP every all-decode step verifies a draft per sequence: two tokens each, run through
-    the static buffers' two-token buckets (causal over the last token and the draft, the MTP layer
-    after it eager); the tokens equal the eager engine's with MTP and without it."""
+    """After a two-token verification through the static buffers, the draft layer's callable (two
+    rows per sequence, a rejected draft's on the dummy page, the last valid row found by a device
+    index, the cached length from a device buffer) gives the eager draft layer's hidden states at
+    each sequence's last valid position, for drafts accepted and rejected, in a padded bucket."""
+    from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
+
     tiny_ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
-    plain = make_llm(tiny_ckpt)
+    loaded = load_model(tiny_ckpt.path, select_ops("cpu"), dtype=torch.float32, num_mtp_layers=1)
+    model, config = loaded.model, loaded.config
+    pool = PagedKVPool.for_model(config, model.num_cache_layers, 24, torch.float32, "cpu", page_size=PAGE)
+    graphs = CudaGraphRunner(
+        model, pool, max_batch_size=4, max_seq_len=128, capture=False, tokens_per_seq=(1, 2)
+    )
+    draft = DraftGraphs(graphs, capture=False)
+    prompts = [_prompt(n, seed=80 + n) for n in (14, 31, 9)]
+    pages = [pool.allocator.allocate(pool.pages_for(len(p) + 2)) for p in prompts]
+    lens = [len(p) - 1 for p in prompts]
+    prefill = ForwardBatch(
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        slot_mapping=torch.cat([pool.slots(pg, 0, n) for pg, n in zip(pages, lens, strict=True)]),
+        block_tables=pool.block_table(pages),
+        q_lens=lens,
+        kv_lens=lens,
+    )
+    hidden = model(torch.tensor([t for p in prompts for t in p[:-1]]), prefill, pool.caches)
+    # the MTP layer's cache over the prompts, as the eager proposer fills it at prefill
+    model.forward_mtp(hidden, torch.tensor([t for p in prompts for t in p[1:]]), prefill, pool.caches)
+
+    drafts = [7, 300, 42]
+    verify = DecodeRows(
+        [t for p, d in zip(prompts, drafts, strict=True) for t in (p[-1], d)], lens, pages, q_len=2
+    )
+    verified, _ = graphs.run(verify)
+    verified = verified.clone()
+    valid = [2, 1, 2]  # drafts accepted, rejected, accepted
+    following = [[drafts[0], 11], [5], [drafts[2], 13]]
+    got = draft.run(
+        DraftRows([t for f in following for t in f + [0] * (2 - len(f))], lens, valid, pages)
+    ).clone()
+
+    rows = [r for i, v in enumerate(valid) for r in range(2 * i, 2 * i + v)]
+    positions = [p + j for p, v in zip(lens, valid, strict=True) for j in range(v)]
+    eager = ForwardBatch(
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(
+            [
+                pages[i][p // PAGE] * PAGE + p % PAGE
+                for i, v in enumerate(valid)
+                for p in range(lens[i], lens[i] + v)
+            ]
+        ),
+        block_tables=pool.block_table(pages),
+        q_lens=valid,
+        kv_lens=[n + v for n, v in zip(lens, valid, strict=True)],
+    )
+    want = model.forward_mtp(
+        verified[rows], torch.tensor([t for f in following for t in f]), eager, pool.caches, last_only=True
+    )
+    assert got.shape == want.shape == (3, config.hidden_size) and dict(draft.steps) == {4: 1}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="no two-token verification"):
+        graphs.run(DecodeRows([1, 2], [3, 4], pages[:2]))
+        draft.run(DraftRows([1, 0, 2, 0], [3, 4], [1, 1], pages[:2]))
+
+
+def _generate_with_drafts(llm: LLM) -> tuple[list[list[int]], list[list[int | None]]]:
+    """``_generate``, and the drafts the MTP layer proposed at each step."""
+    proposer = llm.engine.runner.mtp
+    assert proposer is not None
+    drafts: list[list[int | None]] = []
+    propose = proposer.propose
+
+    def recording(*args: Any) -> None:
+        propose(*args)
+        drafts.append([result.next_draft for result in args[3]])
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    return _generate(llm), drafts
+
+
+@pytest.mark.parametrize("agreeing", [False, True], ids=["random", "agreeing"])
+@pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
+def test_mtp_verification_through_static_buffers_gives_eager_tokens(
+    checkpoint: str, agreeing: bool, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """With MTP every all-decode step verifies a draft per sequence: two tokens each, run through
+    the static buffers' two-token buckets (causal over the last token and the draft), and the MTP
+    draft layer after it through its own (two rows per sequence, a rejected draft's on the dummy
+    page). The tokens equal the eager engine's with MTP and without it, and every step's drafts
+    equal the eager draft layer's: on random weights (drafts mostly rejected) and on a checkpoint
+    whose MTP layer agrees with the model (mostly accepted: both rows of a sequence valid)."""
+    ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
+    if agreeing:
+        ckpt = BuiltCheckpoint(agreeing_mtp_checkpoint(ckpt, tmp_path / "agreeing"), ckpt.hf_model, {}, None)
+    plain = make_llm(ckpt)
     expected = _generate(plain)
     plain.engine.close()
-    eager = make_llm(tiny_ckpt, speculative_mtp=True)
-    assert _generate(eager) == expected
+    eager = make_llm(ckpt, speculative_mtp=True)
+    assert _generate_with_drafts(eager)[0] == expected
+    eager_drafts = _generate_with_drafts(eager)[1]  # (a second round: the first one's prefix cache is warm)
     eager.engine.close()
 
-    llm = make_llm(tiny_ckpt, speculative_mtp=True)
+    llm = make_llm(ckpt, speculative_mtp=True)
     graphs = llm.engine.runner.enable_decode_graphs(
         max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
     )
     assert graphs.tokens_per_seq == (1, 2)
-    got = _generate(llm)
+    assert _generate(llm) == expected
+    got, drafts = _generate_with_drafts(llm)
+    stats = llm.engine.scheduler.stats
     llm.engine.close()
-    assert got == expected
+    assert got == expected and drafts == eager_drafts
+    assert stats.acceptance_rate > 0.5 if agreeing else stats.drafts_proposed > 0, stats
     assert graphs.steps_by_q[2] >= 4 and len(graphs.steps) >= 2, (graphs.steps_by_q, graphs.steps)
+    draft = llm.engine.runner.draft_graphs
+    assert draft is not None and sum(draft.steps.values()) == graphs.steps_by_q[2]  # each one's draft layer
 
 
 @pytest.mark.gpu
@@ -194,6 +291,8 @@ def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint)
     mtp = make_llm(tiny_ckpt, device="cuda", max_num_seqs=8, speculative_mtp=True)
     graphs = mtp.engine.runner.decode_graphs
     assert graphs is not None and graphs.tokens_per_seq == (1, 2)
-    assert _generate(mtp) == expected  # verification steps replayed from two-token graphs
+    assert _generate(mtp) == expected  # verification steps and draft layers replayed from graphs
     assert graphs.steps_by_q[2] >= 4, graphs.steps_by_q
+    draft = mtp.engine.runner.draft_graphs
+    assert draft is not None and draft.capture and sum(draft.steps.values()) == graphs.steps_by_q[2]
     mtp.engine.close()

@@ -6,7 +6,8 @@ the verification step, last token and draft), through the graph-safe paths:
 MLA's absorbed path with ``cache_seqlens`` read from a device buffer (V3.2: the indexer's logits
 over the static block table, a top-k as wide as the table, sparse MLA over the picked slots; no
 host read either), and the routed experts in the masked layout (``ForwardBatch.masked_moe``: device-side per-expert counts and ranks,
-``grouped_gemm_masked``). Sampling, logprobs and the MTP draft layer stay outside, eager.
+``grouped_gemm_masked``). Sampling and logprobs stay outside, eager; the MTP draft layer after a
+two-token verification replays from its own graphs (dsinfer/engine/draft_graph.py).
 
 Static buffers (allocated once, for the largest bucket): per token row the input id, position,
 cache slot and a valid flag, per sequence its cached length (one int64 ``[5, max_bs * max q]``
@@ -29,8 +30,7 @@ What stays eager, and why:
 - prefill and mixed steps (their shapes vary with the prompts; the decompressed MLA path and the
   contiguous expert layout read lengths and counts on the host);
 - MTP verification steps where some sequences carry no draft (their query lengths differ), and
-  the MTP draft layer (it runs over one or two positions per sequence, as the drafts were
-  accepted);
+  the draft layer after them;
 - steps with a per-layer callback (``after_layer``, the PD prefill side's KV push);
 - expert parallelism: today's EP dispatch (pair rows over ``EPGroup.dispatch``: TorchEPGroup's
   all-to-all over gloo/NCCL, DeepEPGroup's pair-level path) reads row counts on the host, so an EP
@@ -151,6 +151,10 @@ class CudaGraphRunner:
         ] = {}
         self.steps: Counter[int] = Counter()  # bucket -> steps run
         self.steps_by_q: Counter[int] = Counter()  # new tokens per sequence -> steps run
+        # the last step run: (bucket, tokens per sequence, its whole hidden output), which the MTP
+        # draft layer's graphs (dsinfer/engine/draft_graph.py) read
+        self.last_run: tuple[int, int, torch.Tensor] | None = None
+        self.memory_pool = torch.cuda.graph_pool_handle() if capture else None
         self.padding_rows = 0  # rows added to fill buckets, over all steps
         if capture:
             self._capture_all()
@@ -186,11 +190,20 @@ class CudaGraphRunner:
             graph.replay()
         else:
             hidden, logits = self._forward(bucket, q)
+        self.last_run = (bucket, q, hidden)
         self.steps[bucket] += 1
         self.steps_by_q[q] += 1
         self.padding_rows += bucket - len(rows)
         n = len(rows) * q
         return hidden[:n], logits[:n]
+
+    def block_tables(self, bucket: int) -> torch.Tensor:
+        """The static block tables of the last step's ``bucket`` sequences."""
+        return self._tables[:bucket]
+
+    def static_hidden(self, bucket: int, q: int) -> torch.Tensor:
+        """The captured graph's hidden output for ``bucket`` sequences of ``q`` tokens."""
+        return self._graphs[bucket, q][1][0]
 
     def _load(self, rows: DecodeRows, bucket: int) -> None:
         """Copy the step's rows into the static buffers; sequences n..bucket-1 become padding."""
@@ -246,7 +259,6 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         start = time.monotonic()
-        memory_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
         shapes = [(b, q) for b in sorted(self.batch_sizes, reverse=True) for q in self.tokens_per_seq]
         for bucket, q in tqdm(shapes, desc="CUDA graphs", unit="graph"):
@@ -258,7 +270,7 @@ class CudaGraphRunner:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory_pool):
+            with torch.cuda.graph(graph, pool=self.memory_pool):
                 outputs = self._forward(bucket, q)
             self._graphs[bucket, q] = (graph, outputs)
         torch.cuda.synchronize(self.device)

@@ -20,8 +20,9 @@ has none, so its transfers pair the others'. The MTP layer's forward stays one m
 On CUDA, unless ``enforce_eager``, decode-only steps (every sequence one new token, or with MTP
 every sequence its last token and a draft; no per-layer callback) replay a CUDA graph of the forward
 and its logits, padded to a batch-size bucket (dsinfer/engine/cuda_graph.py); prefill and mixed
-steps, verification steps where some sequences carry no draft, the MTP draft layer,
-two-micro-batch steps and expert-parallel models run eagerly.
+steps, verification steps where some sequences carry no draft, two-micro-batch steps and
+expert-parallel models run eagerly; after a replayed verification the MTP draft layer replays from
+its own graphs (dsinfer/engine/draft_graph.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dsinfer.engine.agreement import StepVotes
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.constraints import LogitConstraints, PendingMask
 from dsinfer.engine.cuda_graph import CudaGraphRunner, DecodeRows, graph_unsupported_reason
+from dsinfer.engine.draft_graph import DraftGraphs
 from dsinfer.engine.forward import attention_load, balanced_split, build_forward_batch
 from dsinfer.engine.mtp import MTPProposer
 from dsinfer.engine.scheduler import ScheduledBatch, ScheduledSeq, StepResult
@@ -81,6 +83,7 @@ class ModelRunner:
         self.tracer = tracer
         self.two_micro_batch_steps = {PREFILL: 0, DECODE: 0}  # steps run in each schedule
         self.decode_graphs: CudaGraphRunner | None = None  # set by enable_decode_graphs
+        self.draft_graphs: DraftGraphs | None = None  # with MTP, set by enable_decode_graphs
 
     @classmethod
     def from_args(
@@ -132,6 +135,8 @@ class ModelRunner:
             capture=capture,
             tokens_per_seq=(1, 2) if self.mtp is not None else (1,),
         )
+        if self.mtp is not None:
+            self.draft_graphs = DraftGraphs(self.decode_graphs, capture=capture)
         return self.decode_graphs
 
     def close(self) -> None:
@@ -211,11 +216,12 @@ class ModelRunner:
                         result.tokens.append(bonus)
         self._prompt_logprobs(batch, hidden, ends, results)
         if self.mtp is not None:
+            draft = self.draft_graphs if graph_rows is not None and graph_rows.q_len == 2 else None
             if self.tracer is None:
-                self.mtp.propose(batch, hidden, ends, results, after_layer)
+                self.mtp.propose(batch, hidden, ends, results, after_layer, draft)
             else:
-                with self.tracer.span("MTP_DRAFT", COMPUTE, cat="mtp"):
-                    self.mtp.propose(batch, hidden, ends, results, after_layer)
+                with self.tracer.span("MTP_DRAFT", COMPUTE, cat="mtp", cuda_graph=draft is not None):
+                    self.mtp.propose(batch, hidden, ends, results, after_layer, draft)
         return results
 
     def _forward_one(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from dsinfer.cache.kv_pool import PagedKVPool
+from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
 from dsinfer.engine.forward import build_forward_batch
 from dsinfer.engine.scheduler import ScheduledBatch, StepResult
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -35,33 +36,43 @@ class MTPProposer:
         ends: list[int],
         results: list[StepResult],
         after_layer: Callable[[int], None] | None = None,
+        graphs: DraftGraphs | None = None,
     ) -> None:
-        """Run the MTP layer over this step's valid positions; set ``next_draft`` of samplers."""
+        """Run the MTP layer over this step's valid positions; set ``next_draft`` of samplers.
+        ``graphs``: the step was a two-token verification replayed from the decode graphs, and the
+        layer replays from the draft graphs that follow them."""
         valid = [
             item.num_new - item.num_draft + int(result.draft_accepted)
             for item, result in zip(batch.seqs, results, strict=True)
         ]
-        # every valid position writes its latent KV; attention and FFN run at each sequence's last
-        forward = build_forward_batch(
-            batch.seqs, [s.start for s in batch.seqs], valid, 0, self.pool.page_size, self.device
-        )
-        forward.after_layer = after_layer
         rows, next_tokens = [], []
         for item, result, end, n in zip(batch.seqs, results, ends, valid, strict=True):
             first_row = end - item.num_new + 1
             rows.extend(range(first_row, first_row + n))
             # the token after each position: known ones, then the ones this step sampled
             tokens = item.seq.token_ids
-            next_tokens.extend(tokens[item.start + 1 : item.start + n + 1])
+            following = tokens[item.start + 1 : item.start + n + 1]
             sampled = item.start + n + 1 - len(tokens)
-            next_tokens.extend(token for token, _ in result.tokens[: max(sampled, 0)])
-        last_hidden = self.model.forward_mtp(
-            hidden[torch.tensor(rows, device=self.device)],
-            torch.tensor(next_tokens, device=self.device),
-            forward,
-            self.pool.caches,
-            last_only=True,
-        )
+            following += [token for token, _ in result.tokens[: max(sampled, 0)]]
+            next_tokens.extend(following + [0] * (2 - n) if graphs is not None else following)
+        if graphs is not None:
+            draft_rows = DraftRows(
+                next_tokens, [s.start for s in batch.seqs], valid, [s.seq.pages for s in batch.seqs]
+            )
+            last_hidden = graphs.run(draft_rows)
+        else:
+            # every valid position writes its latent KV; attention and FFN run at each sequence's last
+            forward = build_forward_batch(
+                batch.seqs, [s.start for s in batch.seqs], valid, 0, self.pool.page_size, self.device
+            )
+            forward.after_layer = after_layer
+            last_hidden = self.model.forward_mtp(
+                hidden[torch.tensor(rows, device=self.device)],
+                torch.tensor(next_tokens, device=self.device),
+                forward,
+                self.pool.caches,
+                last_only=True,
+            )
         drafting = [i for i, result in enumerate(results) if result.tokens]
         if not drafting:
             return

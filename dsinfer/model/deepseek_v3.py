@@ -164,17 +164,22 @@ class MTPLayer(DecoderLayer):
         batch: ForwardBatch,
         kv_cache: LayerCache,
         last_only: bool = False,
+        last: tuple[torch.Tensor, ForwardBatch] | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, H], or with ``last_only`` [B, H] of each sequence's last position: a
-        draft reads no other, so the rest only write their latent KV (no attention, no FFN)."""
+        draft reads no other, so the rest only write their latent KV (no attention, no FFN).
+        ``last`` gives those positions' rows and their batch (else derived from ``batch`` on the
+        host; a CUDA graph passes them over its static buffers)."""
         x = torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(hidden)], dim=-1)
         x = self.eh_proj(x)
         if not last_only:
             return super().forward(x, batch, kv_cache)
         q = self.attention_in(x, batch, kv_cache)
-        last = batch.last_token_indices()
-        tail = batch.last_tokens(last)
-        return self.feed_forward(self.attention_out(x[last], q.take(last), tail, kv_cache), tail)
+        if last is None:
+            rows = batch.last_token_indices()
+            last = rows, batch.last_tokens(rows)
+        rows, tail = last
+        return self.feed_forward(self.attention_out(x[rows], q.take(rows), tail, kv_cache), tail)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(self.shared_head.norm(hidden)).float()
@@ -279,12 +284,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         kv_caches: list[LayerCache],
         depth: int = 0,
         last_only: bool = False,
+        last: tuple[torch.Tensor, ForwardBatch] | None = None,
     ) -> torch.Tensor:
         """MTP module ``depth`` over (hidden of position t, token t+1) -> its hidden states [T, H]
-        (``last_only``: [B, H], each sequence's last position; every position's KV is written)."""
+        (``last_only``: [B, H], each sequence's last position, ``last`` as MTPLayer.forward_mtp
+        takes it; every position's KV is written)."""
         layer = self._mtp_layer(depth)
         index = self.config.num_hidden_layers + depth
-        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[index], last_only)
+        out = layer.forward_mtp(hidden, next_tokens, batch, kv_caches[index], last_only, last)
         if batch.after_layer is not None:
             batch.after_layer(index)
         return out
