@@ -55,6 +55,22 @@ def _moe_load(model: torch.nn.Module) -> int:
     return sum(int(m.expert_load.sum()) for m in model.modules() if isinstance(m, MoE))
 
 
+def _prefill(
+    model: torch.nn.Module, pool: PagedKVPool, prompts: list[list[int]], pages: list[list[int]]
+) -> tuple[list[int], torch.Tensor, ForwardBatch]:
+    """All but the last token of every prompt through the ordinary (decompressed) prefill:
+    (the lengths prefilled, the hidden states, the batch)."""
+    lens = [len(p) - 1 for p in prompts]
+    prefill = ForwardBatch(
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        slot_mapping=torch.cat([pool.slots(pg, 0, n) for pg, n in zip(pages, lens, strict=True)]),
+        block_tables=pool.block_table(pages),
+        q_lens=lens,
+        kv_lens=lens,
+    )
+    return lens, model(torch.tensor([t for p in prompts for t in p[:-1]]), prefill, pool.caches), prefill
+
+
 @pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
 def test_padded_static_decode_matches_transformers(checkpoint: str, request: pytest.FixtureRequest) -> None:
     """Two decode steps through the graph callable (5 sequences in bucket 8, then 3 in bucket 4):
@@ -70,16 +86,7 @@ def test_padded_static_decode_matches_transformers(checkpoint: str, request: pyt
     prompts = [_prompt(n, seed=60 + n) for n in (9, 23, 17, 30, 12)]
     pages = [pool.allocator.allocate(pool.pages_for(len(p) + 1)) for p in prompts]
     assert all(graphs.dummy_page not in pg for pg in pages)
-    # all but the last token of every prompt through the ordinary (decompressed) prefill
-    lens = [len(p) - 1 for p in prompts]
-    prefill = ForwardBatch(
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        slot_mapping=torch.cat([pool.slots(pg, 0, n) for pg, n in zip(pages, lens, strict=True)]),
-        block_tables=pool.block_table(pages),
-        q_lens=lens,
-        kv_lens=lens,
-    )
-    model(torch.tensor([t for p in prompts for t in p[:-1]]), prefill, pool.caches)
+    lens, _, _ = _prefill(model, pool, prompts, pages)
     decoder_caches = [c for layer in pool.caches[: config.num_hidden_layers] for c in layer.tensors()]
     before = [cache.clone() for cache in decoder_caches]  # (the MTP layer's cache is not run)
     load = _moe_load(model)
@@ -158,15 +165,7 @@ def test_draft_layer_through_static_buffers_equals_eager(
     draft = DraftGraphs(graphs, capture=False)
     prompts = [_prompt(n, seed=80 + n) for n in (14, 31, 9)]
     pages = [pool.allocator.allocate(pool.pages_for(len(p) + 2)) for p in prompts]
-    lens = [len(p) - 1 for p in prompts]
-    prefill = ForwardBatch(
-        positions=torch.cat([torch.arange(n) for n in lens]),
-        slot_mapping=torch.cat([pool.slots(pg, 0, n) for pg, n in zip(pages, lens, strict=True)]),
-        block_tables=pool.block_table(pages),
-        q_lens=lens,
-        kv_lens=lens,
-    )
-    hidden = model(torch.tensor([t for p in prompts for t in p[:-1]]), prefill, pool.caches)
+    lens, hidden, prefill = _prefill(model, pool, prompts, pages)
     # the MTP layer's cache over the prompts, as the eager proposer fills it at prefill
     model.forward_mtp(hidden, torch.tensor([t for p in prompts for t in p[1:]]), prefill, pool.caches)
 

@@ -49,7 +49,9 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -60,9 +62,10 @@ from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 log = logging.getLogger("dsinfer.engine")
 
-__all__ = ["CudaGraphRunner", "DecodeRows", "graph_batch_sizes", "graph_unsupported_reason"]
+__all__ = ["CudaGraphRunner", "DecodeRows", "capture", "graph_batch_sizes", "graph_unsupported_reason"]
 
 WARMUP_RUNS = 2  # eager runs per bucket before its capture (Triton compiles, cuBLAS workspaces)
+Outputs = TypeVar("Outputs")
 _IDS, _POS, _SLOT, _LEN, _VALID = range(5)  # rows of the static per-row buffer
 
 
@@ -82,6 +85,24 @@ def graph_unsupported_reason(model: DeepseekV3ForCausalLM) -> str | None:
             "pair-level path) reads row counts on the host; decode steps run eagerly"
         )
     return None
+
+
+def capture(
+    forward: Callable[[], Outputs], side: torch.cuda.Stream, pool: tuple[int, int] | None
+) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """``forward`` run ``WARMUP_RUNS`` times on the ``side`` stream, then captured into a graph in
+    the shared memory ``pool``: (the graph, its static outputs)."""
+    device = side.device
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs
 
 
 @dataclass(frozen=True)
@@ -263,16 +284,9 @@ class CudaGraphRunner:
         shapes = [(b, q) for b in sorted(self.batch_sizes, reverse=True) for q in self.tokens_per_seq]
         for bucket, q in tqdm(shapes, desc="CUDA graphs", unit="graph"):
             self._load(DecodeRows([], [], [], q), bucket)  # all padding: only the dummy page is written
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self._forward(bucket, q)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                outputs = self._forward(bucket, q)
-            self._graphs[bucket, q] = (graph, outputs)
+            self._graphs[bucket, q] = capture(
+                lambda bucket=bucket, q=q: self._forward(bucket, q), side, self.memory_pool
+            )
         torch.cuda.synchronize(self.device)
         log.info(
             "captured %d decode CUDA graphs (batch sizes %s; %s tokens per sequence) in %.1f s",

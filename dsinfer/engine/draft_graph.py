@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsinfer.engine.cuda_graph import WARMUP_RUNS, CudaGraphRunner
+from dsinfer.engine.cuda_graph import CudaGraphRunner, capture
 from dsinfer.model.batch import ForwardBatch
 
 log = logging.getLogger("dsinfer.engine")
@@ -149,15 +149,10 @@ class DraftGraphs:
         for bucket in sorted(self.decode.batch_sizes, reverse=True):
             hidden = self.decode.static_hidden(bucket, 2)
             self._load(DraftRows([], [], [], []), bucket)  # all padding: only the dummy page is written
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    self._forward(bucket, hidden)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.decode.memory_pool):
-                out = self._forward(bucket, hidden)
-            self._graphs[bucket] = (graph, out)
+            self._graphs[bucket] = capture(
+                lambda bucket=bucket, hidden=hidden: self._forward(bucket, hidden),
+                side,
+                self.decode.memory_pool,
+            )
         torch.cuda.synchronize(self.device)
         log.info("captured %d MTP draft CUDA graphs in %.1f s", len(self._graphs), time.monotonic() - start)
