@@ -307,6 +307,7 @@ def test_metrics(url: str, client: openai.OpenAI) -> None:
         'dsinfer_spec_decode_draft_tokens_total{role="colocated",worker="colocated/0/0"}',
         'dsinfer_spec_decode_accepted_tokens_total{role="colocated",worker="colocated/0/0"}',
         'dsinfer_spec_decode_acceptance_rate{role="colocated",worker="colocated/0/0"}',
+        'dsinfer_spec_decode_mean_accepted_length{role="colocated",worker="colocated/0/0"}',
         'dsinfer_eplb_swaps_total{role="colocated",worker="colocated/0/0"} 0.0',
         'dsinfer_choice_migrations_total{cause="rank_died",streaming="false"} 0.0',  # 0 from the start
         "dsinfer_worker_healthy",

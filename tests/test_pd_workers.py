@@ -383,6 +383,25 @@ def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckp
         reports = [load_report("w", "i", engine.load()) for engine in mtp.engines]
         assert sum(r.mtp_drafts_proposed for r in reports) > 0
         assert all(0 <= r.mtp_drafts_accepted <= r.mtp_drafts_proposed for r in reports)
+        # and /metrics turns them into the acceptance rate and the tokens a verification yields
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        from dsinfer.gateway.backend import BackendMetrics, WorkerStatus
+        from dsinfer.gateway.metrics import BackendCollector
+        from harness.metrics import metric_value
+
+        decode = max(reports, key=lambda r: r.mtp_drafts_proposed)
+        registry = CollectorRegistry()
+        registry.register(
+            BackendCollector(lambda: BackendMetrics(0, 0, [WorkerStatus("d/0/0", "decode", True, decode)]))
+        )
+        text = generate_latest(registry).decode()
+        rate = decode.mtp_drafts_accepted / decode.mtp_drafts_proposed
+        labels = {"worker": "d/0/0", "role": "decode"}
+        assert metric_value(text, "dsinfer_spec_decode_acceptance_rate", **labels) == pytest.approx(rate)
+        assert metric_value(text, "dsinfer_spec_decode_mean_accepted_length", **labels) == pytest.approx(
+            1 + rate
+        )
 
 
 def test_pd_over_mooncake(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:

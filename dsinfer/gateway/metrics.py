@@ -89,6 +89,12 @@ _PER_WORKER: tuple[
         "accepted / verified MTP drafts since start",
         lambda r: _ratio(r.mtp_drafts_accepted, r.mtp_drafts_proposed),
     ),
+    (
+        GaugeMetricFamily,
+        "dsinfer_spec_decode_mean_accepted_length",
+        "tokens a verification step yields per sequence since start (1 + acceptance rate; 0 without drafts)",
+        lambda r: 1 + _ratio(r.mtp_drafts_accepted, r.mtp_drafts_proposed) if r.mtp_drafts_proposed else 0.0,
+    ),
 )
 
 # The KV tiers below each worker's pool, from LoadReport.kv_tiers: (family, name, help, counter).
