@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30, help="timed steps per measurement (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--no-static", action="store_true", help="skip the eagerly run static-buffer variant")
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="also the MTP verification step (two tokens per sequence) through the two-token buckets, "
+        "beside the plain step (the MTP draft layer is not in the reduced model)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results (default {DEFAULT_OUT.name})")
     p.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: eager and static steps only"
@@ -229,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model, backends = build_model(Path(tmp), device, dtype, args.ops)
     log(f"model built in {time.monotonic() - start:.1f} s; {backends}")
     max_bs, page = max(args.batch_sizes), 64
-    pages_per_seq = math.ceil((args.context + 1) / page)
+    pages_per_seq = math.ceil((args.context + 2) / page)  # (a verification writes two tokens)
     pool = PagedKVPool.for_model(config, config.num_hidden_layers, max_bs * pages_per_seq + 1, dtype, device)
     gen = torch.Generator(device=device).manual_seed(1)
     for layer in pool.caches:
@@ -238,14 +244,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = tuple(args.batch_sizes)
     start = time.monotonic()
     graphs = None
+    shape = {"max_batch_size": max_bs, "max_seq_len": args.context + 2, "batch_sizes": sizes}
+    shape["tokens_per_seq"] = (1, 2) if args.mtp else (1,)
     if device.type == "cuda":
-        graphs = CudaGraphRunner(
-            model, pool, max_batch_size=max_bs, max_seq_len=args.context + 1, batch_sizes=sizes
+        graphs = CudaGraphRunner(model, pool, **shape)  # type: ignore[arg-type]
+        log(
+            f"captured {len(sizes) * len(shape['tokens_per_seq'])} graphs in {time.monotonic() - start:.1f} s"
         )
-        log(f"captured {len(sizes)} graphs in {time.monotonic() - start:.1f} s")
-    static = CudaGraphRunner(
-        model, pool, max_batch_size=max_bs, max_seq_len=args.context + 1, capture=False, batch_sizes=sizes
-    )
+    static = CudaGraphRunner(model, pool, capture=False, **shape)  # type: ignore[arg-type]
     results = []
     for bs in sizes:
         page_lists = [pool.allocator.allocate(pages_per_seq) for _ in range(bs)]
@@ -264,15 +270,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 entry["graph"] = time_steps(
                     lambda rows=rows: graphs.run(rows), args.iters, args.warmup, device
                 )
+            if args.mtp:  # each sequence's last token and a draft, causal over its cache
+                verify = DecodeRows(
+                    [t for t in ids for _ in range(2)], [args.context] * bs, page_lists, q_len=2
+                )
+                runner = graphs if graphs is not None else static
+                entry["verify"] = time_steps(
+                    lambda verify=verify, runner=runner: runner.run(verify), args.iters, args.warmup, device
+                )
+                plain = entry.get("graph", entry.get("static", entry["eager"]))
+                entry["verify_over_plain"] = entry["verify"]["median_ms"] / plain["median_ms"]
         for mode in ("eager", "static", "graph"):
             if mode in entry:
                 entry[mode]["tokens_per_s"] = bs / entry[mode]["median_ms"] * 1e3
         if "graph" in entry:
             entry["graph_speedup"] = entry["eager"]["median_ms"] / entry["graph"]["median_ms"]
         best = entry.get("graph", entry.get("static", entry["eager"]))
+        verify = f"; MTP verification {entry['verify_over_plain']:.2f}x that" if "verify" in entry else ""
         log(
             f"B={bs}: eager {entry['eager']['median_ms']:.2f} ms, best {best['median_ms']:.2f} ms, "
-            f"{best['tokens_per_s']:.0f} tok/s per device"
+            f"{best['tokens_per_s']:.0f} tok/s per device{verify}"
         )
         results.append(entry)
         if args.profile is not None and bs == max_bs:
@@ -307,17 +324,18 @@ def report(out: dict[str, Any]) -> str:
     lines = [
         f"Decode step, {out['model']['layers']} layers of DeepSeek-V3 ({out['device']['name']})",
         "",
-        "| B | eager ms | static ms | graph ms | graph speedup | eager tok/s | graph tok/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| B | eager ms | static ms | graph ms | graph speedup | eager tok/s | graph tok/s | MTP verify ms (x plain) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["results"]:
         static = f"{r['static']['median_ms']:.2f}" if "static" in r else "-"
         graph = f"{r['graph']['median_ms']:.2f}" if "graph" in r else "-"
         speedup = f"{r['graph_speedup']:.2f}x" if "graph_speedup" in r else "-"
         graph_rate = f"{r['graph']['tokens_per_s']:.0f}" if "graph" in r else "-"
+        verify = f"{r['verify']['median_ms']:.2f} ({r['verify_over_plain']:.2f}x)" if "verify" in r else "-"
         lines.append(
             f"| {r['batch_size']} | {r['eager']['median_ms']:.2f} | {static} | {graph} | "
-            f"{speedup} | {r['eager']['tokens_per_s']:.0f} | {graph_rate} |"
+            f"{speedup} | {r['eager']['tokens_per_s']:.0f} | {graph_rate} | {verify} |"
         )
     return "\n".join(lines)
 

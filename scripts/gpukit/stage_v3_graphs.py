@@ -4,10 +4,13 @@ DeepSeek-V3 (4 layers: 1 dense, 3 MoE with 256 FP8 experts): one decode step at 
 the kernel backends ``select_ops`` picks (DeepGEMM and FlashMLA where they import); then three
 replays of the batch-128 graph under torch.profiler (``profile/kernels.md``: GPU time per kernel
 per step; ``profile/trace.json.gz``). Under ``--cpu-smoke``: the tiny preset's sizes, eager and
-static only."""
+static only. With ``--mtp`` (every run but where DeepGEMM imports: its JIT compiles the
+two-token shapes during capture, which would double the stage's time) the MTP verification step
+beside each, from two-token graphs, and its cost relative to the plain step."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -36,6 +39,8 @@ def run(ctx: StageContext, result: StageResult) -> None:
     out = ctx.out / "decode_graph.json"
     argv = [sys.executable, BENCH, *(SMOKE_ARGS if ctx.cpu_smoke else GPU_ARGS), "--out", str(out)]
     argv += ["--profile", str(ctx.out / "profile")]
+    if importlib.util.find_spec("deep_gemm") is None:
+        argv.append("--mtp")
     code, tail = run_logged(argv, ctx.out / "bench.log", ctx.budget_s * 0.95)
     if not out.is_file():
         result.error = f"{BENCH} wrote no results (exit {code}):\n{tail}"
@@ -50,6 +55,10 @@ def run(ctx: StageContext, result: StageResult) -> None:
         }
         if "graph_speedup" in r:
             cells["graph speedup"] = f"{r['graph_speedup']:.2f}x"
+        if "verify" in r:
+            cells["MTP verify"] = (
+                f"{r['verify']['median_ms']:.2f} ms ({r['verify_over_plain']:.2f}x the plain step)"
+            )
         result.figures[f"B={r['batch_size']}"] = cells
     result.figures["backends"] = data.get("backends")
     profiled = next((r["profile"] for r in rows if "profile" in r), None)
