@@ -210,7 +210,8 @@ def m_grouped_fp8_gemm_nt_masked(
         )
     if num_groups == 0 or m_max == 0 or n == 0:
         return
-    cfg = dict(tile or masked_tile_config(min(max(int(expected_m), 1), m_max), n, k))
+    rows = min(max(int(expected_m), 1), m_max)
+    cfg = dict(tile or masked_tile_config(rows, n, k))
     if cfg.pop("TMA", 0):
         why = masked_tma_unsupported(qa, qb, cfg["BLOCK_N"])
         if why is None:
@@ -218,7 +219,7 @@ def m_grouped_fp8_gemm_nt_masked(
             return
         if tile is not None:
             raise ValueError(f"m_grouped_fp8_gemm_nt_masked: the TMA kernel cannot run: {why}")
-        cfg = tile_config(min(max(int(expected_m), 1), m_max), n)
+        cfg = tile_config(rows, n)
     grid = (triton.cdiv(m_max, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), num_groups)
     _masked_kernel[grid](
         qa, sa, qb, sb, d, masked_m, m_max, n, k,

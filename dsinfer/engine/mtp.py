@@ -45,10 +45,8 @@ class MTPProposer:
             item.num_new - item.num_draft + int(result.draft_accepted)
             for item, result in zip(batch.seqs, results, strict=True)
         ]
-        rows, next_tokens = [], []
-        for item, result, end, n in zip(batch.seqs, results, ends, valid, strict=True):
-            first_row = end - item.num_new + 1
-            rows.extend(range(first_row, first_row + n))
+        next_tokens = []
+        for item, result, n in zip(batch.seqs, results, valid, strict=True):
             # the token after each position: known ones, then the ones this step sampled
             tokens = item.seq.token_ids
             following = tokens[item.start + 1 : item.start + n + 1]
@@ -66,6 +64,11 @@ class MTPProposer:
                 batch.seqs, [s.start for s in batch.seqs], valid, 0, self.pool.page_size, self.device
             )
             forward.after_layer = after_layer
+            rows = [
+                r
+                for item, end, n in zip(batch.seqs, ends, valid, strict=True)
+                for r in range(end - item.num_new + 1, end - item.num_new + 1 + n)
+            ]
             last_hidden = self.model.forward_mtp(
                 hidden[torch.tensor(rows, device=self.device)],
                 torch.tensor(next_tokens, device=self.device),
