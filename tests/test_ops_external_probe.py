@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from dsinfer.ops import external, external_sparse, select_ops
+from dsinfer.ops import external, external_fp4, external_sparse, select_ops
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import indexer as torch_indexer
 from dsinfer.ops import mla as torch_mla
@@ -54,6 +54,7 @@ class FakeFn:
 # ---------------------------------------------------------------------------------------- FlashMLA
 
 SPARSE_D, SPARSE_DV = 576, 512
+V4_D = 512  # DeepSeek-V4: 448 nope + 64 rope channels, keys and values
 
 
 class SchedMeta:
@@ -92,9 +93,31 @@ def _sparse_fwd_v32(q, kv, indices, sm_scale, d_v=512):  # type: ignore[no-untyp
 
 
 def _sparse_fwd_9241ae3(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):  # type: ignore[no-untyped-def]
-    """FlashMLA 082094b .. 9241ae3: natural-log LSE, exactly 64 or 128 heads."""
-    assert q.shape[1] in (64, 128) and attn_sink is None and topk_length is None
-    return _sparse_reference(q, kv, indices, sm_scale, d_v)
+    """FlashMLA 082094b .. 9241ae3 as its docstring and tests/ref.py define it, in torch: d_qk 576
+    (V3.2) or 512 ("MODEL1", DeepSeek-V4: K is V), exactly 64 or 128 heads, natural-log LSE
+    without the sink, ``out`` scaled by ``1 / (1 + exp(sink - lse))``, indices -1 or >= s_kv (and
+    past ``topk_length``) skipped, a row with none: ``out`` 0, ``lse`` +inf."""
+    s_q, h_q, d_qk = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[-1]
+    assert q.dtype == kv.dtype == torch.bfloat16 and indices.dtype == torch.int32
+    assert d_qk in (SPARSE_D, V4_D) and d_v == SPARSE_DV and h_q in (64, 128) and topk % 128 == 0
+    assert kv.shape == (s_kv, 1, d_qk) and indices.shape == (s_q, 1, topk)
+    assert q.stride(-1) == kv.stride(-1) == indices.stride(-1) == 1
+    idx = indices[:, 0].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        assert topk_length.dtype == torch.int32 and topk_length.shape == (s_q,)
+        valid &= torch.arange(topk)[None, :] < topk_length[:, None]
+    picked = kv[:, 0].float()[idx.clamp(0, s_kv - 1)]  # [s_q, topk, d_qk]
+    scores = torch.einsum("shd,skd->shk", q.float(), picked) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [s_q, h_q]
+    out = torch.einsum("shk,skv->shv", torch.softmax(scores, dim=-1).nan_to_num(0.0), picked[..., :d_v])
+    if attn_sink is not None:
+        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,)
+        out = out / (1.0 + torch.exp(attn_sink[None, :] - lse))[..., None]
+    lse = torch.where(torch.isneginf(lse), float("inf"), lse)
+    return out.to(torch.bfloat16), scores.amax(dim=-1), lse
 
 
 def _flash_mla(generation: str, *, hidden: bool = False) -> types.ModuleType:
@@ -240,6 +263,82 @@ def test_sparse_lse_base_markers() -> None:
         external_sparse.measure_lse_base(
             lambda *args: (None, None, torch.full((1, 64), 1.0)), torch.device("cpu")
         )
+
+
+def _v4_rows(gen: torch.Generator, tokens: int, heads: int, keys: int, topk: int):  # type: ignore[no-untyped-def]
+    """V4-shaped sparse MLA inputs: q bf16 [1, tokens, heads, 512], the K=V rows as a page-size-1
+    cache [keys, 1, 1, 512] (as v4_attention._attend passes them), indices [1, tokens, topk] with
+    some -1 and one row with none."""
+    rows = torch.randn(keys, V4_D, generator=gen).bfloat16()
+    q = torch.randn(1, tokens, heads, V4_D, generator=gen).bfloat16()
+    indices = torch.stack([torch.randperm(keys, generator=gen)[:topk] for _ in range(tokens)])
+    indices = indices.to(torch.int32).view(1, tokens, topk)
+    indices[0, 0, 1::2] = -1
+    indices[0, tokens // 2] = -1
+    return q, rows.view(keys, 1, 1, V4_D), indices
+
+
+@pytest.mark.parametrize(
+    ("generation", "hidden", "native"), [("new", False, True), ("old", False, False), ("new", True, False)]
+)
+def test_flashmla_sparse_takes_v4_rows_only_where_the_signature_shows_model1(
+    generation: str, hidden: bool, native: bool
+) -> None:
+    """d_qk 512 goes to the kernel of the 082094b generation (attn_sink/topk_length in its
+    signature); the V3.2 generation has no such kernel and an unreadable signature proves nothing:
+    both go to the reference."""
+    fm = _flash_mla(generation, hidden=hidden)
+    adapter = FlashMlaSparseAdapter(fm, require_cuda=False)
+    assert adapter.head_dims == ((SPARSE_D, V4_D) if native else (SPARSE_D,))
+    q, k_cache, indices = _v4_rows(torch.Generator().manual_seed(12), 5, 8, 40, 20)
+    out, lse = adapter.sparse_mla_decode(q, k_cache, indices, V4_D, V4_D**-0.5)
+    want_out, want_lse = torch_sparse_mla.sparse_mla_decode(q, k_cache, indices, V4_D, V4_D**-0.5)
+    assert out.shape == want_out.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want_out, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(lse[0, :, 2]).all() and (out[0, 2] == 0).all()  # the row with no index
+    calls = fm.flash_mla_sparse_fwd.calls
+    if not native:
+        assert calls == []
+        return
+    (args, kwargs), *rest = calls
+    assert rest == [] and kwargs == {}
+    assert args[0].shape == (5, 64, V4_D) and args[1].shape == (40, 1, V4_D) and args[4] == V4_D
+    assert args[2].shape == (5, 1, 128) and (args[2][:, :, 20:] == -1).all()  # padded with -1
+
+
+def test_v4_sink_applied_from_the_lse_equals_the_kernels_attn_sink() -> None:
+    """v4_attention._attend scales the adapter's output by 1 / (1 + exp(sink - lse)); FlashMLA's
+    attn_sink does the same inside and leaves the LSE without the sink: both equal a softmax with
+    the sink logit in its denominator."""
+    from dsinfer.model.v4_attention import V4Attention
+
+    fm = _flash_mla("new")
+    adapter = FlashMlaSparseAdapter(fm, require_cuda=False)
+    gen = torch.Generator().manual_seed(13)
+    heads, tokens, keys = 64, 4, 30
+    q = torch.randn(tokens, heads, V4_D, generator=gen).bfloat16()
+    rows = torch.randn(keys, V4_D, generator=gen).bfloat16()
+    mask = torch.rand(tokens, keys, generator=gen) < 0.5
+    mask[:, 0] = True
+    sink = torch.randn(heads, generator=gen)
+    attention = types.SimpleNamespace(
+        ops=types.SimpleNamespace(sparse_mla_decode=adapter.sparse_mla_decode),
+        attn_sink=sink,
+        head_dim=V4_D,
+    )
+    got = V4Attention._attend(attention, q, rows, mask)  # type: ignore[arg-type]
+    assert len(fm.flash_mla_sparse_fwd.calls) == 1
+    scores = torch.einsum("thd,kd->thk", q.float(), rows.float()) * V4_D**-0.5
+    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+    weights = scores.exp() / (scores.exp().sum(-1, keepdim=True) + sink.exp()[None, :, None])
+    want = torch.einsum("thk,kd->thd", weights, rows.float())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    indices = torch.where(mask, torch.arange(keys), -1).to(torch.int32)
+    indices = torch.nn.functional.pad(indices, (0, 128 - keys), value=-1).view(tokens, 1, 128)
+    inside, _, lse = _sparse_fwd_9241ae3(q, rows.view(keys, 1, V4_D), indices, V4_D**-0.5, attn_sink=sink)
+    torch.testing.assert_close(inside.float(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))  # the sink is not in the LSE
 
 
 def test_flashmla_sparse_keeps_cpu_tensors_off_the_kernel_by_default() -> None:
@@ -510,6 +609,7 @@ def test_select_ops_on_cpu_never_builds_the_external_adapters(monkeypatch: pytes
         (external, "triton_gemm_adapter"),
         (external_sparse, "DeepGemmIndexerAdapter"),
         (external_sparse, "FlashMlaSparseAdapter"),
+        (external_fp4, "DeepGemmMxfp4Adapter"),
     ):
         monkeypatch.setattr(module, name, refuse(name))
     for prefer in (None, "deepgemm,flashmla"):

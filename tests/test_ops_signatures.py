@@ -24,6 +24,7 @@ from dsinfer.ops import (
     v4_compress,
 )
 from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
+from dsinfer.ops.external_fp4 import DeepGemmMxfp4Adapter
 from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
 
 
@@ -45,7 +46,7 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
         "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts],
         "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
                      DeepGemmAdapter.grouped_gemm_masked, DeepGemmAdapter.masked_experts,
-                     DeepGemmIndexerAdapter.indexer_topk],
+                     DeepGemmIndexerAdapter.indexer_topk, DeepGemmMxfp4Adapter.mxfp4_grouped_gemm],
         "flashmla": [FlashMlaAdapter.mla_decode, FlashMlaSparseAdapter.sparse_mla_decode],
         "triton": [kernels.mla_decode, kernels.moe_gate, kernels.sparse_mla_decode, kernels.pool_windows,
                    kernels.mxfp4_grouped_gemm],
@@ -82,5 +83,5 @@ def test_every_ops_field_is_typed_by_a_protocol() -> None:
     assert kernels == {
         "linear", "pack_linear_weight", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts",
         "masked_experts", "mla_decode", "moe_gate", "sample",
-        "indexer_topk", "sparse_mla_decode", "pool_windows",
+        "indexer_topk", "sparse_mla_decode", "pool_windows", "mxfp4_grouped_gemm",
     }  # fmt: skip

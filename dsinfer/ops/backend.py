@@ -12,15 +12,17 @@ indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
 gate        triton, torch                                moe_gate
 v4_compress triton, torch                                pool_windows
-mxfp4       triton, torch                                mxfp4_grouped_gemm
+mxfp4       deepgemm, triton, torch                      mxfp4_grouped_gemm
 sampling    triton, torch                                sample
 ==========  ===========================================  ==============================================
 
 A candidate is probed lazily and only at selection: ``deepgemm``/``flashmla`` need a CUDA device
 of compute capability 9.0 (the adapters pass DeepGEMM's SM90 fp32 scales, SM100 wants UE8M0;
 FlashMLA's dense decode kernel is SM90-only) and a successful ``import deep_gemm`` /
-``import flash_mla``; the FlashMLA adapter sends what FlashMLA does not take (float32 queries) to
-the Triton kernel when it is available, else to the torch reference; ``triton`` needs a CUDA device and
+``import flash_mla``, except ``deepgemm`` for ``mxfp4``: DeepGEMM's FP8xFP4 grouped GEMM
+(``ops/external_fp4.py``) runs on compute capability 10.x (SM100) only. The FlashMLA and MXFP4
+adapters send what their kernels do not take (float32 queries or activations, shapes) to the Triton
+kernel when it is available, else to the torch reference; ``triton`` needs a CUDA device and
 ``dsinfer.kernels`` exporting the kernel's functions (feature check by name, see
 ``TRITON_FEATURES``: the GEMM family uses DeepGEMM's newer names and signatures, the others the
 ``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
@@ -105,13 +107,15 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "sparse_mla": ("flashmla", "triton", "torch"),
         "gate": ("triton", "torch"),
         "v4_compress": ("triton", "torch"),
-        "mxfp4": ("triton", "torch"),
+        "mxfp4": ("deepgemm", "triton", "torch"),
         "sampling": ("triton", "torch"),
     }
 )
 FP8_CAPABILITY = (8, 9)  # Ada/Hopper: the first GPUs with fp8 e4m3 tensor-core instructions
 # DeepGEMM with fp32 block scales (SM100 takes packed UE8M0 instead) and FlashMLA's dense decode
 EXTERNAL_CAPABILITY = {"deepgemm": (9, 0), "flashmla": (9, 0)}
+# DeepGEMM's FP8xFP4 grouped GEMM (packed e2m1 weights): SM100 kernels only, SM90 asserts
+MXFP4_DEEPGEMM_MAJOR = 10
 # Names dsinfer.kernels must export for its Triton backend of each kernel to be chosen.
 TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -217,11 +221,22 @@ def _gemm_impl(adapter: Any) -> Impl:
     }
 
 
-def capability_unsupported(backend: str, capability: tuple[int, int]) -> str | None:
-    """Why ``backend`` (deepgemm or flashmla) cannot run on a GPU of ``capability``, or None."""
+def capability_unsupported(
+    backend: str, capability: tuple[int, int], kernel: str | None = None
+) -> str | None:
+    """Why ``backend`` (deepgemm or flashmla) cannot run ``kernel`` (None: the SM90 kernels
+    every other family uses) on a GPU of ``capability``, or None."""
+    have = ".".join(map(str, capability))
+    if backend == "deepgemm" and kernel == "mxfp4":
+        if capability[0] != MXFP4_DEEPGEMM_MAJOR:
+            return (
+                f"DeepGEMM's FP8xFP4 GEMM needs compute capability {MXFP4_DEEPGEMM_MAJOR}.x (SM100), "
+                f"this GPU is {have} (DeepGEMM has no packed-FP4 kernel for it)"
+            )
+        return None
     needed = EXTERNAL_CAPABILITY[backend]
     if capability != needed:
-        have, want = ".".join(map(str, capability)), ".".join(map(str, needed))
+        want = ".".join(map(str, needed))
         return f"{backend} adapter needs compute capability {want} (SM90), this GPU is {have}"
     return None
 
@@ -258,16 +273,26 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if kernel == "indexer":  # the kernel computes the logits; the top-k is torch's
             return {"indexer_topk": torch_indexer.indexer_topk_with(module.indexer_logits)}
         return {name: getattr(module, name) for name in _torch_impl(kernel)}
-    why = capability_unsupported(backend, torch.cuda.get_device_capability(device))
+    why = capability_unsupported(backend, torch.cuda.get_device_capability(device), kernel)
     if why is not None:
         return why
     module = _import({"deepgemm": "deep_gemm", "flashmla": "flash_mla"}[backend])
     if isinstance(module, str):
         return module
     from dsinfer.ops.external import DeepGemmAdapter, FlashMlaAdapter
+    from dsinfer.ops.external_fp4 import DeepGemmMxfp4Adapter
     from dsinfer.ops.external_sparse import DeepGemmIndexerAdapter, FlashMlaSparseAdapter
 
     try:
+        if kernel == "mxfp4":
+            triton_fp4 = _probe("mxfp4", "triton", device)
+            fp4_fallback = (
+                triton_fp4["mxfp4_grouped_gemm"]
+                if isinstance(triton_fp4, dict)
+                else torch_mxfp4.mxfp4_grouped_gemm
+            )
+            adapter = DeepGemmMxfp4Adapter(module, fallback=fp4_fallback)
+            return {"mxfp4_grouped_gemm": adapter.mxfp4_grouped_gemm}
         if kernel == "indexer":
             return {"indexer_topk": DeepGemmIndexerAdapter(module).indexer_topk}
         if kernel == "sparse_mla":

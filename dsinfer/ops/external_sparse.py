@@ -19,6 +19,16 @@ the kernels cannot express goes to the torch reference, whose semantics they sha
   latent cache viewed as one flat ``[slots, 1, 576]`` tensor, so the indices are the cache slots
   themselves. FlashMLA's sparse *decode* kernel (``flash_mla_with_kvcache(..., is_fp8_kvcache=True,
   indices=...)``) needs the latent in its 656-byte FP8 format, which the pool does not keep yet.
+  DeepSeek-V4's attention core (``v4_attention._attend``: 512-wide rows that are keys and values,
+  448 nope + 64 rope channels) goes the same way, ``[rows, 1, 512]``, where the installed kernel
+  has FlashMLA's "MODEL1" shape (d_qk 512, since 082094b; :func:`sparse_head_dims`). The caller
+  applies V4's attention sink from the returned LSE, which is what the kernel's ``attn_sink`` does
+  (out scaled by ``1 / (1 + exp(sink - lse))``, the LSE left without the sink), so the ``Ops``
+  contract stays the one of every other backend. V4's sparse decode kernel
+  (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=..., attn_sink=..., extra_k_cache=...,
+  extra_indices_in_kvcache=..., topk_length=..., extra_topk_length=...)``) needs its own 584-byte
+  FP8 rows (448 e4m3 nope values, 64 bf16 rope values, 7 UE8M0 scales and a pad byte), which the
+  V4 pool does not keep either (it keeps rows in the model's dtype).
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from dsinfer.ops import sparse_mla as torch_sparse_mla
 from dsinfer.ops.external import declared_parameters
 from dsinfer.ops.fp8 import FP8_DTYPE
 
-__all__ = ["DeepGemmIndexerAdapter", "FlashMlaSparseAdapter", "sparse_lse_base"]
+__all__ = ["DeepGemmIndexerAdapter", "FlashMlaSparseAdapter", "sparse_head_dims", "sparse_lse_base"]
 
 INDEXER_PAGE_SIZE = 64  # SM90 paged MQA logits: block_kv == 64 in every generation
 INDEXER_HEADS = (32, 64)  # 2.6.1 on SM90 asserts 32 or 64 heads (the V3.2 release was tested at 64)
@@ -43,6 +53,7 @@ INDEXER_HEAD_DIM = 128  # V3.2's index head dim: the one every generation's SM90
 SPARSE_HEADS = (64, 128)  # flash_mla_sparse_fwd at 9241ae3 takes exactly 64 or 128 query heads
 SPARSE_TOPK_MULTIPLE = 128  # SM90 sparse prefill: topk % (2 * B_TOPK) == 0 with B_TOPK = 64
 SPARSE_HEAD_DIM, SPARSE_HEAD_DIM_V = 576, 512  # the dims every generation of the kernel takes
+V4_HEAD_DIM = 512  # FlashMLA's "MODEL1" (DeepSeek-V4): K is V, d_qk == d_v, since 082094b
 LSE_PROBE_KEYS = 128
 
 
@@ -160,6 +171,16 @@ def sparse_lse_base(sparse_fwd: Callable[..., Any]) -> str | None:
     return "e" if {"attn_sink", "topk_length"} & names else "2"
 
 
+def sparse_head_dims(sparse_fwd: Callable[..., Any]) -> tuple[int, ...]:
+    """The query/key widths ``flash_mla_sparse_fwd`` takes, read from its signature: 576 (V3.2)
+    in every generation, and 512 (DeepSeek-V4, "MODEL1") from 082094b on, the commit that also
+    added ``attn_sink`` and ``topk_length`` (:func:`sparse_lse_base` reads the same marker). A
+    signature that says nothing: 576 only, since no call can tell the generations apart safely."""
+    if sparse_lse_base(sparse_fwd) == "e":
+        return (SPARSE_HEAD_DIM, V4_HEAD_DIM)
+    return (SPARSE_HEAD_DIM,)
+
+
 def measure_lse_base(sparse_fwd: Callable[..., Any], device: torch.device) -> str:
     """The base of ``sparse_fwd``'s LSE from one tiny call: zero queries and keys make every score
     0, so the LSE of 128 keys is ln 128 (natural) or exactly 7 (base 2)."""
@@ -180,7 +201,9 @@ class FlashMlaSparseAdapter:
     (:func:`sparse_lse_base`); when the signature says nothing, one tiny call measures it
     (:func:`measure_lse_base`): here when ``device`` is a CUDA device (``select_ops`` passes it),
     else at the first call on the GPU. ``lse_probe`` says how it was settled ("signature",
-    "measured", or "pending"). ``require_cuda=False`` lets the tests run a stand-in on the CPU.
+    "measured", or "pending"). ``head_dims``: the query widths sent to the kernel (576, and 512 for
+    DeepSeek-V4 where the signature shows the MODEL1 generation: :func:`sparse_head_dims`); other
+    widths go to the reference. ``require_cuda=False`` lets the tests run a stand-in on the CPU.
     """
 
     def __init__(
@@ -191,6 +214,7 @@ class FlashMlaSparseAdapter:
         self.fm = module
         self.require_cuda = require_cuda
         self.lse_base = sparse_lse_base(module.flash_mla_sparse_fwd)
+        self.head_dims = sparse_head_dims(module.flash_mla_sparse_fwd)
         self.lse_probe = "signature" if self.lse_base is not None else "pending"
         if self.lse_base is None and device is not None and torch.device(device).type == "cuda":
             self._measure_lse_base(torch.device(device))
@@ -208,7 +232,9 @@ class FlashMlaSparseAdapter:
             and q.dim() == 4
             and q.dtype == torch.bfloat16
             and k_cache.dtype == torch.bfloat16
-            and q.shape[-1] == SPARSE_HEAD_DIM
+            and k_cache.dim() == 4
+            and k_cache.shape[2:] == (1, q.shape[-1])
+            and q.shape[-1] in self.head_dims
             and head_dim_v == SPARSE_HEAD_DIM_V
             and 0 < q.shape[2] <= SPARSE_HEADS[-1]
             and indices.shape[-1] > 0

@@ -31,6 +31,7 @@ __all__ = [
     "fp8_gemm_nt",
     "quantize_activation_1x128",
     "quantize_weight_128x128",
+    "round_up_to_power_of_two",
 ]
 
 
@@ -43,16 +44,26 @@ def _pad_last(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
-def quantize_activation_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Positive float32 scales rounded up to the next power of two (UE8M0 values), exactly."""
+    mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
+def quantize_activation_1x128(x: torch.Tensor, *, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x[..., k]`` per token per 128 channels.
 
     Returns ``(q fp8[..., k], scales fp32[..., ceil(k/128)])`` with ``x ~= q * scales`` blockwise.
+    ``ue8m0``: each scale rounded up to a power of two (DeepGEMM's SM100 kernels keep only the
+    exponent of an fp32 scale), so ``q`` never exceeds 448 in magnitude either way.
     """
     k = x.shape[-1]
     kb = ceil_div(k, FP8_BLOCK)
     xf = _pad_last(x.float(), FP8_BLOCK).unflatten(-1, (kb, FP8_BLOCK))
     amax = xf.abs().amax(dim=-1).clamp_min(AMAX_MIN)
     scale = amax / FP8_MAX
+    if ue8m0:
+        scale = round_up_to_power_of_two(scale)
     q = (xf / scale.unsqueeze(-1)).flatten(-2)[..., :k].to(FP8_DTYPE)
     return q, scale
 

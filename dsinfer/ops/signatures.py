@@ -23,6 +23,7 @@ __all__ = [
     "MaskedExperts",
     "MlaDecode",
     "MoeGate",
+    "Mxfp4GroupedGemm",
     "PackLinearWeight",
     "PoolWindows",
     "Sample",
