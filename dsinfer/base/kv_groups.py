@@ -107,6 +107,25 @@ class HybridCacheSpec:
             return (tokens - 1) // self.page_tokens - first + 1
         return -(-group.entries(tokens) * group.tokens_per_entry // self.page_tokens)
 
+    @property
+    def charged_page_bytes(self) -> int:
+        """What one page is charged: its tokens' compressed entries and indexer keys (the window's
+        rows are each sequence's bounded part, :attr:`sequence_bytes`)."""
+        return sum(self.page_bytes(g) for g in self.groups if g.name != "window")
+
+    @property
+    def sequence_bytes(self) -> int:
+        """What one sequence holds at most whatever its length: the window's rows of every layer
+        and the compressors' unfinished rows."""
+        window = self.group("window")
+        assert window is not None
+        return self.window * len(window.layers) * window.entry_bytes + self.state_bytes
+
+    def reserve_bytes(self, max_num_seqs: int) -> int:
+        """Set aside before pages: ``max_num_seqs`` sequences' bounded part and as many resume
+        points (each at most a window and the compressors' overlap rows)."""
+        return 2 * max_num_seqs * self.sequence_bytes
+
     def exact_bytes(self, tokens: int) -> dict[str, int]:
         """Bytes the entries themselves take (no page rounding), by group; "state" at most."""
         out = {

@@ -75,18 +75,7 @@ class V4StatePool(PagePool):
 
     @classmethod
     def page_bytes_for(cls, config: V4Config, dtype: torch.dtype) -> int:
-        """What one page is charged: its tokens' compressed entries and indexer keys."""
-        spec = cls.spec_for(config, dtype)
-        return sum(spec.page_bytes(g) for g in spec.groups if g.name != "window")
-
-    @classmethod
-    def sequence_bytes_for(cls, config: V4Config, dtype: torch.dtype) -> int:
-        """What one sequence holds at most whatever its length: the window's rows of every layer
-        and the compressors' unfinished rows."""
-        spec = cls.spec_for(config, dtype)
-        window = spec.group("window")
-        assert window is not None
-        return spec.window * len(window.layers) * window.entry_bytes + spec.state_bytes
+        return cls.spec_for(config, dtype).charged_page_bytes
 
     @staticmethod
     def handoff_slot_bytes_for(config: V4Config, dtype: torch.dtype) -> int:
@@ -95,9 +84,7 @@ class V4StatePool(PagePool):
 
     @classmethod
     def reserve_bytes_for(cls, config: V4Config, dtype: torch.dtype, max_num_seqs: int) -> int:
-        """Set aside before pages: ``max_num_seqs`` sequences' bounded part and as many resume
-        points (each at most a window and the compressors' overlap rows)."""
-        return 2 * max_num_seqs * cls.sequence_bytes_for(config, dtype)
+        return cls.spec_for(config, dtype).reserve_bytes(max_num_seqs)
 
     @property
     def page_layout(self) -> str:

@@ -168,7 +168,10 @@ def run_plan(args: argparse.Namespace) -> int:
         from dsinfer.sim.deployment import chunking_weights
         from dsinfer.sim.model_dims import ModelShape
 
-        w, c = chunking_weights(ModelShape.preset(specs["prefill"].model))
+        try:
+            w, c = chunking_weights(ModelShape.preset(specs["prefill"].model))
+        except ValueError as e:
+            raise UsageError(f"--attention-chunking: {e}") from None
         specs["prefill"] = replace(specs["prefill"], attention_token_weight=w, context_token_weight=c)
     if args.prefill_budgets == "auto":
         prefill = planner.budget_candidates(specs["prefill"])

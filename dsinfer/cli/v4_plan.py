@@ -2,16 +2,14 @@
 rank or of several (expert parallelism), its weights on a rank by precision, its hybrid KV cache
 by group next to V3's, and the pool's pages.
 
-Weights are counted from the model built on the meta device (nothing is read). On CUDA the plan
-keeps FP8 what the release ships FP8 (every linear layer but the head; 128x128 blocks, a 4-byte
-scale each) and, as the loader does, the routed experts dequantised into the model's dtype (no
-FP4 expert GEMM yet); on a CPU every weight is in the model's dtype. The KV figures are the cache
+Weights are counted from the config (dsinfer/base/v4_weights.py, as the simulator counts them).
+On CUDA the plan keeps FP8 what the release ships FP8 (every linear layer but the head; 128x128
+blocks, a 4-byte scale each) and MXFP4 experts packed, as the loader does where the MXFP4 GEMM
+runs; on a CPU every weight is in the model's dtype. The KV figures are the cache
 spec's (dsinfer/base/kv_groups.py), the same the engine charges a page (dsinfer/cache/v4_pool.py).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -22,58 +20,16 @@ from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.rank_shape import expert_slots_per_rank
 from dsinfer.base.v4_config import V4Config
+from dsinfer.base.v4_weights import v4_weights
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.memory_plan import CUDA_RUNTIME_RESERVE, fmt_bytes, fmt_bytes_down
 from dsinfer.cli.serve_plan import describe_tiers
 from dsinfer.engine.args import EngineArgs
 from dsinfer.engine.device import free_memory, resolve_device, resolve_dtype
-from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
-from dsinfer.model.layers import Linear
-from dsinfer.ops import select_ops
 
-FP8_BLOCK_VALUES = 128 * 128
 CONTEXTS = (8192, 131072, 1048576)  # one request's cache shown at these contexts
 V3_PRESET = "deepseek-v3"
-
-
-MXFP4_BYTES_PER_VALUE = 0.5 + 1 / 32  # an e2m1 nibble and its share of an e8m0 scale per 32
-
-
-@dataclass(frozen=True)
-class V4Weights:
-    fp8: int  # bytes of FP8 weights and their block scales
-    experts: int  # this rank's routed experts: packed MXFP4, or in the model's dtype
-    other: int  # the rest (embedding, head, norms, mHC, gates, sinks) in the model's dtype
-    mxfp4: bool = False  # the experts stay packed
-
-    @property
-    def total(self) -> int:
-        return self.fp8 + self.experts + self.other
-
-
-def v4_weights(
-    config: V4Config, dtype: torch.dtype, fp8: bool, mxfp4: bool = False, expert_share: float = 1.0
-) -> V4Weights:
-    """Weight bytes on one rank: ``mxfp4``, the experts packed; ``expert_share``, the part of the
-    experts the rank holds (its slots of an expert-parallel pool)."""
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, select_ops("cpu", quiet=True))
-    item = dtype.itemsize
-    fp8_bytes = experts = other = 0
-    linear_weights = {
-        f"{name}.weight"
-        for name, module in model.named_modules()
-        if isinstance(module, Linear) and name != "head"
-    }
-    for name, param in model.named_parameters():
-        if name.endswith((".ffn.w13", ".ffn.w2")):
-            experts += round(param.numel() * (MXFP4_BYTES_PER_VALUE if mxfp4 else item) * expert_share)
-        elif fp8 and name in linear_weights:
-            fp8_bytes += param.numel() + 4 * -(-param.numel() // FP8_BLOCK_VALUES)
-        else:
-            other += param.numel() * item
-    return V4Weights(fp8_bytes, experts, other, mxfp4)
 
 
 def _v3_bytes_per_token(dtype: torch.dtype) -> tuple[str, int]:
@@ -92,7 +48,9 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None, pool_size: int = 1
     cuda = device.type == "cuda"
     slots = expert_slots_per_rank(config.n_routed_experts, engine.num_redundant_experts, pool_size)
     mxfp4 = cuda and config.expert_dtype == "fp4"  # the MXFP4 GEMM kernel keeps them packed
-    weights = v4_weights(config, dtype, fp8=cuda, mxfp4=mxfp4, expert_share=slots / config.n_routed_experts)
+    weights = v4_weights(
+        config, dtype.itemsize, fp8=cuda, mxfp4=mxfp4, expert_share=slots / config.n_routed_experts
+    )
     spec = HybridCacheSpec.for_v4(config, dtype_name)
     page_bytes = V4StatePool.page_bytes_for(config, dtype)
     reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs)

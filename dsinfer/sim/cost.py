@@ -30,7 +30,8 @@ pipeline of its own (one layer, two micro-batches: its dispatch and combine have
 to hide under), followed by its own head; each head runs once per step over every token (not per
 micro-batch). While DeepEP's normal kernels run (prefill overlap) they hold ``comm_sms`` SMs
 (DeepEP's default 20; DeepSeek's published prefill profile: 24 of 132), which slows compute by
-132 / (132 - comm_sms).
+132 / (132 - comm_sms). DeepSeek-V4's attention stages are dsinfer/sim/v4_cost.py's, per layer
+(its layer kinds differ); the rest of its step is the same.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsinfer.sim import v4_cost
 from dsinfer.sim.experts import ExpertModel
 from dsinfer.sim.kernels import DEEPEP_NORMAL_SMS, Kernels
 from dsinfer.sim.model_dims import ModelShape
@@ -76,8 +78,36 @@ def _max(a: np.ndarray) -> float:
 
 
 def _ratio(a: np.ndarray) -> float:
+    a = a.sum(axis=0) if np.ndim(a) == 2 else a  # per layer and rank: each rank's whole
     mean = float(np.mean(a)) if np.size(a) else 0.0
     return float(np.max(a)) / mean if mean > 0 else 1.0
+
+
+def _per_layer(a: np.ndarray | float, layers: int) -> np.ndarray:
+    """A stage's time per layer: the slowest rank of each (``a`` per rank, the same every layer,
+    or per layer and rank)."""
+    if np.ndim(a) == 2:
+        return np.asarray(a).max(axis=1)
+    return np.full(layers, _max(np.asarray(a)))
+
+
+def _decode_attention(
+    k: Kernels, s: ModelShape, tokens: np.ndarray, kv_tokens: np.ndarray, q_per_req: int, mtp: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(A0, A1) of the model's layers (``mtp``: of its MTP layer): per rank, or for V4 per layer
+    and rank."""
+    if s.v4 is not None:
+        layers = v4_cost.MTP_LAYERS if mtp else v4_cost.main_layers(s)
+        return v4_cost.decode_attention(k, s, tokens, kv_tokens, q_per_req, layers)
+    return decode_attention(k, s, tokens, kv_tokens, q_per_req)
+
+
+def _mtp_projection(k: Kernels, s: ModelShape, tokens: np.ndarray) -> np.ndarray:
+    """The MTP layer's input projection: V3's [embedding; hidden] -> hidden; V4's embedding and
+    each residual stream through their own hidden -> hidden projections."""
+    if s.v4 is not None:
+        return k.gemm(tokens * (1 + s.v4.hc_mult), s.hidden, s.hidden)
+    return k.gemm(tokens, s.hidden, 2 * s.hidden)
 
 
 # Stage costs (per rank) ----------------------------------------------------------------------
@@ -228,19 +258,20 @@ def _pipeline(pm: PoolModel, stages: dict[str, np.ndarray], mbs: int, prefill: b
 
 def _main_stages(
     pm: PoolModel,
-    a0: float,
-    a1: float,
+    a0: np.ndarray | float,
+    a1: np.ndarray | float,
     shared: float,
     dense: float,
     moe: np.ndarray,
     d: np.ndarray,
     c: np.ndarray,
 ) -> dict[str, np.ndarray]:
+    """``a0``/``a1`` per rank or per layer and rank (see :func:`_per_layer`)."""
     s = pm.shape
     n_dense = s.dense_layers
     return {
-        "A0": np.full(s.layers, a0),
-        "A1": np.full(s.layers, a1),
+        "A0": _per_layer(a0, s.layers),
+        "A1": _per_layer(a1, s.layers),
         "S": np.concatenate([np.zeros(n_dense), np.full(s.moe_layers, shared)]),
         "M": np.concatenate([np.full(n_dense, dense), moe]),
         "D": np.concatenate([np.zeros(n_dense), d]),
@@ -273,13 +304,13 @@ def decode_step(
     tokens = requests * q
     mbs = _micro_batches(pm, tokens)
     t_mb, kv_mb = tokens / mbs, kv_tokens / mbs
-    a0, a1 = decode_attention(k, s, t_mb, kv_mb, q)
+    a0, a1 = _decode_attention(k, s, t_mb, kv_mb, q)
     shared = shared_expert(k, s, t_mb)
     rows = e.rows(float(t_mb.sum()) * s.topk, rng)
     rank_rows = e.rank_rows(rows)
     moe = routed_experts(k, s, e, rows, prefill=False).max(axis=1)
     d, c = transfers(pm, t_mb * s.topk, rank_rows, prefill=False)
-    main = _main_stages(pm, _max(a0), _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c)
+    main = _main_stages(pm, a0, a1, _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c)
     main = _stages(pm, main, mbs, prefill=False)
     parts = [main]
 
@@ -296,8 +327,8 @@ def decode_step(
         # then the MTP layer drafts from the sampled token (one query per request): its own
         # pipeline and head after the main model's
         r_mb = requests / mbs
-        m0, m1 = decode_attention(k, s, r_mb, kv_mb, 1)
-        m0 = m0 + k.gemm(r_mb, s.hidden, 2 * s.hidden)
+        m0, m1 = _decode_attention(k, s, r_mb, kv_mb, 1, mtp=True)
+        m0 = m0 + _mtp_projection(k, s, r_mb)
         mrows = e.mean_share[None, :] * float(r_mb.sum()) * s.topk
         md, mc = transfers(pm, r_mb * s.topk, e.rank_rows(mrows), prefill=False)
         mtp = _mtp_stages(
@@ -343,21 +374,26 @@ def prefill_step(
         return StepCost(0.0)
     mbs = _micro_batches(pm, tokens)
     t_mb = tokens / mbs
-    a1 = prefill_attention(k, s, t_mb, np.asarray(ctx_tokens) / mbs, np.asarray(pairs) / mbs, key_len)
+    if s.v4 is not None:  # nothing is decompressed; each query's rows are bounded by the window and top-k
+        a1 = v4_cost.prefill_attention(k, s, t_mb, key_len, v4_cost.main_layers(s))
+        mtp_a1 = v4_cost.prefill_attention(k, s, t_mb, key_len, v4_cost.MTP_LAYERS)
+    else:
+        a1 = prefill_attention(k, s, t_mb, np.asarray(ctx_tokens) / mbs, np.asarray(pairs) / mbs, key_len)
+        mtp_a1 = a1
     shared = shared_expert(k, s, t_mb)
     rows = e.rows(float(t_mb.sum()) * s.topk, rng)
     rank_rows = e.rank_rows(rows)
     moe = routed_experts(k, s, e, rows, prefill=True).max(axis=1)
     d, c = transfers(pm, t_mb * e.node_fanout, rank_rows, prefill=True)
-    stages = _main_stages(pm, 0.0, _max(a1), _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c)
+    stages = _main_stages(pm, 0.0, a1, _max(shared), _max(dense_ffn(k, s, t_mb)), moe, d, c)
     if pm.mtp:
         # the MTP layer over the prompt: one more layer of the pipeline (its KV goes to decode)
         mrows = e.mean_share[None, :] * float(t_mb.sum()) * s.topk
         md, mc = transfers(pm, t_mb * e.node_fanout, e.rank_rows(mrows), prefill=True)
         mtp = _mtp_stages(
             (
-                _max(k.gemm(t_mb, s.hidden, 2 * s.hidden)),
-                _max(a1),
+                _max(_mtp_projection(k, s, t_mb)),
+                _max(mtp_a1),
                 _max(shared),
                 _max(routed_experts(k, s, e, mrows, prefill=True)),
                 float(md[0]),

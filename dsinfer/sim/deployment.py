@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsinfer.base.rank_shape import RankShape
+from dsinfer.base.rank_shape import RankShape, expert_slots_per_rank
+from dsinfer.base.v4_weights import v4_weights
 from dsinfer.sim.cost import PoolModel
 from dsinfer.sim.experts import ExpertModel, expert_model
 from dsinfer.sim.hardware import H800, Hardware
@@ -13,7 +14,6 @@ from dsinfer.sim.kernels import DEEPEP_NORMAL_SMS, Kernels
 from dsinfer.sim.model_dims import ModelShape
 
 ROLES = ("prefill", "decode")
-KV_PAGE = 64
 BF16_BYTES = 2
 ACTIVATION_RESERVE = 0.10  # of HBM, for activations, communication buffers and CUDA graphs
 
@@ -120,7 +120,10 @@ def chunking_weights(shape: ModelShape) -> tuple[float, float]:
     causal query-key pairs whose core attention costs as much as one new token's attention-stage
     GEMMs (q/kv down-projections, q_b, kv_b, o_proj, the router in BF16), and one cached token's
     kv_b decompression relative to the same (DeepSeek-V3: about 2,330 pairs and 0.088). The engine
-    takes the same two numbers (dsinfer.engine.scheduler.Scheduler)."""
+    takes the same two numbers (dsinfer.engine.scheduler.Scheduler). DeepSeek-V4 decompresses
+    nothing and a query's rows are bounded, so chunking by attention cost does not apply to it."""
+    if shape.v4 is not None:
+        raise ValueError("attention-aware chunking models MLA's cost; DeepSeek-V4 chunks by tokens")
     kv_b = shape.kv_lora * shape.heads * (shape.nope_dim + shape.v_dim)
     per_token = (
         shape.hidden * (shape.q_lora + shape.latent_dim)
@@ -151,9 +154,40 @@ def rank_shape(shape: ModelShape, spec: PoolSpec) -> RankShape:
 
 
 def kv_capacity_tokens(spec: PoolSpec, hw: Hardware) -> int:
-    rank = rank_shape(ModelShape.preset(spec.model), spec)
+    """Tokens one rank's KV pages hold, a whole number of pages (``ModelShape.page_tokens``)."""
+    shape = ModelShape.preset(spec.model)
+    if shape.v4 is not None:
+        return v4_capacity_tokens(shape, spec, hw)
+    rank = rank_shape(shape, spec)
     budget = spec.kv_cache_bytes
     if budget is None:
         budget = hw.hbm_bytes * (1 - ACTIVATION_RESERVE) - rank.weights().total
     per_token = rank.kv_bytes_per_token
-    return max(0, int(budget // per_token) // KV_PAGE * KV_PAGE)
+    return max(0, int(budget // per_token) // shape.page_tokens * shape.page_tokens)
+
+
+def v4_capacity_tokens(shape: ModelShape, spec: PoolSpec, hw: Hardware) -> int:
+    """DeepSeek-V4 as the engine charges it (dsinfer/cache/v4_pool.py): FP8 linear layers and
+    packed MXFP4 experts (the release's) on a GPU, the rank's expert slots; from the budget,
+    ``max_num_seqs`` sequences' windows and compressor state and as many resume points are set
+    aside (and, from what fits beside the weights, a PD rank's as many handoff slots, each at most
+    a sequence's bounded part); the rest is pages of compressed entries and indexer keys."""
+    v4 = shape.v4
+    assert v4 is not None
+    config = v4.config
+    slots = expert_slots_per_rank(config.n_routed_experts, spec.num_redundant_experts, spec.pool_size)
+    weights = v4_weights(
+        config,
+        BF16_BYTES,
+        fp8=True,
+        mxfp4=config.expert_dtype == "fp4",
+        expert_share=slots / config.n_routed_experts,
+    )
+    cache = v4.cache
+    budget = spec.kv_cache_bytes
+    if budget is None:  # the handoff slots lie outside the KV budget
+        budget = (
+            hw.hbm_bytes * (1 - ACTIVATION_RESERVE) - weights.total - spec.max_num_seqs * cache.sequence_bytes
+        )
+    pages = int((budget - cache.reserve_bytes(spec.max_num_seqs)) // cache.charged_page_bytes)
+    return max(0, pages) * cache.page_tokens

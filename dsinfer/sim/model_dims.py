@@ -1,14 +1,19 @@
 """The model dimensions the cost model needs, under the cost model's short names, read from a
 validated ``ModelConfig`` (kept as ``config``: weight and KV bytes per rank are counted by
-``dsinfer.base.rank_shape.RankShape``, as the memory plan counts them)."""
+``dsinfer.base.rank_shape.RankShape``, as the memory plan counts them), or from a ``V4Config``
+(``v4``: its layer kinds and hybrid cache, dsinfer/base/kv_groups.py; weights by
+dsinfer/base/v4_weights.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsinfer.base.config import ModelConfig
+from dsinfer.base.config import PAGE_SIZE, ModelConfig
+from dsinfer.base.kv_groups import HybridCacheSpec
 from dsinfer.base.kv_spec import KVCacheSpec
+from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
+from dsinfer.base.v4_config import CSA, HCA, V4Config
 
 SCALE_BLOCK = 128  # FP8 activation scales: one fp32 per 128 channels
 
@@ -36,8 +41,42 @@ _CONFIG_NAMES = {
 
 
 @dataclass(frozen=True)
+class V4Dims:
+    """What DeepSeek-V4 adds: per layer its attention kind, and the hybrid cache (model dtype, as the
+    engine keeps it) whose window and compressor state each running sequence holds whatever its length."""
+
+    config: V4Config
+    cache: HybridCacheSpec
+    kinds: tuple[str, ...]  # per layer: sliding_attention, CSA or HCA
+    hash_layers: int  # the first layers route by token id: no router GEMM
+    head_dim: int
+    o_groups: int
+    o_lora: int
+    window: int
+    csa_rate: int
+    hca_rate: int
+    hc_mult: int
+
+    @classmethod
+    def from_config(cls, cfg: V4Config) -> V4Dims:
+        return cls(
+            config=cfg,
+            cache=HybridCacheSpec.for_v4(cfg, "bfloat16"),
+            kinds=cfg.layer_types,
+            hash_layers=sum(cfg.is_hash_layer(i) for i in range(cfg.num_hidden_layers)),
+            head_dim=cfg.head_dim,
+            o_groups=cfg.o_groups,
+            o_lora=cfg.o_lora_rank,
+            window=cfg.sliding_window,
+            csa_rate=cfg.compress_rates[CSA],
+            hca_rate=cfg.compress_rates[HCA],
+            hc_mult=cfg.hc_mult,
+        )
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    config: ModelConfig
+    config: ModelConfig | V4Config
     hidden: int
     vocab: int
     layers: int
@@ -61,6 +100,8 @@ class ModelShape:
     index_heads: int = 0  # V3.2's lightning indexer (0: dense attention)
     index_dim: int = 0
     index_topk: int = 0
+    page_tokens: int = PAGE_SIZE  # tokens per KV page
+    v4: V4Dims | None = None
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> ModelShape:
@@ -80,9 +121,45 @@ class ModelShape:
         )
 
     @classmethod
+    def from_v4(cls, cfg: V4Config) -> ModelShape:
+        """V4 under the same names (``kv_lora`` 0: no latent; ``v_dim`` the shared K=V head; every
+        layer MoE, the hash layers too); ``cache_bytes_per_layer`` is a page's charge per token and
+        layer (the compressed entries and indexer keys; the window is each sequence's bounded part)."""
+        dims = V4Dims.from_config(cfg)
+        layers = cfg.num_hidden_layers
+        per_layer = -(-dims.cache.charged_page_bytes // (dims.cache.page_tokens * layers))
+        return cls(
+            config=cfg,
+            hidden=cfg.hidden_size,
+            vocab=cfg.vocab_size,
+            layers=layers,
+            dense_layers=0,
+            heads=cfg.num_attention_heads,
+            q_lora=cfg.q_lora_rank,
+            kv_lora=0,
+            rope_dim=cfg.qk_rope_head_dim,
+            nope_dim=cfg.head_dim - cfg.qk_rope_head_dim,
+            v_dim=cfg.head_dim,
+            inter=cfg.moe_intermediate_size,
+            moe_inter=cfg.moe_intermediate_size,
+            experts=cfg.n_routed_experts,
+            topk=cfg.num_experts_per_tok,
+            n_group=1,
+            topk_group=1,
+            shared_experts=cfg.n_shared_experts,
+            mtp_layers=cfg.num_nextn_predict_layers,
+            cache_bytes_per_layer=per_layer,
+            index_heads=cfg.index_n_heads,
+            index_dim=cfg.index_head_dim,
+            page_tokens=dims.cache.page_tokens,
+            v4=dims,
+        )
+
+    @classmethod
     def preset(cls, name: str = "deepseek-v3") -> ModelShape:
         path, _ = resolve_model(name)
-        return cls.from_config(ModelConfig.from_file(path / "config.json"))
+        config = read_model_config(path / "config.json")
+        return cls.from_v4(config) if isinstance(config, V4Config) else cls.from_config(config)
 
     @property
     def moe_layers(self) -> int:

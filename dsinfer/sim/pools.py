@@ -26,7 +26,7 @@ import numpy as np
 from dsinfer.base.chunking import fit_prefill_chunk, prefill_chunk_cost
 from dsinfer.base.protocol import LoadReport
 from dsinfer.sim.cost import PoolModel, StepCost, decode_step, prefill_step
-from dsinfer.sim.deployment import KV_PAGE, PoolSpec
+from dsinfer.sim.deployment import PoolSpec
 
 INCARNATION = "sim"
 
@@ -128,7 +128,8 @@ class DecodePool:
         self.index, self.spec, self.model = index, spec, model
         ranks = spec.pool_size
         self.names = [f"decode/{index}/{r}" for r in range(ranks)]
-        self.total_pages = max(1, kv_tokens // KV_PAGE)
+        self.page = model.shape.page_tokens
+        self.total_pages = max(1, kv_tokens // self.page)
         self.admit_pages = int(self.total_pages * (1.0 - headroom))
         self.waiting: list[deque[int]] = [deque() for _ in range(ranks)]
         size = 1024
@@ -174,7 +175,7 @@ class DecodePool:
         ranks = self.spec.pool_size
         count = np.bincount(self.rank[idx], minlength=ranks)
         kv = np.bincount(self.rank[idx], weights=self.ctx[idx], minlength=ranks)
-        pages = np.bincount(self.rank[idx], weights=-(-self.ctx[idx] // KV_PAGE), minlength=ranks)
+        pages = np.bincount(self.rank[idx], weights=-(-self.ctx[idx] // self.page), minlength=ranks)
         return idx, count, kv, pages
 
     # steps ------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ class DecodePool:
             while queue and count[r] < self.spec.max_num_seqs:
                 req = queue[0]
                 context, remaining = self.pending[req]
-                need = -(-(context + 1) // KV_PAGE)
+                need = -(-(context + 1) // self.page)
                 if pages[r] + need > self.admit_pages and count[r] > 0:
                     break
                 queue.popleft()
@@ -236,7 +237,7 @@ class DecodePool:
                 req = int(self.req[slot])
                 del self.slot_of[req]
                 self.free.append(int(slot))
-                over -= -(-int(self.ctx[slot]) // KV_PAGE)
+                over -= -(-int(self.ctx[slot]) // self.page)
                 self.enqueue(int(r), req, int(self.ctx[slot]), int(self.remaining[slot]), front=True)
                 self.preemptions += 1
 

@@ -32,7 +32,7 @@ from dsinfer.base.protocol import HEARTBEAT_INTERVAL, LoadReport
 from dsinfer.sim.analytic import stationary_batch
 from dsinfer.sim.cache import SimCache
 from dsinfer.sim.cost import decode_step
-from dsinfer.sim.deployment import KV_PAGE, Assumptions, PoolSpec, kv_capacity_tokens
+from dsinfer.sim.deployment import Assumptions, PoolSpec, kv_capacity_tokens
 from dsinfer.sim.pools import DecodePool, PrefillPool
 from dsinfer.sim.result import SimResult
 from dsinfer.sim.workload import Requests, TrafficProfile, arrivals, sample
@@ -75,14 +75,16 @@ class Simulation:
             self.decode = [
                 DecodePool(i, decode, pm, kv, self.a.kv_growth_headroom) for i in range(decode_pools)
             ]
+        any_spec = prefill if prefill is not None else decode
+        assert any_spec is not None
+        shape = self.cache.pool_model(any_spec, self.a).shape
+        self.page = shape.page_tokens
         self.balancers = {
-            role: make_balancer(self.a.balancer, role, KV_PAGE) for role in ("prefill", "decode")
+            role: make_balancer(self.a.balancer, role, self.page) for role in ("prefill", "decode")
         }
         self.prefill_names = [n for p in self.prefill for n in p.names]
         self.decode_names = [n for p in self.decode for n in p.names]
-        any_spec = prefill if prefill is not None else decode
-        assert any_spec is not None
-        self.layer_cache_bytes = self.cache.pool_model(any_spec, self.a).shape.cache_bytes_per_layer
+        self.layer_cache_bytes = shape.cache_bytes_per_layer
         self._ran = False
 
     # -----------------------------------------------------------------------------------------
@@ -171,8 +173,8 @@ class Simulation:
         heapq.heappush(self._events, (float(t), self._seq, kind, x, y))
 
     def _route(self, req: int, prompt: int, cached: int, session: int) -> RouteRequest:
-        pages = prompt // KV_PAGE
-        shared = cached // KV_PAGE
+        pages = prompt // self.page
+        shared = cached // self.page
         hashes = [b"s%d/%d" % (session, i) for i in range(shared)]
         hashes += [b"r%d/%d" % (req, i) for i in range(shared, pages)]
         max_tokens = self.traffic.output.max
@@ -353,7 +355,7 @@ class Simulation:
         if count <= 0:
             return 1.0
         reqs, pick, progress = self._population(count, seed + 2000)
-        balancer = make_balancer(self.a.balancer, "decode", KV_PAGE)
+        balancer = make_balancer(self.a.balancer, "decode", self.page)
         names = [f"decode/0/{r}" for r in range(ranks)]
         running, kv = np.zeros(ranks), np.zeros(ranks)
         pages = np.zeros(ranks)
@@ -379,7 +381,7 @@ class Simulation:
             context = prompt + 1 + int(progress[j])
             running[r] += 1
             kv[r] += context
-            pages[r] += -(-context // KV_PAGE)
+            pages[r] += -(-context // self.page)
         pm = self.cache.pool_model(spec, self.a)
         tiled = np.resize(np.arange(ranks), spec.pool_size)
         noisy = decode_step(pm, running[tiled], kv[tiled], np.random.default_rng(seed + 17)).time
