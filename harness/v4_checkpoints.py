@@ -78,3 +78,73 @@ def greedy_reference(model: Any, prompt: list[int], max_tokens: int) -> list[int
             eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def add_v4_mtp(directory: Path, attention_scale: float | None = None, seed: int = 1) -> None:
+    """Add an MTP layer to the V4 checkpoint in ``directory`` under the release's names (``mtp.0.*``:
+    experts one by one, ``hc_attn_fn``, ``hc_head_fn``...), as transformers keeps none.
+
+    ``attention_scale`` None: random weights (drafts almost never accepted). A number: the
+    checkpoint made nearly a bigram model (every layer's FFN output zeroed, its attention output
+    scaled by it; at 0 the next token depends on the current one only) whose MTP layer computes
+    the bigram of the token it is given, so its drafts agree with the target except where attention
+    tips the choice."""
+    from safetensors.torch import load_file, save_file
+
+    from dsinfer.base.v4_config import V4Config
+    from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+    from dsinfer.ops import select_ops
+
+    file = directory / "model.safetensors"
+    tensors = load_file(str(file))
+    config = V4Config.model_validate_json((directory / "config.json").read_text())
+    model = DeepseekV4ForCausalLM(config, select_ops("cpu", quiet=True), num_mtp_layers=1)
+    generator = torch.Generator().manual_seed(seed)
+    inner = config.moe_intermediate_size
+    mtp: dict[str, torch.Tensor] = {}
+    for name, param in [*model.mtp.named_parameters(), *model.mtp.named_buffers()]:
+        if name.endswith(("inv_freq", "expert_load")):  # derived, or a runtime counter
+            continue
+        name = "mtp." + name
+        if name.endswith(("norm.weight",)):
+            value = 1 + 0.1 * torch.randn(param.shape, generator=generator)
+        elif name.endswith(("base", "scale", "attn_sink", "ape", "gate.bias")):
+            value = 0.5 * torch.randn(param.shape, generator=generator)
+        else:
+            value = param.shape[-1] ** -0.5 * torch.randn(param.shape, generator=generator)
+        mtp[name] = value
+    if attention_scale is not None:
+        hidden = config.hidden_size
+        for name in tensors:
+            if name.endswith(("ffn.shared_experts.w2.weight",)) or (
+                ".experts." in name and name.endswith("w2.weight")
+            ):
+                tensors[name] = torch.zeros_like(tensors[name])
+            elif name.endswith("attn.wo_b.weight"):
+                tensors[name] = tensors[name] * attention_scale
+        mtp["mtp.0.h_proj.weight"] = torch.zeros(hidden, hidden)
+        mtp["mtp.0.e_proj.weight"] = torch.eye(hidden)
+        mtp["mtp.0.enorm.weight"] = torch.ones(hidden)
+        mtp["mtp.0.norm.weight"] = tensors["model.norm.weight"].clone()
+        for name in ("mtp.0.attn.wo_b.weight", "mtp.0.ffn.w2", "mtp.0.ffn.shared_experts.w2.weight"):
+            mtp[name] = torch.zeros_like(mtp[name])
+    released = {}
+    for name, value in mtp.items():
+        if name.endswith(("ffn.w13", "ffn.w2")):  # stacked here, one by one in the release
+            prefix = name.rsplit(".", 1)[0]
+            for e in range(value.shape[0]):
+                if name.endswith("w13"):
+                    released[f"{prefix}.experts.{e}.w1.weight"] = value[e, :inner]
+                    released[f"{prefix}.experts.{e}.w3.weight"] = value[e, inner:]
+                else:
+                    released[f"{prefix}.experts.{e}.w2.weight"] = value[e]
+            continue
+        for ours, theirs in (
+            (".attn_hc.", ".hc_attn_"),
+            (".ffn_hc.", ".hc_ffn_"),
+            (".hc_head.", ".hc_head_"),
+        ):
+            name = name.replace(ours, theirs)
+        released[name] = value
+    tensors |= {name: value.to(tensors["head.weight"].dtype).contiguous() for name, value in released.items()}
+    save_file(tensors, str(file), metadata={"format": "pt"})

@@ -34,23 +34,26 @@ def _config(name: str) -> V4Config:
     return config
 
 
+@pytest.mark.parametrize("mtp", [False, True])
 @pytest.mark.parametrize("name", [FLASH, "deepseek-v4-pro"])
-def test_kv_capacity_is_the_engines(name: str) -> None:
-    """A --kv-cache-memory budget holds as many pages as the engine's V4 pool makes of it."""
+def test_kv_capacity_is_the_engines(name: str, mtp: bool) -> None:
+    """A --kv-cache-memory budget holds as many pages as the engine's V4 pool makes of it (with
+    MTP, its layer's window is set aside per sequence too)."""
     config = _config(name)
     budget, seqs = 20 * 2**30, 64
-    spec = PoolSpec("decode", 8, 1, 0, kv_cache_bytes=budget, max_num_seqs=seqs, model=name)
+    spec = PoolSpec("decode", 8, 1, 0, mtp=mtp, kv_cache_bytes=budget, max_num_seqs=seqs, model=name)
     page_bytes = V4StatePool.page_bytes_for(config, torch.bfloat16)
-    reserve = V4StatePool.reserve_bytes_for(config, torch.bfloat16, seqs)
+    reserve = V4StatePool.reserve_bytes_for(config, torch.bfloat16, seqs, int(mtp))
     pages = (budget - reserve) // page_bytes
     assert kv_capacity_tokens(spec, H800) == pages * V4StatePool.spec_for(config, torch.bfloat16).page_tokens
     shape = ModelShape.preset(name)
     assert shape.page_tokens == 256 and shape.v4 is not None
     # what fits beside the weights: FP8 layers, packed MXFP4 experts (this rank's slots), handoff slots
-    fits = PoolSpec("decode", 64, 8, 0, max_num_seqs=seqs, model=name)
+    fits = PoolSpec("decode", 64, 8, 0, mtp=mtp, max_num_seqs=seqs, model=name)
     share = 1 / 64  # of the routed experts, without redundant ones
-    weights = v4_weights(config, 2, fp8=True, mxfp4=True, expert_share=share).total
-    free = H800.hbm_bytes * (1 - ACTIVATION_RESERVE) - weights - seqs * shape.v4.cache.sequence_bytes
+    weights = v4_weights(config, 2, fp8=True, mxfp4=True, expert_share=share, mtp_layers=int(mtp)).total
+    slot = V4StatePool.spec_for(config, torch.bfloat16, int(mtp)).sequence_bytes
+    free = H800.hbm_bytes * (1 - ACTIVATION_RESERVE) - weights - seqs * slot
     expected = int((free - reserve) // page_bytes) * 256
     assert expected > 0 and kv_capacity_tokens(fits, H800) == expected
 

@@ -6,7 +6,8 @@ tiny tokenizer. Greedy tokens must equal transformers' for prompts of 8 to 1,000
 together in chunks that end mid-window and mid-compression-block; through preemption (the
 sequence computed again from nothing); through ``dsinfer generate`` and ``dsinfer serve``
 (colocated); through a choice migrated after its rank is killed. Each sequence's hybrid cache is gone once it finishes or is aborted. The modes V4
-does not have yet (PD, EP, MTP, the disk tier) end the command in one line.
+does not have yet (pools over several nodes, MTP in an expert-parallel pool) end the command in
+one line; MTP itself is tests/test_v4_mtp.py's.
 """
 
 from __future__ import annotations
@@ -247,7 +248,10 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
             ["--role", "decode", "--pool-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
             "a pool over several nodes",
         ),
-        (["--speculative-mtp"], "--speculative-mtp"),
+        (
+            ["--speculative-mtp", "--colocated", "--decode-pool-size", "2"],
+            "--speculative-mtp in an expert-parallel pool",
+        ),
     ],
 )
 def test_serve_refuses_what_v4_has_not_yet_in_one_line(
@@ -259,11 +263,6 @@ def test_serve_refuses_what_v4_has_not_yet_in_one_line(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "DeepSeek-V4 is not served with" in lines[0], done.stderr
     assert needle in lines[0]
-
-
-def test_offline_engine_refuses_mtp(v4: tuple[Path, Any]) -> None:
-    with pytest.raises(Exception, match="MTP is not served for DeepSeek-V4 yet"):
-        LLM(str(v4[0]), dtype="float32", speculative_mtp=True)
 
 
 def test_disk_tier_serves_a_hit_after_a_restart(v4: tuple[Path, Any], tmp_path: Path) -> None:

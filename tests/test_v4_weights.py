@@ -16,10 +16,10 @@ from dsinfer.ops import select_ops
 from harness.v4_checkpoints import BASE, CONFIGS
 
 
-def _model_counts(config: V4Config) -> tuple[list[int], int, int]:
+def _model_counts(config: V4Config, mtp_layers: int) -> tuple[list[int], int, int]:
     """(linear weights but the head's, routed experts, the rest) of the meta-device model."""
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config, select_ops("cpu", quiet=True))
+        model = DeepseekV4ForCausalLM(config, select_ops("cpu", quiet=True), num_mtp_layers=mtp_layers)
     linear_names = {
         f"{name}.weight"
         for name, module in model.named_modules()
@@ -43,12 +43,13 @@ def _tiny(name: str) -> V4Config:
     return V4Config.model_validate(hf.to_dict())
 
 
+@pytest.mark.parametrize("mtp_layers", [0, 1])
 @pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-pro", "flash_like", "pro_like"])
-def test_counts_equal_the_model(name: str) -> None:
+def test_counts_equal_the_model(name: str, mtp_layers: int) -> None:
     config = _tiny(name) if name in CONFIGS else read_model_config(resolve_model(name)[0] / "config.json")
     assert isinstance(config, V4Config)
-    linear, experts, other = _model_counts(config)
-    counts = V4ParameterCounts.of(config)
+    linear, experts, other = _model_counts(config, mtp_layers)
+    counts = V4ParameterCounts.of(config, mtp_layers)
     assert sorted(counts.linear) == sorted(linear)
     assert (counts.experts, counts.other) == (experts, other)
 

@@ -68,11 +68,14 @@ class HybridCacheSpec:
                 )
 
     @classmethod
-    def for_v4(cls, config: V4Config, dtype: str, page_tokens: int = V4_PAGE_TOKENS) -> HybridCacheSpec:
+    def for_v4(
+        cls, config: V4Config, dtype: str, page_tokens: int = V4_PAGE_TOKENS, mtp_layers: int = 0
+    ) -> HybridCacheSpec:
+        """``mtp_layers``: MTP layers served too (their windows, sequence by sequence)."""
         kinds = config.layer_types
         csa = tuple(i for i, k in enumerate(kinds) if k == CSA)
         hca = tuple(i for i, k in enumerate(kinds) if k == HCA)
-        groups = [CacheGroup("window", tuple(range(len(kinds))), 1, config.head_dim, dtype)]
+        groups = [CacheGroup("window", tuple(range(len(kinds) + mtp_layers)), 1, config.head_dim, dtype)]
         if csa:
             rate = config.compress_rates[CSA]
             groups.append(CacheGroup("c4", csa, rate, config.head_dim, dtype))

@@ -72,8 +72,13 @@ class V4Config(BaseModel):
             return data
         data = dict(data)
         layers = data.get("num_hidden_layers")
-        if data.get("layer_types") is None and data.get("compress_ratios") is not None:
-            data["layer_types"] = [RATIO_LAYER_TYPE.get(r, str(r)) for r in data["compress_ratios"]]
+        ratios = data.get("compress_ratios")
+        if data.get("layer_types") is None and ratios is not None:
+            if isinstance(layers, int) and len(ratios) == layers + (
+                data.get("num_nextn_predict_layers") or 0
+            ):
+                ratios = ratios[:layers]  # the release lists its MTP layer's too (0: its window only)
+            data["layer_types"] = [RATIO_LAYER_TYPE.get(r, str(r)) for r in ratios]
         if data.get("mlp_layer_types") is None and isinstance(layers, int):
             hashed = data.get("num_hash_layers", DEFAULT_HASH_LAYERS)
             data["mlp_layer_types"] = [HASH_MOE] * min(layers, hashed) + [MOE] * max(0, layers - hashed)
@@ -116,15 +121,21 @@ class V4Config(BaseModel):
                 raise ValueError(message)
         return self
 
+    def layer_kind(self, layer: int) -> str:
+        """``layer``'s attention kind; the MTP layers (indices from ``num_hidden_layers`` on, as in
+        the release's ``compress_ratios``, whose extra entry is 0) attend over their window only."""
+        return self.layer_types[layer] if layer < self.num_hidden_layers else SLIDING
+
     def compress_rate(self, layer: int) -> int:
         """Source tokens per compressed entry of ``layer`` (0: sliding only)."""
-        return self.compress_rates.get(self.layer_types[layer], 0)
+        return self.compress_rates.get(self.layer_kind(layer), 0)
 
     def rope(self, layer: int) -> RopeConfig:
-        return self.main_rope if self.layer_types[layer] == SLIDING else self.compress_rope
+        return self.main_rope if self.layer_kind(layer) == SLIDING else self.compress_rope
 
     def is_hash_layer(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == HASH_MOE
+        """The MTP layers route by their router."""
+        return layer < self.num_hidden_layers and self.mlp_layer_types[layer] == HASH_MOE
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

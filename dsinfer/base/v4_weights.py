@@ -26,7 +26,9 @@ class V4ParameterCounts:
     other: int
 
     @classmethod
-    def of(cls, config: V4Config) -> V4ParameterCounts:
+    def of(cls, config: V4Config, mtp_layers: int = 0) -> V4ParameterCounts:
+        """``mtp_layers``: the release's MTP layers too (each a layer over its window, routed, with
+        its two input projections, three norms and stream head)."""
         hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         linear: list[int] = []
         other = 2 * config.vocab_size * hidden + hidden  # embedding, head, final norm
@@ -35,7 +37,11 @@ class V4ParameterCounts:
         mixing = (2 + hc) * hc
         inter = config.moe_intermediate_size
         experts = 0
-        for layer, kind in enumerate(config.layer_types):
+        layers = config.num_hidden_layers + mtp_layers
+        for layer, kind in enumerate(config.layer_kind(i) for i in range(layers)):
+            if layer >= config.num_hidden_layers:  # an MTP layer's own parts
+                linear += [hidden * hidden] * 2
+                other += 3 * hidden + hc * hc_width + hc + 1
             linear += [
                 hidden * config.q_lora_rank,
                 config.q_lora_rank * heads * head_dim,
@@ -75,11 +81,17 @@ class V4Weights:
 
 
 def v4_weights(
-    config: V4Config, dtype_bytes: int, fp8: bool, mxfp4: bool = False, expert_share: float = 1.0
+    config: V4Config,
+    dtype_bytes: int,
+    fp8: bool,
+    mxfp4: bool = False,
+    expert_share: float = 1.0,
+    mtp_layers: int = 0,
 ) -> V4Weights:
     """Weight bytes on one rank: ``fp8``, the linear layers FP8; ``mxfp4``, the experts packed;
-    ``expert_share``, the part of the experts the rank holds (its slots of an expert-parallel pool)."""
-    counts = V4ParameterCounts.of(config)
+    ``expert_share``, the part of the experts the rank holds (its slots of an expert-parallel pool);
+    ``mtp_layers``, the MTP layers served too."""
+    counts = V4ParameterCounts.of(config, mtp_layers)
     per_expert_value = MXFP4_BYTES_PER_VALUE if mxfp4 else dtype_bytes
     experts = round(counts.experts * per_expert_value * expert_share)
     if fp8:

@@ -47,14 +47,16 @@ class V4StatePool(PagePool):
         device: torch.device | str = "cpu",
         max_resume_points: int = 0,
         handoff_slots: int = 0,
+        mtp_layers: int = 0,
     ) -> None:
+        """``mtp_layers``: the MTP layers' windows are part of each sequence's state and resume points."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.spec = self.spec_for(config, dtype)
+        self.spec = self.spec_for(config, dtype, mtp_layers)
         self.page_size = self.spec.page_tokens
         self._device = torch.device(device)
         self.caches = SequenceStates(
-            config, num_pages, self.page_size, dtype, self._device, max_resume_points
+            config, num_pages, self.page_size, dtype, self._device, max_resume_points, mtp_layers
         )
         self.allocator = PageAllocator(num_pages)
         self.num_layers = config.num_hidden_layers
@@ -70,21 +72,23 @@ class V4StatePool(PagePool):
         self.handoff: HandoffSlots | None = None  # made by ``layer_tensors`` (a PD rank)
 
     @staticmethod
-    def spec_for(config: V4Config, dtype: torch.dtype) -> HybridCacheSpec:
-        return HybridCacheSpec.for_v4(config, str(dtype).removeprefix("torch."), V4_PAGE_TOKENS)
+    def spec_for(config: V4Config, dtype: torch.dtype, mtp_layers: int = 0) -> HybridCacheSpec:
+        return HybridCacheSpec.for_v4(config, str(dtype).removeprefix("torch."), V4_PAGE_TOKENS, mtp_layers)
 
     @classmethod
     def page_bytes_for(cls, config: V4Config, dtype: torch.dtype) -> int:
         return cls.spec_for(config, dtype).charged_page_bytes
 
     @staticmethod
-    def handoff_slot_bytes_for(config: V4Config, dtype: torch.dtype) -> int:
+    def handoff_slot_bytes_for(config: V4Config, dtype: torch.dtype, mtp_layers: int = 0) -> int:
         """One handoff slot: a resume point, its position and presence."""
-        return sum(t.nbytes for t in resume_shapes(config, dtype)) + _TAIL.size
+        return sum(t.nbytes for t in resume_shapes(config, dtype, mtp_layers)) + _TAIL.size
 
     @classmethod
-    def reserve_bytes_for(cls, config: V4Config, dtype: torch.dtype, max_num_seqs: int) -> int:
-        return cls.spec_for(config, dtype).reserve_bytes(max_num_seqs)
+    def reserve_bytes_for(
+        cls, config: V4Config, dtype: torch.dtype, max_num_seqs: int, mtp_layers: int = 0
+    ) -> int:
+        return cls.spec_for(config, dtype, mtp_layers).reserve_bytes(max_num_seqs)
 
     @property
     def page_layout(self) -> str:
@@ -156,7 +160,9 @@ class V4StatePool(PagePool):
         if self.handoff is None:
             if self._handoff_count <= 0:
                 raise RuntimeError("this V4 pool has no handoff slots (handoff_slots=0): no KV transfer")
-            slot_bytes = self.handoff_slot_bytes_for(self.caches.config, self.caches.dtype)
+            slot_bytes = self.handoff_slot_bytes_for(
+                self.caches.config, self.caches.dtype, self.caches.mtp_layers
+            )
             self.handoff = HandoffSlots(self._handoff_count, slot_bytes, self._device)
             self.caches.max_resume_points = max(self.caches.max_resume_points, self._handoff_count)
         groups = self.caches.groups

@@ -48,12 +48,12 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None, pool_size: int = 1
     cuda = device.type == "cuda"
     slots = expert_slots_per_rank(config.n_routed_experts, engine.num_redundant_experts, pool_size)
     mxfp4 = cuda and config.expert_dtype == "fp4"  # the MXFP4 GEMM kernel keeps them packed
-    weights = v4_weights(
-        config, dtype.itemsize, fp8=cuda, mxfp4=mxfp4, expert_share=slots / config.n_routed_experts
-    )
-    spec = HybridCacheSpec.for_v4(config, dtype_name)
+    mtp = 1 if engine.speculative_mtp else 0  # the MTP layer: its weights and window
+    share = slots / config.n_routed_experts
+    weights = v4_weights(config, dtype.itemsize, fp8=cuda, mxfp4=mxfp4, expert_share=share, mtp_layers=mtp)
+    spec = HybridCacheSpec.for_v4(config, dtype_name, mtp_layers=mtp)
     page_bytes = V4StatePool.page_bytes_for(config, dtype)
-    reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs)
+    reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs, mtp)
     max_len = engine.max_model_len or config.max_position_embeddings
     held = "MXFP4, kept packed" if weights.mxfp4 else f"{dtype_name}: dequantised at load"
     if pool_size > 1:
@@ -124,7 +124,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None, pool_size: int = 1
                 f"the KV cache ({fmt_bytes(budget)}) holds no page once {fmt_bytes(reserve)} are set aside "
                 f"for --max-num-seqs {engine.max_num_seqs}: raise --kv-cache-memory or lower --max-num-seqs"
             )
-    slot = V4StatePool.handoff_slot_bytes_for(config, dtype)
+    slot = V4StatePool.handoff_slot_bytes_for(config, dtype, mtp)
     lines.append(
         f"  PD: a prefill or decode rank also holds {engine.max_num_seqs} handoff slots of {fmt_bytes(slot)} "
         f"({fmt_bytes(slot * engine.max_num_seqs)}: the resume point at a prompt's last whole page)"

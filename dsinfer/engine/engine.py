@@ -207,8 +207,9 @@ class LLMEngine:
         """Pages from the budget left once ``max_num_seqs`` sequences' fixed part (window rows,
         compressor state) is set aside (dsinfer/cache/v4_pool.py)."""
         assert isinstance(self.config, V4Config)
+        mtp_layers = 1 if self.args.speculative_mtp else 0
         page_bytes = V4StatePool.page_bytes_for(self.config, dtype)
-        reserve = V4StatePool.reserve_bytes_for(self.config, dtype, self.args.max_num_seqs)
+        reserve = V4StatePool.reserve_bytes_for(self.config, dtype, self.args.max_num_seqs, mtp_layers)
         budget, how = self.args.kv_cache_memory, "--kv-cache-memory"
         if budget is None:
             budget, how = self.args.default_kv_budget(
@@ -225,7 +226,9 @@ class LLMEngine:
                 f"are set aside for the windows and compressor state of max_num_seqs {self.args.max_num_seqs}"
             )
         resume_points = self.args.max_num_seqs if self.args.enable_prefix_caching else 0
-        pool = V4StatePool(self.config, num_pages, dtype, device, resume_points, self.args.max_num_seqs)
+        pool = V4StatePool(
+            self.config, num_pages, dtype, device, resume_points, self.args.max_num_seqs, mtp_layers
+        )
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB, %d bytes per page) + %.1f MiB for %d sequences' "
             "windows and compressor state and as many resume points (%s; %s)",

@@ -35,6 +35,7 @@ def build_forward_batch(
         kv_lens=[start + q for start, q in zip(starts, q_lens, strict=True)],
         num_absorbed=num_absorbed,
         seq_keys=[item.seq.key for item in items],
+        drafts=[item.num_draft for item in items],
     )
 
 

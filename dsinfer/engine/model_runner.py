@@ -215,6 +215,15 @@ class ModelRunner:
                     if result.draft_accepted:
                         result.tokens.append(bonus)
         self._prompt_logprobs(batch, hidden, ends, results)
+        if self.mtp is not None and isinstance(self.model, ServedV4):
+            verified = [
+                (item.seq.key, r.draft_accepted)
+                for item, r in zip(batch.seqs, results, strict=True)
+                if item.num_draft
+            ]
+            if verified:
+                keys, accepted = zip(*verified, strict=True)
+                self.model.settle_drafts(list(keys), list(accepted), self.pool.caches)
         if self.mtp is not None:
             draft = self.draft_graphs if graph_rows is not None and graph_rows.q_len == 2 else None
             if self.tracer is None:

@@ -7,7 +7,8 @@ Position t of that cache holds the layer's KV for (target hidden at t, token t+1
 layer runs over exactly the positions whose target KV a step made valid: every prefill chunk,
 and after a verification the last token plus the draft when it was accepted. A draft is sampled
 with the key the target will use at its position, so a draft distribution close to the target's
-draws the same token.
+draws the same token. DeepSeek-V4's layer reads the target's last residual streams instead of its
+final hidden state (``mtp_input``) and keeps its window in the sequence's state.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from collections.abc import Callable
 import torch
 
 from dsinfer.cache.kv_pool import PagedKVPool
+from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
 from dsinfer.engine.forward import build_forward_batch
 from dsinfer.engine.scheduler import ScheduledBatch, StepResult
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
+from dsinfer.model.v4_served import ServedV4
 from dsinfer.ops import Ops, SamplingTensors
 
 
 class MTPProposer:
-    def __init__(self, model: DeepseekV3ForCausalLM, pool: PagedKVPool, ops: Ops) -> None:
+    def __init__(
+        self, model: DeepseekV3ForCausalLM | ServedV4, pool: PagedKVPool | V4StatePool, ops: Ops
+    ) -> None:
         self.model, self.pool, self.ops = model, pool, ops
         self.device = pool.device
 
@@ -70,7 +75,7 @@ class MTPProposer:
                 for r in range(end - item.num_new + 1, end - item.num_new + 1 + n)
             ]
             last_hidden = self.model.forward_mtp(
-                hidden[torch.tensor(rows, device=self.device)],
+                self.model.mtp_input(hidden)[torch.tensor(rows, device=self.device)],
                 torch.tensor(next_tokens, device=self.device),
                 forward,
                 self.pool.caches,

@@ -62,6 +62,9 @@ class ForwardBatch:
     seq_keys: list[str] | None = (
         None  # each sequence's identity, for models that keep state per sequence (V4)
     )
+    drafts: list[int] | None = (
+        None  # each sequence's MTP draft tokens among its new ones (V4 takes them back)
+    )
     _rope: dict[tuple[torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, repr=False
     )

@@ -297,6 +297,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return out
 
     @torch.inference_mode()
+    def mtp_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP layer reads at each of a step's rows: the final-normed hidden state."""
+        return hidden
+
     def compute_mtp_logits(self, mtp_hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """Draft logits fp32 [T, V] for position t+2."""
         return self._mtp_layer(depth).logits(mtp_hidden)

@@ -9,6 +9,10 @@ A forward takes the next tokens of one or more sequences, flattened sequence aft
 each one's ``SequenceState`` (dsinfer/model/v4_state.py): a prompt, a chunk of it, or one decode
 token each. Everything but attention runs over all the tokens at once; attention runs per
 sequence over its own hybrid cache.
+
+With ``num_mtp_layers`` the release's MTP layers (``mtp.N``, dsinfer/model/v4_mtp.py) follow, their
+windows after the decoder layers' states. A step that verifies an MTP draft keeps an undo record
+(``undo``) so that a rejected draft's token can be taken back out of the state (``drop_last``).
 """
 
 from __future__ import annotations
@@ -19,65 +23,26 @@ import torch
 from torch import nn
 
 from dsinfer.base.v4_config import V4Config
-from dsinfer.model.hyper_connection import HyperConnection, HyperHead
+from dsinfer.model.hyper_connection import HyperHead
 from dsinfer.model.layers import Embedding, Linear
 from dsinfer.model.moe import ExpertParallel
-from dsinfer.model.v4_attention import V4Attention
 from dsinfer.model.v4_compressor import V4RMSNorm
-from dsinfer.model.v4_moe import V4MoE
+from dsinfer.model.v4_layer import V4DecoderLayer
+from dsinfer.model.v4_mtp import V4MTPLayer
 from dsinfer.model.v4_state import SequenceState
 from dsinfer.ops import Ops
 
-
-class V4DecoderLayer(nn.Module):
-    def __init__(
-        self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None, mxfp4: bool = False
-    ) -> None:
-        super().__init__()
-        self.layer = layer
-        self.attn = V4Attention(config, ops, layer)
-        self.ffn = V4MoE(config, ops, layer, ep, mxfp4)
-        self.attn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn_norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn_hc = HyperConnection(config)
-        self.ffn_hc = HyperConnection(config)
-
-    def forward(
-        self,
-        streams: torch.Tensor,
-        token_ids: torch.Tensor,
-        positions: list[torch.Tensor],
-        states: list[SequenceState],
-        boundaries: list[int | None],
-    ) -> torch.Tensor:
-        """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows;
-        ``boundaries[i]``: the page boundary they cross last, if any (its resume state is kept)."""
-        streams = self.attention(streams, positions, states, boundaries)
-        x, post, comb = self.ffn_in(streams)
-        return HyperConnection.expand(streams, self.ffn(x, token_ids), post, comb)
-
-    # The layer in stages (two micro-batches interleave them: dsinfer/model/v4_overlap.py)
-    def attention(
-        self,
-        streams: torch.Tensor,
-        positions: list[torch.Tensor],
-        states: list[SequenceState],
-        boundaries: list[int | None],
-    ) -> torch.Tensor:
-        pre, post, comb = self.attn_hc.weights(streams)
-        x = self.attn_norm(HyperConnection.collapse(streams, pre))
-        h = self.attn(x, positions, [state.layers[self.layer] for state in states], boundaries)
-        return HyperConnection.expand(streams, h, post, comb)
-
-    def ffn_in(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The MoE's input and the weights that put its output back into the streams."""
-        pre, post, comb = self.ffn_hc.weights(streams)
-        return self.ffn_norm(HyperConnection.collapse(streams, pre)), post, comb
+__all__ = ["DeepseekV4ForCausalLM", "V4DecoderLayer", "V4Step"]
 
 
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(
-        self, config: V4Config, ops: Ops, ep: ExpertParallel | None = None, mxfp4: bool = False
+        self,
+        config: V4Config,
+        ops: Ops,
+        ep: ExpertParallel | None = None,
+        mxfp4: bool = False,
+        num_mtp_layers: int = 0,
     ) -> None:
         """``mxfp4``: the routed experts stay packed MXFP4 (dsinfer/model/v4_moe.py)."""
         super().__init__()
@@ -89,6 +54,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(config)
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = Linear(config.hidden_size, config.vocab_size, ops)
+        first = config.num_hidden_layers
+        self.mtp = nn.ModuleList(V4MTPLayer(config, ops, first + j, ep, mxfp4) for j in range(num_mtp_layers))
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, state: SequenceState) -> torch.Tensor:
@@ -102,11 +69,66 @@ class DeepseekV4ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Sequence i's next ``q_lens[i]`` tokens, flattened in order into ``token_ids [T]`` ->
         final-normed hidden states [T, hidden]; each state takes its sequence's tokens in."""
+        return self.finish(self.forward_streams(token_ids, states, q_lens), states, q_lens)
+
+    @torch.inference_mode()
+    def forward_streams(
+        self,
+        token_ids: torch.Tensor,
+        states: list[SequenceState],
+        q_lens: list[int],
+        undo: list[bool] | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`forward_many`, up to the last layer's streams ``[T, hc_mult, hidden]`` (what
+        the MTP layer reads); :meth:`finish` ends the step. ``undo[i]``: sequence i's step may be
+        taken back in part (:meth:`drop_last`)."""
         step = self.start(token_ids, states, q_lens)
         streams = step.streams
         for layer in self.layers:
-            streams = layer(streams, token_ids, step.positions, states, step.boundaries)
-        return self.finish(streams, states, q_lens)
+            streams = layer(streams, token_ids, step.positions, states, step.boundaries, undo)
+        return streams
+
+    def drop_last(self, state: SequenceState, count: int = 1) -> None:
+        """Take the last ``count`` tokens of the step that kept undo records back out of ``state``
+        (a rejected MTP draft); a page boundary past them is crossed again later."""
+        for layer, layer_state in zip(self.layers, state.layers, strict=False):
+            layer.attn.rewind(layer_state, count)
+        state.length -= count
+        if state.boundary is not None and state.boundary > state.length:
+            state.boundary = None
+
+    def forget_undo(self, state: SequenceState) -> None:
+        for layer_state in state.layers:
+            layer_state.undo = None
+
+    @torch.inference_mode()
+    def forward_mtp(
+        self,
+        streams: torch.Tensor,
+        next_tokens: torch.Tensor,
+        states: list[SequenceState],
+        starts: list[int],
+        q_lens: list[int],
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """MTP layer ``depth`` over the target's streams at sequence i's positions ``[starts[i],
+        starts[i] + q_lens[i])`` and the token after each -> its output streams; its window (in the
+        states, after the decoder layers') takes them in. It crosses the page boundary the step
+        marked on a state when that lies among its positions."""
+        layer = self.mtp[depth]
+        device = next_tokens.device
+        positions = [torch.arange(a, a + n, device=device) for a, n in zip(starts, q_lens, strict=True)]
+        boundaries = [
+            s.boundary if s.boundary is not None and a < s.boundary <= a + n else None
+            for s, a, n in zip(states, starts, q_lens, strict=True)
+        ]
+        x = layer.inputs(streams, self.embed(next_tokens))
+        return layer(x, next_tokens, positions, states, boundaries)
+
+    @torch.inference_mode()
+    def compute_mtp_logits(self, streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP output streams ``[B, hc_mult, hidden]`` -> the draft's logits."""
+        return self.head(self.mtp[depth].hidden(streams)).float()
 
     def start(self, token_ids: torch.Tensor, states: list[SequenceState], q_lens: list[int]) -> V4Step:
         """A step's positions, the page boundaries it crosses (marked on the states) and the
@@ -134,7 +156,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.head(hidden).float()
 
     def new_state(self) -> SequenceState:
-        return SequenceState.empty(self.config, self.embed.weight.dtype, self.embed.weight.device)
+        weight = self.embed.weight
+        return SequenceState.empty(self.config, weight.dtype, weight.device, len(self.mtp))
 
 
 class V4Step(NamedTuple):

@@ -39,7 +39,7 @@ from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.expert_staging import ExpertSource
 from dsinfer.model.layers import Linear
 from dsinfer.model.moe import ExpertParallel, Experts
-from dsinfer.model.v4_loader import load_v4
+from dsinfer.model.v4_loader import checkpoint_key, load_v4, mtp_layers_in
 from dsinfer.model.v4_served import ServedV4
 from dsinfer.ops import Ops
 from dsinfer.ops.fp8 import quantize_weight_128x128
@@ -88,18 +88,26 @@ def load_model(
     if isinstance(any_config, V4Config):
         refused = [
             (load_format == "dummy", "load_format 'dummy'"),
-            (bool(num_mtp_layers), "MTP"),
+            (bool(num_mtp_layers) and ep_group is not None, "MTP in an expert-parallel pool"),
             (expert_ids is not None, "a subset of experts without an expert-parallel group"),
         ]
         for bad, what in refused:
             if bad:
                 raise CheckpointError(f"{path}: {what} is not served for DeepSeek-V4 yet")
+        available = mtp_layers_in(checkpoint_key(n) for n in read_index(path))
+        if num_mtp_layers is None:
+            num_mtp_layers = available if ep_group is None else 0
+        elif num_mtp_layers > available:
+            raise CheckpointError(
+                f"{path}: {num_mtp_layers} MTP layer(s) requested but the checkpoint has {available} "
+                "(no mtp.N.* tensors)"
+            )
         v4_ep = None
         if ep_group is not None:
             v4_ep = ExpertParallel(
                 _placement(any_config, ep_group.size, placement, num_redundant_experts, 0), ep_group
             )
-        model = load_v4(path, ops, dtype, v4_ep).to(device).eval()
+        model = load_v4(path, ops, dtype, v4_ep, num_mtp_layers=num_mtp_layers).to(device).eval()
         log.info(
             "loaded %s (DeepSeek-V4, dtype %s%s) on %s",
             path,

@@ -21,7 +21,7 @@ from torch import nn
 from dsinfer.base.v4_config import CSA, HCA, V4Config
 from dsinfer.model.layers import Linear, RotaryEmbedding
 from dsinfer.model.v4_compressor import Compressor, Indexer, IndexerRows, V4RMSNorm, entry_mask, rotate
-from dsinfer.model.v4_state import LayerState
+from dsinfer.model.v4_state import LayerState, LayerUndo, SeriesUndo
 from dsinfer.ops import Ops
 
 
@@ -44,7 +44,7 @@ class V4Attention(nn.Module):
         self.wo_a = Linear(per_group, self.groups * config.o_lora_rank, ops)
         self.wo_b = Linear(self.groups * config.o_lora_rank, config.hidden_size, ops)
         self.attn_sink = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
-        kind = config.layer_types[layer]
+        kind = config.layer_kind(layer)
         self.compressor = (
             Compressor(config, ops, self.rate, self.head_dim, overlap=kind == CSA)
             if kind in (CSA, HCA)
@@ -59,12 +59,14 @@ class V4Attention(nn.Module):
         positions: list[torch.Tensor],
         states: list[LayerState],
         boundaries: list[int | None] | None = None,
+        undo: list[bool] | None = None,
     ) -> torch.Tensor:
         """``x [T, hidden]``: the next tokens of one or more sequences, sequence i's the next
         ``len(positions[i])`` rows at ``positions[i]`` (consecutive, after the tokens ``states[i]``
         holds) -> [T, hidden]; each state takes its sequence's tokens in. The projections run over
         every token at once; the window, the compressors, the indexer and the attention per
-        sequence."""
+        sequence. ``undo[i]``: sequence i's state keeps what :meth:`rewind` needs to take its last
+        tokens back (a verification whose draft may be rejected)."""
         tokens = x.shape[0]
         where = torch.cat(positions)
         q_lora = self.q_norm(self.wq_a(x))
@@ -79,8 +81,9 @@ class V4Attention(nn.Module):
             none if self.indexer is None else self.indexer.project(x, q_lora, where, self.rope).split(sizes)
         )
         marks = boundaries if boundaries is not None else none
+        keeps = undo if undo is not None else [False] * len(sizes)
         parts = zip(
-            q.split(sizes), kv.split(sizes), compressed, indexed, positions, states, marks, strict=True
+            q.split(sizes), kv.split(sizes), compressed, indexed, positions, states, marks, keeps, strict=True
         )
         out = torch.cat([self._sequence(*part) for part in parts])
         out = rotate(self.rope, out, where, inverse=True)
@@ -98,8 +101,20 @@ class V4Attention(nn.Module):
         positions: torch.Tensor,
         state: LayerState,
         boundary: int | None,
+        keep_undo: bool = False,
     ) -> torch.Tensor:
         """One sequence's attention output [T, H, D] (rope channels still rotated)."""
+        if keep_undo:
+            state.undo = LayerUndo(
+                state.window,
+                kv,
+                None
+                if compressed is None or state.compressed is None
+                else SeriesUndo.before(state.compressed, compressed),
+                None
+                if indexed is None or state.indexer is None
+                else SeriesUndo.before(state.indexer, (indexed.kv, indexed.gate)),
+            )
         keys, mask = self._window(kv, positions, state, boundary)
         if self.compressor is not None:
             series = state.compressed
@@ -113,6 +128,23 @@ class V4Attention(nn.Module):
             keys = torch.cat([keys, entries])
             mask = torch.cat([mask, entry_mask(positions, entries.shape[0], self.rate, picks)], dim=1)
         return self._attend(q, keys, mask)
+
+    def rewind(self, state: LayerState, drop: int) -> None:
+        """Take the last ``drop`` tokens of the step that kept ``state.undo`` back out of ``state``."""
+        undo = state.undo
+        assert undo is not None, "rewind needs the step's undo record"
+        keep = undo.rows.shape[0] - drop
+        window = torch.cat([undo.window, undo.rows[:keep]])
+        state.window = (
+            window[max(0, window.shape[0] - (self.window - 1)) :] if self.window > 1 else window[:0]
+        )
+        if self.compressor is not None:
+            assert state.compressed is not None and undo.compressed is not None
+            self.compressor.rewind(state.compressed, undo.compressed, keep)
+        if self.indexer is not None:
+            assert state.indexer is not None and undo.indexer is not None
+            self.indexer.compressor.rewind(state.indexer, undo.indexer, keep)
+        state.undo = None
 
     def _window(
         self, kv: torch.Tensor, positions: torch.Tensor, state: LayerState, boundary: int | None = None

@@ -21,7 +21,7 @@ from torch import nn
 from dsinfer.base.v4_config import V4Config
 from dsinfer.model.layers import Linear, RotaryEmbedding
 from dsinfer.model.v4_paged import PagedEntries
-from dsinfer.model.v4_state import Series
+from dsinfer.model.v4_state import Series, SeriesUndo
 from dsinfer.ops import Ops
 
 
@@ -92,6 +92,25 @@ class Compressor(nn.Module):
         first = len(series.entries)
         positions = (torch.arange(windows, device=kv.device) + first) * self.rate
         series.entries.append(rotate(rope, entries, positions))
+
+    def rewind(self, series: Series, undo: SeriesUndo, keep: int) -> None:
+        """``series`` back to what ``undo`` found plus only the step's first ``keep`` rows. The
+        entries those rows completed are among the step's own (the same rows gave them), so only
+        counts and the unfinished rows change; CSA's overlap is the last completed window's."""
+        kv = torch.cat([undo.pending_kv, undo.rows[0][:keep]])
+        gate = torch.cat([undo.pending_gate, undo.rows[1][:keep]])
+        windows = kv.shape[0] // self.rate
+        usable = windows * self.rate
+        series.pending_kv, series.pending_gate = kv[usable:], gate[usable:]
+        series.entries.truncate(undo.count + windows)
+        if not self.overlap:
+            return
+        if windows == 0:
+            series.overlap_kv, series.overlap_gate = undo.overlap_kv, undo.overlap_gate
+            return
+        last = slice(usable - self.rate, usable)
+        series.overlap_kv = kv[last, : self.dim].clone()
+        series.overlap_gate = (gate[last] + self.ape.to(gate.dtype))[:, : self.dim].clone()
 
     def _overlapped(
         self, kv: torch.Tensor, gate: torch.Tensor, series: Series

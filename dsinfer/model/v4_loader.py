@@ -8,14 +8,16 @@ kept FP8 in the linear layers where the ops run FP8 GEMMs (``ops.supports_fp8_ge
 dequantized at load otherwise (the CPU, as for V3); routed experts FP8 as well or MXFP4 (packed
 bytes, e8m0 per 32 values: dsinfer/ops/mxfp4.py). MXFP4 experts stay packed where the ops run the
 MXFP4 grouped GEMM on a kernel (``keep_mxfp4``; a quarter of bf16's bytes), and are dequantized at
-load into the model's dtype otherwise, as the reference MoE computes in it.
+load into the model's dtype otherwise, as the reference MoE computes in it. The release's MTP
+layers (``mtp.N.*``; transformers keeps none) are read when asked for (``num_mtp_layers``) and
+passed over otherwise, as transformers passes them over.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -34,12 +36,13 @@ from dsinfer.ops.mxfp4 import dequantize_mxfp4, scale_to_float
 _RENAMES = (
     (r"^model\.", ""),
     (r"^embed_tokens\.", "embed."),
-    (r"^hc_head[._](hc_)?(fn|base|scale)$", r"hc_head.\2"),
+    (r"(^|\.)hc_head[._](hc_)?(fn|base|scale)$", r"\1hc_head.\3"),
     (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
     (r"\.ffn\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
     (r"\.weight_scale_inv$", ".scale"),
 )
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn)\.experts\.(\d+)\.(w[123])\.weight$")
+_MTP = re.compile(r"^mtp\.(\d+)\.")
 
 
 def checkpoint_key(name: str) -> str:
@@ -50,15 +53,28 @@ def checkpoint_key(name: str) -> str:
     return name
 
 
-class _Checkpoint:
-    """The checkpoint's tensors by release name, read on demand from their files."""
+def mtp_layers_in(names: Iterable[str]) -> int:
+    """How many MTP layers (``mtp.0``, ``mtp.1``, ...) the tensor names hold."""
+    found = {int(m.group(1)) for name in names if (m := _MTP.match(name)) is not None}
+    count = 0
+    while count in found:
+        count += 1
+    return count
 
-    def __init__(self, path: Path, stack: ExitStack) -> None:
+
+class _Checkpoint:
+    """The checkpoint's tensors by release name, read on demand from their files; MTP layers from
+    ``num_mtp_layers`` on are passed over."""
+
+    def __init__(self, path: Path, stack: ExitStack, num_mtp_layers: int = 0) -> None:
         self.where: dict[str, tuple[Any, str]] = {}
         for file in sorted(path.glob("*.safetensors")):
             handle = stack.enter_context(safe_open(file, "pt"))
             for raw in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                self.where[checkpoint_key(raw)] = (handle, raw)
+                name = checkpoint_key(raw)
+                mtp = _MTP.match(name)
+                if mtp is None or int(mtp.group(1)) < num_mtp_layers:
+                    self.where[name] = (handle, raw)
         if not self.where:
             raise ValueError(f"{path}: no *.safetensors file")
 
@@ -79,21 +95,22 @@ def load_v4(
     dtype: torch.dtype = torch.float32,
     ep: ExpertParallel | None = None,
     keep_mxfp4: bool | None = None,
+    num_mtp_layers: int = 0,
 ) -> DeepseekV4ForCausalLM:
     """A V4 checkpoint directory (config.json and safetensors) -> the model in ``dtype`` (its
     FP8 linear layers kept FP8 where ``ops`` runs FP8 GEMMs); with ``ep`` only this rank's expert
     slots are read. ``keep_mxfp4``: MXFP4 experts stay packed (None: where ``ops`` runs the MXFP4
-    GEMM on a kernel)."""
+    GEMM on a kernel). ``num_mtp_layers``: the MTP layers to build and read."""
     path = Path(path)
     config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
     with ExitStack() as stack:
-        checkpoint = _Checkpoint(path, stack)
+        checkpoint = _Checkpoint(path, stack, num_mtp_layers)
         packed = _experts_packed(checkpoint)
         if keep_mxfp4 is None:
             keep_mxfp4 = packed and ops.backends.get("mxfp4", "torch") != "torch"
         if keep_mxfp4 and not packed:
             raise ValueError(f"{path}: keep_mxfp4 asks for packed experts, the checkpoint's are not MXFP4")
-        model = DeepseekV4ForCausalLM(config, ops, ep, mxfp4=keep_mxfp4).to(dtype)
+        model = DeepseekV4ForCausalLM(config, ops, ep, keep_mxfp4, num_mtp_layers).to(dtype)
         for name, module in model.named_modules():
             weight = f"{name}.weight"
             fp8 = weight in checkpoint and checkpoint.get(weight).dtype == FP8_DTYPE
@@ -101,6 +118,7 @@ def load_v4(
                 module.make_fp8()
         params = dict(model.named_parameters()) | dict(model.named_buffers())
         slots = {f"layers.{i}.ffn": layer.ffn.local_experts for i, layer in enumerate(model.layers)}
+        slots |= {f"mtp.{j}.ffn": layer.ffn.local_experts for j, layer in enumerate(model.mtp)}
         loaded = _load_tensors(checkpoint, params) | _load_experts(
             checkpoint, params, slots, config, None if keep_mxfp4 else dtype
         )

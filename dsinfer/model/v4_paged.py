@@ -52,6 +52,9 @@ class PagedEntries:
         self.pool.view(-1, self.pool.shape[2])[slots] = entries.to(self.pool.dtype)
         self.count += entries.shape[0]
 
+    def truncate(self, count: int) -> None:
+        self.count = min(self.count, count)  # the slots past it are written again
+
     def __len__(self) -> int:
         return self.count
 
@@ -71,8 +74,12 @@ class SequenceStates:
         dtype: torch.dtype,
         device: torch.device,
         max_resume_points: int = 0,
+        mtp_layers: int = 0,
     ) -> None:
+        """``mtp_layers``: the MTP layers' windows follow the decoder layers' in every state and
+        resume point."""
         self.config, self.dtype, self.device, self.page_tokens = config, dtype, device, page_tokens
+        self.mtp_layers = mtp_layers
         self.groups: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # layer -> entries, indexer
         for layer, kind in enumerate(config.layer_types):
             if kind not in (CSA, HCA):
@@ -108,6 +115,10 @@ class SequenceStates:
                     assert isinstance(series.entries, PagedEntries)
                     series.entries.pages = pages
         return state
+
+    def state_of(self, key: str) -> SequenceState:
+        """The state of a sequence that ran this step."""
+        return self._states[key]
 
     def _resumed(self, page: int, start: int) -> SequenceState:
         point = self._handed.pop(page, None)
@@ -155,12 +166,13 @@ class SequenceStates:
 
     def resume_shapes(self) -> list[torch.Tensor]:
         """Zero tensors shaped as a resume point's parts (``resume_shapes``)."""
-        return resume_shapes(self.config, self.dtype)
+        return resume_shapes(self.config, self.dtype, self.mtp_layers)
 
     def boundary_from(self, position: int, parts: list[torch.Tensor]) -> Boundary:
         """The resume point whose parts (``resume_shapes`` order) are ``parts``."""
         c = self.config
-        windows, rest = parts[: len(c.layer_types)], iter(parts[len(c.layer_types) :])
+        layers = len(c.layer_types) + self.mtp_layers
+        windows, rest = parts[:layers], iter(parts[layers:])
         overlaps = {}
         for layer, kind in enumerate(c.layer_types):
             if kind == CSA:
@@ -184,7 +196,7 @@ class SequenceStates:
             self._handed.pop(page, None)
 
     def _new_state(self) -> SequenceState:
-        state = SequenceState.empty(self.config, self.dtype, self.device)
+        state = SequenceState.empty(self.config, self.dtype, self.device, self.mtp_layers)
         state.boundary_every = self.page_tokens
         for layer, (entries, indexer) in self.groups.items():
             paged = state.layers[layer]
@@ -213,11 +225,12 @@ class SequenceStates:
         return totals
 
 
-def resume_shapes(config: V4Config, dtype: torch.dtype) -> list[torch.Tensor]:
+def resume_shapes(config: V4Config, dtype: torch.dtype, mtp_layers: int = 0) -> list[torch.Tensor]:
     """Zero tensors shaped as a resume point's parts, in ``Boundary`` order: every layer's window
-    rows, then each CSA series' overlap (kv, gate)."""
+    rows (the MTP layers' after the decoder layers'), then each CSA series' overlap (kv, gate)."""
     rows = max(config.sliding_window - 1, 0)
-    parts = [torch.zeros(rows, config.head_dim, dtype=dtype) for _ in config.layer_types]
+    layers = len(config.layer_types) + mtp_layers
+    parts = [torch.zeros(rows, config.head_dim, dtype=dtype) for _ in range(layers)]
     for layer, kind in enumerate(config.layer_types):
         if kind == CSA:
             rate = config.compress_rate(layer)

@@ -7,7 +7,12 @@ batch's sequence keys, with resume points at page boundaries for the prefix cach
 handoff. A KV connector's per-layer hook runs once the whole forward is done (the layers' pages
 are written as the model runs its sequences one by one). In an expert-parallel pool each rank
 attends its own sequences and holds its expert slots (dsinfer/model/v4_moe.py); a rank without
-tokens runs the layers' MoE exchanges alone (``idle_forward``). No MTP, no CUDA graphs.
+tokens runs the layers' MoE exchanges alone (``idle_forward``). No CUDA graphs.
+
+MTP (one rank, one micro-batch): a step keeps the last layer's streams, which the MTP layer reads
+(``mtp_input``), and its verifications' undo records; once the target has sampled, a rejected
+draft's token is taken back out of its sequence's state (``settle_drafts``), so the next step
+starts where the engine counts the sequence computed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ class ServedV4(nn.Module):
         self.model = model
         self.config: V4Config = model.config
         self.ep = model.ep  # this rank's part in an expert-parallel pool, or None
+        self._streams: torch.Tensor | None = None  # the last step's final streams, with MTP
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.model.mtp)
 
     @property
     def num_cache_layers(self) -> int:
@@ -43,7 +53,11 @@ class ServedV4(nn.Module):
         states [T, hidden]."""
         if batch.seq_keys is None:
             raise RuntimeError("DeepSeek-V4 keeps a cache per sequence: the batch must name its sequences")
-        hidden = self.model.forward_many(token_ids, _states_of(batch, states), batch.q_lens)
+        found = _states_of(batch, states)
+        undo = [d > 0 for d in batch.drafts] if batch.drafts is not None and self.model.mtp else None
+        streams = self.model.forward_streams(token_ids, found, batch.q_lens, undo)
+        self._streams = streams if self.model.mtp else None
+        hidden = self.model.finish(streams, found, batch.q_lens)
         if batch.after_layer is not None:  # every layer's pages are written: a connector may send them
             for layer in range(self.config.num_hidden_layers):
                 batch.after_layer(layer)
@@ -70,6 +84,50 @@ class ServedV4(nn.Module):
         forward_two_v4(self.model, (v4[0], v4[1]), order, tracer=tracer, after_layer=after_layer)
         for mb, done in zip(micro_batches, v4, strict=True):
             mb.hidden = done.hidden
+
+    def settle_drafts(self, keys: list[str], accepted: list[bool], states: SequenceStates) -> None:
+        """After the target sampled: the sequences ``keys`` verified a draft, kept where
+        ``accepted``, else its token is taken back out of the state."""
+        for key, ok in zip(keys, accepted, strict=True):
+            state = states.state_of(key)
+            if not ok:
+                self.model.drop_last(state)
+            self.model.forget_undo(state)
+
+    def mtp_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP layer reads at each of the step's rows: the last layer's streams, flat
+        ``[T, hc_mult * hidden]`` (``hidden`` is the final-normed state, not it)."""
+        if self._streams is None:
+            raise RuntimeError("the MTP layer reads the streams of a forward run with it")
+        return self._streams.flatten(1)
+
+    @torch.inference_mode()
+    def forward_mtp(
+        self,
+        rows: torch.Tensor,
+        next_tokens: torch.Tensor,
+        batch: ForwardBatch,
+        states: SequenceStates,
+        last_only: bool = True,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """The MTP layer over ``rows`` (``mtp_input`` at each sequence's valid positions, as
+        ``batch`` lays them out) and the token after each -> its output streams at each sequence's
+        last position ``[B, hc_mult * hidden]`` (``last_only``), else at every row."""
+        assert batch.seq_keys is not None
+        found = [states.state_of(key) for key in batch.seq_keys]
+        starts = [kv - q for kv, q in zip(batch.kv_lens, batch.q_lens, strict=True)]
+        streams = rows.view(rows.shape[0], self.config.hc_mult, self.config.hidden_size)
+        out = self.model.forward_mtp(streams, next_tokens, found, starts, batch.q_lens, depth)
+        if last_only:
+            ends = torch.tensor(batch.q_lens, device=out.device).cumsum(0) - 1
+            out = out[ends]
+        return out.flatten(1)
+
+    @torch.inference_mode()
+    def compute_mtp_logits(self, mtp_out: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        streams = mtp_out.view(mtp_out.shape[0], self.config.hc_mult, self.config.hidden_size)
+        return self.model.compute_mtp_logits(streams, depth)
 
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, per layer (hash-routed layers included)."""

@@ -35,6 +35,10 @@ class EntryStore(Protocol):
 
     def append(self, entries: torch.Tensor) -> None: ...
 
+    def truncate(self, count: int) -> None:
+        """Keep the first ``count`` entries."""
+        ...
+
     def __len__(self) -> int: ...
 
     @property
@@ -50,6 +54,9 @@ class DenseEntries:
 
     def append(self, entries: torch.Tensor) -> None:
         self.tensor = torch.cat([self.tensor, entries])
+
+    def truncate(self, count: int) -> None:
+        self.tensor = self.tensor[:count]
 
     def __len__(self) -> int:
         return self.tensor.shape[0]
@@ -83,12 +90,45 @@ class Series:
         return sum(t.nbytes for t in parts if t is not None)
 
 
+@dataclass(frozen=True)
+class SeriesUndo:
+    """A series as a step found it, and the rows the step fed it: enough to take the step's last
+    tokens back out (an MTP draft the target rejected)."""
+
+    count: int
+    pending_kv: torch.Tensor
+    pending_gate: torch.Tensor
+    overlap_kv: torch.Tensor | None
+    overlap_gate: torch.Tensor | None
+    rows: tuple[torch.Tensor, torch.Tensor]  # the step's (kv, gate) rows
+
+    @classmethod
+    def before(cls, series: Series, rows: tuple[torch.Tensor, torch.Tensor]) -> SeriesUndo:
+        return cls(
+            len(series.entries),
+            series.pending_kv,
+            series.pending_gate,
+            series.overlap_kv,
+            series.overlap_gate,
+            rows,
+        )
+
+
+@dataclass(frozen=True)
+class LayerUndo:
+    window: torch.Tensor  # the window before the step
+    rows: torch.Tensor  # the step's K=V rows
+    compressed: SeriesUndo | None = None
+    indexer: SeriesUndo | None = None
+
+
 @dataclass
 class LayerState:
     window: torch.Tensor  # [<= sliding_window - 1, head_dim]
     compressed: Series | None = None  # CSA, HCA
     indexer: Series | None = None  # CSA
     boundary_window: torch.Tensor | None = None  # the window's rows before ``boundary``
+    undo: LayerUndo | None = None  # kept by a step that verifies an MTP draft
 
 
 @dataclass
@@ -106,10 +146,16 @@ class SequenceState:
     boundary: int | None = None
 
     @classmethod
-    def empty(cls, config: V4Config, dtype: torch.dtype, device: torch.device | str = "cpu") -> SequenceState:
+    def empty(
+        cls, config: V4Config, dtype: torch.dtype, device: torch.device | str = "cpu", mtp_layers: int = 0
+    ) -> SequenceState:
+        """``mtp_layers``: the MTP layers' windows follow the decoder layers' states."""
         device = torch.device(device)
         layers = []
-        for kind in config.layer_types:
+        for kind in [
+            *config.layer_types,
+            *[config.layer_kind(config.num_hidden_layers + j) for j in range(mtp_layers)],
+        ]:
             state = LayerState(torch.empty(0, config.head_dim, dtype=dtype, device=device))
             if kind in (CSA, HCA):
                 width = config.head_dim * (2 if kind == CSA else 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsinfer.base.kv_groups import HybridCacheSpec
 from dsinfer.base.rank_shape import RankShape, expert_slots_per_rank
 from dsinfer.base.v4_weights import v4_weights
 from dsinfer.sim.cost import PoolModel
@@ -176,14 +177,16 @@ def v4_capacity_tokens(shape: ModelShape, spec: PoolSpec, hw: Hardware) -> int:
     assert v4 is not None
     config = v4.config
     slots = expert_slots_per_rank(config.n_routed_experts, spec.num_redundant_experts, spec.pool_size)
+    mtp = config.num_nextn_predict_layers if spec.mtp else 0
     weights = v4_weights(
         config,
         BF16_BYTES,
         fp8=True,
         mxfp4=config.expert_dtype == "fp4",
         expert_share=slots / config.n_routed_experts,
+        mtp_layers=mtp,
     )
-    cache = v4.cache
+    cache = HybridCacheSpec.for_v4(config, "bfloat16", mtp_layers=mtp)
     budget = spec.kv_cache_bytes
     if budget is None:  # the handoff slots lie outside the KV budget
         budget = (
