@@ -183,3 +183,28 @@ def test_serve_with_mtp_equals_plain(
             assert [int(t.removeprefix("token_id:")) for t in done.choices[0].logprobs.tokens] == want
         accepted = metric_value(server.metrics(), "dsinfer_spec_decode_mean_accepted_length")
         assert 1.0 < accepted < 2.0
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("overlap", [False, True], ids=["one", "two_micro_batches"])
+def test_expert_parallel_pool_with_mtp_equals_plain(
+    overlap: bool, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """A 2-rank pool: the MTP layer's experts spread over the ranks like every layer's; a rank
+    without sequences joins its exchanges too; with two micro-batches per step the verification's
+    undo records and the last streams come from both. Tokens equal those of one rank without MTP."""
+    from tests.test_ep import run_pool
+
+    directory = _checkpoint(tmp_path_factory, "flash_like", 0.3)
+    prompts = [p[:40] for p in _prompts()[2:]] * 2 if overlap else _prompts()
+    extra = {"enable_overlap": True, "overlap_min_tokens": 1} if overlap else {}
+    extra |= {"max_num_seqs": 8, "kv_cache_memory": "16MiB"}
+    results = run_pool(directory, 2, tmp_path, prompts, max_tokens=OUTPUT, speculative_mtp=True, **extra)
+    plain = LLM(str(directory), dtype="float32", max_num_batched_tokens=96)
+    tokens = {rid: t for r in results for rid, t in r["tokens"].items()}
+    stop_at_eos = SamplingParams(temperature=0, max_tokens=OUTPUT)  # as the ranks run them
+    assert tokens == {f"p{i}": t for i, t in enumerate(_tokens(plain, stop_at_eos, prompts))}
+    assert sum(r["drafts"][1] for r in results) > 0
+    if overlap:
+        assert all(r["two_micro_batch_steps"]["decode"] > 0 for r in results)
+    assert all(r["free_pages_ok"] for r in results)

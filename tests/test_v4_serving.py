@@ -5,9 +5,9 @@ or 12 raw tokens, compression at 4 and 16 or 8, top-3 or top-5 indexer picks) ca
 tiny tokenizer. Greedy tokens must equal transformers' for prompts of 8 to 1,000 tokens batched
 together in chunks that end mid-window and mid-compression-block; through preemption (the
 sequence computed again from nothing); through ``dsinfer generate`` and ``dsinfer serve``
-(colocated); through a choice migrated after its rank is killed. Each sequence's hybrid cache is gone once it finishes or is aborted. The modes V4
-does not have yet (pools over several nodes, MTP in an expert-parallel pool) end the command in
-one line; MTP itself is tests/test_v4_mtp.py's.
+(colocated); through a choice migrated after its rank is killed. Each sequence's hybrid cache is gone once it finishes or is aborted. The mode V4
+does not have yet (pools over several nodes) ends the command in one line; MTP is
+tests/test_v4_mtp.py's.
 """
 
 from __future__ import annotations
@@ -247,10 +247,6 @@ def whole_text(client: Any, model: str, prompt: list[int]) -> str:
         (
             ["--role", "decode", "--pool-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
             "a pool over several nodes",
-        ),
-        (
-            ["--speculative-mtp", "--colocated", "--decode-pool-size", "2"],
-            "--speculative-mtp in an expert-parallel pool",
         ),
     ],
 )

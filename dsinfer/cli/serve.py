@@ -203,8 +203,8 @@ def model_is_v4(model: str | None) -> bool:
 def check_model(args: argparse.Namespace) -> None:
     """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
     (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
-    restarted, again and again. DeepSeek-V4 is served PD or colocated, by pools of one rank (MTP
-    too) or expert-parallel pools of one node (restarted whole when a rank dies); the flags it
+    restarted, again and again. DeepSeek-V4 is served PD or colocated, by pools of one rank or
+    expert-parallel pools of one node (MTP in either) (restarted whole when a rank dies); the flags it
     cannot honour yet are refused."""
     if not model_is_v4(args.model):
         return
@@ -213,7 +213,6 @@ def check_model(args: argparse.Namespace) -> None:
         getattr(args, name, None) or 1 for name in ("pool_size", "prefill_pool_size", "decode_pool_size")
     ]
     refused = [
-        (args.speculative_mtp and max(sizes) > 1, "--speculative-mtp in an expert-parallel pool"),
         ((getattr(args, "nnodes", None) or 1) > 1, "a pool over several nodes"),
     ]
     for bad, what in refused:

@@ -88,7 +88,6 @@ def load_model(
     if isinstance(any_config, V4Config):
         refused = [
             (load_format == "dummy", "load_format 'dummy'"),
-            (bool(num_mtp_layers) and ep_group is not None, "MTP in an expert-parallel pool"),
             (expert_ids is not None, "a subset of experts without an expert-parallel group"),
         ]
         for bad, what in refused:
@@ -96,7 +95,7 @@ def load_model(
                 raise CheckpointError(f"{path}: {what} is not served for DeepSeek-V4 yet")
         available = mtp_layers_in(checkpoint_key(n) for n in read_index(path))
         if num_mtp_layers is None:
-            num_mtp_layers = available if ep_group is None else 0
+            num_mtp_layers = available
         elif num_mtp_layers > available:
             raise CheckpointError(
                 f"{path}: {num_mtp_layers} MTP layer(s) requested but the checkpoint has {available} "
@@ -105,7 +104,8 @@ def load_model(
         v4_ep = None
         if ep_group is not None:
             v4_ep = ExpertParallel(
-                _placement(any_config, ep_group.size, placement, num_redundant_experts, 0), ep_group
+                _placement(any_config, ep_group.size, placement, num_redundant_experts, num_mtp_layers),
+                ep_group,
             )
         model = load_v4(path, ops, dtype, v4_ep, num_mtp_layers=num_mtp_layers).to(device).eval()
         log.info(

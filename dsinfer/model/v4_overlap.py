@@ -37,7 +37,9 @@ class V4MicroBatch:
     token_ids: torch.Tensor  # [T] (empty: no sequence of this rank in it)
     states: list[SequenceState]
     q_lens: list[int]
+    undo: list[bool] | None = None  # the sequences whose step may be taken back in part (MTP)
     hidden: torch.Tensor | None = None  # final-normed output [T, H], set by its last chunk
+    streams: torch.Tensor | None = None  # the last layer's streams [T, hc_mult, H], with it
 
 
 @dataclass
@@ -65,7 +67,7 @@ class _Stages:
     ) -> torch.Tensor:
         if not mb.states:
             return streams
-        return layer.attention(streams, step.positions, mb.states, step.boundaries)
+        return layer.attention(streams, step.positions, mb.states, step.boundaries, mb.undo)
 
     def _begin(self, layer: V4DecoderLayer, streams: torch.Tensor, mb: V4MicroBatch) -> _Pending:
         x, post, comb = layer.ffn_in(streams)
@@ -95,7 +97,7 @@ class _Stages:
             pending.shared = layer.ffn.shared_experts(pending.x)
             streams = self._end(streams, pending, i, n)
             if n == len(self.layers) - 1:
-                mb.hidden = self.model.finish(streams, mb.states, mb.q_lens)
+                mb.streams, mb.hidden = streams, self.model.finish(streams, mb.states, mb.q_lens)
             yield Chunk("SHARED", n)
 
     def _decode(self, i: int, mb: V4MicroBatch) -> Iterator[Chunk]:
@@ -116,7 +118,7 @@ class _Stages:
             previous = (n, pending)
         if previous is not None:
             streams = self._end(streams, previous[1], i, previous[0])
-        mb.hidden = self.model.finish(streams, mb.states, mb.q_lens)
+        mb.streams, mb.hidden = streams, self.model.finish(streams, mb.states, mb.q_lens)
         yield Chunk(FINISH, len(self.layers) - 1)
 
 

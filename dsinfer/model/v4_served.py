@@ -9,7 +9,7 @@ are written as the model runs its sequences one by one). In an expert-parallel p
 attends its own sequences and holds its expert slots (dsinfer/model/v4_moe.py); a rank without
 tokens runs the layers' MoE exchanges alone (``idle_forward``). No CUDA graphs.
 
-MTP (one rank, one micro-batch): a step keeps the last layer's streams, which the MTP layer reads
+MTP: a step keeps the last layer's streams, which the MTP layer reads
 (``mtp_input``), and its verifications' undo records; once the target has sampled, a rejected
 draft's token is taken back out of its sequence's state (``settle_drafts``), so the next step
 starts where the engine counts the sequence computed.
@@ -54,8 +54,7 @@ class ServedV4(nn.Module):
         if batch.seq_keys is None:
             raise RuntimeError("DeepSeek-V4 keeps a cache per sequence: the batch must name its sequences")
         found = _states_of(batch, states)
-        undo = [d > 0 for d in batch.drafts] if batch.drafts is not None and self.model.mtp else None
-        streams = self.model.forward_streams(token_ids, found, batch.q_lens, undo)
+        streams = self.model.forward_streams(token_ids, found, batch.q_lens, self._undo(batch))
         self._streams = streams if self.model.mtp else None
         hidden = self.model.finish(streams, found, batch.q_lens)
         if batch.after_layer is not None:  # every layer's pages are written: a connector may send them
@@ -78,12 +77,19 @@ class ServedV4(nn.Module):
                 mb.input_ids,
                 _states_of(mb.batch, states) if mb.batch else [],
                 mb.batch.q_lens if mb.batch else [],
+                self._undo(mb.batch) if mb.batch else None,
             )
             for mb in micro_batches
         )
         forward_two_v4(self.model, (v4[0], v4[1]), order, tracer=tracer, after_layer=after_layer)
         for mb, done in zip(micro_batches, v4, strict=True):
             mb.hidden = done.hidden
+        if self.model.mtp:  # the runner concatenates the micro-batches' rows in this order
+            self._streams = torch.cat([done.streams for done in v4 if done.streams is not None])
+
+    def _undo(self, batch: ForwardBatch) -> list[bool] | None:
+        """The sequences whose step verifies a draft: their state keeps undo records (MTP)."""
+        return [d > 0 for d in batch.drafts] if batch.drafts is not None and self.model.mtp else None
 
     def settle_drafts(self, keys: list[str], accepted: list[bool], states: SequenceStates) -> None:
         """After the target sampled: the sequences ``keys`` verified a draft, kept where
@@ -130,8 +136,10 @@ class ServedV4(nn.Module):
         return self.model.compute_mtp_logits(streams, depth)
 
     def expert_load(self) -> dict[int, list[int]]:
-        """Tokens routed to each expert so far, per layer (hash-routed layers included)."""
-        return {i: layer.ffn.expert_load.tolist() for i, layer in enumerate(self.model.layers)}
+        """Tokens routed to each expert so far, per layer (hash-routed layers included; the MTP
+        layers' after the decoder layers')."""
+        layers = [*self.model.layers, *self.model.mtp]
+        return {i: layer.ffn.expert_load.tolist() for i, layer in enumerate(layers)}
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -141,13 +149,14 @@ class ServedV4(nn.Module):
     def idle_forward(self, decoder_layers: bool = True) -> None:
         """A step without tokens on this rank of an expert-parallel pool: every layer's experts
         exchange nothing with the others, as the ranks with tokens expect (each MoE layer's
-        dispatch and combine are collectives). Nothing to pair on one rank."""
-        if self.ep is None or not decoder_layers:
+        dispatch and combine are collectives): the decoder layers' (unless a two-micro-batch
+        schedule ran them), then the MTP layers'. Nothing to pair on one rank."""
+        if self.ep is None:
             return
         weight = self.model.embed.weight
         x = torch.zeros(0, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
         ids = torch.zeros(0, dtype=torch.long, device=weight.device)
-        for layer in self.model.layers:
+        for layer in [*(self.model.layers if decoder_layers else []), *self.model.mtp]:
             layer.ffn(x, ids)
 
 

@@ -33,9 +33,8 @@ def moe_layer_ids(config: ModelConfig | V4Config, num_mtp_layers: int = 0) -> li
     """The model's MoE layer ids (``ModelConfig.is_moe_layer``; every DeepSeek-V4 layer), then the
     MTP layers ``num_hidden_layers .. num_hidden_layers + num_mtp_layers - 1`` (always MoE)."""
     if isinstance(config, V4Config):
-        if num_mtp_layers:
-            raise ValueError("MTP layers are not served for DeepSeek-V4")
-        return list(range(config.num_hidden_layers))
+        n = config.num_hidden_layers
+        return list(range(n + num_mtp_layers))  # the checkpoint says how many it has
     if not 0 <= num_mtp_layers <= config.num_nextn_predict_layers:
         raise ValueError(
             f"{num_mtp_layers} MTP layers asked for, the config has num_nextn_predict_layers="
