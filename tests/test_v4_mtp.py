@@ -208,3 +208,40 @@ def test_expert_parallel_pool_with_mtp_equals_plain(
     if overlap:
         assert all(r["two_micro_batch_steps"]["decode"] > 0 for r in results)
     assert all(r["free_pages_ok"] for r in results)
+
+
+def test_mtp_through_the_disk_tier_after_a_restart(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Pages written by an engine with MTP carry the MTP layer's window in their resume points: an
+    engine started afterwards hits them from disk and answers as one without MTP; the files of an
+    engine without MTP have another page layout and are not read by one with it."""
+    directory = _checkpoint(tmp_path_factory, "flash_like", 0.3)
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(2, TOKENIZER_VOCAB, (600,), generator=g).tolist()
+    branch = first[:560] + torch.randint(2, TOKENIZER_VOCAB, (90,), generator=g).tolist()
+    plain = LLM(str(directory), dtype="float32", max_num_batched_tokens=96)
+    expected = _tokens(plain, GREEDY, [branch])
+
+    def engine(kv: Path, mtp: bool) -> LLM:
+        return LLM(
+            str(directory),
+            dtype="float32",
+            max_num_batched_tokens=96,
+            kv_disk_cache_dir=str(kv),
+            speculative_mtp=mtp,
+        )
+
+    writer = engine(tmp_path / "mtp", True)
+    _tokens(writer, GREEDY, [first])
+    writer.engine.kv.flush()
+    assert writer.engine.kv.stats.disk_pages_written == 2
+    reader = engine(tmp_path / "mtp", True)
+    assert _tokens(reader, GREEDY, [branch]) == expected
+    assert reader.engine.kv.stats.disk_hit_tokens == 512
+    other = engine(tmp_path / "plain", False)
+    _tokens(other, GREEDY, [first])
+    other.engine.kv.flush()
+    mixed = engine(tmp_path / "plain", True)
+    assert _tokens(mixed, GREEDY, [branch]) == expected
+    assert mixed.engine.kv.stats.disk_hit_tokens == 0
