@@ -13,7 +13,7 @@ import torch
 from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.v4_config import V4Config
-from dsinfer.base.v4_weights import v4_weights
+from dsinfer.base.v4_weights import V4ParameterCounts
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.sim import v4_cost
 from dsinfer.sim.cost import decode_step, prefill_step
@@ -51,7 +51,7 @@ def test_kv_capacity_is_the_engines(name: str, mtp: bool) -> None:
     # what fits beside the weights: FP8 layers, packed MXFP4 experts (this rank's slots), handoff slots
     fits = PoolSpec("decode", 64, 8, 0, mtp=mtp, max_num_seqs=seqs, model=name)
     share = 1 / 64  # of the routed experts, without redundant ones
-    weights = v4_weights(config, 2, fp8=True, mxfp4=True, expert_share=share, mtp_layers=int(mtp)).total
+    weights = V4ParameterCounts.of(config, int(mtp)).on_rank(2, True, True, share).total
     slot = V4StatePool.spec_for(config, torch.bfloat16, int(mtp)).sequence_bytes
     free = H800.hbm_bytes * (1 - ACTIVATION_RESERVE) - weights - seqs * slot
     expected = int((free - reserve) // page_bytes) * 256

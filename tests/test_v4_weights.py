@@ -9,7 +9,7 @@ import torch
 from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.v4_config import V4Config
-from dsinfer.base.v4_weights import V4ParameterCounts, v4_weights
+from dsinfer.base.v4_weights import V4ParameterCounts
 from dsinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from dsinfer.model.layers import Linear
 from dsinfer.ops import select_ops
@@ -58,9 +58,9 @@ def test_bytes_by_precision() -> None:
     config = read_model_config(resolve_model("deepseek-v4-flash")[0] / "config.json")
     assert isinstance(config, V4Config)
     counts = V4ParameterCounts.of(config)
-    cpu = v4_weights(config, 2, fp8=False)
+    cpu = counts.on_rank(2, fp8=False)
     assert cpu.fp8 == 0 and cpu.total == 2 * (sum(counts.linear) + counts.experts + counts.other)
-    gpu = v4_weights(config, 2, fp8=True, mxfp4=True, expert_share=0.5)
+    gpu = counts.on_rank(2, fp8=True, mxfp4=True, share=0.5)
     # one byte per FP8 value and a 4-byte scale per 128x128 block; packed experts, half of them
     assert sum(counts.linear) < gpu.fp8 < sum(counts.linear) * (1 + 4 / 128**2) + 4 * len(counts.linear)
     assert gpu.experts == round(counts.experts * (0.5 + 1 / 32) * 0.5)

@@ -20,6 +20,18 @@ MXFP4_BYTES_PER_VALUE = 0.5 + 1 / 32  # an e2m1 nibble and its share of an e8m0 
 
 
 @dataclass(frozen=True)
+class V4Weights:
+    fp8: int  # bytes of FP8 weights and their block scales
+    experts: int  # this rank's routed experts: packed MXFP4, or in the model's dtype
+    other: int  # the rest (embedding, head, norms, mHC, gates, sinks) in the model's dtype
+    mxfp4: bool = False  # the experts stay packed
+
+    @property
+    def total(self) -> int:
+        return self.fp8 + self.experts + self.other
+
+
+@dataclass(frozen=True)
 class V4ParameterCounts:
     linear: tuple[int, ...]  # each linear layer's weight but the head's (its FP8 blocks are per matrix)
     experts: int  # every layer's routed experts
@@ -67,34 +79,11 @@ class V4ParameterCounts:
             other += 2 * hidden + 2 * (mixing * hc_width + mixing + 3)  # norms, attention and FFN mHC
         return cls(tuple(linear), experts, other)
 
-
-@dataclass(frozen=True)
-class V4Weights:
-    fp8: int  # bytes of FP8 weights and their block scales
-    experts: int  # this rank's routed experts: packed MXFP4, or in the model's dtype
-    other: int  # the rest (embedding, head, norms, mHC, gates, sinks) in the model's dtype
-    mxfp4: bool = False  # the experts stay packed
-
-    @property
-    def total(self) -> int:
-        return self.fp8 + self.experts + self.other
-
-
-def v4_weights(
-    config: V4Config,
-    dtype_bytes: int,
-    fp8: bool,
-    mxfp4: bool = False,
-    expert_share: float = 1.0,
-    mtp_layers: int = 0,
-) -> V4Weights:
-    """Weight bytes on one rank: ``fp8``, the linear layers FP8; ``mxfp4``, the experts packed;
-    ``expert_share``, the part of the experts the rank holds (its slots of an expert-parallel pool);
-    ``mtp_layers``, the MTP layers served too."""
-    counts = V4ParameterCounts.of(config, mtp_layers)
-    per_expert_value = MXFP4_BYTES_PER_VALUE if mxfp4 else dtype_bytes
-    experts = round(counts.experts * per_expert_value * expert_share)
-    if fp8:
-        fp8_bytes = sum(n + 4 * -(-n // FP8_BLOCK_VALUES) for n in counts.linear)
-        return V4Weights(fp8_bytes, experts, counts.other * dtype_bytes, mxfp4)
-    return V4Weights(0, experts, (sum(counts.linear) + counts.other) * dtype_bytes, mxfp4)
+    def on_rank(self, dtype_bytes: int, fp8: bool, mxfp4: bool = False, share: float = 1.0) -> V4Weights:
+        """Weight bytes on one rank: ``fp8``, the linear layers FP8; ``mxfp4``, the experts packed;
+        ``share``, the part of the experts the rank holds (its slots of an expert-parallel pool)."""
+        experts = round(self.experts * (MXFP4_BYTES_PER_VALUE if mxfp4 else dtype_bytes) * share)
+        if not fp8:
+            return V4Weights(0, experts, (sum(self.linear) + self.other) * dtype_bytes, mxfp4)
+        fp8_bytes = sum(n + 4 * -(-n // FP8_BLOCK_VALUES) for n in self.linear)
+        return V4Weights(fp8_bytes, experts, self.other * dtype_bytes, mxfp4)

@@ -44,15 +44,15 @@ class V4StatePool(PagePool):
         config: V4Config,
         num_pages: int,
         dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: torch.device | str,
+        *,
         max_resume_points: int = 0,
         handoff_slots: int = 0,
         mtp_layers: int = 0,
     ) -> None:
-        """``mtp_layers``: the MTP layers' windows are part of each sequence's state and resume points."""
+        self.spec = self.spec_for(config, dtype, mtp_layers)  # the MTP layers' windows: per sequence
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.spec = self.spec_for(config, dtype, mtp_layers)
         self.page_size = self.spec.page_tokens
         self._device = torch.device(device)
         self.caches = SequenceStates(

@@ -20,7 +20,7 @@ from dsinfer.base.model_config import read_model_config
 from dsinfer.base.presets import resolve_model
 from dsinfer.base.rank_shape import expert_slots_per_rank
 from dsinfer.base.v4_config import V4Config
-from dsinfer.base.v4_weights import v4_weights
+from dsinfer.base.v4_weights import V4ParameterCounts
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.cli.errors import UsageError
 from dsinfer.cli.memory_plan import CUDA_RUNTIME_RESERVE, fmt_bytes, fmt_bytes_down
@@ -50,7 +50,7 @@ def v4_plan_lines(engine: EngineArgs, gpu_memory: int | None, pool_size: int = 1
     mxfp4 = cuda and config.expert_dtype == "fp4"  # the MXFP4 GEMM kernel keeps them packed
     mtp = 1 if engine.speculative_mtp else 0  # the MTP layer: its weights and window
     share = slots / config.n_routed_experts
-    weights = v4_weights(config, dtype.itemsize, fp8=cuda, mxfp4=mxfp4, expert_share=share, mtp_layers=mtp)
+    weights = V4ParameterCounts.of(config, mtp).on_rank(dtype.itemsize, cuda, mxfp4, share)
     spec = HybridCacheSpec.for_v4(config, dtype_name, mtp_layers=mtp)
     page_bytes = V4StatePool.page_bytes_for(config, dtype)
     reserve = V4StatePool.reserve_bytes_for(config, dtype, engine.max_num_seqs, mtp)

@@ -227,7 +227,13 @@ class LLMEngine:
             )
         resume_points = self.args.max_num_seqs if self.args.enable_prefix_caching else 0
         pool = V4StatePool(
-            self.config, num_pages, dtype, device, resume_points, self.args.max_num_seqs, mtp_layers
+            self.config,
+            num_pages,
+            dtype,
+            device,
+            max_resume_points=resume_points,
+            handoff_slots=self.args.max_num_seqs,
+            mtp_layers=mtp_layers,
         )
         log.info(
             "KV cache: %d pages x %d tokens (%.1f MiB, %d bytes per page) + %.1f MiB for %d sequences' "

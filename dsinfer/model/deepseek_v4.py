@@ -17,8 +17,6 @@ windows after the decoder layers' states. A step that verifies an MTP draft keep
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -27,7 +25,7 @@ from dsinfer.model.hyper_connection import HyperHead
 from dsinfer.model.layers import Embedding, Linear
 from dsinfer.model.moe import ExpertParallel
 from dsinfer.model.v4_compressor import V4RMSNorm
-from dsinfer.model.v4_layer import V4DecoderLayer
+from dsinfer.model.v4_layer import V4DecoderLayer, V4Step
 from dsinfer.model.v4_mtp import V4MTPLayer
 from dsinfer.model.v4_state import SequenceState
 from dsinfer.ops import Ops
@@ -85,7 +83,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         step = self.start(token_ids, states, q_lens)
         streams = step.streams
         for layer in self.layers:
-            streams = layer(streams, token_ids, step.positions, states, step.boundaries, undo)
+            streams = layer(streams, token_ids, step, states, undo)
         return streams
 
     def drop_last(self, state: SequenceState, count: int = 1) -> None:
@@ -123,7 +121,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             for s, a, n in zip(states, starts, q_lens, strict=True)
         ]
         x = layer.inputs(streams, self.embed(next_tokens))
-        return layer(x, next_tokens, positions, states, boundaries)
+        return layer(x, next_tokens, V4Step(positions, boundaries, x), states)
 
     @torch.inference_mode()
     def compute_mtp_logits(self, streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
@@ -158,12 +156,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     def new_state(self) -> SequenceState:
         weight = self.embed.weight
         return SequenceState.empty(self.config, weight.dtype, weight.device, len(self.mtp))
-
-
-class V4Step(NamedTuple):
-    positions: list[torch.Tensor]
-    boundaries: list[int | None]
-    streams: torch.Tensor  # [T, hc_mult, hidden]
 
 
 def _last_boundary(state: SequenceState, new_tokens: int) -> int | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -13,6 +15,15 @@ from dsinfer.model.v4_compressor import V4RMSNorm
 from dsinfer.model.v4_moe import V4MoE
 from dsinfer.model.v4_state import SequenceState
 from dsinfer.ops import Ops
+
+
+class V4Step(NamedTuple):
+    """A step's sequences: each one's new tokens' positions, the page boundary they cross last
+    (if any: its resume state is kept), and the streams entering a layer ``[T, hc_mult, hidden]``."""
+
+    positions: list[torch.Tensor]
+    boundaries: list[int | None]
+    streams: torch.Tensor
 
 
 class V4DecoderLayer(nn.Module):
@@ -32,30 +43,24 @@ class V4DecoderLayer(nn.Module):
         self,
         streams: torch.Tensor,
         token_ids: torch.Tensor,
-        positions: list[torch.Tensor],
+        step: V4Step,
         states: list[SequenceState],
-        boundaries: list[int | None],
         undo: list[bool] | None = None,
     ) -> torch.Tensor:
-        """``positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows;
-        ``boundaries[i]``: the page boundary they cross last, if any (its resume state is kept);
+        """``step.positions[i]``: sequence i's new tokens, the next ``len(positions[i])`` rows;
         ``undo[i]``: its state keeps what taking its last tokens back needs (``V4Attention.rewind``)."""
-        streams = self.attention(streams, positions, states, boundaries, undo)
+        streams = self.attention(streams, step, states, undo)
         x, post, comb = self.ffn_in(streams)
         return HyperConnection.expand(streams, self.ffn(x, token_ids), post, comb)
 
     # The layer in stages (two micro-batches interleave them: dsinfer/model/v4_overlap.py)
     def attention(
-        self,
-        streams: torch.Tensor,
-        positions: list[torch.Tensor],
-        states: list[SequenceState],
-        boundaries: list[int | None],
-        undo: list[bool] | None = None,
+        self, streams: torch.Tensor, step: V4Step, states: list[SequenceState], undo: list[bool] | None = None
     ) -> torch.Tensor:
         pre, post, comb = self.attn_hc.weights(streams)
         x = self.attn_norm(HyperConnection.collapse(streams, pre))
-        h = self.attn(x, positions, [state.layers[self.layer] for state in states], boundaries, undo)
+        layer_states = [state.layers[self.layer] for state in states]
+        h = self.attn(x, step.positions, layer_states, step.boundaries, undo)
         return HyperConnection.expand(streams, h, post, comb)
 
     def ffn_in(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

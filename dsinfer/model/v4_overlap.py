@@ -67,7 +67,7 @@ class _Stages:
     ) -> torch.Tensor:
         if not mb.states:
             return streams
-        return layer.attention(streams, step.positions, mb.states, step.boundaries, mb.undo)
+        return layer.attention(streams, step, mb.states, mb.undo)
 
     def _begin(self, layer: V4DecoderLayer, streams: torch.Tensor, mb: V4MicroBatch) -> _Pending:
         x, post, comb = layer.ffn_in(streams)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from dsinfer.base.kv_groups import HybridCacheSpec
 from dsinfer.base.rank_shape import RankShape, expert_slots_per_rank
-from dsinfer.base.v4_weights import v4_weights
+from dsinfer.base.v4_weights import V4ParameterCounts
 from dsinfer.sim.cost import PoolModel
 from dsinfer.sim.experts import ExpertModel, expert_model
 from dsinfer.sim.hardware import H800, Hardware
@@ -178,14 +178,8 @@ def v4_capacity_tokens(shape: ModelShape, spec: PoolSpec, hw: Hardware) -> int:
     config = v4.config
     slots = expert_slots_per_rank(config.n_routed_experts, spec.num_redundant_experts, spec.pool_size)
     mtp = config.num_nextn_predict_layers if spec.mtp else 0
-    weights = v4_weights(
-        config,
-        BF16_BYTES,
-        fp8=True,
-        mxfp4=config.expert_dtype == "fp4",
-        expert_share=slots / config.n_routed_experts,
-        mtp_layers=mtp,
-    )
+    counts = V4ParameterCounts.of(config, mtp)
+    weights = counts.on_rank(BF16_BYTES, True, config.expert_dtype == "fp4", slots / config.n_routed_experts)
     cache = HybridCacheSpec.for_v4(config, "bfloat16", mtp_layers=mtp)
     budget = spec.kv_cache_bytes
     if budget is None:  # the handoff slots lie outside the KV budget
