@@ -41,8 +41,10 @@ from dsinfer.engine.requests import RequestTable
 from dsinfer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from dsinfer.engine.sequence_factory import SequenceFactory
 from dsinfer.engine.step import EngineLoad, LayerHookFor, SeqUpdate, StepPlan
+from dsinfer.engine.v4_expert_balancer import V4ExpertBalancer
 from dsinfer.model.loader import load_model
 from dsinfer.model.moe import MoE
+from dsinfer.model.v4_experts import V4ExpertSource
 from dsinfer.model.v4_moe import V4MoE
 from dsinfer.ops import compile_ahead, select_ops
 from dsinfer.parallel.ep import EPGroup, all_reduce_in_place
@@ -84,8 +86,9 @@ class LLMEngine:
             num_redundant_experts=args.num_redundant_experts,
         )
         self.config, self.model = loaded.config, loaded.model
+        balancer = V4ExpertBalancer if isinstance(loaded.experts, V4ExpertSource) else OnlineExpertBalancer
         self.expert_balancer = (
-            OnlineExpertBalancer(
+            balancer(
                 self.model,
                 loaded.experts,
                 interval=args.eplb_interval,
@@ -94,7 +97,7 @@ class LLMEngine:
             )
             if ep_group is not None and loaded.experts is not None
             else None
-        )  # online EPLB (--eplb-interval), and the expert moves of a pool's membership change (V3)
+        )  # online EPLB (--eplb-interval); V3's also moves experts when a pool's membership changes
         self.tokenizer = Tokenizer.from_dir(loaded.path)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         if self.max_model_len > self.config.max_position_embeddings:

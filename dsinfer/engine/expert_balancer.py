@@ -151,10 +151,10 @@ class OnlineExpertBalancer:
             raise ValueError(f"interval must be >= 0 (0: no EPLB), got {interval}")
         self.model, self.source = model, source
         self.interval, self.min_gain, self.stage_budget = interval, min_gain, stage_budget
-        self.policy = policy or eplb_policy(model.config.n_group)
+        self.policy = policy or eplb_policy(self._expert_groups())
         self.ep: ExpertParallel = model.ep
         self.steps = 0
-        self._moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+        self._moes = self._find_moes()
         self._layer_of = {name: m.layer_id for name, m in self._moes.items()}
         self._last = self._cumulative()
         self._pending: _Pending | None = None
@@ -166,6 +166,17 @@ class OnlineExpertBalancer:
         self._resumed: float | None = None  # when the last before_step returned
         self._stage_pacer, self._free_pacer = _Pacer(), _Pacer()
         self.history: list[Rebalance] = []
+
+    # What differs by model family (DeepSeek-V4's: dsinfer/engine/v4_expert_balancer.py) ---------
+    def _expert_groups(self) -> int:
+        return self.model.config.n_group
+
+    def _find_moes(self) -> dict[str, MoE]:
+        return {name: m for name, m in self.model.named_modules() if isinstance(m, MoE)}
+
+    def _received(self) -> list[int]:
+        """Rows each MoE layer's slots have received since the last swap."""
+        return [int(m.experts.slot_load.sum()) for m in self._moes.values()]
 
     def vote_staging(self) -> bool:
         """This rank's ``eplb_staging`` vote at the coming step boundary: still staging."""
@@ -297,7 +308,7 @@ class OnlineExpertBalancer:
 
     def _swap(self, pending: _Pending) -> None:
         event = self.history[-1]
-        event.received_before = [int(m.experts.slot_load.sum()) for m in self._moes.values()]
+        event.received_before = self._received()
         self._install(ExpertParallel(pending.placement, self.ep.group), pending.staging.modules)
         self._pending, self._freeing = None, event
         event.stage_seconds, event.swap_step = time.monotonic() - pending.started, self.steps

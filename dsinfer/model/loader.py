@@ -39,6 +39,7 @@ from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.expert_staging import ExpertSource
 from dsinfer.model.layers import Linear
 from dsinfer.model.moe import ExpertParallel, Experts
+from dsinfer.model.v4_experts import V4ExpertSource
 from dsinfer.model.v4_loader import checkpoint_key, load_v4, mtp_layers_in
 from dsinfer.model.v4_served import ServedV4
 from dsinfer.ops import Ops
@@ -57,7 +58,7 @@ class LoadedModel:
     config: ModelConfig | V4Config
     path: Path
     load_format: str
-    experts: ExpertSource | None  # where EPLB reads experts from (None: V4, one rank)
+    experts: ExpertSource | V4ExpertSource | None  # where EPLB reads experts from (None: V4, one rank)
 
 
 def load_model(
@@ -115,7 +116,8 @@ def load_model(
             f", expert slots of rank {ep_group.rank} of {ep_group.size}" if ep_group is not None else "",
             device,
         )
-        return LoadedModel(ServedV4(model), any_config, path, "safetensors", None)
+        experts = V4ExpertSource(path, num_mtp_layers) if ep_group is not None else None
+        return LoadedModel(ServedV4(model), any_config, path, "safetensors", experts)
     config = any_config
     device = torch.device(device)
     index = read_index(path) if load_format != "dummy" else {}

@@ -62,7 +62,7 @@ def mtp_layers_in(names: Iterable[str]) -> int:
     return count
 
 
-class _Checkpoint:
+class V4Checkpoint:
     """The checkpoint's tensors by release name, read on demand from their files; MTP layers from
     ``num_mtp_layers`` on are passed over."""
 
@@ -104,7 +104,7 @@ def load_v4(
     path = Path(path)
     config = V4Config.model_validate(json.loads((path / "config.json").read_text()))
     with ExitStack() as stack:
-        checkpoint = _Checkpoint(path, stack, num_mtp_layers)
+        checkpoint = V4Checkpoint(path, stack, num_mtp_layers)
         packed = _experts_packed(checkpoint)
         if keep_mxfp4 is None:
             keep_mxfp4 = packed and ops.backends.get("mxfp4", "torch") != "torch"
@@ -132,7 +132,7 @@ def load_v4(
     return model
 
 
-def _load_tensors(checkpoint: _Checkpoint, params: dict[str, torch.Tensor]) -> set[str]:
+def _load_tensors(checkpoint: V4Checkpoint, params: dict[str, torch.Tensor]) -> set[str]:
     loaded = set()
     for name in checkpoint.names():
         if _EXPERT.match(name) or (
@@ -158,14 +158,14 @@ def _load_tensors(checkpoint: _Checkpoint, params: dict[str, torch.Tensor]) -> s
     return loaded
 
 
-def _experts_packed(checkpoint: _Checkpoint) -> bool:
+def _experts_packed(checkpoint: V4Checkpoint) -> bool:
     """Whether the routed experts are MXFP4 (packed bytes)."""
     name = next((n for n in checkpoint.names() if _EXPERT.match(n)), None)
     return name is not None and checkpoint.get(name).dtype in (torch.uint8, torch.int8)
 
 
 def _load_experts(
-    checkpoint: _Checkpoint,
+    checkpoint: V4Checkpoint,
     params: dict[str, torch.Tensor],
     slots: dict[str, list[int]],
     config: V4Config,
@@ -200,7 +200,7 @@ def _load_experts(
     return loaded
 
 
-def _expert_weight(checkpoint: _Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
+def _expert_weight(checkpoint: V4Checkpoint, name: str, dtype: torch.dtype) -> torch.Tensor:
     weight = checkpoint.get(name)
     if weight.is_floating_point() and weight.dtype != FP8_DTYPE:
         return weight
@@ -214,3 +214,24 @@ def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
     target.data.copy_(tensor)
+
+
+def read_expert(
+    checkpoint: V4Checkpoint, prefix: str, expert: int, dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """Routed expert ``expert`` of the MoE ``prefix`` (``layers.N.ffn``, ``mtp.N.ffn``) as a slot of
+    it holds it: ``w13`` (gate then up rows) and ``w2`` in ``dtype``, or with ``dtype`` None the
+    packed bytes and their ``w13_scale``/``w2_scale``: what ``load_v4`` puts in a slot."""
+    parts = {}
+    for which in ("w1", "w3", "w2"):
+        name = f"{prefix}.experts.{expert}.{which}.weight"
+        if dtype is None:
+            scale = checkpoint.get(name.removesuffix(".weight") + ".scale").view(torch.uint8)
+            parts[which] = (checkpoint.get(name).view(torch.uint8), scale)
+        else:
+            parts[which] = (_expert_weight(checkpoint, name, dtype), None)
+    out = {"w13": torch.cat([parts["w1"][0], parts["w3"][0]]), "w2": parts["w2"][0]}
+    if dtype is None:
+        out["w13_scale"] = torch.cat([parts["w1"][1], parts["w3"][1]])
+        out["w2_scale"] = parts["w2"][1]
+    return out

@@ -89,7 +89,7 @@ class V4MoE(nn.Module):
         self, config: V4Config, ops: Ops, layer: int, ep: ExpertParallel | None = None, mxfp4: bool = False
     ) -> None:
         super().__init__()
-        self.limit, self.ep = config.swiglu_limit, ep
+        self.limit, self.ep, self.layer_id = config.swiglu_limit, ep, layer
         experts, hidden, inner = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.local_experts = (
             ep.placement.local_experts(layer, ep.rank) if ep is not None else list(range(experts))
@@ -111,6 +111,29 @@ class V4MoE(nn.Module):
             replica_slots, num_replicas = ep.placement.routing_table(layer)
             self.register_buffer("replica_slots", replica_slots, persistent=False)
             self.register_buffer("num_replicas", num_replicas, persistent=False)
+
+    @property
+    def expert_tensor_names(self) -> tuple[str, ...]:
+        """The routed experts' tensors, one row per slot."""
+        return ("w13", "w2", "w13_scale", "w2_scale") if self.mxfp4 else ("w13", "w2")
+
+    def install(
+        self, ep: ExpertParallel, staged: tuple[list[int], dict[str, torch.Tensor]] | None
+    ) -> list[torch.Tensor]:
+        """Route by ``ep``'s placement from now on; ``staged``: the slots' experts and their
+        tensors where they change (None: the same experts stay). Returns the replaced tensors."""
+        replaced: list[torch.Tensor] = []
+        if staged is not None:
+            self.local_experts, tensors = staged
+            for name in self.expert_tensor_names:
+                replaced.append(getattr(self, name))
+                setattr(self, name, _frozen(tensors[name]))
+        replica_slots, num_replicas = ep.placement.routing_table(self.layer_id)
+        device = self.expert_load.device
+        self.register_buffer("replica_slots", replica_slots.to(device), persistent=False)
+        self.register_buffer("num_replicas", num_replicas.to(device), persistent=False)
+        self.ep = ep
+        return replaced
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         if self.ep is None:
