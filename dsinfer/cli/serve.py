@@ -204,25 +204,13 @@ def check_model(args: argparse.Namespace) -> None:
     """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
     (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
     restarted, again and again. DeepSeek-V4 is served PD or colocated, by pools of one rank or
-    expert-parallel pools of one node (MTP in either) (restarted whole when a rank dies); the flags it
-    cannot honour yet are refused."""
+    expert-parallel pools of one node (elastic, as V3's; MTP in either); a pool over several
+    nodes is refused."""
     if not model_is_v4(args.model):
         return
-    path, _ = resolve_model(args.model)
-    sizes = [
-        getattr(args, name, None) or 1 for name in ("pool_size", "prefill_pool_size", "decode_pool_size")
-    ]
-    refused = [
-        ((getattr(args, "nnodes", None) or 1) > 1, "a pool over several nodes"),
-    ]
-    for bad, what in refused:
-        if bad:
-            raise UsageError(f"{path}: DeepSeek-V4 is not served with {what} yet")
-    if max(sizes) > 1 and getattr(args, "elastic_ep", False):
-        log.info(
-            "DeepSeek-V4: a pool of several ranks restarts whole when one dies (no elastic EP for it yet)"
-        )
-        args.elastic_ep = False
+    if (getattr(args, "nnodes", None) or 1) > 1:
+        path, _ = resolve_model(args.model)
+        raise UsageError(f"{path}: DeepSeek-V4 is not served with a pool over several nodes yet")
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -160,6 +160,20 @@ class ModelRunner:
         index as soon as that layer's latent KV is written."""
         if self.model.ep is not None:
             self.model.ep.group.begin_step(agreed.step_tokens)
+        if isinstance(self.model, ServedV4) and self.model.ep is not None and batch.seqs:
+            # a peer may die in one of the step's collectives (elastic EP): the step is planned
+            # again, so its sequences' V4 states must be as they were
+            restore = self.pool.caches.checkpoint(s.seq.key for s in batch.seqs)
+            try:
+                return self._run_traced(batch, after_layer, agreed)
+            except BaseException:
+                restore()
+                raise
+        return self._run_traced(batch, after_layer, agreed)
+
+    def _run_traced(
+        self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None, agreed: StepVotes
+    ) -> list[StepResult]:
         order = None
         if self.overlap and agreed.two_micro_batches:
             order = PREFILL if agreed.prefill_order else DECODE

@@ -21,7 +21,7 @@ page with a resume point (``resumable``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -115,6 +115,22 @@ class SequenceStates:
                     assert isinstance(series.entries, PagedEntries)
                     series.entries.pages = pages
         return state
+
+    def checkpoint(self, keys: Iterable[str]) -> Callable[[], None]:
+        """What puts the states of the sequences ``keys`` back as they are now (a new one's
+        removed): a step that failed midway is planned again from there."""
+        wanted = set(keys)
+        present = {key: self._states[key] for key in wanted if key in self._states}
+        restores = [state.snapshot() for state in present.values()]
+
+        def restore() -> None:
+            for key in [k for k in self._states if k in wanted and k not in present]:
+                del self._states[key]
+            self._states.update(present)
+            for undo in restores:
+                undo()
+
+        return restore
 
     def state_of(self, key: str) -> SequenceState:
         """The state of a sequence that ran this step."""

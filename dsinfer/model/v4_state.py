@@ -17,6 +17,7 @@ and a transfer must agree with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -164,6 +165,49 @@ class SequenceState:
                 state.indexer = Series.empty(config.index_head_dim, 2 * config.index_head_dim, dtype, device)
             layers.append(state)
         return cls(layers)
+
+    def snapshot(self) -> Callable[[], None]:
+        """What puts this state back as it is now: a step that fails midway (a peer of an
+        expert-parallel pool died in a collective) leaves some layers with its tokens and others
+        without. Steps replace the state's parts rather than change them, and write entries only
+        past the counts, so keeping references and counts is enough."""
+        length, boundary = self.length, self.boundary
+        kept = [
+            (
+                layer,
+                layer.window,
+                layer.boundary_window,
+                [
+                    (
+                        s,
+                        len(s.entries),
+                        s.pending_kv,
+                        s.pending_gate,
+                        s.overlap_kv,
+                        s.overlap_gate,
+                        s.boundary_overlap,
+                    )
+                    for s in (layer.compressed, layer.indexer)
+                    if s is not None
+                ],
+            )
+            for layer in self.layers
+        ]
+
+        def restore() -> None:
+            self.length, self.boundary = length, boundary
+            for layer, window, boundary_window, series in kept:
+                layer.window, layer.boundary_window, layer.undo = window, boundary_window, None
+                for s, count, pending_kv, pending_gate, overlap_kv, overlap_gate, boundary_overlap in series:
+                    s.entries.truncate(count)
+                    s.pending_kv, s.pending_gate = pending_kv, pending_gate
+                    s.overlap_kv, s.overlap_gate, s.boundary_overlap = (
+                        overlap_kv,
+                        overlap_gate,
+                        boundary_overlap,
+                    )
+
+        return restore
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per cache group: the raw window, compressed entries, indexer keys, and the
