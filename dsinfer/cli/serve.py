@@ -208,9 +208,6 @@ def check_model(args: argparse.Namespace) -> None:
     nodes is refused."""
     if not model_is_v4(args.model):
         return
-    if (getattr(args, "nnodes", None) or 1) > 1:
-        path, _ = resolve_model(args.model)
-        raise UsageError(f"{path}: DeepSeek-V4 is not served with a pool over several nodes yet")
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
