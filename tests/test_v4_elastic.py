@@ -81,22 +81,21 @@ def _rank_of(pid: int) -> int:
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
-def test_decode_rank_killed_the_v4_pool_serves_on(mtp: bool, tmp_path: Path) -> None:
-    """Decode rank 1 of a 2-rank V4 pool killed mid-stream: rank 0 serves on alone (the dead
-    rank's experts staged from the checkpoint, a step cut short by the death planned again over
-    its sequences' states as they were), /ready never fails, every stream ends with the
-    undisturbed tokens (greedy and seeded); the launcher restarts rank 1 and it rejoins."""
+def test_decode_rank_killed_the_v4_pool_serves_on(tmp_path: Path) -> None:
+    """Decode rank 1 of a 2-rank V4 pool with MTP killed mid-stream: rank 0 serves on alone (the
+    dead rank's experts staged from the checkpoint, the MTP layer's too; a step cut short by the
+    death planned again over its sequences' states as they were, the MTP layer's windows
+    included), /ready never fails, every stream ends with the undisturbed tokens (greedy and
+    seeded); the launcher restarts rank 1 and it rejoins."""
     directory = tmp_path / "v4"
     build_v4("flash_like", directory, with_tokenizer=True)
     add_v4_mtp(directory, 0.3)
-    flags = ["--speculative-mtp"] if mtp else []
     offline = LLM(
         str(directory), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=16, max_num_batched_tokens=64
     )
     specs = mixed_specs(STREAMS, " ".join(str(i) for i in range(60)), STREAM_TOKENS)
     want = offline_tokens(offline, specs)
-    args = ["--model", str(directory), *ENGINE, *flags, "--decode-pool-size", "2"]
+    args = ["--model", str(directory), *ENGINE, "--speculative-mtp", "--decode-pool-size", "2"]
     with serve(args, tmp_path) as server:
         wait_workers(server.base_url, WORKERS, 120, server.log_tail)
         before = {_rank_of(pid): pid for pid in server.rank_pids("decode", pool=0)}

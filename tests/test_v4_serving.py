@@ -5,9 +5,9 @@ or 12 raw tokens, compression at 4 and 16 or 8, top-3 or top-5 indexer picks) ca
 tiny tokenizer. Greedy tokens must equal transformers' for prompts of 8 to 1,000 tokens batched
 together in chunks that end mid-window and mid-compression-block; through preemption (the
 sequence computed again from nothing); through ``dsinfer generate`` and ``dsinfer serve``
-(colocated); through a choice migrated after its rank is killed. Each sequence's hybrid cache is gone once it finishes or is aborted. The mode V4
-does not have yet (pools over several nodes) ends the command in one line; MTP is
-tests/test_v4_mtp.py's.
+(colocated); through a choice migrated after its rank is killed. Each sequence's hybrid cache is gone once it finishes or is aborted. MTP is
+tests/test_v4_mtp.py's; EPLB, elastic EP and pools over several nodes are
+tests/test_v4_eplb.py's, tests/test_v4_elastic.py's and tests/test_serve_multinode.py's.
 """
 
 from __future__ import annotations
@@ -238,27 +238,6 @@ def test_choice_migrated_after_a_rank_is_killed_keeps_every_token(
 def whole_text(client: Any, model: str, prompt: list[int]) -> str:
     done = client.completions.create(model=model, prompt=prompt, max_tokens=OUTPUT, temperature=0)
     return done.choices[0].text
-
-
-@pytest.mark.system
-@pytest.mark.parametrize(
-    ("flags", "needle"),
-    [
-        (
-            ["--role", "decode", "--pool-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
-            "a pool over several nodes",
-        ),
-    ],
-)
-def test_serve_refuses_what_v4_has_not_yet_in_one_line(
-    v4: tuple[Path, Any], flags: list[str], needle: str
-) -> None:
-    extra = ["--gateway-addr", "127.0.0.1:1"] if "--role" in flags else []
-    done = run_dsinfer("serve", "--model", str(v4[0]), "--port", "0", *flags, *extra, timeout=60)
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "DeepSeek-V4 is not served with" in lines[0], done.stderr
-    assert needle in lines[0]
 
 
 def test_disk_tier_serves_a_hit_after_a_restart(v4: tuple[Path, Any], tmp_path: Path) -> None:

@@ -201,13 +201,10 @@ def model_is_v4(model: str | None) -> bool:
 
 
 def check_model(args: argparse.Namespace) -> None:
-    """A checkpoint dsinfer cannot serve, or serve as the flags ask, ends the command here
-    (ConfigError, UsageError: one line), before any process starts that would fail on it, and be
-    restarted, again and again. DeepSeek-V4 is served PD or colocated, by pools of one rank or
-    expert-parallel pools of one node (elastic, as V3's; MTP in either); a pool over several
-    nodes is refused."""
-    if not model_is_v4(args.model):
-        return
+    """A checkpoint whose config dsinfer cannot serve ends the command here (ConfigError: one
+    line), before any process starts that would fail on it, and be restarted, again and again.
+    DeepSeek-V4 is served in every topology V3 is (MTP, EPLB and elastic EP included)."""
+    model_is_v4(args.model)
 
 
 def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -218,7 +215,6 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if problem is not None:
         raise UsageError(problem)
     if args.dry_run and args.role != "gateway" and model_is_v4(args.model):
-        check_model(args)
         from dsinfer.cli.v4_plan import v4_plan_lines
 
         ranks = (
