@@ -192,8 +192,28 @@ def test_serve_equals_transformers(
         )
         text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
         assert text == whole_text(client, v4[0].name, prompts[2])
-        if mode == "pd":  # the prompts of more than a page: their whole pages were written
-            assert metric_value(server.metrics(), "dsinfer_kv_transfer_bytes_total") > 0
+        if mode == "pd":  # the prompts of more than a page: their whole pages and a resume point each
+            want = _transfer_bytes_by_group(v4[0], prompts)
+            for worker in ("prefill/0/0", "decode/0/0"):  # written, and received
+
+                def got(worker: str = worker) -> dict[str, float]:
+                    text = server.metrics()
+                    name = "dsinfer_kv_transfer_group_bytes_total"
+                    return {g: metric_value(text, name, worker=worker, group=g) for g in want}
+
+                wait_until(lambda got=got: got() == want, f"transfer bytes by group {want}", 10)
+
+
+def _transfer_bytes_by_group(directory: Path, prompts: list[list[int]]) -> dict[str, float]:
+    """What the cache spec says a PD transfer of ``prompts`` writes, per group: each prompt's whole
+    pages of every paged group, and the resume point at the last of them (a handoff slot)."""
+    config = V4Config.model_validate_json((directory / "config.json").read_text())
+    spec = V4StatePool.spec_for(config, torch.float32)
+    whole = sum(len(p) // spec.page_tokens for p in prompts)
+    want = {g.name: float(whole * spec.page_bytes(g)) for g in spec.groups if g.name != "window"}
+    points = sum(1 for p in prompts if len(p) >= spec.page_tokens)
+    want["resume_point"] = float(points * V4StatePool.handoff_slot_bytes_for(config, torch.float32))
+    return want
 
 
 @pytest.mark.system
@@ -250,6 +270,11 @@ def test_disk_tier_serves_a_hit_after_a_restart(v4: tuple[Path, Any], tmp_path: 
     _tokens(writer, [first])
     writer.engine.kv.flush()
     assert writer.engine.kv.stats.disk_pages_written == 2
+    # a page's record: every paged group's page as the spec sizes it, and a resume point
+    config, pool = writer.engine.config, writer.engine.kv.pool
+    spec = V4StatePool.spec_for(config, torch.float32)
+    groups = sum(spec.page_bytes(g) for g in spec.groups if g.name != "window")
+    assert pool.page_record_bytes == groups + V4StatePool.handoff_slot_bytes_for(config, torch.float32)
     reader = LLM(str(v4[0]), dtype="float32", max_num_batched_tokens=96, kv_disk_cache_dir=directory)
     g = torch.Generator().manual_seed(5)
     branch = first[:600] + torch.randint(2, TOKENIZER_VOCAB, (150,), generator=g).tolist()

@@ -100,6 +100,7 @@ class LoadReport(ControlMessage, kw_only=True):
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing
     transfer_bytes: int = 0  # KV bytes written (prefill) or received (decode)
+    transfer_bytes_by_group: dict[str, int] = {}  # the same by cache group
     transfer_seconds: float = 0.0  # summed wall time from first write to completion
     transfers: int = 0
     # per request stage (dsinfer/base/stages.py): counts per bucket of STAGE_BUCKETS, seconds summed

@@ -183,6 +183,11 @@ class PagedKVPool(PagePool):
         """Every layer's cache tensors, in spec order (what a KV transfer registers)."""
         return [layer.tensors() for layer in self.caches]
 
+    def transfer_page_groups(self) -> list[dict[str, int]]:
+        """Bytes of one page per registered layer, by cache (the latent; V3.2's indexer keys)."""
+        page = self.spec.page_size
+        return [{c.name: page * c.bytes_per_token for c in self.spec.components}] * self.num_layers
+
     def transfer_page_bytes(self) -> list[int]:
         """Bytes of one page per registered layer (every cache of the layer)."""
         return [self.spec.page_bytes] * self.num_layers

@@ -27,12 +27,13 @@ import struct
 import torch
 
 from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
-from dsinfer.base.v4_config import V4Config
+from dsinfer.base.v4_config import CSA, HCA, V4Config
 from dsinfer.cache.handoff_slots import HandoffSlots
 from dsinfer.cache.kv_pool import PageAllocator, PagePool
 from dsinfer.model.v4_paged import SequenceStates, resume_shapes
 from dsinfer.model.v4_state import Boundary
 
+GROUPS_OF_KIND = {CSA: ("c4", "c4_indexer"), HCA: ("c128",)}  # the paged groups a layer registers, in order
 _TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
 
 
@@ -169,9 +170,20 @@ class V4StatePool(PagePool):
         per_layer = [tuple(t for t in groups.get(i, ()) if t is not None) for i in range(self.num_layers)]
         return [*per_layer, (self.handoff.tensor,)]
 
+    def transfer_page_groups(self) -> list[dict[str, int]]:
+        """Bytes of one page per registered layer, by cache group (``c4``/``c4_indexer``/``c128``;
+        the slots' layer: one ``resume_point``)."""
+        layer_tensors = self.layer_tensors()
+        out: list[dict[str, int]] = []
+        for layer in range(self.num_layers):
+            names = GROUPS_OF_KIND.get(self.caches.config.layer_kind(layer), ())
+            out.append({name: t[0].nbytes for name, t in zip(names, layer_tensors[layer], strict=True)})
+        out.append({"resume_point": layer_tensors[-1][0][0].nbytes})
+        return out
+
     def transfer_page_bytes(self) -> list[int]:
         """Bytes of one page per registered layer (the slots' layer: one slot)."""
-        return [sum(t[0].nbytes for t in layer) for layer in self.layer_tensors()]
+        return [sum(groups.values()) for groups in self.transfer_page_groups()]
 
     @property
     def handoff_layer(self) -> int:

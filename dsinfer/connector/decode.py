@@ -119,6 +119,7 @@ class DecodeConnector:
         if done.first_write_at:
             self.counters.seconds += max(0.0, done.forward_done_at - done.first_write_at)
         self.counters.bytes += done.bytes_written
+        self.counters.add_groups(done.bytes_by_group)
         self.counters.count += 1
         computed = done.computed_tokens
         if item.handoff_slot is not None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from dsinfer.base.protocol import CORE_MESSAGES, Codec, ControlMessage, Message, WorkerRequest
 
 __all__ = [
@@ -87,6 +89,7 @@ class PrefillDone(ControlMessage, kw_only=True):
     mtp_draft: int | None = None  # the MTP layer's proposal after first_token
     computed_tokens: int | None = None  # V4: tokens whose KV (and resume point) arrived; None: all
     bytes_written: int = 0
+    bytes_by_group: dict[str, int] = msgspec.field(default_factory=dict)  # bytes_written by cache group
     first_write_at: float = 0.0  # time.time() when the first KV write started
     forward_done_at: float = 0.0  # time.time() when the forward that sampled first_token ended
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -28,3 +28,8 @@ class TransferCounters:
     bytes: int = 0
     seconds: float = 0.0  # summed wall time from first write to completion
     count: int = 0
+    bytes_by_group: dict[str, int] = field(default_factory=dict)  # the same bytes by cache group
+
+    def add_groups(self, groups: dict[str, int]) -> None:
+        for group, n in groups.items():
+            self.bytes_by_group[group] = self.bytes_by_group.get(group, 0) + n

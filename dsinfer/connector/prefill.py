@@ -63,6 +63,7 @@ class _Outgoing:
     pages: list[int] = field(default_factory=list)  # the sequence's pages, as its last step had them
     computed_tokens: int | None = None  # V4: tokens the decode rank gets KV for (None: all)
     bytes_written: int = 0
+    bytes_by_group: dict[str, int] = field(default_factory=dict)
     started: float | None = None
     done: SeqUpdate | None = None  # the finished prefill's last update (first token sampled)
     forward_done_at: float = 0.0  # time.time() when the step that sampled the first token ended
@@ -92,6 +93,7 @@ class PrefillConnector:
         self.counters = TransferCounters()
         self.page_size = engine.kv_pages.page_size
         self.page_bytes = engine.kv_pages.page_bytes
+        self.page_groups = engine.kv_pages.page_groups
         self._fenced_unseen: dict[str, float] = {}  # fenced before it arrived -> when to forget it (in order)
         self._out: dict[str, _Outgoing] = {}
         self._planned: list[tuple[_Outgoing, list[int]]] = []  # the last step's new pages per request
@@ -192,6 +194,8 @@ class PrefillConnector:
             self.engine.kv_pages.retain(src)
         out.in_flight.append(_Write(handle, [] if slot is not None else src, slot))
         out.bytes_written += len(src) * self.page_bytes[layer]
+        for group, n in self.page_groups[layer].items():
+            out.bytes_by_group[group] = out.bytes_by_group.get(group, 0) + len(src) * n
         out.started = out.started or time.monotonic()
         return True
 
@@ -295,6 +299,7 @@ class PrefillConnector:
         if out.started is not None:
             self.counters.seconds += now - out.started
         self.counters.bytes += out.bytes_written
+        self.counters.add_groups(out.bytes_by_group)
         self.counters.count += 1
         self.outbox.send_peer(
             out.msg.decode_inbox,
@@ -307,6 +312,7 @@ class PrefillConnector:
                 mtp_draft=done.mtp_draft,
                 computed_tokens=out.computed_tokens,
                 bytes_written=out.bytes_written,
+                bytes_by_group=out.bytes_by_group,
                 first_write_at=_wall(out.started),
                 forward_done_at=out.forward_done_at,
             ),

@@ -45,6 +45,11 @@ class KVPages:
         return self._kv.pool.transfer_page_bytes()
 
     @property
+    def page_groups(self) -> list[dict[str, int]]:
+        """``page_bytes`` by cache group, per registered layer (what the transfer counters split)."""
+        return self._kv.pool.transfer_page_groups()
+
+    @property
     def sends_partial_pages(self) -> bool:
         return self._kv.pool.sends_partial_pages
 

@@ -150,6 +150,11 @@ class BackendCollector(Collector):
             labels=[*labels, "tier"],
         )
         tiers = [kind(name, text, labels=[*labels, "tier"]) for kind, name, text, _ in _PER_TIER]
+        groups = CounterMetricFamily(
+            "dsinfer_kv_transfer_group_bytes",
+            "KV bytes transferred, by cache group (latent, indexer; V4: c4, c4_indexer, c128, resume_point)",
+            labels=[*labels, "group"],
+        )
         for w in snap.workers:
             key, r = [w.worker, w.role], w.report
             healthy.add_metric(key, int(w.healthy))
@@ -161,10 +166,13 @@ class BackendCollector(Collector):
             for tier, counters in r.kv_tiers.items():
                 for family, (*_, counter) in zip(tiers, _PER_TIER, strict=True):
                     family.add_metric([*key, tier], counters.get(counter, 0.0))
+            for group, n in r.transfer_bytes_by_group.items():
+                groups.add_metric([*key, group], n)
         yield healthy
         yield from families
         yield hits
         yield from tiers
+        yield groups
         yield from _rank_histograms(snap)
         moves = CounterMetricFamily(
             "dsinfer_choice_migrations",

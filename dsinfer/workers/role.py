@@ -66,6 +66,7 @@ def load_report(
         incarnation=incarnation,
         **engine,
         transfer_bytes=transfers.bytes,
+        transfer_bytes_by_group=dict(transfers.bytes_by_group),
         transfer_seconds=transfers.seconds,
         transfers=transfers.count,
         stage_counts=dict(stages.counts) if stages is not None else {},
