@@ -48,7 +48,7 @@ def test_decode_pool_over_two_nodes(family: str, tiny_ckpt: BuiltCheckpoint, tmp
         model = tmp_path / "v4"
         build_v4("flash_like", model, with_tokenizer=True)
         add_v4_mtp(model, 0.3)
-        prompts = [[(7 * i + 13 * j) % 290 + 2 for j in range(30 + 20 * i)] for i in range(6)]
+        prompts = [[(7 * i + 13 * j) % 4000 + 2 for j in range(30 + 20 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     offline = LLM(
         str(model), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=16, max_num_batched_tokens=64
@@ -57,7 +57,7 @@ def test_decode_pool_over_two_nodes(family: str, tiny_ckpt: BuiltCheckpoint, tmp
     secret = secrets.token_hex(32)
     env = {**os.environ, SECRET_ENV: secret}
     with contextlib.ExitStack() as stack:
-        gw = stack.enter_context(gateway(tmp_path / "gateway.log", secret))
+        gw = stack.enter_context(gateway(tmp_path / "gateway.log", secret, ["--model", str(model)]))
         assert gw.control is not None
         pool = ["--model", str(model), *ENGINE, "--gateway-addr", gw.control]
         init = f"127.0.0.1:{free_port()}"
