@@ -41,10 +41,6 @@ class ServedV4(nn.Module):
         self._streams: torch.Tensor | None = None  # the last step's final streams, with MTP
 
     @property
-    def num_mtp_layers(self) -> int:
-        return len(self.model.mtp)
-
-    @property
     def num_cache_layers(self) -> int:
         return self.config.num_hidden_layers
 
