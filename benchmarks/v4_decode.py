@@ -16,6 +16,11 @@ random values of the right shapes) take one-token decode steps; reported: the me
 ``--repeats`` timed steps after ``--warmup``, and the bytes one request's cache holds in these
 2-layer float32 models (V3: C x 576 values per layer; V4: what its state holds, by group).
 
+V4 with its MTP layer (a window-only layer, random weights): a verification step (the last token
+and a draft per sequence, undo records kept, the draft taken back as rejected: the most a
+verification costs) and the MTP layer's draft (one position per sequence, its logits), against the
+plain step; the speed-up MTP would give at full acceptance is 2 x plain / (verify + draft).
+
     .venv/bin/python benchmarks/v4_decode.py \\
         --out benchmarks/results/v4_decode.json --markdown benchmarks/results/v4_decode.md
 """
@@ -63,13 +68,28 @@ def _v3(scratch: Path) -> tuple[Any, Any]:
 
 
 def _v4() -> DeepseekV4ForCausalLM:
-    model = DeepseekV4ForCausalLM(V4Config.model_validate(V4), select_ops("cpu")).eval()
+    model = DeepseekV4ForCausalLM(V4Config.model_validate(V4), select_ops("cpu"), num_mtp_layers=1).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
     return model
+
+
+def _mtp_row(r: dict[str, Any]) -> tuple[Any, ...]:
+    plain, verify, draft = r["v4_ms"], r["verify_ms"], r["draft_ms"]
+    speedup = 2 * plain / (verify + draft)
+    ctx = f"{r['context']:,}"
+    return (
+        r["batch"],
+        ctx,
+        f"{plain:.1f}",
+        f"{verify:.1f}",
+        f"{verify / plain:.2f}",
+        f"{draft:.1f}",
+        f"{speedup:.2f}x",
+    )
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -94,6 +114,16 @@ def _markdown(result: dict[str, Any]) -> str:
                 "context, and V4's by group (MiB):",
                 table(("context", "V3", "V4", "V3 B/token", "V4 B/token", "V4 groups"), memory, "rrrrrl"),
             ),
+            (
+                "V4 with MTP, ms (median): the plain step, a verification (two tokens per sequence, "
+                "the draft taken back), the MTP layer's draft, and the speed-up at full acceptance "
+                "(2 x plain / (verify + draft)):",
+                table(
+                    ("batch", "context", "plain", "verify", "verify / plain", "draft", "speed-up"),
+                    [_mtp_row(r) for r in result["steps"]],
+                    "rrrrrrr",
+                ),
+            ),
             ("The real 61-layer V3 and 43/61-layer V4 models' figures (bf16): [v4_kv.md](v4_kv.md).", []),
         ],
     )
@@ -109,9 +139,12 @@ def main() -> None:
         def measure(batch: int, context: int) -> dict[str, Any]:
             dense = steps.v3_step_times(v3, v3_config, context, batch, args.warmup, args.repeats)
             compressed, groups = steps.v4_step_times(v4, context, batch, args.warmup, args.repeats)
+            verify, draft = steps.v4_mtp_step_times(v4, context, batch, args.warmup, args.repeats)
             return {
                 **steps.timing_fields("v3", dense),
                 **steps.timing_fields("v4", compressed),
+                **steps.timing_fields("verify", verify),
+                **steps.timing_fields("draft", draft),
                 "v3_bytes": context * V3_LATENT * 4 * V3["num_hidden_layers"],
                 "v4_bytes": sum(groups.values()),
                 "v4_groups": groups,

@@ -187,3 +187,36 @@ def v4_step_times(
         model.compute_logits(model.forward_many(ids, states, [1] * batch))
 
     return _timed(step, warmup, repeats), states[0].nbytes()
+
+
+def v4_mtp_step_times(
+    model: DeepseekV4ForCausalLM, context: int, batch: int, warmup: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    """MTP on ``model`` (with its MTP layer) at ``context``: (verification steps: the last token
+    and a draft per sequence through the target with undo records, its logits, the draft taken
+    back as rejected; the MTP layer's drafts: one position per sequence over its window, and the
+    draft logits)."""
+    states = [v4_state_at(model, context, seed) for seed in range(batch)]
+    config, gen = model.config, torch.Generator().manual_seed(2)
+    for state in states:  # the MTP layer's window, as after a prompt
+        mtp = state.layers[config.num_hidden_layers]
+        mtp.window = torch.randn(config.sliding_window - 1, config.head_dim, generator=gen)
+    last: list[torch.Tensor] = []
+
+    def verify() -> None:
+        for state in states:
+            state.length = context
+        ids = torch.randint(2, config.vocab_size, (2 * batch,), generator=gen)
+        streams = model.forward_streams(ids, states, [2] * batch, undo=[True] * batch)
+        model.compute_logits(model.finish(streams, states, [2] * batch))
+        for state in states:
+            model.drop_last(state)
+        last[:] = [streams[0::2]]  # each sequence's kept position
+
+    def draft() -> None:
+        ids = torch.randint(2, config.vocab_size, (batch,), generator=gen)
+        out = model.forward_mtp(last[0], ids, states, [context] * batch, [1] * batch)
+        model.compute_mtp_logits(out)
+
+    verify()
+    return _timed(verify, warmup, repeats), _timed(draft, warmup, repeats)
