@@ -21,20 +21,10 @@ from harness.checkpoints import BuiltCheckpoint
 from harness.metrics import metric_value, wait_kv_free, wait_workers
 from harness.server import Server, dsinfer_command, gateway, running
 from harness.v4_checkpoints import add_v4_mtp, build_v4
+from tests.test_v4_elastic import ENGINE, WORKERS
 
 pytestmark = pytest.mark.system
 
-ENGINE = [
-    "--dtype",
-    "float32",
-    "--kv-cache-memory",
-    "16MiB",
-    "--max-num-seqs",
-    "16",
-    "--max-num-batched-tokens",
-    "64",
-]
-WORKERS = {"prefill/0/0", "decode/0/0", "decode/0/1"}
 MAX_TOKENS = 12
 
 

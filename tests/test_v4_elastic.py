@@ -71,7 +71,7 @@ ENGINE = [
     "--max-num-batched-tokens",
     "64",
 ]
-WORKERS = {"prefill/0/0", "decode/0/0", "decode/0/1"}
+WORKERS = {"prefill/0/0", "decode/0/0", "decode/0/1"}  # a prefill rank, a decode pool of two
 STREAMS, STREAM_TOKENS = 6, 40
 
 
