@@ -27,13 +27,12 @@ import struct
 import torch
 
 from dsinfer.base.kv_groups import V4_PAGE_TOKENS, HybridCacheSpec
-from dsinfer.base.v4_config import CSA, HCA, V4Config
+from dsinfer.base.v4_config import V4Config
 from dsinfer.cache.handoff_slots import HandoffSlots
 from dsinfer.cache.kv_pool import PageAllocator, PagePool
 from dsinfer.model.v4_paged import SequenceStates, resume_shapes
 from dsinfer.model.v4_state import Boundary
 
-GROUPS_OF_KIND = {CSA: ("c4", "c4_indexer"), HCA: ("c128",)}  # the paged groups a layer registers, in order
 _TAIL = struct.Struct("<q?")  # a record's resume point: its position, whether there is one
 
 
@@ -175,8 +174,8 @@ class V4StatePool(PagePool):
         the slots' layer: one ``resume_point``)."""
         layer_tensors = self.layer_tensors()
         out: list[dict[str, int]] = []
-        for layer in range(self.num_layers):
-            names = GROUPS_OF_KIND.get(self.caches.config.layer_kind(layer), ())
+        for layer in range(self.num_layers):  # its groups in the spec's order, that of its tensors
+            names = [g.name for g in self.spec.groups if g.name != "window" and layer in g.layers]
             out.append({name: t[0].nbytes for name, t in zip(names, layer_tensors[layer], strict=True)})
         out.append({"resume_point": layer_tensors[-1][0][0].nbytes})
         return out

@@ -89,8 +89,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def drop_last(self, state: SequenceState, count: int = 1) -> None:
         """Take the last ``count`` tokens of the step that kept undo records back out of ``state``
         (a rejected MTP draft); a page boundary past them is crossed again later."""
-        for layer, layer_state in zip(self.layers, state.layers, strict=False):
-            layer.attn.rewind(layer_state, count)
+        for layer in self.layers:  # the MTP layers' windows only ever take accepted tokens
+            layer.attn.rewind(state.layers[layer.layer], count)
         state.length -= count
         if state.boundary is not None and state.boundary > state.length:
             state.boundary = None

@@ -17,6 +17,7 @@ and a transfer must agree with.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -170,42 +171,24 @@ class SequenceState:
         """What puts this state back as it is now: a step that fails midway (a peer of an
         expert-parallel pool died in a collective) leaves some layers with its tokens and others
         without. Steps replace the state's parts rather than change them, and write entries only
-        past the counts, so keeping references and counts is enough."""
-        length, boundary = self.length, self.boundary
-        kept = [
-            (
-                layer,
-                layer.window,
-                layer.boundary_window,
-                [
-                    (
-                        s,
-                        len(s.entries),
-                        s.pending_kv,
-                        s.pending_gate,
-                        s.overlap_kv,
-                        s.overlap_gate,
-                        s.boundary_overlap,
-                    )
-                    for s in (layer.compressed, layer.indexer)
-                    if s is not None
-                ],
-            )
+        past the counts, so shallow copies and the entry counts are enough."""
+        kept = copy.copy(self)
+        layers = [(layer, copy.copy(layer)) for layer in self.layers]
+        series = [
+            (s, copy.copy(s), len(s.entries))
             for layer in self.layers
+            for s in (layer.compressed, layer.indexer)
+            if s is not None
         ]
 
         def restore() -> None:
-            self.length, self.boundary = length, boundary
-            for layer, window, boundary_window, series in kept:
-                layer.window, layer.boundary_window, layer.undo = window, boundary_window, None
-                for s, count, pending_kv, pending_gate, overlap_kv, overlap_gate, boundary_overlap in series:
-                    s.entries.truncate(count)
-                    s.pending_kv, s.pending_gate = pending_kv, pending_gate
-                    s.overlap_kv, s.overlap_gate, s.boundary_overlap = (
-                        overlap_kv,
-                        overlap_gate,
-                        boundary_overlap,
-                    )
+            vars(self).update(vars(kept))
+            for layer, saved in layers:
+                vars(layer).update(vars(saved))
+                layer.undo = None
+            for s, saved, count in series:
+                vars(s).update(vars(saved))
+                s.entries.truncate(count)
 
         return restore
 
