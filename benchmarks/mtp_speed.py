@@ -40,14 +40,18 @@ import random
 import statistics
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dsinfer.base.presets import DEFAULT_MODEL
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.trace import load_trace
 from dsinfer.engine.llm import LLM
 from dsinfer.evals.tasks import lookup_context, make_question, render_context
+from dsinfer.sim.model_dims import ModelShape
 from harness.checkpoints import agreeing_mtp_checkpoint, build_checkpoint
+from harness.mtp_bounds import MTPBound
 from harness.provenance import load_average, run_machine
 from harness.results import add_output_args, machine_lines, save_report, table
 
@@ -72,6 +76,16 @@ WIDE: dict[str, Any] = {
     "max_position_embeddings": 1024,
     "vocab_size": 4096,
 }
+BOUNDS = (
+    "batch",
+    "verify / plain",
+    "by weights",
+    "draft share",
+    "by weights",
+    "layer floor",
+    "speed-up",
+    "by weights",
+)
 SAME_BATCH = 16  # the batch whose outputs are compared between the engines
 SPEED = ("batch", "acceptance", "plain decode", "MTP decode", "speed-up", "plain e2e", "MTP e2e", "speed-up")
 PHASES = (
@@ -210,7 +224,9 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     for llm in engines.values():
         llm.engine.close()  # flushes the traces
     traces = {mode: load_trace(next((scratch / mode).glob("*.json"))) for mode in engines}
-    return {"rows": _rows(passes, traces, acceptance), "identical": same}
+    shape = ModelShape.preset(model or DEFAULT_MODEL)
+    bounds = [asdict(MTPBound.of(shape, b, acceptance[b] or 0.0)) for b in batches]
+    return {"rows": _rows(passes, traces, acceptance), "identical": same, "bounds": bounds}
 
 
 def _rows(
@@ -260,6 +276,13 @@ def markdown(result: dict[str, Any]) -> str:
          f"{r['mtp']['draft_ms']:.2f}", f"{r['mtp']['draft_share']:.0%}")
         for r in result["rows"]
     ]  # fmt: skip
+    bounds = {b["batch"]: b for b in result.get("bounds", [])}
+    weights = [
+        (r["batch"], f"{r['verify_vs_plain_forward']:.2f}", f"{bounds[r['batch']]['verify_vs_plain']:.2f}",
+         f"{r['mtp']['draft_share']:.0%}", f"{bounds[r['batch']]['draft_share']:.0%}",
+         f"{bounds[r['batch']]['layer_floor']:.0%}", f"{r['decode_speedup']:.2f}x", f"{bounds[r['batch']]['speedup']:.2f}x")
+        for r in result["rows"] if r["batch"] in bounds
+    ]  # fmt: skip
     same = result["identical"]
     return "\n".join(
         [
@@ -281,6 +304,19 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             *table(PHASES, phases, "r" * len(PHASES)),
             "",
+            *(
+                [
+                    "What bounds them (harness/mtp_bounds.py): measured against the weights each step reads "
+                    "(dense ones once, routed experts once per distinct expert under uniform routing), the "
+                    "cost of a step set by reading weights; and the draft's share when every layer costs "
+                    "the same (a step set by per-operation overhead):",
+                    "",
+                    *table(BOUNDS, weights, "r" * len(BOUNDS)),
+                    "",
+                ]
+                if weights
+                else []
+            ),
         ]
     )
 

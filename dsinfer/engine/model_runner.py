@@ -207,10 +207,12 @@ class ModelRunner:
         masks = self._start_masks([batch.seqs[i] for i in samplers])
         graph_rows = self._graph_rows(batch, after_layer) if order is None else None
         all_logits: torch.Tensor | None = None  # a graph step computes every row's logits
+        step: ForwardBatch | None = None  # the eager single batch, which the MTP layer may reuse
         if graph_rows is not None:
             hidden, all_logits = self._forward_graph(graph_rows)
         elif order is None:
-            hidden = self._forward_one(batch, after_layer)
+            step = self._forward_batch(batch.seqs, batch.num_decodes)
+            hidden = self._forward_one(batch, step, after_layer)
         else:
             hidden = self._forward_two(batch, order, after_layer)
         ends = [n - 1 for n in itertools.accumulate(s.num_new for s in batch.seqs)]
@@ -241,14 +243,15 @@ class ModelRunner:
         if self.mtp is not None:
             draft = self.draft_graphs if graph_rows is not None and graph_rows.q_len == 2 else None
             if self.tracer is None:
-                self.mtp.propose(batch, hidden, ends, results, after_layer, draft)
+                self.mtp.propose(batch, hidden, ends, results, after_layer, draft, step)
             else:
                 with self.tracer.span("MTP_DRAFT", COMPUTE, cat="mtp", cuda_graph=draft is not None):
-                    self.mtp.propose(batch, hidden, ends, results, after_layer, draft)
+                    self.mtp.propose(batch, hidden, ends, results, after_layer, draft, step)
         return results
 
-    def _forward_one(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None) -> torch.Tensor:
-        forward = self._forward_batch(batch.seqs, batch.num_decodes)
+    def _forward_one(
+        self, batch: ScheduledBatch, forward: ForwardBatch, after_layer: Callable[[int], None] | None
+    ) -> torch.Tensor:
         forward.after_layer = after_layer
         ids = torch.tensor([t for s in batch.seqs for t in _step_tokens(s)], device=self.device)
         if self.tracer is None:

@@ -17,11 +17,13 @@ from collections.abc import Callable
 
 import torch
 
+from dsinfer.base.sampling_params import GREEDY_TEMPERATURE
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
 from dsinfer.engine.forward import build_forward_batch
 from dsinfer.engine.scheduler import ScheduledBatch, StepResult
+from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.v4_served import ServedV4
 from dsinfer.ops import Ops, SamplingTensors
@@ -42,10 +44,13 @@ class MTPProposer:
         results: list[StepResult],
         after_layer: Callable[[int], None] | None = None,
         graphs: DraftGraphs | None = None,
+        step: ForwardBatch | None = None,
     ) -> None:
         """Run the MTP layer over this step's valid positions; set ``next_draft`` of samplers.
         ``graphs``: the step was a two-token verification replayed from the decode graphs, and the
-        layer replays from the draft graphs that follow them."""
+        layer replays from the draft graphs that follow them. ``step``: the target's forward batch
+        when the step ran as one; the layer reuses it (positions, slots, RoPE) when every new
+        token of the step is valid (no draft rejected)."""
         valid = [
             item.num_new - item.num_draft + int(result.draft_accepted)
             for item, result in zip(batch.seqs, results, strict=True)
@@ -65,17 +70,25 @@ class MTPProposer:
             last_hidden = graphs.run(draft_rows)
         else:
             # every valid position writes its latent KV; attention and FFN run at each sequence's last
-            forward = build_forward_batch(
-                batch.seqs, [s.start for s in batch.seqs], valid, 0, self.pool.page_size, self.device
+            whole = step is not None and valid == step.q_lens
+            forward = (
+                step
+                if whole
+                else build_forward_batch(
+                    batch.seqs, [s.start for s in batch.seqs], valid, 0, self.pool.page_size, self.device
+                )
             )
             forward.after_layer = after_layer
-            rows = [
-                r
-                for item, end, n in zip(batch.seqs, ends, valid, strict=True)
-                for r in range(end - item.num_new + 1, end - item.num_new + 1 + n)
-            ]
+            inputs = self.model.mtp_input(hidden)
+            if not whole:
+                rows = [
+                    r
+                    for item, end, n in zip(batch.seqs, ends, valid, strict=True)
+                    for r in range(end - item.num_new + 1, end - item.num_new + 1 + n)
+                ]
+                inputs = inputs[torch.tensor(rows, device=self.device)]
             last_hidden = self.model.forward_mtp(
-                self.model.mtp_input(hidden)[torch.tensor(rows, device=self.device)],
+                inputs,
                 torch.tensor(next_tokens, device=self.device),
                 forward,
                 self.pool.caches,
@@ -84,18 +97,24 @@ class MTPProposer:
         drafting = [i for i, result in enumerate(results) if result.tokens]
         if not drafting:
             return
-        logits = self.model.compute_mtp_logits(last_hidden[torch.tensor(drafting, device=self.device)])
+        if len(drafting) < len(results):
+            last_hidden = last_hidden[torch.tensor(drafting, device=self.device)]
+        logits = self.model.compute_mtp_logits(last_hidden)
         seqs = [batch.seqs[i].seq for i in drafting]
-        sampling = SamplingTensors.from_params(
-            [seq.params for seq in seqs],
-            seed=[seq.seed for seq in seqs],
-            choice=[seq.choice for seq in seqs],
-            # the output index the draft would take: after this step's tokens and the next target token
-            position=[
-                seq.num_output_tokens + len(results[i].tokens) + 1
-                for seq, i in zip(seqs, drafting, strict=True)
-            ],
-            device=self.device,
-        )
-        for i, token in zip(drafting, self.ops.sample(logits, sampling).tolist(), strict=True):
+        if all(seq.params.temperature < GREEDY_TEMPERATURE for seq in seqs):
+            tokens = logits.argmax(dim=-1).tolist()  # what ``sample`` draws for greedy rows
+        else:
+            sampling = SamplingTensors.from_params(
+                [seq.params for seq in seqs],
+                seed=[seq.seed for seq in seqs],
+                choice=[seq.choice for seq in seqs],
+                # the output index the draft would take: after this step's tokens and the next target token
+                position=[
+                    seq.num_output_tokens + len(results[i].tokens) + 1
+                    for seq, i in zip(seqs, drafting, strict=True)
+                ],
+                device=self.device,
+            )
+            tokens = self.ops.sample(logits, sampling).tolist()
+        for i, token in zip(drafting, tokens, strict=True):
             results[i].next_draft = token
