@@ -13,6 +13,9 @@ acceptance), or ``lines``, a table of 6-8 lines then "Repeat the lines." (40-120
 acceptance). ``--model wide``: a random model whose batch-1 step is bound by reading its weights
 (about 1 GB in float32, built here with transformers), made a bigram model whose MTP layer agrees
 with it (full acceptance at any size), over random prompts of 32-64 tokens, 64 tokens each.
+``--model deep``: the same kind of random bigram model with DeepSeek-V3's proportion of decoder
+layers to MTP layers (61 to 1, the first 3 dense) at a small width, where the built-in model and
+``wide`` have 4 to 1.
 For each batch B,
 ``--repeats`` paired passes (the engines alternate which runs first); each pass generates the
 first B prompts to EOS (at most 256 tokens), greedy. Prefix caching is off, so every pass
@@ -56,7 +59,7 @@ from harness.provenance import load_average, run_machine
 from harness.results import add_output_args, machine_lines, save_report, table
 
 MAX_TOKENS = 256
-WIDE_TOKENS = 64
+RANDOM_TOKENS = 64  # output tokens per request of a random model
 # --model wide: random weights, 16 heads over hidden 1024, 32 experts of 512 (about 1 GB in float32),
 # made a bigram model whose MTP layer agrees with it (harness.checkpoints.agreeing_mtp_checkpoint)
 WIDE: dict[str, Any] = {
@@ -86,6 +89,20 @@ BOUNDS = (
     "speed-up",
     "by weights",
 )
+# --model deep: V3's 61 decoder layers (3 dense) and one MTP layer, at a small width (about 0.5 GB)
+DEEP: dict[str, Any] = {
+    **WIDE,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "n_routed_experts": 16,
+}
+RANDOM_MODELS = {"wide": WIDE, "deep": DEEP}
 SAME_BATCH = 16  # the batch whose outputs are compared between the engines
 SPEED = ("batch", "acceptance", "plain decode", "MTP decode", "speed-up", "plain e2e", "MTP e2e", "speed-up")
 PHASES = (
@@ -102,16 +119,16 @@ PHASES = (
 
 
 def _checkpoint(model: str | None, scratch: Path) -> str | None:
-    if model != "wide":
+    if model not in RANDOM_MODELS:
         return model
-    print("building the wide checkpoint (transformers, random weights)", flush=True)
-    source = build_checkpoint(scratch / "wide-source", WIDE, num_shards=1)
-    return str(agreeing_mtp_checkpoint(source, scratch / "wide"))
+    print(f"building the {model} checkpoint (transformers, random weights)", flush=True)
+    source = build_checkpoint(scratch / f"{model}-source", RANDOM_MODELS[model], num_shards=1)
+    return str(agreeing_mtp_checkpoint(source, scratch / model))
 
 
 def _sampling(args: argparse.Namespace, **params: Any) -> SamplingParams:
-    if args.model == "wide":  # a bigram model's replies cycle: fixed lengths
-        return SamplingParams(max_tokens=WIDE_TOKENS, ignore_eos=True, **params)
+    if args.model in RANDOM_MODELS:  # a bigram model's replies cycle: fixed lengths
+        return SamplingParams(max_tokens=RANDOM_TOKENS, ignore_eos=True, **params)
     return SamplingParams(max_tokens=MAX_TOKENS, **params)
 
 
@@ -176,7 +193,7 @@ def _acceptance(llm: LLM) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="mtp-speed-") as scratch:  # traces, the wide checkpoint
+    with tempfile.TemporaryDirectory(prefix="mtp-speed-") as scratch:  # traces, a random checkpoint
         return _run(args, Path(scratch))
 
 
@@ -196,7 +213,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     }
     batches = [int(b) for b in args.batches.split(",")]
     count = max(*batches, SAME_BATCH)
-    if args.model == "wide":
+    if args.model in RANDOM_MODELS:
         prompts = _random_prompts(count, args.seed)
     else:
         prompts = _prompts(engines["plain"], args.task, count, args.seed)
@@ -326,7 +343,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--model", default=None, help="checkpoint, preset or wide (default: the built-in model)"
+        "--model", default=None, help="checkpoint, preset, wide or deep (default: the built-in model)"
     )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batches", default="1,16,64")
@@ -334,7 +351,7 @@ def main() -> None:
     parser.add_argument(
         "--task",
         default="mul",
-        help="mul (worked long multiplication) or lines; a wide model: random prompts",
+        help="mul (worked long multiplication) or lines; a random model: random prompts",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the questions")
     add_output_args(parser)
@@ -344,7 +361,7 @@ def main() -> None:
         "machine": machine,
         "model": args.model or "tiny-chat",
         "dtype": args.dtype,
-        "task": "random prompts" if args.model == "wide" else args.task,
+        "task": "random prompts" if args.model in RANDOM_MODELS else args.task,
         "repeats": args.repeats,
         **run(args),
     }
