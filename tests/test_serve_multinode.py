@@ -19,7 +19,7 @@ from dsinfer.base.cluster_secret import SECRET_ENV
 from dsinfer.base.processes import free_port
 from harness.checkpoints import BuiltCheckpoint
 from harness.metrics import metric_value, wait_kv_free, wait_workers
-from harness.server import Server, dsinfer_command, gateway, running
+from harness.server import Server, dsinfer_command, gateway, running, wait_until
 from harness.v4_checkpoints import add_v4_mtp, build_v4
 from tests.test_v4_elastic import ENGINE, WORKERS
 
@@ -72,7 +72,14 @@ def test_decode_pool_over_two_nodes(family: str, tiny_ckpt: BuiltCheckpoint, tmp
 
         with ThreadPoolExecutor(len(prompts)) as threads:
             assert list(threads.map(complete, prompts)) == expected
-        metrics = gw.metrics()
-        for rank in ("decode/0/0", "decode/0/1"):  # both nodes' ranks decoded
-            assert metric_value(metrics, "dsinfer_worker_prompt_tokens_total", worker=rank) > 0, rank
+
+        def idle_ranks() -> list[str]:  # a rank's counters reach the gateway with its next load report
+            metrics = gw.metrics()
+            return [
+                rank
+                for rank in ("decode/0/0", "decode/0/1")
+                if metric_value(metrics, "dsinfer_worker_prompt_tokens_total", worker=rank) <= 0
+            ]
+
+        wait_until(lambda: not idle_ranks(), "both nodes' decode ranks to report decoded prompts", 10)
         wait_kv_free(gw.base_url)
