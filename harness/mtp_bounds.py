@@ -22,25 +22,14 @@ def distinct_experts(experts: int, topk: int, tokens: int) -> float:
     return experts * (1.0 - (1.0 - topk / experts) ** tokens)
 
 
-def _attention(s: ModelShape) -> int:
-    q = s.hidden * s.q_lora + s.q_lora * s.heads * s.qk_head if s.q_lora else s.hidden * s.heads * s.qk_head
-    return (
-        q
-        + s.hidden * s.latent_dim
-        + s.kv_lora * s.heads * (s.nope_dim + s.v_dim)
-        + s.heads * s.v_dim * s.hidden
-    )
-
-
 def _moe_layer(s: ModelShape, tokens: int) -> float:
-    expert = 3 * s.hidden * s.moe_inter
     routed = distinct_experts(s.experts, s.topk, tokens)
-    return _attention(s) + s.experts * s.hidden + (s.shared_experts + routed) * expert
+    return s.attention_params + s.experts * s.hidden + (s.shared_experts + routed) * s.expert_params
 
 
 def step_params(s: ModelShape, tokens: int) -> float:
     """Parameters a target step over ``tokens`` tokens reads (decoder layers and the LM head)."""
-    dense = s.dense_layers * (_attention(s) + 3 * s.hidden * s.inter)
+    dense = s.dense_layers * (s.attention_params + s.dense_ffn_params)
     return dense + s.moe_layers * _moe_layer(s, tokens) + s.vocab * s.hidden
 
 

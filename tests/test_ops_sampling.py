@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.ops import Ops, SamplingTensors, compute_logprobs, select_ops
-from dsinfer.ops.sampling import hash_uniform, unit_interval
+from dsinfer.ops.sampling import hash_uniform, sample, sample_rows, unit_interval
 
 M32 = 0xFFFFFFFF
 
@@ -214,3 +215,20 @@ def test_empty_batch_and_logprobs(ops: Ops) -> None:
     lp = compute_logprobs(logits)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3))
+
+
+def test_sample_rows_takes_greedy_rows_argmax_and_samples_the_others_with_their_parameters() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 50, generator=gen)
+    greedy = [SamplingParams(temperature=0.0)] * 3
+
+    def refuse(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        raise AssertionError("greedy rows need no sampler")
+
+    rows = sample_rows(refuse, logits, greedy, seed=[0] * 3, choice=[0] * 3, position=[0] * 3)
+    assert rows.tolist() == logits.argmax(dim=-1).tolist()
+
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5), greedy[0]]
+    args = {"seed": [1, 2, 3], "choice": [0, 1, 0], "position": [4, 5, 6]}
+    drawn = sample_rows(sample, logits, mixed, **args)
+    assert drawn.tolist() == sample(logits, SamplingTensors.from_params(mixed, **args)).tolist()

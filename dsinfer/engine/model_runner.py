@@ -52,9 +52,10 @@ from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.overlap import DECODE, PREFILL, MicroBatch, forward_two
 from dsinfer.model.v4_served import ServedV4
-from dsinfer.ops import Ops, SamplingTensors
+from dsinfer.ops import Ops
 from dsinfer.ops.logprobs import prompt_logprobs, top_logprobs
 from dsinfer.ops.penalties import apply_penalties, penalty_state
+from dsinfer.ops.sampling import sample_rows
 
 Sample = tuple[int, dict[int, float] | None]
 log = logging.getLogger("dsinfer.engine")
@@ -358,14 +359,14 @@ class ModelRunner:
             logits = _apply_logit_bias(logits, params)
         if self.constraints is not None:
             logits = self.constraints.apply(seqs, offsets, logits, masks)
-        sampling = SamplingTensors.from_params(
+        tokens = sample_rows(
+            self.ops.sample,
+            logits,
             params,
             seed=[seq.seed for seq in seqs],
             choice=[seq.choice for seq in seqs],
             position=[seq.num_output_tokens + j for seq, j in zip(seqs, offsets, strict=True)],
-            device=self.device,
         )
-        tokens = self.ops.sample(logits, sampling)
         token_list = tokens.tolist()
         logprob_dicts: list[dict[int, float] | None] = [None] * len(seqs)
         want = [p.logprobs for p in params]

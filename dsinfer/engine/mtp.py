@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 
-from dsinfer.base.sampling_params import GREEDY_TEMPERATURE
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.cache.v4_pool import V4StatePool
 from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
@@ -26,7 +25,8 @@ from dsinfer.engine.scheduler import ScheduledBatch, StepResult
 from dsinfer.model.batch import ForwardBatch
 from dsinfer.model.deepseek_v3 import DeepseekV3ForCausalLM
 from dsinfer.model.v4_served import ServedV4
-from dsinfer.ops import Ops, SamplingTensors
+from dsinfer.ops import Ops
+from dsinfer.ops.sampling import sample_rows
 
 
 class MTPProposer:
@@ -101,20 +101,17 @@ class MTPProposer:
             last_hidden = last_hidden[torch.tensor(drafting, device=self.device)]
         logits = self.model.compute_mtp_logits(last_hidden)
         seqs = [batch.seqs[i].seq for i in drafting]
-        if all(seq.params.temperature < GREEDY_TEMPERATURE for seq in seqs):
-            tokens = logits.argmax(dim=-1).tolist()  # what ``sample`` draws for greedy rows
-        else:
-            sampling = SamplingTensors.from_params(
-                [seq.params for seq in seqs],
-                seed=[seq.seed for seq in seqs],
-                choice=[seq.choice for seq in seqs],
-                # the output index the draft would take: after this step's tokens and the next target token
-                position=[
-                    seq.num_output_tokens + len(results[i].tokens) + 1
-                    for seq, i in zip(seqs, drafting, strict=True)
-                ],
-                device=self.device,
-            )
-            tokens = self.ops.sample(logits, sampling).tolist()
+        tokens = sample_rows(
+            self.ops.sample,
+            logits,
+            [seq.params for seq in seqs],
+            seed=[seq.seed for seq in seqs],
+            choice=[seq.choice for seq in seqs],
+            # the output index the draft would take: after this step's tokens and the next target token
+            position=[
+                seq.num_output_tokens + len(results[i].tokens) + 1
+                for seq, i in zip(seqs, drafting, strict=True)
+            ],
+        ).tolist()
         for i, token in zip(drafting, tokens, strict=True):
             results[i].next_draft = token

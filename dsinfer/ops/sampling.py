@@ -23,7 +23,7 @@ reports logprobs (:mod:`dsinfer.ops.logprobs`) from the raw logits before both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -38,6 +38,7 @@ __all__ = [
     "gumbel_noise",
     "hash_uniform",
     "sample",
+    "sample_rows",
 ]
 
 _M32 = 0xFFFFFFFF
@@ -246,6 +247,25 @@ def sample(logits: torch.Tensor, params: SamplingTensors, draw: int = 0) -> torc
     x = _scaled_filtered(logits[rows], sub)
     noise = gumbel_noise(sub.seed, sub.choice, sub.position, logits.shape[1], draw)
     return tokens.index_copy(0, rows, (x + noise).argmax(dim=-1))
+
+
+def sample_rows(
+    sample: Callable[[torch.Tensor, SamplingTensors], torch.Tensor],
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seed: Sequence[int],
+    choice: Sequence[int],
+    position: Sequence[int],
+) -> torch.Tensor:
+    """``sample`` (an ``Ops`` backend's) over one row of ``logits`` per entry of ``params``, with
+    the parameters :meth:`SamplingTensors.from_params` takes. When every row is greedy the rows
+    take their argmax, as every backend draws them, without building the parameter tensors."""
+    if all(p.is_greedy for p in params):
+        return logits.float().argmax(dim=-1)
+    tensors = SamplingTensors.from_params(
+        params, seed=seed, choice=choice, position=position, device=logits.device
+    )
+    return sample(logits, tensors)
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -209,17 +209,35 @@ class ModelShape:
         return 2 * self.heads * (self.latent_dim + self.kv_lora)
 
     @property
-    def active_params(self) -> int:
-        """Parameters one token multiplies through (attention, dense/shared/top-k routed FFN, lm_head)."""
-        attn = (
-            self.hidden * (self.q_lora + self.latent_dim)
-            + self.q_lora * self.heads * self.qk_head
+    def attention_params(self) -> int:
+        """One layer's MLA projections (q through its LoRA when the model has one)."""
+        if self.q_lora:
+            q = self.hidden * self.q_lora + self.q_lora * self.heads * self.qk_head
+        else:
+            q = self.hidden * self.heads * self.qk_head
+        return (
+            q
+            + self.hidden * self.latent_dim
             + self.kv_lora * self.heads * (self.nope_dim + self.v_dim)
             + self.heads * self.v_dim * self.hidden
         )
-        expert = 3 * self.hidden * self.moe_inter
-        dense = 3 * self.hidden * self.inter
-        moe = (self.shared_experts + self.topk) * expert
+
+    @property
+    def expert_params(self) -> int:
+        """One routed or shared expert (gate, up and down projections)."""
+        return 3 * self.hidden * self.moe_inter
+
+    @property
+    def dense_ffn_params(self) -> int:
+        return 3 * self.hidden * self.inter
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies through (attention, dense/shared/top-k routed FFN, lm_head)."""
+        moe = (self.shared_experts + self.topk) * self.expert_params
         return (
-            self.layers * attn + self.dense_layers * dense + self.moe_layers * moe + self.vocab * self.hidden
+            self.layers * self.attention_params
+            + self.dense_layers * self.dense_ffn_params
+            + self.moe_layers * moe
+            + self.vocab * self.hidden
         )
