@@ -23,7 +23,7 @@ from dsinfer.base.request_id import RequestKey, parse_request_id
 from dsinfer.base.tokenizer import Tokenizer
 from dsinfer.gateway.app import build_app
 from dsinfer.gateway.args import GatewayArgs
-from dsinfer.gateway.router import Router
+from dsinfer.gateway.router import FIRST_REGISTRATION_WAIT, Router
 from harness.played_rank import curve_dealer
 from tests.fixtures.control import KEYS
 from tests.fixtures.engine_backend import serve
@@ -59,14 +59,50 @@ class FakeRank:
 
 
 @contextlib.contextmanager
-def running_gateway(heartbeat_timeout: float | None = None) -> Iterator[tuple[str, str]]:
+def running_gateway(
+    heartbeat_timeout: float | None = None, first_registration_wait: float = FIRST_REGISTRATION_WAIT
+) -> Iterator[tuple[str, str]]:
     """The app over a router on a free control port: (url, control address)."""
     control = f"127.0.0.1:{free_port()}"
-    router = Router(control, KEYS, heartbeat_timeout=heartbeat_timeout)
+    router = Router(
+        control, KEYS, heartbeat_timeout=heartbeat_timeout, first_registration_wait=first_registration_wait
+    )
     tokenizer = Tokenizer.from_dir(resolve_model(RANDOM_MODEL)[0])
     app = build_app(router, tokenizer, GatewayArgs(model=RANDOM_MODEL), 4096)
     with serve(app) as url:
         yield url, control
+
+
+def test_new_gateway_holds_requests_until_its_ranks_register() -> None:
+    """A gateway that has not been ready yet (it just started or restarted: its ranks register at
+    once on connecting) holds a request until a rank registers, instead of a 503; with none
+    within its bound, the request gets a 503 to retry."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 1}
+    with running_gateway() as (url, control), contextlib.ExitStack() as stack:
+        result: list[httpx.Response] = []
+        client = threading.Thread(
+            target=lambda: result.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+        )
+        client.start()
+        stack.callback(client.join, 30)
+        time.sleep(0.5)
+        assert not result  # held, not refused
+        ctx = zmq.Context()
+        stack.callback(ctx.destroy, linger=0)
+        rank = FakeRank(ctx, control, "colocated/0/0")
+        rank.announce()
+        request = rank.receive(timeout=10)
+        while request is not None and not isinstance(request, GenerateRequest):
+            request = rank.receive(timeout=10)
+        assert isinstance(request, GenerateRequest), request
+        rank.send(TokenDelta(request_id=request.request_id, token_ids=[9], finish_reason="length"))
+        client.join(30)
+        assert result and result[0].status_code == 200, result
+    with running_gateway(first_registration_wait=0.5) as (url, _):
+        started = time.monotonic()
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert refused.status_code == 503 and "no worker pool has registered" in refused.text, refused.text
+        assert 0.4 < time.monotonic() - started < 10  # held for the bound, then refused
 
 
 @pytest.fixture()

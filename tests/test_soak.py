@@ -30,8 +30,11 @@ def test_three_minute_soak_loses_nothing(tmp_path: Path) -> None:
     assert verdicts["different"] == 0, [o.why for o in result.outcomes if o.verdict == "different"]
     assert verdicts["hung"] == 0
     assert verdicts["identical"] >= 0.9 * len(result.outcomes), verdicts
-    unexplained = {why: n for why, n in result.errors().items() if not why.startswith(DROPPED)}
-    assert not unexplained, unexplained
+    unexplained = [o for o in result.outcomes if o.verdict == "error" and not o.why.startswith(DROPPED)]
+    assert not unexplained, (
+        [f"sent at {o.sent:.1f} s, {o.attempts} attempts: {o.why}" for o in unexplained],
+        [f"{f.kind} -> {f.target} at {f.at:.1f} s, ready after {f.recovered_after}" for f in result.faults],
+    )
     assert {f.kind for f in result.faults} == set(FAULTS), [vars(f) for f in result.faults]
     assert all(f.recovered_after is not None for f in result.faults)
     assert result.kv_after == {}, result.kv_after

@@ -46,6 +46,7 @@ from dsinfer.base.sampling_params import SamplingParams
 MAX_MESSAGE_BYTES = 16 * 2**20
 HEARTBEAT_INTERVAL = 0.5  # seconds between LoadReports of one rank
 HEARTBEAT_TIMEOUT = 5.0  # a rank silent this long is dead to the gateway
+REGISTER_EVERY = 5.0  # seconds between a rank's Registers; also at once on each handshake with a gateway
 EXPERT_LOAD_INTERVAL = 5.0  # seconds between LoadReports that carry the expert load
 
 ROLES = ("prefill", "decode", "colocated")

@@ -367,6 +367,7 @@ async def _serve(ctx: GatewayContext, request: Request, endpoint: _Endpoint, spa
     if ctx.draining:
         raise unavailable("the gateway is shutting down; send the request again (to another replica)")
     body = await request.body()  # at most --max-request-body bytes (BodyLimit)
+    await ctx.backend.until_ready(arrival + ctx.args.request_timeout)  # a new gateway's ranks registering
     limits = ctx.limits()
     # Parsing, templating and tokenizing a long prompt take a while: off the event loop.
     preparing = time.time()

@@ -1,7 +1,11 @@
 """What the HTTP layer needs from whatever runs the requests (the router over worker pools).
 
 ``submit(job, sink)`` returns at once with a ``JobHandle`` or raises: ``Overloaded`` (-> 429 with
-Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). The backend hands each
+Retry-After), ``Unavailable`` (-> 503: no healthy worker of a needed role). Before it validates a
+request against ``capacity`` the HTTP layer awaits ``until_ready(deadline)``: a backend that expects
+ranks soon (a gateway that just started, whose ranks are registering) waits for them, within a bound
+of its own, so that its first requests are not refused; one that has served already answers at once
+(a pool restarting is a 503 the client retries). The backend hands each
 ``(choice number, TokenDelta)`` to ``sink``, on the gateway's event loop and in order, every choice
 ending with one delta that has ``finish_reason`` or ``error`` set and nothing after it. The sink
 must not block or raise (it is called from the backend's message handler, once per token of every
@@ -102,6 +106,8 @@ class Capacity:
 
 class Backend(Protocol):
     def submit(self, job: Job, sink: DeltaSink) -> JobHandle: ...
+
+    async def until_ready(self, deadline: float) -> bool: ...
 
     async def start(self) -> None: ...
 

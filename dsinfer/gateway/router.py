@@ -43,6 +43,7 @@ import msgspec
 from dsinfer.balancers.base import RouteRequest
 from dsinfer.base.cluster_secret import ControlKeys
 from dsinfer.base.protocol import (
+    REGISTER_EVERY,
     Abort,
     Deregister,
     GenerateRequest,
@@ -79,6 +80,9 @@ log = logging.getLogger("dsinfer.gateway")
 MONITOR_INTERVAL = 0.25
 MAX_MIGRATIONS = 3  # times one choice may move to another rank (--max-migrations)
 MAX_ORPHANS = 4096  # unknown request ids answered with Abort, remembered to answer each once
+# every live rank registers within REGISTER_EVERY s of the control socket listening (at once on
+# its handshake); a request to a gateway that has not been ready yet waits this long for them
+FIRST_REGISTRATION_WAIT = REGISTER_EVERY + 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -133,6 +137,7 @@ class Router:
         heartbeat_timeout: float | None = None,
         max_migrations: int = MAX_MIGRATIONS,
         tracer: Tracer | None = None,
+        first_registration_wait: float = FIRST_REGISTRATION_WAIT,
     ):
         self.tracer = tracer or Tracer("dsinfer-gateway", None)
         self.pools = Pools(balancer, heartbeat_timeout)
@@ -146,10 +151,14 @@ class Router:
         self.instance = secrets.token_hex(4)  # in every worker request id this gateway sends
         self._random = random.Random()
         self._monitor_task: asyncio.Task[None] | None = None
+        self.first_registration_wait = first_registration_wait
+        self._listening_since: float | None = None
+        self._was_ready = asyncio.Event()  # set once, the first time the pools can serve
 
     # Lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.control.start()
+        self._listening_since = time.monotonic()
         self._monitor_task = asyncio.create_task(self._monitor())
 
     def end_all(self, reason: str) -> None:
@@ -166,6 +175,21 @@ class Router:
         await self.control.stop()
 
     # Submission ------------------------------------------------------------------------------
+    async def until_ready(self, deadline: float) -> bool:
+        """Whether the pools can serve, awaited until ``deadline`` only while this gateway has
+        never been ready and its ranks may still be registering (``first_registration_wait`` s
+        after its control socket listens: a restarted gateway's ranks come back at once). Once it
+        has served, a pool restarting is answered at once (the client retries the 503)."""
+        if self.pools.ready():
+            return True
+        if self._was_ready.is_set() or self._listening_since is None:
+            return False
+        timeout = min(deadline, self._listening_since + self.first_registration_wait) - time.monotonic()
+        if timeout > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._was_ready.wait(), timeout)
+        return self.pools.ready()
+
     def submit(self, job: Job, sink: DeltaSink) -> RouterJob:
         if not self.pools.ready():
             raise Unavailable("no healthy worker: need a prefill and a decode rank, or a colocated one")
@@ -346,6 +370,8 @@ class Router:
         # a rank back by heartbeat or report (unresponsive, unreachable or draining before) counts too
         if isinstance(message, Register | Deregister | PoolDown | RankDown | Heartbeat | LoadReport):
             self.pools.announce_readiness()
+            if not self._was_ready.is_set() and self.pools.ready():
+                self._was_ready.set()
             self._dispatch_parked()
 
     def _on_delta(self, sender: str, delta: TokenDelta) -> None:

@@ -16,7 +16,13 @@ import dataclasses
 import logging
 import time
 
-from dsinfer.base.protocol import EXPERT_LOAD_INTERVAL, HEARTBEAT_INTERVAL, Register, WorkerRequest
+from dsinfer.base.protocol import (
+    EXPERT_LOAD_INTERVAL,
+    HEARTBEAT_INTERVAL,
+    REGISTER_EVERY,
+    Register,
+    WorkerRequest,
+)
 from dsinfer.connector.messages import AnyMessage
 from dsinfer.engine.facade import EngineFacade
 from dsinfer.transfer.base import TransferBackend
@@ -30,7 +36,6 @@ IDLE_POLL_MS = 20
 BUSY_POLL_MS = 1  # waiting on transfers or timers only: come back soon without spinning
 BURST_GAP_MS = 5  # an idle rank's new requests: the burst has ended after this long without one
 BURST_WINDOW_MS = 50  # at most this long spent gathering a burst
-REGISTER_EVERY = 5.0  # seconds; also at once whenever a handshake with a gateway succeeds
 
 
 def rest_of_burst(channel: WorkerChannel) -> list[AnyMessage]:
