@@ -231,7 +231,7 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
     lines = [r.getMessage() for r in caplog.records if r.name == "dsinfer.ops"]
     assert lines == [
         "ops backends: gemm=torch experts=numba mla=numba indexer=torch sparse_mla=torch gate=torch "
-        "v4_compress=torch mxfp4=torch sampling=torch (device cpu)"
+        "v4_compress=torch mxfp4=torch sampling=torch norm=numba (device cpu)"
     ]
     assert not ops.supports_fp8_gemm
     assert dict(ops.backends) == {
@@ -244,6 +244,7 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
         "v4_compress": "torch",
         "mxfp4": "torch",
         "sampling": "torch",
+        "norm": "numba",
     }
     assert ops.linear is torch_gemm.linear
 

@@ -18,6 +18,7 @@ from dsinfer.ops import (
     indexer,
     mla,
     mxfp4,
+    norm,
     sampling,
     signatures,
     sparse_mla,
@@ -36,14 +37,14 @@ def _protocol(name: str) -> type:
 def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
     import dsinfer.kernels as kernels
 
-    from dsinfer.ops import experts_cpu, mla_cpu
+    from dsinfer.ops import experts_cpu, mla_cpu, norm_cpu
 
     backends: dict[str, list[Callable[..., Any]]] = {
         "torch": [gemm.linear, gemm.pack_linear_weight, gemm.grouped_gemm_contiguous, gemm.grouped_gemm_masked,
                   mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, experts.masked_experts,
                   indexer.indexer_topk, sparse_mla.sparse_mla_decode, v4_compress.pool_windows,
-                  mxfp4.mxfp4_grouped_gemm],
-        "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts],
+                  mxfp4.mxfp4_grouped_gemm, norm.rms_norm],
+        "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts, norm_cpu.rms_norm],
         "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
                      DeepGemmAdapter.grouped_gemm_masked, DeepGemmAdapter.masked_experts,
                      DeepGemmIndexerAdapter.indexer_topk, DeepGemmMxfp4Adapter.mxfp4_grouped_gemm],
@@ -83,5 +84,5 @@ def test_every_ops_field_is_typed_by_a_protocol() -> None:
     assert kernels == {
         "linear", "pack_linear_weight", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts",
         "masked_experts", "mla_decode", "moe_gate", "sample",
-        "indexer_topk", "sparse_mla_decode", "pool_windows", "mxfp4_grouped_gemm",
+        "indexer_topk", "sparse_mla_decode", "pool_windows", "mxfp4_grouped_gemm", "rms_norm",
     }  # fmt: skip

@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
             if config.is_moe_layer(layer_id)
             else MLP(config.hidden_size, config.intermediate_size, ops)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
         return self.feed_forward(
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
 class SharedHead(nn.Module):
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
         self.head = Linear(config.hidden_size, config.vocab_size, ops)
 
 
@@ -152,8 +152,8 @@ class MTPLayer(DecoderLayer):
     ) -> None:
         super().__init__(config, ops, layer_id, expert_ids, ep)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.enorm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, ops)
         self.shared_head = SharedHead(config, ops)
 
@@ -194,7 +194,7 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, ops, i, expert_ids, ep) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(nn.Module):

@@ -13,17 +13,16 @@ from dsinfer.ops import Ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    """Through ``ops.rms_norm``: normalised in fp32, then rounded to ``x``'s dtype before the
+    weight multiplies it (as transformers' DeepseekV3RMSNorm)."""
+
+    def __init__(self, dim: int, ops: Ops, eps: float = 1e-6) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalised in fp32, then rounded to ``x``'s dtype before the weight multiplies it (as
-        transformers' DeepseekV3RMSNorm)."""
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.Module):

@@ -64,10 +64,10 @@ class MLA(nn.Module):
             self.q_proj = Linear(hidden, q_out, ops)
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, ops, bias=config.attention_bias)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, ops, config.rms_norm_eps)
             self.q_b_proj = Linear(self.q_lora_rank, q_out, ops)
         self.kv_a_proj_with_mqa = Linear(hidden, config.kv_cache_dim, ops, bias=config.attention_bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, ops, config.rms_norm_eps)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), ops)
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, ops, bias=config.attention_bias)
         self.rotary = RotaryEmbedding(config.rope, self.rope_dim, config.rope_interleave)

@@ -14,6 +14,7 @@ gate        triton, torch                                moe_gate
 v4_compress triton, torch                                pool_windows
 mxfp4       deepgemm, triton, torch                      mxfp4_grouped_gemm
 sampling    triton, torch                                sample
+norm        numba, torch                                 rms_norm
 ==========  ===========================================  ==============================================
 
 A candidate is probed lazily and only at selection: ``deepgemm``/``flashmla`` need a CUDA device
@@ -28,6 +29,7 @@ kernel when it is available, else to the torch reference; ``triton`` needs a CUD
 ``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
 and an importable numba; ``torch`` always works. ``numba`` for ``experts`` is the fused CPU MoE of
 ``ops/experts_cpu.py`` (float32/bfloat16 weights: the CPU loader dequantizes FP8 checkpoints);
+``numba`` for ``norm`` is the CPU RMSNorm of ``ops/norm_cpu.py``;
 ``grouped`` (always available) runs the routed experts as two grouped GEMMs of the chosen ``gemm``
 backend around the SwiGLU (``ops/experts.py``). The chosen functions live in the returned (frozen)
 :class:`Ops`; nothing global is mutated.
@@ -51,6 +53,7 @@ from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops import indexer as torch_indexer
 from dsinfer.ops import mla as torch_mla
 from dsinfer.ops import mxfp4 as torch_mxfp4
+from dsinfer.ops import norm as torch_norm
 from dsinfer.ops import sampling as torch_sampling
 from dsinfer.ops import sparse_mla as torch_sparse_mla
 from dsinfer.ops import v4_compress as torch_v4_compress
@@ -68,6 +71,7 @@ from dsinfer.ops.signatures import (
     Mxfp4GroupedGemm,
     PackLinearWeight,
     PoolWindows,
+    RmsNorm,
     Sample,
     SparseMlaDecode,
 )
@@ -85,7 +89,11 @@ __all__ = [
 ]
 
 # the numba kernels' modules, slowest to compile first
-NUMBA_MODULES = {"mla": "dsinfer.ops.mla_cpu", "experts": "dsinfer.ops.experts_cpu"}
+NUMBA_MODULES = {
+    "mla": "dsinfer.ops.mla_cpu",
+    "experts": "dsinfer.ops.experts_cpu",
+    "norm": "dsinfer.ops.norm_cpu",
+}
 
 KERNELS: tuple[str, ...] = (
     "gemm",
@@ -97,6 +105,7 @@ KERNELS: tuple[str, ...] = (
     "v4_compress",
     "mxfp4",
     "sampling",
+    "norm",
 )
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -109,6 +118,7 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "v4_compress": ("triton", "torch"),
         "mxfp4": ("deepgemm", "triton", "torch"),
         "sampling": ("triton", "torch"),
+        "norm": ("numba", "torch"),
     }
 )
 FP8_CAPABILITY = (8, 9)  # Ada/Hopper: the first GPUs with fp8 e4m3 tensor-core instructions
@@ -128,6 +138,7 @@ TRITON_FEATURES: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "v4_compress": ("pool_windows",),
         "mxfp4": ("mxfp4_grouped_gemm",),
         "sampling": ("sample",),
+        "norm": (),
     }
 )
 
@@ -154,6 +165,7 @@ class Ops:
     pool_windows: PoolWindows  # DeepSeek-V4's compressor pooling
     mxfp4_grouped_gemm: Mxfp4GroupedGemm  # DeepSeek-V4's routed experts in MXFP4 (unverified on GPU)
     sample: Sample
+    rms_norm: RmsNorm
     # True: keep checkpoint FP8 weights as fp8 + block scales (the GEMMs take them as they are).
     # False (torch reference on CPU): the loader dequantizes FP8 checkpoints at load.
     supports_fp8_gemm: bool
@@ -187,6 +199,8 @@ def _torch_impl(kernel: str) -> Impl:
         return {"pool_windows": torch_v4_compress.pool_windows}
     if kernel == "mxfp4":
         return {"mxfp4_grouped_gemm": torch_mxfp4.mxfp4_grouped_gemm}
+    if kernel == "norm":
+        return {"rms_norm": torch_norm.rms_norm}
     return {"sample": torch_sampling.sample}
 
 
@@ -253,6 +267,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if kernel == "experts":
             module = _import("dsinfer.ops.experts_cpu")
             return module if isinstance(module, str) else {"fused_experts": module.fused_experts}
+        if kernel == "norm":
+            module = _import("dsinfer.ops.norm_cpu")
+            return module if isinstance(module, str) else {"rms_norm": module.rms_norm}
         module = _import("dsinfer.ops.mla_cpu")
         return module if isinstance(module, str) else {"mla_decode": module.mla_decode}
     if device.type != "cuda":

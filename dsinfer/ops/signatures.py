@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from dsinfer.ops import experts, gate, gemm, indexer, mla, mxfp4, sampling, sparse_mla, v4_compress
+from dsinfer.ops import experts, gate, gemm, indexer, mla, mxfp4, norm, sampling, sparse_mla, v4_compress
 
 __all__ = [
     "FusedExperts",
@@ -26,6 +26,7 @@ __all__ = [
     "Mxfp4GroupedGemm",
     "PackLinearWeight",
     "PoolWindows",
+    "RmsNorm",
     "Sample",
     "SparseMlaDecode",
 ]
@@ -102,6 +103,12 @@ class Mxfp4GroupedGemm(Protocol):
     """Rows through their experts' MXFP4 weights: :func:`dsinfer.ops.mxfp4.mxfp4_grouped_gemm`."""
 
     __call__ = staticmethod(mxfp4.mxfp4_grouped_gemm)
+
+
+class RmsNorm(Protocol):
+    """RMSNorm over the last dimension, times the weight: :func:`dsinfer.ops.norm.rms_norm`."""
+
+    __call__ = staticmethod(norm.rms_norm)
 
 
 class Sample(Protocol):
