@@ -29,7 +29,7 @@ def _rms_f32(x, w, eps, out):
         squares = np.float32(0.0)
         for j in range(dim):
             squares += x[i, j] * x[i, j]
-        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + eps)
+        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
         for j in range(dim):
             out[i, j] = x[i, j] * scale * w[j]
 
@@ -54,7 +54,7 @@ def _rms_bf16(x, w, eps, out):
         for j in range(dim):
             row_bits[j] = np.uint32(x[i, j]) << np.uint32(16)
             squares += row[j] * row[j]
-        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + eps)
+        scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
         for j in range(dim):
             row[j] = row[j] * scale
             row_bits[j] = np.uint32(_to_bf16(row_bits[j])) << np.uint32(16)  # .to(bf16)
@@ -89,14 +89,17 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The ``RmsNorm`` contract (dsinfer/ops/signatures.py; its reference: dsinfer.ops.norm.rms_norm)."""
     dtype = x.dtype
-    if weight.dtype != dtype or dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+    if weight.dtype != dtype or dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu:
         return torch_norm.rms_norm(x, weight, eps)
-    rows = x.detach().reshape(-1, x.shape[-1]).contiguous()
+    # a decode step's norm is a few microseconds of work: every wrapper operation counts here
+    flat = x.dim() == 2 and x.is_contiguous()
+    rows = x if flat else x.reshape(-1, x.shape[-1]).contiguous()
+    if rows.requires_grad or weight.requires_grad or not weight.is_contiguous():
+        rows, weight = rows.detach(), weight.detach().contiguous()
     out = torch.empty_like(rows)
     if rows.shape[0] > 0:
-        w = weight.detach().contiguous()
         if dtype == torch.float32:
-            _rms_f32(rows.numpy(), w.numpy(), np.float32(eps), out.numpy())
+            _rms_f32(rows.numpy(), weight.numpy(), eps, out.numpy())
         else:
-            _rms_bf16(_bits(rows), _bits(w), np.float32(eps), _bits(out))
-    return out.view(x.shape)
+            _rms_bf16(_bits(rows), _bits(weight), eps, _bits(out))
+    return out if flat else out.view(x.shape)
