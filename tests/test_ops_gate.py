@@ -1,4 +1,5 @@
-"""The DeepSeek-V3 noaux_tc MoE gate against a brute-force python reference."""
+"""The DeepSeek-V3 noaux_tc MoE gate, the torch reference and the CPU kernel (numba), against a
+brute-force python reference."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch
 from dsinfer.ops import Ops, select_ops
 
 
-@pytest.fixture
-def ops() -> Ops:
-    return select_ops(torch.device("cpu"), prefer="torch")
+@pytest.fixture(params=["torch", "numba"])
+def ops(request: pytest.FixtureRequest) -> Ops:
+    ops = select_ops(torch.device("cpu"), prefer=request.param)
+    assert ops.backends["gate"] == request.param
+    return ops
 
 
 def _brute_force(

@@ -230,7 +230,7 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
         ops = select_ops(torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records if r.name == "dsinfer.ops"]
     assert lines == [
-        "ops backends: gemm=torch experts=numba mla=numba indexer=torch sparse_mla=torch gate=torch "
+        "ops backends: gemm=torch experts=numba mla=numba indexer=torch sparse_mla=torch gate=numba "
         "v4_compress=torch mxfp4=torch sampling=torch norm=numba (device cpu)"
     ]
     assert not ops.supports_fp8_gemm
@@ -240,7 +240,7 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
         "mla": "numba",
         "indexer": "torch",
         "sparse_mla": "torch",
-        "gate": "torch",
+        "gate": "numba",
         "v4_compress": "torch",
         "mxfp4": "torch",
         "sampling": "torch",

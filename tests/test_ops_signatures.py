@@ -37,14 +37,14 @@ def _protocol(name: str) -> type:
 def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
     import dsinfer.kernels as kernels
 
-    from dsinfer.ops import experts_cpu, mla_cpu, norm_cpu
+    from dsinfer.ops import experts_cpu, gate_cpu, mla_cpu, norm_cpu
 
     backends: dict[str, list[Callable[..., Any]]] = {
         "torch": [gemm.linear, gemm.pack_linear_weight, gemm.grouped_gemm_contiguous, gemm.grouped_gemm_masked,
                   mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, experts.masked_experts,
                   indexer.indexer_topk, sparse_mla.sparse_mla_decode, v4_compress.pool_windows,
                   mxfp4.mxfp4_grouped_gemm, norm.rms_norm],
-        "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts, norm_cpu.rms_norm],
+        "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts, norm_cpu.rms_norm, gate_cpu.moe_gate],
         "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
                      DeepGemmAdapter.grouped_gemm_masked, DeepGemmAdapter.masked_experts,
                      DeepGemmIndexerAdapter.indexer_topk, DeepGemmMxfp4Adapter.mxfp4_grouped_gemm],

@@ -10,7 +10,7 @@ experts     numba, grouped                               fused_experts
 mla         flashmla, triton, numba, torch               mla_decode
 indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
-gate        triton, torch                                moe_gate
+gate        triton, numba, torch                         moe_gate
 v4_compress triton, torch                                pool_windows
 mxfp4       deepgemm, triton, torch                      mxfp4_grouped_gemm
 sampling    triton, torch                                sample
@@ -29,7 +29,8 @@ kernel when it is available, else to the torch reference; ``triton`` needs a CUD
 ``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
 and an importable numba; ``torch`` always works. ``numba`` for ``experts`` is the fused CPU MoE of
 ``ops/experts_cpu.py`` (float32/bfloat16 weights: the CPU loader dequantizes FP8 checkpoints);
-``numba`` for ``norm`` is the CPU RMSNorm of ``ops/norm_cpu.py``;
+``numba`` for ``norm`` and ``gate`` is the CPU RMSNorm of ``ops/norm_cpu.py`` and the CPU MoE gate of
+``ops/gate_cpu.py``;
 ``grouped`` (always available) runs the routed experts as two grouped GEMMs of the chosen ``gemm``
 backend around the SwiGLU (``ops/experts.py``). The chosen functions live in the returned (frozen)
 :class:`Ops`; nothing global is mutated.
@@ -92,6 +93,7 @@ __all__ = [
 NUMBA_MODULES = {
     "mla": "dsinfer.ops.mla_cpu",
     "experts": "dsinfer.ops.experts_cpu",
+    "gate": "dsinfer.ops.gate_cpu",
     "norm": "dsinfer.ops.norm_cpu",
 }
 
@@ -114,7 +116,7 @@ BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "mla": ("flashmla", "triton", "numba", "torch"),
         "indexer": ("deepgemm", "triton", "torch"),
         "sparse_mla": ("flashmla", "triton", "torch"),
-        "gate": ("triton", "torch"),
+        "gate": ("triton", "numba", "torch"),
         "v4_compress": ("triton", "torch"),
         "mxfp4": ("deepgemm", "triton", "torch"),
         "sampling": ("triton", "torch"),
@@ -270,6 +272,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         if kernel == "norm":
             module = _import("dsinfer.ops.norm_cpu")
             return module if isinstance(module, str) else {"rms_norm": module.rms_norm}
+        if kernel == "gate":
+            module = _import("dsinfer.ops.gate_cpu")
+            return module if isinstance(module, str) else {"moe_gate": module.moe_gate}
         module = _import("dsinfer.ops.mla_cpu")
         return module if isinstance(module, str) else {"mla_decode": module.mla_decode}
     if device.type != "cuda":

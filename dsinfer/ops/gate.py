@@ -12,7 +12,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["moe_gate"]
+__all__ = ["check_gate", "moe_gate"]
+
+
+def check_gate(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """Raise ValueError when the gate's configuration cannot route ``num_experts`` experts."""
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"n_experts ({num_experts}) must be divisible by n_group ({n_group})")
+    if n_group > 1 and topk_group < n_group:
+        if topk_group < 1:
+            raise ValueError(f"topk_group must be >= 1, got {topk_group}")
+        per_group = num_experts // n_group
+        if top_k > topk_group * per_group:
+            raise ValueError(f"top_k ({top_k}) exceeds the experts in {topk_group} groups of {per_group}")
 
 
 def moe_gate(
@@ -29,18 +43,11 @@ def moe_gate(
     Ids are ordered by descending choice score.
     """
     num_tokens, num_experts = router_logits.shape
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    if n_group < 1 or num_experts % n_group:
-        raise ValueError(f"n_experts ({num_experts}) must be divisible by n_group ({n_group})")
+    check_gate(num_experts, top_k, n_group, topk_group)
     scores = router_logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()[None, :]
     if n_group > 1 and topk_group < n_group:
-        if topk_group < 1:
-            raise ValueError(f"topk_group must be >= 1, got {topk_group}")
         per_group = num_experts // n_group
-        if top_k > topk_group * per_group:
-            raise ValueError(f"top_k ({top_k}) exceeds the experts in {topk_group} groups of {per_group}")
         grouped = choice.view(num_tokens, n_group, per_group)
         group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, n_group]
         keep_groups = group_scores.topk(topk_group, dim=-1).indices
