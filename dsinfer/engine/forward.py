@@ -8,6 +8,10 @@ import torch
 from dsinfer.engine.scheduler import ScheduledSeq
 from dsinfer.model.batch import ForwardBatch
 
+# up to this many tokens a step's positions and slots are computed on host lists (a decode step:
+# a dozen small tensor operations cost more); longer prefills use tensor operations
+LISTED_TOKENS = 256
+
 
 def build_forward_batch(
     items: list[ScheduledSeq],
@@ -22,11 +26,9 @@ def build_forward_batch(
     table = torch.tensor(
         [item.seq.pages + [0] * (width - len(item.seq.pages)) for item in items], dtype=torch.int32
     )
-    lens = torch.tensor(q_lens)
-    seq = torch.repeat_interleave(torch.arange(len(items)), lens)
-    first = torch.repeat_interleave(torch.tensor(starts) - (lens.cumsum(0) - lens), lens)
-    positions = first + torch.arange(len(seq))  # the step's tokens in order: position of each
-    slots = table[seq, positions // page_size].long() * page_size + positions % page_size
+    positions, slots = (_slots_listed if sum(q_lens) <= LISTED_TOKENS else _slots_tensor)(
+        items, starts, q_lens, table, page_size
+    )
     return ForwardBatch(
         positions=positions.to(device),
         slot_mapping=slots.to(device),
@@ -37,6 +39,29 @@ def build_forward_batch(
         seq_keys=[item.seq.key for item in items],
         drafts=[item.num_draft for item in items],
     )
+
+
+def _slots_listed(
+    items: list[ScheduledSeq], starts: list[int], q_lens: list[int], table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    positions: list[int] = []
+    slots: list[int] = []
+    for item, start, q_len in zip(items, starts, q_lens, strict=True):
+        pages = item.seq.pages
+        for pos in range(start, start + q_len):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+    return torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+
+
+def _slots_tensor(
+    items: list[ScheduledSeq], starts: list[int], q_lens: list[int], table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor(q_lens)
+    seq = torch.repeat_interleave(torch.arange(len(items)), lens)
+    first = torch.repeat_interleave(torch.tensor(starts) - (lens.cumsum(0) - lens), lens)
+    positions = first + torch.arange(len(seq))  # the step's tokens in order: position of each
+    return positions, table[seq, positions // page_size].long() * page_size + positions % page_size
 
 
 def attention_load(item: ScheduledSeq) -> int:
