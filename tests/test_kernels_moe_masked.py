@@ -28,16 +28,29 @@ def _untouched_filled(shape: tuple[int, ...], kb: int) -> tuple[torch.Tensor, to
     return q, torch.full((*shape[:-1], kb), -1.0)
 
 
-def _check_rows(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor, counts: list[int], what: str) -> None:
+def _check_rows(
+    q: torch.Tensor, s: torch.Tensor, x: torch.Tensor, counts: list[int], what: str, ulps: int = 0
+) -> None:
+    """Rows below ``counts[g]`` quantized as the reference does: bit for bit, or with ``ulps`` > 0
+    (an input the kernel computed with another ``exp`` than torch's, which may round a value one
+    float32 ulp apart) scales within that many ulps and fp8 codes within one step."""
     from dsinfer.ops.fp8 import quantize_activation_1x128
 
     for g, count in enumerate(counts):
         q_ref, s_ref = quantize_activation_1x128(x[g, :count])
-        if not torch.equal(s[g, :count], s_ref):
+        scales_ok = (
+            torch.equal(s[g, :count], s_ref)
+            if ulps == 0
+            else bool(
+                ((s[g, :count] - s_ref).abs() <= ulps * torch.finfo(torch.float32).eps * s_ref.abs()).all()
+            )
+        )
+        if not scales_ok:
             raise AssertionError(
                 f"{what} group {g}: scales differ, max {(s[g, :count] - s_ref).abs().max():.3e}"
             )
-        if not torch.equal(q[g, :count].view(torch.uint8), q_ref.view(torch.uint8)):
+        codes, codes_ref = q[g, :count].view(torch.uint8).int(), q_ref.view(torch.uint8).int()
+        if not (torch.equal(codes, codes_ref) if ulps == 0 else bool(((codes - codes_ref).abs() <= 1).all())):
             raise AssertionError(f"{what} group {g}: fp8 values differ")
         if not bool((s[g, count:] == -1.0).all()) or not bool((q[g, count:].view(torch.uint8) == 0x7E).all()):
             raise AssertionError(f"{what} group {g}: rows past masked_m were written")
@@ -96,8 +109,9 @@ def check_swiglu_quantize_masked() -> None:
             valid = torch.arange(capacity)[None, :] < masked_m[:, None]
             marked_q.view(torch.uint8)[valid] = q.view(torch.uint8)[valid]
             marked_s[valid] = s[valid]
+            # the interpreter's exp is numpy's: a value may round one ulp from torch's
             _check_rows(
-                marked_q, marked_s, activated, counts, f"swiglu limit={limit} {groups}x{capacity}x{k}"
+                marked_q, marked_s, activated, counts, f"swiglu limit={limit} {groups}x{capacity}x{k}", ulps=2
             )
             torch.testing.assert_close(activated, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
