@@ -65,13 +65,13 @@ def _rms_bf16(x, w, eps, out):
 _F32_SIGNATURE = (
     c_array(numba.float32, 2),
     c_array(numba.float32, 1),
-    numba.float32,
+    numba.float64,  # eps, a Python float
     c_array(numba.float32, 2),
 )
 _BF16_SIGNATURE = (
     c_array(numba.uint16, 2),
     c_array(numba.uint16, 1),
-    numba.float32,
+    numba.float64,  # eps
     c_array(numba.uint16, 2),
 )
 
