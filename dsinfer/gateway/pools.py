@@ -4,6 +4,7 @@ among them, readiness, and their metrics. No sockets and no requests: the router
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from dsinfer.balancers.base import Balancer, RouteRequest
@@ -23,6 +24,7 @@ class Pools:
         self.registry = WorkerRegistry() if heartbeat_timeout is None else WorkerRegistry(heartbeat_timeout)
         self.balancers: dict[str, Balancer] = {}  # made at the first registration (its page size)
         self._announced_ready = False  # last readiness logged (a line when it changes)
+        self.first_ready = asyncio.Event()  # set once, the first time the pools can serve
         self.events: dict[tuple[str, str], int] = {}  # ("<role>/<pool>", event) -> count
 
     # The ranks' messages -----------------------------------------------------------------------
@@ -71,6 +73,7 @@ class Pools:
         if ready != self._announced_ready:
             self._announced_ready = ready
             if ready:
+                self.first_ready.set()
                 log.info("ready: the pools can serve requests")
             else:
                 log.warning("not ready: no prefill and decode rank, nor a colocated one; requests get 503")

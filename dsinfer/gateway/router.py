@@ -153,7 +153,6 @@ class Router:
         self._monitor_task: asyncio.Task[None] | None = None
         self.first_registration_wait = first_registration_wait
         self._listening_since: float | None = None
-        self._was_ready = asyncio.Event()  # set once, the first time the pools can serve
 
     # Lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -182,12 +181,12 @@ class Router:
         has served, a pool restarting is answered at once (the client retries the 503)."""
         if self.pools.ready():
             return True
-        if self._was_ready.is_set() or self._listening_since is None:
+        if self.pools.first_ready.is_set() or self._listening_since is None:
             return False
         timeout = min(deadline, self._listening_since + self.first_registration_wait) - time.monotonic()
         if timeout > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._was_ready.wait(), timeout)
+                await asyncio.wait_for(self.pools.first_ready.wait(), timeout)
         return self.pools.ready()
 
     def submit(self, job: Job, sink: DeltaSink) -> RouterJob:
@@ -370,8 +369,6 @@ class Router:
         # a rank back by heartbeat or report (unresponsive, unreachable or draining before) counts too
         if isinstance(message, Register | Deregister | PoolDown | RankDown | Heartbeat | LoadReport):
             self.pools.announce_readiness()
-            if not self._was_ready.is_set() and self.pools.ready():
-                self._was_ready.set()
             self._dispatch_parked()
 
     def _on_delta(self, sender: str, delta: TokenDelta) -> None:
