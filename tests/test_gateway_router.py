@@ -95,6 +95,7 @@ def test_new_gateway_holds_requests_until_its_ranks_register() -> None:
         while request is not None and not isinstance(request, GenerateRequest):
             request = rank.receive(timeout=10)
         assert isinstance(request, GenerateRequest), request
+        assert not request.more_coming  # a lone request: the rank starts it at once
         rank.send(TokenDelta(request_id=request.request_id, token_ids=[9], finish_reason="length"))
         client.join(30)
         assert result and result[0].status_code == 200, result
@@ -199,3 +200,4 @@ def test_request_no_rank_can_hold_gets_400_and_never_reaches_a_rank(
         thread.join(30)
     assert result and result[0].status_code == 200, result
     assert requests[0].params.seed == requests[1].params.seed  # n choices share one seed
+    assert [r.more_coming for r in requests] == [True, False]  # an idle rank waits for the second

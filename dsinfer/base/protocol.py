@@ -180,6 +180,9 @@ class WorkerRequest(ControlMessage, kw_only=True):
     # penalties, max_tokens), so the tokens that follow are the undisturbed choice's
     output_token_ids: list[int] = []
     traceparent: str = ""  # W3C: the gateway's span this work belongs to ("" = not traced)
+    # the gateway had more requests in hand when it sent this one (others being tokenized, or
+    # further choices of the same request): an idle rank gathers them before its first step
+    more_coming: bool = False
 
 
 class GenerateRequest(WorkerRequest, kw_only=True):

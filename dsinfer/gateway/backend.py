@@ -65,6 +65,7 @@ class Job:
     choices: Sequence[ChoiceRecord]  # its params.n choices, in order
     arrival_time: float = 0.0  # time.monotonic() at the HTTP layer
     traceparent: str = ""  # the HTTP request's span (dsinfer/base/tracing.py); "" = not traced
+    more_coming: bool = False  # other requests were being prepared when this one was submitted
 
 
 DeltaSink = Callable[[int, TokenDelta], None]  # (choice number, delta), on the gateway's event loop

@@ -137,6 +137,10 @@ class Preparer:
         work.add_done_callback(lambda _: _set_once(started))  # also when cancelled before it started
         return started, work
 
+    def preparing(self) -> int:
+        """Requests waiting for a tokenizer thread or being prepared on one."""
+        return self.pending[True] + self.pending[False]
+
     def _finished(self, work: asyncio.Future[Any], large: bool) -> None:
         if not work.cancelled():
             work.exception()  # an abandoned preparation's error is no one's to log

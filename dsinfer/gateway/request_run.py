@@ -162,6 +162,7 @@ class RequestRun:
         if too_long is not None:
             self.outcome = "overloaded"
             raise overloaded(*too_long)
+        others_preparing = ctx.preparer.preparing() > 0
         try:
             for index, ids in enumerate(prepared.prompts):
                 job = Job(
@@ -172,6 +173,7 @@ class RequestRun:
                     choices=self.choices[index * self.n : (index + 1) * self.n],
                     arrival_time=self.arrival,
                     traceparent=self.span.traceparent,
+                    more_coming=others_preparing or index < len(prepared.prompts) - 1,
                 )
                 self.jobs.append(ctx.backend.submit(job, self._on_delta))
         except Overloaded as e:

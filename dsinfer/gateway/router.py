@@ -196,15 +196,15 @@ class Router:
         params = dataclasses.replace(job.params, n=1, seed=seed, stop=[])  # the gateway owns stop strings
         route = self.pools.route_request(job.request_id, job.prompt_token_ids, job.params.max_tokens)
         stream = RouterJob(self, job, sink, params, route)
-        for record in job.choices:
+        for i, record in enumerate(job.choices):
             choice = _Choice(stream, record, RequestKey(f"{job.request_id}@{self.instance}", record.number))
             stream.choices.append(choice)
-            self._dispatch(choice)
+            self._dispatch(choice, more_coming=job.more_coming or i < len(job.choices) - 1)
         return stream
 
-    def _dispatch(self, choice: _Choice, cause: str = "") -> None:
+    def _dispatch(self, choice: _Choice, cause: str = "", more_coming: bool = False) -> None:
         """Send the choice's current attempt to a prefill + decode pair (PD) or a colocated rank
-        (``cause``: why the choice moved, for a migration)."""
+        (``cause``: why the choice moved, for a migration; ``more_coming``: WorkerRequest's)."""
         stream = choice.stream
         params = stream.params
         delivered = choice.record.token_ids
@@ -222,6 +222,7 @@ class Router:
             params=params,
             choice=choice.record.number % stream.job.params.n,  # the sampler's key
             output_token_ids=list(delivered),
+            more_coming=more_coming,
         )
         now = time.monotonic()
         # the balancers count the choice under its worker request id, the one ``_forget`` reports

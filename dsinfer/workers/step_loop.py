@@ -38,15 +38,24 @@ BURST_GAP_MS = 5  # an idle rank's new requests: the burst has ended after this 
 BURST_WINDOW_MS = 50  # at most this long spent gathering a burst
 
 
+def burst_continues(messages: list[AnyMessage]) -> bool:
+    """Whether the newest request among ``messages`` says the gateway had more in hand."""
+    requests = [m for m in messages if isinstance(m, WorkerRequest)]
+    return bool(requests) and requests[-1].more_coming
+
+
 def rest_of_burst(channel: WorkerChannel) -> list[AnyMessage]:
-    """An idle rank that just got requests takes the rest of their burst before its first step:
-    messages until the inbox stays quiet for ``BURST_GAP_MS`` (at most ``BURST_WINDOW_MS``). A
-    burst of clients then starts in one prefill, and the gateway, which shares the cores, hands
-    it over before the forward takes them."""
+    """An idle rank whose new requests say more are coming (``WorkerRequest.more_coming``) takes
+    the rest of their burst before its first step: messages until a request says it is the last,
+    or the inbox stays quiet for ``BURST_GAP_MS`` (at most ``BURST_WINDOW_MS`` in all). A burst of
+    clients then starts in one prefill, and the gateway, which shares the cores, hands it over
+    before the forward takes them; a lone request starts at once."""
     messages: list[AnyMessage] = []
     deadline = time.monotonic() + BURST_WINDOW_MS / 1000
     while time.monotonic() < deadline and (more := channel.receive(BURST_GAP_MS)):
         messages += more
+        if any(isinstance(m, WorkerRequest) for m in more) and not burst_continues(more):
+            break
     return messages
 
 
@@ -126,7 +135,7 @@ class StepLoop:
         working = role.has_work() or self._pool_working
         timeout = 0 if working else BUSY_POLL_MS if role.busy() else IDLE_POLL_MS
         messages = self.channel.receive(timeout)
-        if timeout == IDLE_POLL_MS and any(isinstance(m, WorkerRequest) for m in messages):
+        if timeout == IDLE_POLL_MS and burst_continues(messages):
             messages += rest_of_burst(self.channel)  # not when only transfers or timers were pending
         for message in messages:
             role.handle(message, time.monotonic())
