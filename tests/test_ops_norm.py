@@ -48,6 +48,14 @@ def test_shapes_views_and_empty() -> None:
     wide = torch.cat([x, x], dim=-1)[:, :64]  # a strided view, as a latent slice of kv_a_proj's output
     assert not wide.is_contiguous()
     torch.testing.assert_close(norm_cpu.rms_norm(wide, w, EPS), norm.rms_norm(x, w, EPS))
+    for dtype in (torch.float32, torch.bfloat16):  # rows read in place, not packed first: same bits
+        both = torch.cat([x, x * 2], dim=-1).to(dtype)
+        for part in (both[:, :64], both[:, 64:], both[3:9, 64:]):
+            assert part.stride(0) == 128
+            packed = part.contiguous()
+            assert torch.equal(
+                norm_cpu.rms_norm(part, w.to(dtype), EPS), norm_cpu.rms_norm(packed, w.to(dtype), EPS)
+            )
     empty = norm_cpu.rms_norm(x[:0], w, EPS)
     assert empty.shape == (0, 64)
 
