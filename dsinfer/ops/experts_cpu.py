@@ -6,8 +6,8 @@ time goes to those dozens of small ops. This kernel does it in one call: rows ar
 counting sort, experts run in parallel, and each expert multiplies its rows in 4x4 register
 blocks (every loaded activation or weight feeds four FMAs), with the SwiGLU in between.
 
-Math is fp32 (a bf16 activation or weight is widened exactly; an expert's bf16 weights are
-widened once per call into a scratch buffer). Every row is computed by the same code whatever
+Math is fp32: a bf16 activation is widened exactly; bf16 weights are read as their bits and
+widened in registers as they are loaded (``dsinfer.ops.bf16_cpu``), never copied. Every row is computed by the same code whatever
 the other rows are (rows are zero-padded to whole blocks), so a row's result does not depend on
 how a batch is grouped: expert-parallel pools give the same tokens at every size.
 """
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
 from dsinfer.ops.experts import grouped_experts
 
@@ -30,11 +31,12 @@ BLOCK = 4  # rows and output columns per register block
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _block(a, w, i, j, k_dim, out):
-    """out[i..i+3, j..j+3] = a[i..i+3, :k_dim] @ w[j..j+3, :k_dim]^T."""
+    """out[i..i+3, j..j+3] = a[i..i+3, :k_dim] @ w[j..j+3, :k_dim]^T (``w`` float32 or bf16 bits)."""
     c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = np.float32(0.0)
     c20 = c21 = c22 = c23 = c30 = c31 = c32 = c33 = np.float32(0.0)
     for k in range(k_dim):
-        w0, w1, w2, w3 = w[j, k], w[j + 1, k], w[j + 2, k], w[j + 3, k]
+        w0, w1 = as_float(w[j, k]), as_float(w[j + 1, k])
+        w2, w3 = as_float(w[j + 2, k]), as_float(w[j + 3, k])
         a0, a1, a2, a3 = a[i, k], a[i + 1, k], a[i + 2, k], a[i + 3, k]
         c00 += a0 * w0
         c01 += a0 * w1
@@ -72,17 +74,8 @@ def _matmul_nt(a, w, out):
         for i in range(rows):
             dot = np.float32(0.0)
             for k in range(k_dim):
-                dot += a[i, k] * w[j, k]
+                dot += a[i, k] * as_float(w[j, k])
             out[i, j] = dot
-
-
-@numba.njit(cache=True)
-def _widen(bits, out):
-    """bf16 bits (uint16) -> float32, exactly."""
-    out_bits = out.view(np.uint32)
-    for r in range(bits.shape[0]):
-        for c in range(bits.shape[1]):
-            out_bits[r, c] = np.uint32(bits[r, c]) << np.uint32(16)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
@@ -111,22 +104,21 @@ def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typ
         a = np.zeros((padded, hidden), dtype=np.float32)
         for i in range(count):
             a[i] = rows[order[starts[s] + i]]
-        if bf16:
-            gate_up_w = np.empty((two_inter, hidden), dtype=np.float32)
-            down_w = np.empty((hidden, inter), dtype=np.float32)
-            _widen(w13_bits[s], gate_up_w)
-            _widen(w2_bits[s], down_w)
-        else:
-            gate_up_w, down_w = w13[s], w2[s]
         gate_up = np.empty((padded, two_inter), dtype=np.float32)
-        _matmul_nt(a, gate_up_w, gate_up)
+        if bf16:
+            _matmul_nt(a, w13_bits[s], gate_up)
+        else:
+            _matmul_nt(a, w13[s], gate_up)
         h = np.empty((padded, inter), dtype=np.float32)
         for i in range(padded):
             for c in range(inter):
                 g = gate_up[i, c]
                 h[i, c] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, inter + c]
         y = np.empty((padded, hidden), dtype=np.float32)
-        _matmul_nt(h, down_w, y)
+        if bf16:
+            _matmul_nt(h, w2_bits[s], y)
+        else:
+            _matmul_nt(h, w2[s], y)
         for i in range(count):
             out[order[starts[s] + i]] = y[i]
 
