@@ -7,9 +7,10 @@ counting sort, experts run in parallel, and each expert multiplies its rows in 4
 blocks (every loaded activation or weight feeds four FMAs), with the SwiGLU in between.
 
 Math is fp32: a bf16 activation is widened exactly; bf16 weights are read as their bits and
-widened in registers as they are loaded (``dsinfer.ops.bf16_cpu``), never copied. Every row is computed by the same code whatever
-the other rows are (rows are zero-padded to whole blocks), so a row's result does not depend on
-how a batch is grouped: expert-parallel pools give the same tokens at every size.
+widened in registers as they are loaded (``dsinfer.ops.bf16_cpu``), never copied. Every row is
+computed by the same code whatever the other rows are (rows are zero-padded to whole blocks), so a
+row's result does not depend on how a batch is grouped: expert-parallel pools give the same tokens
+at every size.
 """
 
 from __future__ import annotations
