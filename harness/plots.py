@@ -851,6 +851,35 @@ def plot_mtp_serving(doc: Doc, path: Path) -> None:
     save(fig, path, "MTP through dsinfer serve (all-in-one PD)", machine_note(doc))
 
 
+def plot_lone_and_burst(doc: Doc, path: Path) -> None:
+    """A lone request's latency and a burst's output tok/s per topology, a bar per commit (medians
+    of the repeats, a dot a repeat)."""
+    rows, runs = doc["rows"], doc["runs"]
+    topologies = list(dict.fromkeys(r["topology"] for r in rows))
+    commits = list(dict.fromkeys(f"{r['commit']} ({r['sha']})" for r in rows))
+    fig, axes = figure(2, 2, size=(12, 4.5))
+    for ax, field, unit in (
+        (axes[0], "lone_ms", "lone request, ms"),
+        (axes[1], "burst_tok_s", "burst output tok/s"),
+    ):
+        series = {
+            c: [next(r[field] for r in rows if r["topology"] == t and f"{r['commit']} ({r['sha']})" == c)
+                for t in topologies]
+            for c in commits
+        }  # fmt: skip
+        points = {
+            c: [
+                [x[field] for x in runs if x["topology"] == t and c.startswith(f"{x['commit']} (")]
+                for t in topologies
+            ]
+            for c in commits
+        }
+        _bars(ax, topologies, series, points)
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=8)
+    save(fig, path, "A lone request and a burst through dsinfer serve, two commits", machine_note(doc))
+
+
 # Registry -----------------------------------------------------------------------------------------
 PLOTTERS: dict[str, Plotter] = {
     "serving_throughput*.json": plot_serving_throughput,
@@ -874,6 +903,7 @@ PLOTTERS: dict[str, Plotter] = {
     "tracing_cost.json": plot_tracing_cost,
     "mtp_speed*.json": plot_mtp_speed,
     "mtp_serving*.json": plot_mtp_serving,
+    "lone_and_burst*.json": plot_lone_and_burst,
     "accuracy.json": plot_accuracy,
     "*sweep_mla*.json": plot_mla_sweep,
     "*sweep_gemm*.json": plot_gemm_sweep,
