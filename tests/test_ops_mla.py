@@ -121,6 +121,50 @@ def test_mla_decode_bf16_and_batch_independence(ops: Ops) -> None:
     torch.testing.assert_close(out16.float(), out, rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize(("seqlens", "s_q"), [([5, 13, 1], 1), ([7, 2, 16], 2), ([0, 9], 1)])
+def test_mla_decode_absorbed_matches_the_folds_around_naive_attention(
+    ops: Ops, seqlens: list[int], s_q: int
+) -> None:
+    """The absorbed path (torch: batched GEMMs around mla_decode; numba: one fused kernel) against
+    the folds written out around float64 attention (free cache slots hold NaN: never read); a
+    sequence's result does not depend on the rest of the batch; bf16 within its rounding."""
+    gen = torch.Generator().manual_seed(sum(seqlens) + s_q)
+    nope, v = 5, 7  # the latent is the first DV channels of D, the rest the rotated key
+    k_cache, block_table, tokens = _paged_cache(seqlens, 4, gen)
+    q_nope, q_pe = (
+        torch.randn(len(seqlens), s_q, H, nope, generator=gen),
+        torch.randn(len(seqlens), s_q, H, D - DV, generator=gen),
+    )
+    w_uk, w_uv_t = torch.randn(H, nope, DV, generator=gen), torch.randn(H, DV, v, generator=gen)
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    out = ops.mla_decode_absorbed(q_nope, q_pe, w_uk, w_uv_t, k_cache, block_table, lens, 0.3, True)
+    assert out.shape == (len(seqlens), s_q, H, v) and out.dtype == torch.float32
+    q = torch.cat([torch.einsum("bshd,hdc->bshc", q_nope.double(), w_uk.double()), q_pe.double()], dim=-1)
+    latent, _ = _naive(q, tokens, 0.3, True)
+    expected = torch.einsum("bshc,hcv->bshv", latent, w_uv_t.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    for b in range(len(seqlens)):
+        alone = ops.mla_decode_absorbed(
+            q_nope[b : b + 1],
+            q_pe[b : b + 1],
+            w_uk,
+            w_uv_t,
+            k_cache,
+            block_table[b : b + 1],
+            lens[b : b + 1],
+            0.3,
+            True,
+        )
+        if ops.backends["mla"] == "numba":  # one kernel, a sequence per thread: the same bits
+            assert torch.equal(alone[0], out[b])
+        else:  # MKL's batched GEMMs may sum in another order for another batch
+            torch.testing.assert_close(alone[0], out[b], rtol=1e-5, atol=1e-5)
+    half = [t.bfloat16() for t in (q_nope, q_pe, w_uk, w_uv_t, k_cache)]
+    out16 = ops.mla_decode_absorbed(*half[:4], half[4], block_table, lens, 0.3, True)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16.float(), out, rtol=5e-2, atol=0.3)
+
+
 def test_flashmla_adapter_plumbing(ops: Ops) -> None:
     """UNVERIFIED adapter: check only how it calls both API generations (fake modules)."""
     calls: list[tuple] = []

@@ -41,10 +41,10 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
 
     backends: dict[str, list[Callable[..., Any]]] = {
         "torch": [gemm.linear, gemm.pack_linear_weight, gemm.grouped_gemm_contiguous, gemm.grouped_gemm_masked,
-                  mla.mla_decode, gate.moe_gate, sampling.sample, experts.fused_experts, experts.masked_experts,
+                  mla.mla_decode, mla.mla_decode_absorbed, gate.moe_gate, sampling.sample, experts.fused_experts, experts.masked_experts,
                   indexer.indexer_topk, sparse_mla.sparse_mla_decode, v4_compress.pool_windows,
                   mxfp4.mxfp4_grouped_gemm, norm.rms_norm],
-        "numba": [mla_cpu.mla_decode, experts_cpu.fused_experts, norm_cpu.rms_norm, gate_cpu.moe_gate],
+        "numba": [mla_cpu.mla_decode, mla_cpu.mla_decode_absorbed, experts_cpu.fused_experts, norm_cpu.rms_norm, gate_cpu.moe_gate],
         "deepgemm": [DeepGemmAdapter.linear, DeepGemmAdapter.grouped_gemm_contiguous,
                      DeepGemmAdapter.grouped_gemm_masked, DeepGemmAdapter.masked_experts,
                      DeepGemmIndexerAdapter.indexer_topk, DeepGemmMxfp4Adapter.mxfp4_grouped_gemm],
@@ -59,6 +59,9 @@ def _implementations() -> list[tuple[str, type, Callable[..., Any]]]:
     impls.append(
         ("triton indexer_topk", signatures.IndexerTopk, indexer.indexer_topk_with(kernels.indexer_logits))
     )
+    # every mla_decode but the CPU kernel's is wrapped in the absorbed path's two batched GEMMs
+    absorbed = mla.mla_decode_absorbed_with(kernels.mla_decode)
+    impls.append(("triton mla_decode_absorbed", signatures.MlaDecodeAbsorbed, absorbed))
     return impls
 
 
@@ -83,6 +86,6 @@ def test_every_ops_field_is_typed_by_a_protocol() -> None:
     kernels = {f for f, t in Ops.__annotations__.items() if t in signatures.__all__}
     assert kernels == {
         "linear", "pack_linear_weight", "grouped_gemm_contiguous", "grouped_gemm_masked", "fused_experts",
-        "masked_experts", "mla_decode", "moe_gate", "sample",
+        "masked_experts", "mla_decode", "mla_decode_absorbed", "moe_gate", "sample",
         "indexer_topk", "sparse_mla_decode", "pool_windows", "mxfp4_grouped_gemm", "rms_norm",
     }  # fmt: skip

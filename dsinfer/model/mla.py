@@ -229,32 +229,35 @@ class MLA(nn.Module):
         num_tokens, first = q_nope.shape[0], batch.num_decompressed
         if num_tokens == 0:
             return q_nope.new_empty(0, self.num_heads, self.v_dim)
+        assert batch.cache_seqlens is not None  # built once per step by ForwardBatch
+        cache, tables = kv_cache.latent, batch.block_tables[first:]
+        if index is None:  # [B, s_q, H, .]: every absorbed sequence has as many new tokens
+            per_seq = (batch.num_absorbed, -1, self.num_heads)
+            out = self.ops.mla_decode_absorbed(
+                q_nope.view(*per_seq, self.nope_dim),
+                q_pe.view(*per_seq, self.rope_dim),
+                self.w_uk,
+                self.w_uv_t,
+                cache.unsqueeze(2),
+                tables,
+                batch.cache_seqlens,
+                softmax_scale=self.softmax_scale,
+                causal=True,
+            )
+            return out.view(num_tokens, self.num_heads, self.v_dim)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # thd,hdc->thc
         q = torch.cat([q_latent, q_pe], dim=-1).view(
             batch.num_absorbed, -1, self.num_heads, q_pe.shape[-1] + q_latent.shape[-1]
         )
-        assert batch.cache_seqlens is not None  # built once per step by ForwardBatch
-        cache, tables = kv_cache.latent, batch.block_tables[first:]
-        if index is None:
-            o_latent, _ = self.ops.mla_decode(
-                q.to(cache.dtype),
-                cache.unsqueeze(2),
-                tables,
-                batch.cache_seqlens,
-                head_dim_v=self.kv_lora_rank,
-                softmax_scale=self.softmax_scale,
-                causal=True,
-            )
-        else:
-            assert self.indexer is not None and kv_cache.indexer is not None
-            positions = self.indexer.select(index, kv_cache.indexer, tables, batch.cache_seqlens)
-            o_latent, _ = self.ops.sparse_mla_decode(
-                q.to(cache.dtype),
-                cache.unsqueeze(2),
-                positions_to_slots(positions, tables, cache.shape[1]),
-                head_dim_v=self.kv_lora_rank,
-                softmax_scale=self.softmax_scale,
-            )
+        assert self.indexer is not None and kv_cache.indexer is not None
+        positions = self.indexer.select(index, kv_cache.indexer, tables, batch.cache_seqlens)
+        o_latent, _ = self.ops.sparse_mla_decode(
+            q.to(cache.dtype),
+            cache.unsqueeze(2),
+            positions_to_slots(positions, tables, cache.shape[1]),
+            head_dim_v=self.kv_lora_rank,
+            softmax_scale=self.softmax_scale,
+        )
         # one copy converts the dtype and puts heads first, the layout bmm takes as it is
         o_heads = q_nope.new_empty(self.num_heads, num_tokens, self.kv_lora_rank)
         o_heads.copy_(o_latent.reshape(num_tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1))

@@ -7,7 +7,7 @@ kernel      candidates                                   Ops functions
 ==========  ===========================================  ==============================================
 gemm        deepgemm, triton, torch                      linear, pack_linear_weight, grouped_gemm_*
 experts     numba, grouped                               fused_experts
-mla         flashmla, triton, numba, torch               mla_decode
+mla         flashmla, triton, numba, torch               mla_decode, mla_decode_absorbed
 indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
 gate        triton, numba, torch                         moe_gate
@@ -32,7 +32,9 @@ and an importable numba; ``torch`` always works. ``numba`` for ``experts`` is th
 ``numba`` for ``norm`` and ``gate`` is the CPU RMSNorm of ``ops/norm_cpu.py`` and the CPU MoE gate of
 ``ops/gate_cpu.py``;
 ``grouped`` (always available) runs the routed experts as two grouped GEMMs of the chosen ``gemm``
-backend around the SwiGLU (``ops/experts.py``). The chosen functions live in the returned (frozen)
+backend around the SwiGLU (``ops/experts.py``). ``mla_decode_absorbed`` is the chosen ``mla_decode``
+between the two batched GEMMs of the absorbed path (``ops/mla.py``), except for ``numba``, whose
+kernel folds them in (``ops/mla_cpu.py``). The chosen functions live in the returned (frozen)
 :class:`Ops`; nothing global is mutated.
 """
 
@@ -68,6 +70,7 @@ from dsinfer.ops.signatures import (
     Linear,
     MaskedExperts,
     MlaDecode,
+    MlaDecodeAbsorbed,
     MoeGate,
     Mxfp4GroupedGemm,
     PackLinearWeight,
@@ -161,6 +164,7 @@ class Ops:
     masked_m_alignment: int
     fused_experts: FusedExperts
     mla_decode: MlaDecode
+    mla_decode_absorbed: MlaDecodeAbsorbed  # the absorbed path around mla_decode (fused on CPU)
     indexer_topk: IndexerTopk  # V3.2's lightning indexer: logits, then top-k positions
     sparse_mla_decode: SparseMlaDecode
     moe_gate: MoeGate
@@ -276,7 +280,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
             module = _import("dsinfer.ops.gate_cpu")
             return module if isinstance(module, str) else {"moe_gate": module.moe_gate}
         module = _import("dsinfer.ops.mla_cpu")
-        return module if isinstance(module, str) else {"mla_decode": module.mla_decode}
+        if isinstance(module, str):
+            return module
+        return {"mla_decode": module.mla_decode, "mla_decode_absorbed": module.mla_decode_absorbed}
     if device.type != "cuda":
         return "needs CUDA"
     if backend == "triton":
@@ -370,6 +376,8 @@ def select_ops(device: torch.device | str, prefer: str | None = None, quiet: boo
             break
     if chosen["experts"] == "grouped":
         impl["fused_experts"] = functools.partial(grouped_experts, impl["grouped_gemm_contiguous"])
+    if "mla_decode_absorbed" not in impl:
+        impl["mla_decode_absorbed"] = torch_mla.mla_decode_absorbed_with(impl["mla_decode"])
     supports_fp8 = chosen["gemm"] != "torch" or device.type == "cuda"
     ops = Ops(
         supports_fp8_gemm=supports_fp8,

@@ -11,9 +11,11 @@ scores, laid out ``[B, h_q, s_q]``. A query row with no visible key gets ``out =
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["mla_decode"]
+__all__ = ["mla_decode", "mla_decode_absorbed", "mla_decode_absorbed_with"]
 
 
 def mla_decode(
@@ -77,3 +79,45 @@ def mla_decode(
     out = torch.bmm(probs.view(bsz, s_q * h_q, length), kv[..., :head_dim_v]).view(bsz, s_q, h_q, head_dim_v)
     lse = torch.where(empty, float("inf"), lse)
     return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()
+
+
+def mla_decode_absorbed_with(
+    decode: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[..., torch.Tensor]:
+    """The ``mla_decode_absorbed`` entry point over an implementation of :func:`mla_decode`'s
+    contract (this reference, the Triton kernel, FlashMLA's adapter)."""
+
+    def mla_decode_absorbed(
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv_t: torch.Tensor,
+        k_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        softmax_scale: float,
+        causal: bool,
+    ) -> torch.Tensor:
+        """MLA's absorbed decode, ``out [B, s_q, H, v]`` in ``q_nope``'s dtype: each head's query
+        folded into the latent (``q_nope [B, s_q, H, nope]`` times ``w_uk [H, nope, C]``), the
+        rotated part ``q_pe [B, s_q, H, rope]`` after it, :func:`mla_decode` over the cache
+        (``k_cache [blocks, page, 1, C + rope]``, V = its first C channels), and each head's latent
+        output unfolded by ``w_uv_t [H, C, v]``. Here the two folds are batched GEMMs in the
+        model's dtype around ``decode``; a fused kernel computes them in fp32 (the results then
+        differ by the intermediate roundings)."""
+        bsz, s_q, heads, nope = q_nope.shape
+        tokens, latent = bsz * s_q, w_uk.shape[-1]
+        q_latent = torch.bmm(q_nope.reshape(tokens, heads, nope).transpose(0, 1), w_uk).transpose(0, 1)
+        q = torch.cat([q_latent, q_pe.reshape(tokens, heads, -1)], dim=-1).view(bsz, s_q, heads, -1)
+        o_latent, _ = decode(
+            q.to(k_cache.dtype), k_cache, block_table, cache_seqlens, latent, softmax_scale, causal
+        )
+        # one copy converts the dtype and puts heads first, the layout bmm takes as it is
+        o_heads = q_nope.new_empty(heads, tokens, latent)
+        o_heads.copy_(o_latent.reshape(tokens, heads, latent).transpose(0, 1))
+        return torch.bmm(o_heads, w_uv_t).transpose(0, 1).reshape(bsz, s_q, heads, -1)
+
+    return mla_decode_absorbed
+
+
+mla_decode_absorbed = mla_decode_absorbed_with(mla_decode)

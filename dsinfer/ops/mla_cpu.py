@@ -16,9 +16,10 @@ import numba
 import numpy as np
 import torch
 
+from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
 
-__all__ = ["compile_ahead", "mla_decode"]
+__all__ = ["compile_ahead", "mla_decode", "mla_decode_absorbed"]
 
 _FASTMATH = {"reassoc", "contract", "nsz"}  # let LLVM vectorize dot products; keep inf semantics
 
@@ -125,43 +126,64 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
                     acc[r, d] += p * kv[t + j, d]
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
-    """``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when ``cache`` has no rows and
-    ``bf16_bits`` holds the cache as uint16, bf16 read through a float32 scratch page. A page whose
-    key count is not a multiple of KEY_TILE (the last one) is read through the scratch page too,
-    zero-padded: slots past a sequence's length are never read."""
-    bsz, s_q, h_q, dim = q.shape
+@numba.njit(cache=True, fastmath=_FASTMATH)  # not inlined: both entry kernels share it
+def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, causal, m, denom, acc):
+    """Online softmax of ``qb``'s rows (sequence ``b``'s queries) over its ``n`` cached keys into
+    ``m``, ``denom`` and ``acc``. ``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when
+    ``cache`` has no rows and ``bf16_bits`` holds the cache as uint16, bf16 read through a float32
+    scratch page. A page whose key count is not a multiple of KEY_TILE (the last one) is read
+    through the scratch page too, zero-padded: slots past the sequence's length are never read."""
+    rows, dim = qb.shape
     bf16 = bf16_bits.shape[0] > 0
     page_size = bf16_bits.shape[1] if bf16 else cache.shape[1]
     padded_page = -(-page_size // KEY_TILE) * KEY_TILE
+    scores = np.empty((rows, padded_page), dtype=np.float32)
+    page = np.empty((padded_page, dim), dtype=np.float32)
+    page_bits = page.view(np.uint32)
+    for start in range(0, n, page_size):
+        count = min(page_size, n - start)
+        block = table[b, start // page_size]
+        if not bf16 and count % KEY_TILE == 0:
+            _attend_page(
+                qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores
+            )
+            continue
+        if bf16:
+            src = bf16_bits[block]
+            for t in range(count):
+                for d in range(dim):
+                    page_bits[t, d] = np.uint32(src[t, d]) << np.uint32(16)
+        else:
+            page[:count] = cache[block, :count]
+        page[count : -(-count // KEY_TILE) * KEY_TILE] = 0.0
+        _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores)
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # numpy arrays, typed by numba
+    """:func:`mla_decode`'s kernel: sequences in parallel (the cache as ``_attend_sequence`` reads it)."""
+    bsz, s_q, h_q, dim = q.shape
     rows = s_q * h_q
     for b in numba.prange(bsz):
-        n = lens[b]
-        qb = q[b].reshape(rows, dim)
         m = np.full(rows, -np.inf, dtype=np.float32)
         denom = np.zeros(rows, dtype=np.float32)
         acc = np.zeros((rows, dv), dtype=np.float32)
-        scores = np.empty((rows, padded_page), dtype=np.float32)
-        page = np.empty((padded_page, dim), dtype=np.float32)
-        page_bits = page.view(np.uint32)
-        for start in range(0, n, page_size):
-            count = min(page_size, n - start)
-            block = table[b, start // page_size]
-            if not bf16 and count % KEY_TILE == 0:
-                _attend_page(
-                    qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores
-                )
-                continue
-            if bf16:
-                src = bf16_bits[block]
-                for t in range(count):
-                    for d in range(dim):
-                        page_bits[t, d] = np.uint32(src[t, d]) << np.uint32(16)
-            else:
-                page[:count] = cache[block, :count]
-            page[count : -(-count // KEY_TILE) * KEY_TILE] = 0.0
-            _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores)
+        _attend_sequence(
+            q[b].reshape(rows, dim),
+            cache,
+            bf16_bits,
+            table,
+            b,
+            lens[b],
+            s_q,
+            h_q,
+            dv,
+            scale,
+            causal,
+            m,
+            denom,
+            acc,
+        )
         for r in range(rows):
             s, h = r // h_q, r % h_q
             if denom[r] == 0.0:
@@ -171,6 +193,57 @@ def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # n
                 for d in range(dv):
                     out[b, s, h, d] = acc[r, d] / denom[r]
                 lse[b, h, s] = m[r] + np.log(denom[r])
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _fold_in(x, w, out):
+    """out[:n] += x @ w for x [k], w [k, n] (float32 or bf16 bits): four rows of w per pass over out."""
+    k_dim, n = w.shape
+    blocked = k_dim - k_dim % 4
+    for k in range(0, blocked, 4):
+        x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+        for c in range(n):
+            out[c] += (
+                x0 * as_float(w[k, c])
+                + x1 * as_float(w[k + 1, c])
+                + x2 * as_float(w[k + 2, c])
+                + x3 * as_float(w[k + 3, c])
+            )
+    for k in range(blocked, k_dim):
+        for c in range(n):
+            out[c] += x[k] * as_float(w[k, c])
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _decode_absorbed(q_nope, q_pe, w_uk, w_uv_t, cache, bf16_bits, table, lens, scale, causal, out):
+    """:func:`mla_decode_absorbed`'s kernel: per sequence (in parallel) each query row is folded into
+    the latent (``q_nope . w_uk``, fp32; ``w_uk``/``w_uv_t`` float32 or bf16 bits), attends over the
+    cache as ``_decode`` does, and its latent output is unfolded by ``w_uv_t``."""
+    bsz, s_q, h_q = q_nope.shape[0], q_nope.shape[1], q_nope.shape[2]
+    rope, latent = q_pe.shape[3], w_uk.shape[2]
+    rows = s_q * h_q
+    for b in numba.prange(bsz):
+        qb = np.zeros((rows, latent + rope), dtype=np.float32)
+        for r in range(rows):
+            s, h = r // h_q, r % h_q
+            _fold_in(q_nope[b, s, h], w_uk[h], qb[r])
+            for c in range(rope):
+                qb[r, latent + c] = q_pe[b, s, h, c]
+        m = np.full(rows, -np.inf, dtype=np.float32)
+        denom = np.zeros(rows, dtype=np.float32)
+        acc = np.zeros((rows, latent), dtype=np.float32)
+        _attend_sequence(
+            qb, cache, bf16_bits, table, b, lens[b], s_q, h_q, latent, scale, causal, m, denom, acc
+        )
+        for r in range(rows):
+            s, h = r // h_q, r % h_q
+            out[b, s, h, :] = 0.0
+            if denom[r] == 0.0:
+                continue
+            inverse = np.float32(1.0) / denom[r]
+            for c in range(latent):
+                acc[r, c] *= inverse
+            _fold_in(acc[r], w_uv_t[h], out[b, s, h])
 
 
 # the one signature :func:`mla_decode` calls the kernel with, whatever the cache dtype
@@ -188,9 +261,82 @@ _DECODE_SIGNATURE = (
 )
 
 
+def _absorbed_signature(weights: numba.types.Number) -> tuple[numba.types.Type, ...]:
+    """What :func:`mla_decode_absorbed` calls its kernel with, for float32 or bf16 (bits) weights."""
+    return (
+        c_array(numba.float32, 4),  # q_nope
+        c_array(numba.float32, 4),  # q_pe
+        c_array(weights, 3),  # w_uk
+        c_array(weights, 3),  # w_uv_t
+        *_DECODE_SIGNATURE[1:5],  # the cache (float32 or bits), block table, cache_seqlens
+        numba.float32,  # softmax scale
+        numba.boolean,  # causal
+        c_array(numba.float32, 4),  # out
+    )
+
+
 def compile_ahead() -> None:
-    """Compile (or load from numba's cache) the kernel for the signature every call uses."""
+    """Compile (or load from numba's cache) the kernels for the signatures every call uses."""
     _decode.compile(_DECODE_SIGNATURE)
+    for weights in (numba.float32, numba.uint16):
+        _decode_absorbed.compile(_absorbed_signature(weights))
+
+
+def _cache_arrays(k_cache: torch.Tensor, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 cache, bf16 cache bits) as the kernels take them: one of them empty."""
+    if k_cache.shape[2] != 1 or k_cache.shape[3] != dim:
+        raise ValueError(f"mla_decode expects k_cache [blocks, page, 1, {dim}], got {tuple(k_cache.shape)}")
+    if k_cache.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"mla_decode on CPU takes a float32 or bfloat16 cache, got {k_cache.dtype}")
+    cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], dim)  # a view: numba sees C layout
+    if k_cache.dtype == torch.bfloat16:
+        return np.empty((0, 1, dim), dtype=np.float32), cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy(), np.empty((0, 1, dim), dtype=np.uint16)
+
+
+def _weight_array(w: torch.Tensor) -> np.ndarray:
+    w = w.detach().contiguous()
+    if w.dtype == torch.bfloat16:
+        return w.view(torch.int16).numpy().view(np.uint16)
+    return w.float().numpy()
+
+
+def _use_torch_threads() -> None:
+    """One thread budget: the kernels use as many threads as torch does in this process."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
+def mla_decode_absorbed(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv_t: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """``MlaDecodeAbsorbed`` (dsinfer/ops/signatures.py) on CPU tensors, the folds fused (fp32)."""
+    bsz, s_q, heads, _ = q_nope.shape
+    latent = w_uk.shape[2]
+    cache_np, bits_np = _cache_arrays(k_cache, latent + q_pe.shape[3])
+    out = torch.empty(bsz, s_q, heads, w_uv_t.shape[2], dtype=torch.float32)
+    _use_torch_threads()
+    _decode_absorbed(
+        q_nope.detach().float().contiguous().numpy(),
+        q_pe.detach().float().contiguous().numpy(),
+        _weight_array(w_uk),
+        _weight_array(w_uv_t),
+        cache_np,
+        bits_np,
+        block_table.to(torch.int32).contiguous().numpy(),
+        cache_seqlens.to(torch.int32).contiguous().numpy(),
+        np.float32(softmax_scale),
+        causal,
+        out.numpy(),
+    )
+    return out.to(q_nope.dtype)
 
 
 def mla_decode(
@@ -204,23 +350,12 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``MlaDecode`` (dsinfer/ops/signatures.py) on CPU tensors."""
     bsz, s_q, h_q, dim = q.shape
-    if k_cache.shape[2] != 1 or k_cache.shape[3] != dim:
-        raise ValueError(f"mla_decode expects k_cache [blocks, page, 1, {dim}], got {tuple(k_cache.shape)}")
+    cache_np, bits_np = _cache_arrays(k_cache, dim)
     if not 0 < head_dim_v <= dim:
         raise ValueError(f"head_dim_v must be in (0, {dim}], got {head_dim_v}")
-    bf16 = k_cache.dtype == torch.bfloat16
-    if not bf16 and k_cache.dtype != torch.float32:
-        raise ValueError(f"mla_decode on CPU takes a float32 or bfloat16 cache, got {k_cache.dtype}")
-    cache = k_cache.reshape(k_cache.shape[0], k_cache.shape[1], dim)  # a view: numba sees C layout
-    if bf16:
-        cache_np = np.empty((0, 1, dim), dtype=np.float32)
-        bits_np = cache.view(torch.int16).numpy().view(np.uint16)
-    else:
-        cache_np, bits_np = cache.numpy(), np.empty((0, 1, dim), dtype=np.uint16)
     out = torch.empty(bsz, s_q, h_q, head_dim_v, dtype=torch.float32)
     lse = torch.empty(bsz, h_q, s_q, dtype=torch.float32)
-    # one thread budget: the kernel uses as many threads as torch does in this process
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    _use_torch_threads()
     _decode(
         q.detach().float().contiguous().numpy(),
         cache_np,

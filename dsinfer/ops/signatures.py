@@ -22,6 +22,7 @@ __all__ = [
     "Linear",
     "MaskedExperts",
     "MlaDecode",
+    "MlaDecodeAbsorbed",
     "MoeGate",
     "Mxfp4GroupedGemm",
     "PackLinearWeight",
@@ -72,6 +73,13 @@ class MlaDecode(Protocol):
     """FlashMLA's paged MLA decode: :func:`dsinfer.ops.mla.mla_decode`."""
 
     __call__ = staticmethod(mla.mla_decode)
+
+
+class MlaDecodeAbsorbed(Protocol):
+    """MLA's absorbed decode (query and output folds around ``MlaDecode``):
+    :func:`dsinfer.ops.mla.mla_decode_absorbed`."""
+
+    __call__ = staticmethod(mla.mla_decode_absorbed)
 
 
 class IndexerTopk(Protocol):
