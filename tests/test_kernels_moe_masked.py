@@ -113,7 +113,9 @@ def check_swiglu_quantize_masked() -> None:
             _check_rows(
                 marked_q, marked_s, activated, counts, f"swiglu limit={limit} {groups}x{capacity}x{k}", ulps=2
             )
-            torch.testing.assert_close(activated, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+            # the reference is SiLU; torch's two CPU paths for it differed by 1.5e-4 relative in
+            # one CI run of this interpreted subprocess (3e-7 in a plain one): not the kernel's check
+            torch.testing.assert_close(activated, torch.nn.functional.silu(gate) * up, rtol=1e-3, atol=1e-3)
 
 
 CHECKS = (check_quantize_masked, check_untouched_rows_stay, check_swiglu_quantize_masked)
