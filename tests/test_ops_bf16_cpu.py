@@ -22,6 +22,8 @@ def test_every_bf16_bit_pattern_widens_as_torch_does() -> None:
     _widen_all(bits, out)
     expected = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
     assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+    in_python = np.array([as_float(b) for b in bits[::97]], dtype=np.float32)  # the stub itself
+    assert np.array_equal(in_python.view(np.uint32), expected[::97].view(np.uint32))
 
 
 def test_a_float32_is_itself() -> None:

@@ -32,6 +32,7 @@ from dsinfer.model.indexer import Indexer, IndexerQuery
 from dsinfer.model.layers import Linear, RMSNorm, RotaryEmbedding
 from dsinfer.ops import Ops
 from dsinfer.ops.indexer import positions_to_slots
+from dsinfer.ops.mla import absorb_query, unabsorb_output
 
 
 class Projected(NamedTuple):
@@ -245,9 +246,8 @@ class MLA(nn.Module):
                 causal=True,
             )
             return out.view(num_tokens, self.num_heads, self.v_dim)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # thd,hdc->thc
-        q = torch.cat([q_latent, q_pe], dim=-1).view(
-            batch.num_absorbed, -1, self.num_heads, q_pe.shape[-1] + q_latent.shape[-1]
+        q = absorb_query(q_nope, q_pe, self.w_uk).view(
+            batch.num_absorbed, -1, self.num_heads, self.kv_lora_rank + self.rope_dim
         )
         assert self.indexer is not None and kv_cache.indexer is not None
         positions = self.indexer.select(index, kv_cache.indexer, tables, batch.cache_seqlens)
@@ -258,7 +258,5 @@ class MLA(nn.Module):
             head_dim_v=self.kv_lora_rank,
             softmax_scale=self.softmax_scale,
         )
-        # one copy converts the dtype and puts heads first, the layout bmm takes as it is
-        o_heads = q_nope.new_empty(self.num_heads, num_tokens, self.kv_lora_rank)
-        o_heads.copy_(o_latent.reshape(num_tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1))
-        return torch.bmm(o_heads, self.w_uv_t).transpose(0, 1)  # thc,hcv->thv
+        o_latent = o_latent.reshape(num_tokens, self.num_heads, self.kv_lora_rank)
+        return unabsorb_output(o_latent, self.w_uv_t, q_nope.dtype)

@@ -27,8 +27,10 @@ def _bits_as_float32(typingctx: Any, bits: Any) -> Any:
 
 
 def as_float(value: Any) -> Any:
-    """Only inside a numba kernel (see the module's docstring)."""
-    raise NotImplementedError("as_float runs inside numba kernels only")
+    """The same outside a kernel, on a numpy uint16 or float32 scalar (kernels use the overload)."""
+    if isinstance(value, np.uint16):
+        return np.array(np.uint32(value) << np.uint32(16), dtype=np.uint32).view(np.float32)[()]
+    return value
 
 
 @overload(as_float, inline="always")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["mla_decode", "mla_decode_absorbed", "mla_decode_absorbed_with"]
+__all__ = ["absorb_query", "mla_decode", "mla_decode_absorbed", "mla_decode_absorbed_with", "unabsorb_output"]
 
 
 def mla_decode(
@@ -81,6 +81,23 @@ def mla_decode(
     return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()
 
 
+def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``[T, H, C + rope]``: each head's ``q_nope [T, H, nope]`` folded into the latent by
+    ``w_uk [H, nope, C]`` (a batched GEMM in the model's dtype), the rotated ``q_pe`` after it."""
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # thd,hdc->thc
+    return torch.cat([q_latent, q_pe], dim=-1)
+
+
+def unabsorb_output(o_latent: torch.Tensor, w_uv_t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, H, v]`` in ``dtype``: each head's latent output ``o_latent [T, H, C]`` unfolded by
+    ``w_uv_t [H, C, v]``."""
+    tokens, heads, latent = o_latent.shape
+    # one copy converts the dtype and puts heads first, the layout bmm takes as it is
+    o_heads = torch.empty(heads, tokens, latent, dtype=dtype, device=o_latent.device)
+    o_heads.copy_(o_latent.transpose(0, 1))
+    return torch.bmm(o_heads, w_uv_t).transpose(0, 1)  # thc,hcv->thv
+
+
 def mla_decode_absorbed_with(
     decode: Callable[..., tuple[torch.Tensor, torch.Tensor]],
 ) -> Callable[..., torch.Tensor]:
@@ -107,15 +124,18 @@ def mla_decode_absorbed_with(
         differ by the intermediate roundings)."""
         bsz, s_q, heads, nope = q_nope.shape
         tokens, latent = bsz * s_q, w_uk.shape[-1]
-        q_latent = torch.bmm(q_nope.reshape(tokens, heads, nope).transpose(0, 1), w_uk).transpose(0, 1)
-        q = torch.cat([q_latent, q_pe.reshape(tokens, heads, -1)], dim=-1).view(bsz, s_q, heads, -1)
+        q = absorb_query(q_nope.reshape(tokens, heads, nope), q_pe.reshape(tokens, heads, -1), w_uk)
         o_latent, _ = decode(
-            q.to(k_cache.dtype), k_cache, block_table, cache_seqlens, latent, softmax_scale, causal
+            q.view(bsz, s_q, heads, -1).to(k_cache.dtype),
+            k_cache,
+            block_table,
+            cache_seqlens,
+            latent,
+            softmax_scale,
+            causal,
         )
-        # one copy converts the dtype and puts heads first, the layout bmm takes as it is
-        o_heads = q_nope.new_empty(heads, tokens, latent)
-        o_heads.copy_(o_latent.reshape(tokens, heads, latent).transpose(0, 1))
-        return torch.bmm(o_heads, w_uv_t).transpose(0, 1).reshape(bsz, s_q, heads, -1)
+        out = unabsorb_output(o_latent.reshape(tokens, heads, latent), w_uv_t, q_nope.dtype)
+        return out.reshape(bsz, s_q, heads, -1)
 
     return mla_decode_absorbed
 
