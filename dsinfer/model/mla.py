@@ -121,13 +121,18 @@ class MLA(nn.Module):
 
     # Stage 2: core attention and the output projection.
     def attend(self, q: Projected, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
-        split = batch.num_decompressed_tokens
-        out = torch.cat(
-            [
-                self._decompressed(q.rows(0, split), batch, kv_cache),
-                self._absorbed_padded(q.rows(split), batch, kv_cache),
-            ]
-        )
+        if batch.num_absorbed == batch.num_seqs:  # a decode step: no prefill chunk
+            out = self._absorbed_padded(q, batch, kv_cache)
+        elif batch.num_absorbed == 0:
+            out = self._decompressed(q, batch, kv_cache)
+        else:
+            split = batch.num_decompressed_tokens
+            out = torch.cat(
+                [
+                    self._decompressed(q.rows(0, split), batch, kv_cache),
+                    self._absorbed_padded(q.rows(split), batch, kv_cache),
+                ]
+            )
         return self.o_proj(out.flatten(1))
 
     def _absorbed_padded(self, q: Projected, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
