@@ -7,7 +7,7 @@ import torch
 
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.ops import Ops, SamplingTensors, compute_logprobs, select_ops
-from dsinfer.ops.sampling import hash_uniform, sample, sample_rows, unit_interval
+from dsinfer.ops.sampling import hash_uniform, row_argmax, sample, sample_rows, unit_interval
 
 M32 = 0xFFFFFFFF
 
@@ -232,3 +232,20 @@ def test_sample_rows_takes_greedy_rows_argmax_and_samples_the_others_with_their_
     args = {"seed": [1, 2, 3], "choice": [0, 1, 0], "position": [4, 5, 6]}
     drawn = sample_rows(sample, logits, mixed, **args)
     assert drawn.tolist() == sample(logits, SamplingTensors.from_params(mixed, **args)).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_ties_nan_and_inf(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows, width = (
+            int(torch.randint(0, 70, (1,), generator=g)),
+            int(torch.randint(1, 5000, (1,), generator=g)),
+        )
+        x = torch.randint(-3, 4, (rows, width), generator=g).float()  # many ties
+        u = torch.rand(rows, width, generator=g)
+        x[u < 0.01] = float("nan")
+        x[(u > 0.5) & (u < 0.51)] = float("inf")
+        x[(u > 0.6) & (u < 0.7)] = float("-inf")
+        x = x.to(dtype)
+        assert torch.equal(row_argmax(x), x.argmax(dim=-1))
