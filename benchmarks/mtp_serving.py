@@ -4,9 +4,11 @@
 The built-in model (``tiny-chat``) in float32, served the default way (one prefill and one
 decode pool, KV over the transfer library). The workload: chat completions of the model's
 worked multiplications (``mul``: replies of about 40 tokens its MTP layer drafts at about 100%),
-greedy, to EOS, not streamed. Each server is started, warmed with one pass, timed over
-``--repeats`` passes per concurrency, then stopped; the two servers take turns ``--rounds``
-times so that a drift of the shared machine falls on both. A pass at concurrency C sends
+greedy, to EOS, not streamed. Both servers run at once (the one not being timed is idle), each
+warmed with one pass; then, per concurrency, ``--repeats`` pairs of passes, one on each server
+back to back (which goes first alternates). The speed-up is the median of the pairs' ratios, so
+that a drift of the shared machine, which moves both passes of a pair alike, falls out of it.
+``--rounds`` starts both servers afresh that many times. A pass at concurrency C sends
 ``C * --requests-per-stream`` requests, C in flight; output tok/s = completion tokens (from each
 response's usage) over the pass's wall time. The MTP server's acceptance comes from its
 ``/metrics`` (dsinfer_spec_decode_*).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import re
 import statistics
@@ -36,6 +39,11 @@ from harness.results import add_output_args, machine_lines, save_report, table
 from harness.server import Server, serve
 
 MAX_TOKENS = 256
+MODES = ("plain", "mtp")
+
+
+def _flags(mode: str) -> list[str]:
+    return ["--dtype", "float32", *(["--speculative-mtp"] if mode == "mtp" else [])]
 
 
 async def _one(client: httpx.AsyncClient, url: str, question: str) -> int:
@@ -81,37 +89,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         make_question("mul", rng).prompt for _ in range(max(concurrencies) * args.requests_per_stream)
     ]
     passes: list[dict[str, Any]] = []
+    ratios: dict[int, list[float]] = {c: [] for c in concurrencies}
     drafts = [0.0, 0.0]
     log_dir = Path(tempfile.mkdtemp(prefix="mtp-serving-"))
     for round_ in range(args.rounds):
-        for mode in ("plain", "mtp") if round_ % 2 == 0 else ("mtp", "plain"):
-            flags = ["--dtype", "float32", *(["--speculative-mtp"] if mode == "mtp" else [])]
-            with serve(flags, log_dir, startup_timeout=args.start_timeout, say=progress) as server:
-                url = server.base_url
-                asyncio.run(_pass(url, questions[: max(concurrencies)], max(concurrencies)))  # warm-up
-                before = _acceptance(server)
-                for concurrency in concurrencies:
-                    for rep in range(args.repeats):
-                        count = concurrency * args.requests_per_stream
-                        result = asyncio.run(_pass(url, questions[:count], concurrency))
-                        passes.append({"mode": mode, "concurrency": concurrency, "round": round_, **result})
-                        progress(f"{mode} C={concurrency} pass {rep}: {result['tok_s']:.0f} tok/s")
-                if mode == "mtp":
-                    after = _acceptance(server)
-                    drafts = [d + a - b for d, a, b in zip(drafts, after, before, strict=True)]
+        with contextlib.ExitStack() as stack:
+            servers = {
+                mode: stack.enter_context(
+                    serve(_flags(mode), log_dir, startup_timeout=args.start_timeout, say=progress)
+                )
+                for mode in MODES
+            }
+            for server in servers.values():  # warm-up
+                asyncio.run(_pass(server.base_url, questions[: max(concurrencies)], max(concurrencies)))
+            before = _acceptance(servers["mtp"])
+            for concurrency in concurrencies:
+                count = concurrency * args.requests_per_stream
+                for rep in range(args.repeats):
+                    pair = {}
+                    for mode in MODES if (rep + round_) % 2 == 0 else MODES[::-1]:
+                        pair[mode] = asyncio.run(
+                            _pass(servers[mode].base_url, questions[:count], concurrency)
+                        )
+                        passes.append(
+                            {"mode": mode, "concurrency": concurrency, "round": round_, **pair[mode]}
+                        )
+                    ratios[concurrency].append(pair["mtp"]["tok_s"] / pair["plain"]["tok_s"])
+                    progress(
+                        f"C={concurrency} pair {rep}: plain {pair['plain']['tok_s']:.0f}, "
+                        f"MTP {pair['mtp']['tok_s']:.0f} tok/s ({ratios[concurrency][-1]:.2f}x)"
+                    )
+            after = _acceptance(servers["mtp"])
+            drafts = [d + a - b for d, a, b in zip(drafts, after, before, strict=True)]
     rows = []
     for concurrency in concurrencies:
         tok_s = {
             mode: statistics.median(p["tok_s"] for p in passes if p["mode"] == mode and p["concurrency"] == concurrency)
-            for mode in ("plain", "mtp")
+            for mode in MODES
         }  # fmt: skip
-        rows.append({"concurrency": concurrency, **tok_s, "speedup": tok_s["mtp"] / tok_s["plain"]})
+        paired = ratios[concurrency]
+        rows.append(
+            {
+                "concurrency": concurrency,
+                **tok_s,
+                "speedup": statistics.median(paired),
+                "speedup_range": [min(paired), max(paired)],
+            }
+        )
     return {"rows": rows, "passes": passes, "acceptance": drafts[1] / drafts[0] if drafts[0] else None}
 
 
 def markdown(result: dict[str, Any]) -> str:
     rows = [
-        (r["concurrency"], f"{r['plain']:,.0f}", f"{r['mtp']:,.0f}", f"{r['speedup']:.2f}x")
+        (
+            r["concurrency"],
+            f"{r['plain']:,.0f}",
+            f"{r['mtp']:,.0f}",
+            f"{r['speedup']:.2f}x ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})",
+        )
         for r in result["rows"]
     ]
     acceptance = result["acceptance"]
@@ -120,12 +155,13 @@ def markdown(result: dict[str, Any]) -> str:
             "# MTP through dsinfer serve (all-in-one PD, tiny-chat, float32)",
             "",
             *machine_lines(result["machine"]),
-            f"- {result['rounds']} rounds of each server, {result['repeats']} timed passes per concurrency "
-            f"each; MTP acceptance {acceptance:.1%}"
+            f"- both servers up at once, {result['rounds']} round(s) of fresh servers, {result['repeats']} "
+            f"pairs of passes per concurrency each (one pass per server, back to back); MTP acceptance "
+            f"{acceptance:.1%}"
             if acceptance is not None
             else "- no drafts seen",
             "",
-            "Output tok/s (medians of the passes):",
+            "Output tok/s (medians of the passes); speed-up: the median of the pairs' ratios (their range):",
             "",
             *table(("streams", "plain", "MTP", "speed-up"), rows, "rrrr"),
             "",
