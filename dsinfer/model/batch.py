@@ -15,6 +15,7 @@ which needs no host synchronisation.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -125,13 +126,15 @@ class ForwardBatch:
             q_lens=[1] * self.num_seqs,
             kv_lens=list(self.kv_lens),
             num_absorbed=self.num_seqs,
+            # a step of decodes only has every sequence's cached length already
+            cache_seqlens=self.cache_seqlens if self.num_absorbed == self.num_seqs else None,
             seq_keys=self.seq_keys,
         )
 
     def last_token_indices(self) -> torch.Tensor:
         """Index into T of each sequence's last new token (where the next token is predicted)."""
-        ends = torch.tensor(self.q_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.positions.device)
+        ends = [end - 1 for end in itertools.accumulate(self.q_lens)]
+        return torch.tensor(ends, dtype=torch.int64, device=self.positions.device)
 
 
 def _left_padding(lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
