@@ -29,6 +29,10 @@ prefills its prompts. Per engine and batch, medians over the passes:
 - the speed-ups: the median (and range) of the ratios of the passes run back to back, so that
   the slow drifts of a shared machine cancel.
 
+``--num-steps N``: the MTP engine drafts N tokens a step (``speculative_num_steps``; each draft
+after the first is the MTP layer run again over the one before it); acceptance then counts every
+draft, and the weight bounds (which model one draft) are left out.
+
 Then, at batch 16: greedy and seeded sampling (temperature 0.8, a seed per request) each
 compared token for token between the engines.
 
@@ -204,6 +208,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             model,
             dtype=args.dtype,
             speculative_mtp=mode == "mtp",
+            speculative_num_steps=args.num_steps if mode == "mtp" else 1,
             enable_prefix_caching=False,
             kv_cache_memory=2**30,
             trace_dir=scratch / mode,
@@ -242,7 +247,10 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         llm.engine.close()  # flushes the traces
     traces = {mode: load_trace(next((scratch / mode).glob("*.json"))) for mode in engines}
     shape = ModelShape.preset(model or DEFAULT_MODEL)
-    bounds = [asdict(MTPBound.of(shape, b, acceptance[b] or 0.0)) for b in batches]
+    # the bounds model one draft a step
+    bounds = (
+        [asdict(MTPBound.of(shape, b, acceptance[b] or 0.0)) for b in batches] if args.num_steps == 1 else []
+    )
     return {"rows": _rows(passes, traces, acceptance), "identical": same, "bounds": bounds}
 
 
@@ -306,7 +314,8 @@ def markdown(result: dict[str, Any]) -> str:
             "# MTP against plain decoding (offline, one process, paired passes)",
             "",
             *machine_lines(result["machine"]),
-            f"- model {result['model']}, {result['dtype']}; task {result['task']}",
+            f"- model {result['model']}, {result['dtype']}; task {result['task']}; "
+            f"{result.get('num_steps', 1)} MTP draft(s) a step",
             f"- medians of {result['repeats']} paired passes per batch; outputs identical to plain decoding "
             f"(batch 16): greedy {'yes' if same['greedy'] else 'NO'}, seeded {'yes' if same['seeded'] else 'NO'}",
             "",
@@ -354,6 +363,9 @@ def main() -> None:
         help="mul (worked long multiplication) or lines; a random model: random prompts",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the questions")
+    parser.add_argument(
+        "--num-steps", type=int, default=1, help="MTP drafts a step (the engine's --speculative-num-steps)"
+    )
     add_output_args(parser)
     args = parser.parse_args()
     machine = run_machine()
@@ -363,6 +375,7 @@ def main() -> None:
         "dtype": args.dtype,
         "task": "random prompts" if args.model in RANDOM_MODELS else args.task,
         "repeats": args.repeats,
+        "num_steps": args.num_steps,
         **run(args),
     }
     machine["load_after"] = load_average()

@@ -46,9 +46,16 @@ def test_bitmask_equals_loop() -> None:
     assert torch.equal(apply_token_bitmask(logits[rows], bitmask), want[rows])
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "mtp"])
+@pytest.fixture(scope="module", params=[0, 1, 3], ids=["plain", "mtp", "mtp-3-steps"])
 def llm(request: pytest.FixtureRequest, tiny_ckpt: BuiltCheckpoint) -> Iterator[LLM]:
-    engine = LLM(str(tiny_ckpt.path), dtype="float32", kv_cache_memory="16MiB", speculative_mtp=request.param)
+    """``request.param`` MTP drafts a step (a constrained sequence verifies one of them)."""
+    engine = LLM(
+        str(tiny_ckpt.path),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        speculative_mtp=request.param > 0,
+        speculative_num_steps=max(request.param, 1),
+    )
     yield engine
     engine.engine.close()
 

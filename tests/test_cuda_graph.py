@@ -215,7 +215,7 @@ def _generate_with_drafts(llm: LLM) -> tuple[list[list[int]], list[list[int | No
 
     def recording(*args: Any) -> None:
         propose(*args)
-        drafts.append([result.next_draft for result in args[3]])
+        drafts.append([result.next_drafts[0] if result.next_drafts else None for result in args[3]])
 
     proposer.propose = recording  # type: ignore[method-assign]
     return _generate(llm), drafts

@@ -23,9 +23,14 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     ]
 
 
-def _llm(path: Path, mtp: bool) -> LLM:
+def _llm(path: Path, mtp: bool, steps: int = 1) -> LLM:
     return LLM(
-        str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=64, speculative_mtp=mtp
+        str(path),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        max_num_batched_tokens=64,
+        speculative_mtp=mtp,
+        speculative_num_steps=steps,
     )
 
 
@@ -70,3 +75,57 @@ def test_agreeing_mtp_layer_accepts_most_drafts(tiny_ckpt: BuiltCheckpoint, tmp_
     reference = DeepseekV3ForCausalLM.from_pretrained(str(path)).eval()
     ref, ref_logits = hf_greedy_steps(reference, prompts[0], 24, eos_ids=())
     compare_tokens(ref, got[0], ref_logits)
+
+
+def test_chained_drafts_give_the_same_tokens(tiny_ckpt: BuiltCheckpoint) -> None:
+    """Three drafts a step from a random MTP layer (most rejected, at any depth): the same tokens,
+    greedy and seeded, also where max_tokens leaves room for fewer drafts; every page freed."""
+    prompts = _prompts(12, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=1 + i, ignore_eos=True) for i in range(6)] + [
+        SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=3 + 2 * i, ignore_eos=True)
+        for i in range(6)
+    ]
+    on = _llm(tiny_ckpt.path, True, steps=3)
+    assert _tokens(on, prompts, params) == _tokens(_llm(tiny_ckpt.path, False), prompts, params)
+    assert on.engine.scheduler.stats.drafts_proposed > 0
+    assert on.engine.kv.num_available_pages() == on.engine.kv.num_pages
+
+
+def test_chained_drafts_of_an_agreeing_layer_are_accepted(tiny_ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
+    """An MTP layer whose drafts agree at any depth: three drafts a step, nearly all accepted, so a
+    verification yields about four tokens, and they are those of decoding without MTP."""
+    path = agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "bigram")
+    prompts = _prompts(6, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * len(prompts)
+    on = _llm(path, True, steps=3)
+    assert _tokens(on, prompts, params) == _tokens(_llm(path, False), prompts, params)
+    stats = on.engine.scheduler.stats
+    assert stats.drafts_proposed > 2 * stats.draft_verifications, stats  # mostly three drafts a step
+    assert stats.acceptance_rate > 0.9, stats
+    assert stats.mean_accepted_length > 3.5, stats
+    assert stats.forwards_per_output_token < 0.35, stats
+    assert on.engine.kv.num_available_pages() == on.engine.kv.num_pages
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"speculative_mtp": True, "speculative_num_steps": 0}, "speculative_num_steps must be at least 1"),
+        ({"speculative_num_steps": 2}, "add --speculative-mtp"),
+    ],
+)
+def test_bad_speculative_num_steps_fail_clearly(kwargs: dict[str, object], message: str) -> None:
+    from dsinfer.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)  # type: ignore[arg-type]
+
+
+def test_chained_drafts_in_an_expert_parallel_pool_fail_clearly(tiny_ckpt: BuiltCheckpoint) -> None:
+    """Refused before the model loads: each chained draft would be a collective forward."""
+    from dsinfer.engine.args import EngineArgs
+    from dsinfer.engine.engine import LLMEngine
+
+    args = EngineArgs(model=str(tiny_ckpt.path), speculative_mtp=True, speculative_num_steps=2)
+    with pytest.raises(ValueError, match="expert-parallel pool"):
+        LLMEngine(args, ep_group=object())  # type: ignore[arg-type]

@@ -404,6 +404,15 @@ def test_pd_with_mtp_sends_the_mtp_layer_and_keeps_tokens(tiny_ckpt: BuiltCheckp
         )
 
 
+def test_pd_with_chained_mtp_drafts_keeps_tokens(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
+    """Three drafts a step: the prefill side hands on the first, the decode side verifies it and
+    then chains three a step; tokens as offline, every page freed."""
+    with make_harness(tiny_ckpt, speculative_mtp=True, speculative_num_steps=3) as mtp:
+        _greedy_equals_offline(mtp, offline, "chained")
+        decode = max((engine.scheduler.stats for engine in mtp.engines), key=lambda s: s.drafts_proposed)
+        assert decode.drafts_proposed > decode.draft_verifications > 0, decode
+
+
 def test_pd_over_mooncake(tiny_ckpt: BuiltCheckpoint, offline: LLM) -> None:
     """The same hand-over through the other backend (skipped where Mooncake is not installed)."""
     try:

@@ -99,6 +99,7 @@ class LoadReport(ControlMessage, kw_only=True):
     kv_disk_tier_id: str = ""  # the disk tier's directory id: ranks reporting one id share it
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
+    mtp_verifications: int = 0  # sequence-steps that verified drafts since start
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing
     transfer_bytes: int = 0  # KV bytes written (prefill) or received (decode)
     transfer_bytes_by_group: dict[str, int] = {}  # the same by cache group

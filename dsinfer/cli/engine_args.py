@@ -116,6 +116,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"{field_help(EngineArgs, 'kv_disk_cache_size')} (default: {size_text(disk_size)})",
     )
     group.add_argument("--speculative-mtp", action="store_true", help="draft with the checkpoint's MTP layer")
+    flag(
+        "speculative_num_steps",
+        int,
+        help="draft tokens per step with --speculative-mtp: the MTP layer runs once per draft, each run "
+        "reading the last one's output (default: %(default)s)",
+    )
     flag("num_redundant_experts", int)
     flag("placement", help="expert placement file (JSON) for EP pools")
     flag(

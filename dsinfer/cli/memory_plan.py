@@ -229,8 +229,8 @@ def ep_buffers(
 
 def step_tokens(role: str, engine: EngineArgs) -> tuple[int, str]:
     if role == "decode":
-        per_seq = 2 if engine.speculative_mtp else 1
-        what = f"--max-num-seqs {engine.max_num_seqs}" + (" x 2 (MTP)" if per_seq == 2 else "")
+        per_seq = 1 + engine.num_drafts
+        what = f"--max-num-seqs {engine.max_num_seqs}" + (f" x {per_seq} (MTP)" if per_seq > 1 else "")
         return engine.max_num_seqs * per_seq, what
     return engine.max_num_batched_tokens, f"--max-num-batched-tokens {engine.max_num_batched_tokens}"
 

@@ -64,6 +64,9 @@ class EngineArgs(BaseModel):
     kv_disk_cache_dir: Path | None = None  # on-disk KV tier; None = off
     kv_disk_cache_size: int = Field(8 * 2**30, description="size of the on-disk KV tier, e.g. 64GiB")
     speculative_mtp: bool = False
+    # drafts per step with --speculative-mtp: the MTP layer runs once per draft, each run reading the
+    # last one's output (SGLang's --speculative-num-steps, vLLM's num_speculative_tokens)
+    speculative_num_steps: int = 1
     num_redundant_experts: int = Field(
         0, description="extra expert slots per MoE layer, spread over an EP pool's ranks"
     )
@@ -98,7 +101,12 @@ class EngineArgs(BaseModel):
         """The most tokens one rank's decode step carries: a token per sequence, two with an MTP
         draft, within the step's token budget (sizes DeepEP's low-latency buffer; steps with more
         tokens, such as a decode pool's recompute prefill, take the torch all-to-all)."""
-        return min(self.max_num_seqs * (2 if self.speculative_mtp else 1), self.max_num_batched_tokens)
+        return min(self.max_num_seqs * (1 + self.num_drafts), self.max_num_batched_tokens)
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens a sequence carries into a step: 0 without MTP."""
+        return self.speculative_num_steps if self.speculative_mtp else 0
 
     def host_tier_bytes(self, host_free: int) -> tuple[int, str]:
         """Bytes of the host-memory tier and how they were chosen: ``kv_host_cache_size``, else
@@ -180,6 +188,10 @@ class EngineArgs(BaseModel):
             raise ValueError(f"placement {str(self.placement)!r} is not a file")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.speculative_num_steps < 1:
+            raise ValueError("speculative_num_steps must be at least 1")
+        if self.speculative_num_steps > 1 and not self.speculative_mtp:
+            raise ValueError("speculative_num_steps > 1 drafts with the MTP layer: add --speculative-mtp")
         if self.ep_backend not in EP_BACKENDS:
             raise ValueError(f"ep_backend must be one of {', '.join(EP_BACKENDS)}, got {self.ep_backend!r}")
         return self

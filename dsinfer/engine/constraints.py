@@ -138,8 +138,8 @@ class LogitConstraints:
                     bitmask[r, eos // 32] |= _bit(eos % 32)
                 continue
             has_draft_row = r + 1 < len(seqs) and seqs[r + 1] is seq and offsets[r + 1] == 1
-            if has_draft_row and seq.draft is not None:
-                drafted.append((state.matcher, r, [seq.draft]))
+            if has_draft_row and seq.drafts:  # a constrained sequence verifies one draft at most
+                drafted.append((state.matcher, r, seq.drafts[:1]))
             else:
                 plain.append((state.matcher, r))
         size = (bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])

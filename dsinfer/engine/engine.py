@@ -68,6 +68,11 @@ class LLMEngine:
         it on the host); None: ``ep_group`` itself. ``placement``: the expert placement over
         ``ep_group`` (else ``args.placement``'s file, else the default layout)."""
         self.args = args
+        if args.speculative_num_steps > 1 and ep_group is not None:
+            raise ValueError(
+                "speculative_num_steps > 1 is not supported in an expert-parallel pool (each chained "
+                "draft would be one more collective MTP forward on every rank): use 1"
+            )
         device = resolve_device(args.device)
         bind_device(device)
         dtype = resolve_dtype(args.dtype, device)
@@ -106,6 +111,11 @@ class LLMEngine:
                 f"{self.config.max_position_embeddings}"
             )
         v4 = isinstance(self.config, V4Config)
+        if v4 and args.speculative_num_steps > 1:
+            raise ValueError(
+                "speculative_num_steps > 1 is not supported for DeepSeek-V4 (its MTP layer's window "
+                "state settles one draft a step): use 1"
+            )
         pool = self._make_v4_pool(device, dtype) if v4 else self._make_pool(device, dtype)
         root = model_identity(loaded.path, loaded.load_format, args.seed, dtype, device)
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
@@ -137,6 +147,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_token_weight=args.prefill_attention_weight,
             context_token_weight=args.prefill_context_weight,
+            max_drafts=args.speculative_num_steps,
         )
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.constraints = LogitConstraints(self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
@@ -407,6 +418,7 @@ class LLMEngine:
             kv_disk_tier_id=kv.disk_tier_id,
             mtp_drafts_proposed=sched.stats.drafts_proposed,
             mtp_drafts_accepted=sched.stats.drafts_accepted,
+            mtp_verifications=sched.stats.draft_verifications,
             eplb_swaps=self.expert_balancer.swaps if self.expert_balancer is not None else 0,
             expert_load=self.model.expert_load() if with_expert_load else None,
         )

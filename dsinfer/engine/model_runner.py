@@ -3,10 +3,10 @@
 The runner owns the tensors of a step; it never decides who runs (the scheduler does) and never
 changes a sequence (the scheduler records the StepResults).
 
-A sequence carrying an MTP draft computes two positions: its last token and the draft. The target
-samples both positions with its own counter-based keys; the draft is accepted when it equals the
-target's sample at its position, so output is exactly that of decoding without MTP, greedy or
-seeded.
+A sequence carrying MTP drafts computes its last token and the drafts. The target samples every
+position with its own counter-based keys; a draft is accepted when it equals the target's sample
+at its position and every draft before it was accepted, so output is exactly that of decoding
+without MTP, greedy or seeded.
 
 With ``enable_overlap`` in an expert-parallel pool, every rank votes in the step's agreement
 (dsinfer/engine/agreement.py; idle ranks included) whether it wants two micro-batches and whether
@@ -69,6 +69,7 @@ class ModelRunner:
         ops: Ops,
         *,
         mtp: bool = False,
+        mtp_steps: int = 1,
         enable_overlap: bool = False,
         overlap_min_tokens: int = 64,
         tracer: Tracer | None = None,
@@ -78,7 +79,7 @@ class ModelRunner:
         self.constraints = constraints  # grammars and min_tokens (None: requests have neither)
         self.device = pool.device
         self.page_size = pool.page_size
-        self.mtp = MTPProposer(model, pool, ops) if mtp else None
+        self.mtp = MTPProposer(model, pool, ops, mtp_steps) if mtp else None
         self.overlap = enable_overlap and model.ep is not None
         self.overlap_min_tokens = overlap_min_tokens
         self.tracer = tracer
@@ -105,6 +106,7 @@ class ModelRunner:
             pool,
             ops,
             mtp=args.speculative_mtp,
+            mtp_steps=args.speculative_num_steps,
             enable_overlap=args.enable_overlap,
             overlap_min_tokens=args.overlap_min_tokens,
             tracer=tracer,
@@ -225,16 +227,18 @@ class ModelRunner:
             samples = iter(self._sample([batch.seqs[i] for i in samplers], logits, masks))
             for i in samplers:
                 item, result = batch.seqs[i], results[i]
-                result.tokens.append(next(samples))
-                if item.num_draft:
-                    bonus = next(samples)
-                    result.draft_accepted = result.tokens[0][0] == item.seq.draft
-                    if result.draft_accepted:
-                        result.tokens.append(bonus)
+                sampled = [next(samples) for _ in range(1 + item.num_draft)]
+                result.tokens.append(sampled[0])
+                drafts = item.seq.drafts[: item.num_draft]
+                for draft, (token, _), bonus in zip(drafts, sampled[:-1], sampled[1:], strict=True):
+                    if token != draft:
+                        break
+                    result.num_accepted += 1
+                    result.tokens.append(bonus)
         self._prompt_logprobs(batch, hidden, ends, results)
         if self.mtp is not None and isinstance(self.model, ServedV4):
             verified = [
-                (item.seq.key, r.draft_accepted)
+                (item.seq.key, r.num_accepted == 1)
                 for item, r in zip(batch.seqs, results, strict=True)
                 if item.num_draft
             ]
@@ -343,7 +347,7 @@ class ModelRunner:
         if any(p.uses_penalties for p in params):
             counts, prompt_mask = penalty_state(
                 [seq.token_ids[: seq.prompt_len] for seq in seqs],
-                [seq.output_token_ids + [seq.draft] * j for seq, j in zip(seqs, offsets, strict=True)],
+                [seq.output_token_ids + seq.drafts[:j] for seq, j in zip(seqs, offsets, strict=True)],
                 logits.shape[-1],
                 self.device,
             )
@@ -414,7 +418,7 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 
 def _sampling_rows(items: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
-    """Each sampling row's sequence and output offset (1: the row after its MTP draft)."""
+    """Each sampling row's sequence and output offset (j: the row after its j-th MTP draft)."""
     seqs = [item.seq for item in items for _ in range(1 + item.num_draft)]
     offsets = [j for item in items for j in range(1 + item.num_draft)]
     return seqs, offsets
@@ -422,7 +426,7 @@ def _sampling_rows(items: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]
 
 def _step_tokens(item: ScheduledSeq) -> list[int]:
     known = item.seq.token_ids[item.start : item.end - item.num_draft]
-    return [*known, item.seq.draft] if item.num_draft else known
+    return [*known, *item.seq.drafts[: item.num_draft]]
 
 
 def _as_dict(ids: torch.Tensor, logprobs: torch.Tensor) -> dict[int, float]:

@@ -7,8 +7,17 @@ Position t of that cache holds the layer's KV for (target hidden at t, token t+1
 layer runs over exactly the positions whose target KV a step made valid: every prefill chunk,
 and after a verification the last token plus the draft when it was accepted. A draft is sampled
 with the key the target will use at its position, so a draft distribution close to the target's
-draws the same token. DeepSeek-V4's layer reads the target's last residual streams instead of its
-final hidden state (``mtp_input``) and keeps its window in the sequence's state.
+draws the same token.
+
+DeepSeek-V4's layer reads the target's last residual streams instead of its final hidden state
+(``mtp_input``) and keeps its window in the sequence's state.
+
+With ``num_steps`` > 1, after a decode the layer runs again, once per further draft, at the
+position after the last one: its input is the last draft and the layer's own final-normed output
+(in place of the target's hidden state, which that position does not have yet). Those runs write
+the layer's latent at positions the next step rewrites from the target's hidden states (it runs
+over every position it makes valid), so only the drafts survive them. A prefill's last chunk
+drafts one token (a PD prefill rank hands on one; no run writes past the pages it sends).
 """
 
 from __future__ import annotations
@@ -31,10 +40,15 @@ from dsinfer.ops.sampling import sample_rows
 
 class MTPProposer:
     def __init__(
-        self, model: DeepseekV3ForCausalLM | ServedV4, pool: PagedKVPool | V4StatePool, ops: Ops
+        self,
+        model: DeepseekV3ForCausalLM | ServedV4,
+        pool: PagedKVPool | V4StatePool,
+        ops: Ops,
+        num_steps: int = 1,
     ) -> None:
         self.model, self.pool, self.ops = model, pool, ops
         self.device = pool.device
+        self.num_steps = num_steps
 
     def propose(
         self,
@@ -46,13 +60,13 @@ class MTPProposer:
         graphs: DraftGraphs | None = None,
         step: ForwardBatch | None = None,
     ) -> None:
-        """Run the MTP layer over this step's valid positions; set ``next_draft`` of samplers.
+        """Run the MTP layer over this step's valid positions; set ``next_drafts`` of samplers.
         ``graphs``: the step was a two-token verification replayed from the decode graphs, and the
         layer replays from the draft graphs that follow them. ``step``: the target's forward batch
         when the step ran as one; the layer reuses it (positions, slots, RoPE) when every new
         token of the step is valid (no draft rejected)."""
         valid = [
-            item.num_new - item.num_draft + int(result.draft_accepted)
+            item.num_new - item.num_draft + result.num_accepted
             for item, result in zip(batch.seqs, results, strict=True)
         ]
         next_tokens = []
@@ -99,7 +113,47 @@ class MTPProposer:
             return
         if len(drafting) < len(results):
             last_hidden = last_hidden[torch.tensor(drafting, device=self.device)]
-        logits = self.model.compute_mtp_logits(last_hidden)
+        if self.num_steps == 1:
+            self._draw(batch, results, drafting, self.model.compute_mtp_logits(last_hidden), 1)
+            return
+        assert isinstance(self.model, DeepseekV3ForCausalLM)
+        normed, logits = self.model.mtp_head(last_hidden)
+        self._draw(batch, results, drafting, logits, 1)
+        for depth in range(2, self.num_steps + 1):
+            # decodes only, drafts the sequence's max_tokens leaves room to verify; one under a grammar
+            keep = [
+                j
+                for j, i in enumerate(drafting)
+                if batch.seqs[i].is_decode
+                and batch.seqs[i].seq.params.grammar is None
+                and batch.seqs[i].seq.num_output_tokens + len(results[i].tokens) + depth
+                < batch.seqs[i].seq.max_tokens
+            ]
+            if not keep:
+                return
+            if len(keep) < len(drafting):
+                normed = normed[torch.tensor(keep, device=self.device)]
+                drafting = [drafting[j] for j in keep]
+            items = [batch.seqs[i] for i in drafting]
+            # the position of the last draft: after the step's valid tokens and the drafts before it
+            starts = [batch.seqs[i].start + valid[i] + depth - 2 for i in drafting]
+            forward = build_forward_batch(
+                items, starts, [1] * len(items), len(items), self.pool.page_size, self.device
+            )
+            drafts = torch.tensor([results[i].next_drafts[-1] for i in drafting], device=self.device)
+            out = self.model.forward_mtp(normed, drafts, forward, self.pool.caches, last_only=True)
+            normed, logits = self.model.mtp_head(out)
+            self._draw(batch, results, drafting, logits, depth)
+
+    def _draw(
+        self,
+        batch: ScheduledBatch,
+        results: list[StepResult],
+        drafting: list[int],
+        logits: torch.Tensor,
+        depth: int,
+    ) -> None:
+        """Sample draft ``depth`` (1: the first) of each drafting sequence from its draft logits."""
         seqs = [batch.seqs[i].seq for i in drafting]
         tokens = sample_rows(
             self.ops.sample,
@@ -107,11 +161,12 @@ class MTPProposer:
             [seq.params for seq in seqs],
             seed=[seq.seed for seq in seqs],
             choice=[seq.choice for seq in seqs],
-            # the output index the draft would take: after this step's tokens and the next target token
+            # the output index the draft would take: after this step's tokens, the next target
+            # token and the drafts before it
             position=[
-                seq.num_output_tokens + len(results[i].tokens) + 1
+                seq.num_output_tokens + len(results[i].tokens) + depth
                 for seq, i in zip(seqs, drafting, strict=True)
             ],
         ).tolist()
         for i, token in zip(drafting, tokens, strict=True):
-            results[i].next_draft = token
+            results[i].next_drafts.append(token)

@@ -76,7 +76,7 @@ class RemotePrefills:
         if self._scheduler.join(seq, first_token, logprobs, computed):
             self._requests.collect([seq])
         elif self._speculative and computed is None:
-            seq.draft = draft
+            seq.drafts = [] if draft is None else [draft]
         return SeqUpdate.of(seq, [first_token], None if seq.logprobs is None else seq.logprobs[-1:])
 
     def pages(self, request: RemotePrefill) -> list[int]:

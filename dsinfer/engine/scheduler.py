@@ -39,8 +39,8 @@ from dsinfer.engine.sequence import SeqStatus, Sequence
 class ScheduledSeq:
     seq: Sequence
     start: int  # first token computed this step (= num_computed_tokens before the step)
-    num_new: int  # tokens computed this step, the MTP draft included
-    num_draft: int = 0  # 1 when the last computed token is the sequence's MTP draft
+    num_new: int  # tokens computed this step, the MTP drafts included
+    num_draft: int = 0  # how many of the last computed tokens are the sequence's MTP drafts
 
     @property
     def end(self) -> int:
@@ -61,8 +61,8 @@ class StepResult:
     """What a step produced for one scheduled sequence."""
 
     tokens: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)  # accepted, in order
-    draft_accepted: bool = False
-    next_draft: int | None = None  # the MTP proposal for the next step
+    num_accepted: int = 0  # of the step's drafts, the leading ones the target sampled too
+    next_drafts: list[int] = field(default_factory=list)  # the MTP proposals for the next step
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # for prompt positions computed
 
 
@@ -76,7 +76,7 @@ class ScheduledBatch:
 
     @property
     def decode_q_len(self) -> int:
-        """New tokens of the longest decode (one, or two with an MTP draft); 0 with none."""
+        """New tokens of the longest decode (one, plus its MTP drafts); 0 with none."""
         return max((s.num_new for s in self.seqs[len(self.seqs) - self.num_decodes :]), default=0)
 
     @property
@@ -96,12 +96,18 @@ class SchedulerStats:
     steps: int = 0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    draft_verifications: int = 0  # sequence-steps that verified drafts (one or more)
     decode_forwards: int = 0  # sequence-steps that sampled after the prompt
     decode_tokens: int = 0  # tokens those sequence-steps produced
 
     @property
     def acceptance_rate(self) -> float:
         return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification yields per sequence: 1 + accepted drafts per verification."""
+        return 1 + self.drafts_accepted / self.draft_verifications if self.draft_verifications else 0.0
 
     @property
     def forwards_per_output_token(self) -> float:
@@ -117,7 +123,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         attention_token_weight: float | None = None,
         context_token_weight: float = 0.0,
+        max_drafts: int = 1,
     ) -> None:
+        """``max_drafts``: the MTP drafts a sequence may carry into a step (when it has them). From
+        the second on, each draft is proposed by the MTP layer over the one before it, which writes
+        the layer's latent one position further: those positions get pages with the step's."""
         if attention_token_weight is not None and attention_token_weight <= 0:
             raise ValueError(f"attention_token_weight must be positive, got {attention_token_weight}")
         if context_token_weight < 0:
@@ -125,6 +135,7 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.attention_token_weight, self.context_token_weight = attention_token_weight, context_token_weight
+        self.max_drafts = max_drafts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_reserved = 0
@@ -214,9 +225,10 @@ class Scheduler:
             )
             if num_new == 0 and self.attention_token_weight is not None:
                 break  # not even one token of its chunk fits what is left of the step
-            can_draft = seq.num_output_tokens + 1 < seq.max_tokens and budget >= 2
-            num_draft = int(seq.draft is not None and num_new == 1 and can_draft)
-            if not self._grow(seq, seq.num_computed_tokens + num_new + num_draft, batch):
+            num_draft = self._num_draft(seq, num_new, budget)
+            if not self._grow(
+                seq, self._reach(seq, seq.num_computed_tokens, num_new + num_draft, num_draft), batch
+            ):
                 break  # seq itself was preempted: everything after it already was
             item = ScheduledSeq(seq, seq.num_computed_tokens, num_new + num_draft, num_draft)
             scheduled.append(item)
@@ -242,6 +254,25 @@ class Scheduler:
         batch.num_decodes = len(decodes)
         self.stats.steps += 1
         return batch
+
+    def _num_draft(self, seq: Sequence, num_new: int, budget: float) -> int:
+        """The drafts a decode verifies: those it has, within its max_tokens and the step's budget;
+        a grammar-constrained sequence verifies one (its mask covers one draft)."""
+        if num_new != 1:
+            return 0
+        limit = 1 if seq.params.grammar is not None else self.max_drafts
+        return max(
+            0, min(len(seq.drafts), limit, seq.max_tokens - seq.num_output_tokens - 1, int(budget) - 1)
+        )
+
+    def _reach(self, seq: Sequence, start: int, num_new: int, num_draft: int) -> int:
+        """Tokens whose pages a step computing ``num_new`` from ``start`` needs. With chained drafts
+        a decode's MTP layer writes its latent for each draft after the first past the step's end
+        (never past the sequence's last possible token)."""
+        end = start + num_new
+        if self.max_drafts == 1 or not ScheduledSeq(seq, start, num_new, num_draft).is_decode:
+            return end
+        return min(end + self.max_drafts - 1, seq.prompt_len + seq.max_tokens)
 
     def _start_loads(self) -> None:
         self.kv.finish_loads()
@@ -289,7 +320,7 @@ class Scheduler:
         match = self.kv.match_prefix(seq.token_ids, load=load) if seq.uses_prefix_cache else None
         cached = match.num_tokens if match else 0
         num_new = self._chunk(cached, seq.num_tokens - cached, budget, first)
-        needed = self.pages_for(cached + num_new) - (len(match.pages) if match else 0)
+        needed = self.pages_for(self._reach(seq, cached, num_new, 0)) - (len(match.pages) if match else 0)
         if num_new == 0 or needed > self.kv.num_available_pages():
             if match:
                 self.kv.abandon(match)
@@ -305,7 +336,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.release(seq.pages)
-        seq.pages, seq.num_computed_tokens, seq.status, seq.draft = [], 0, SeqStatus.WAITING, None
+        seq.pages, seq.num_computed_tokens, seq.status, seq.drafts = [], 0, SeqStatus.WAITING, []
         self.waiting.appendleft(seq)
         self._prefetches.pop(seq.key, None)  # its pages may be in a lower tier by readmission
         self.stats.preemptions += 1
@@ -314,16 +345,17 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, results: list[StepResult]) -> list[Sequence]:
         """Record computed and accepted tokens; returns the sequences that finished.
 
-        A draft's KV is kept only when the draft was accepted; otherwise its position is
-        recomputed with the right token by the next step."""
+        A draft's KV is kept only when it was accepted (and every draft before it); the positions
+        of the others are recomputed with the right tokens by the next step."""
         finished = []
         stats = self.stats
         for item, result in zip(batch.seqs, results, strict=True):
             seq = item.seq
-            seq.num_computed_tokens = item.end - item.num_draft + int(result.draft_accepted)
+            seq.num_computed_tokens = item.end - item.num_draft + result.num_accepted
             stats.prompt_tokens_computed += max(0, min(item.end, seq.prompt_len) - item.start)
             stats.drafts_proposed += item.num_draft
-            stats.drafts_accepted += int(result.draft_accepted)
+            stats.drafts_accepted += result.num_accepted
+            stats.draft_verifications += int(item.num_draft > 0)
             if item.is_decode and result.tokens:
                 stats.decode_forwards += 1
                 stats.decode_tokens += len(result.tokens)
@@ -333,7 +365,7 @@ class Scheduler:
                 seq.append(token, logprobs)
                 if seq.finish_reason is not None:
                     break
-            seq.draft = result.next_draft  # kept after a prefill-only finish: PD sends it on
+            seq.drafts = result.next_drafts  # kept after a prefill-only finish: PD sends the first on
             if seq.uses_prefix_cache:
                 self.kv.commit(seq.token_ids, seq.pages, seq.num_computed_tokens)
             if seq.finish_reason is not None:

@@ -41,7 +41,8 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # served from the prefix cache at the last admission
-    draft: int | None = None  # MTP's proposal for the token after the last one, verified next step
+    # MTP's proposals for the tokens after the last one, in order, verified by the next step
+    drafts: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     logprobs: list[dict[int, float]] | None = None

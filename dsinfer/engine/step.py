@@ -82,7 +82,7 @@ class SeqUpdate:
             new_logprobs,
             seq.is_finished,
             seq.finish_reason,
-            seq.draft,
+            seq.drafts[0] if seq.drafts else None,
             first,
             seq.prompt_len,
             seq.num_cached_prompt_tokens,
@@ -128,5 +128,6 @@ class EngineLoad:
     kv_disk_tier_id: str = ""  # ranks reporting one id share the disk tier's directory
     mtp_drafts_proposed: int = 0  # MTP draft tokens verified since start
     mtp_drafts_accepted: int = 0  # of which the target model agreed with
+    mtp_verifications: int = 0  # sequence-steps that verified drafts since start
     eplb_swaps: int = 0  # expert placements swapped in by online rebalancing since start
     expert_load: dict[int, list[int]] | None = None

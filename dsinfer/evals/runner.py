@@ -39,6 +39,7 @@ class Reply:
 class MTPStats:
     drafts_proposed: int
     drafts_accepted: int
+    verifications: int  # sequence-steps that verified drafts
 
     @property
     def acceptance_rate(self) -> float:
@@ -46,8 +47,8 @@ class MTPStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens a target forward yields with one draft: 1 + acceptance rate."""
-        return 1.0 + self.acceptance_rate
+        """Tokens a verification yields per sequence: 1 + accepted drafts per verification."""
+        return 1.0 + self.drafts_accepted / self.verifications if self.verifications else 0.0
 
 
 class Client(Protocol):
@@ -66,7 +67,7 @@ class OfflineClient:
         self.tokenizer = llm.get_tokenizer()
         self.eos = set(self.tokenizer.eos_token_ids)
         stats = self._stats()
-        self.start = (stats.drafts_proposed, stats.drafts_accepted)
+        self.start = (stats.drafts_proposed, stats.drafts_accepted, stats.draft_verifications)
 
     def _stats(self):
         return self.llm.engine.scheduler.stats
@@ -89,7 +90,11 @@ class OfflineClient:
         if not self.llm.engine.args.speculative_mtp:
             return None
         stats = self._stats()
-        return MTPStats(stats.drafts_proposed - self.start[0], stats.drafts_accepted - self.start[1])
+        return MTPStats(
+            stats.drafts_proposed - self.start[0],
+            stats.drafts_accepted - self.start[1],
+            stats.draft_verifications - self.start[2],
+        )
 
 
 class EndpointError(RuntimeError):

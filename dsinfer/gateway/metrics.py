@@ -84,6 +84,12 @@ _PER_WORKER: tuple[
         lambda r: r.mtp_drafts_accepted,
     ),
     (
+        CounterMetricFamily,
+        "dsinfer_spec_decode_verifications",
+        "sequence-steps that verified MTP drafts",
+        lambda r: r.mtp_verifications,
+    ),
+    (
         GaugeMetricFamily,
         "dsinfer_spec_decode_acceptance_rate",
         "accepted / verified MTP drafts since start",
@@ -92,8 +98,9 @@ _PER_WORKER: tuple[
     (
         GaugeMetricFamily,
         "dsinfer_spec_decode_mean_accepted_length",
-        "tokens a verification step yields per sequence since start (1 + acceptance rate; 0 without drafts)",
-        lambda r: 1 + _ratio(r.mtp_drafts_accepted, r.mtp_drafts_proposed) if r.mtp_drafts_proposed else 0.0,
+        "tokens a verification step yields per sequence since start (1 + accepted drafts per "
+        "verification; 0 without drafts)",
+        lambda r: 1 + _ratio(r.mtp_drafts_accepted, r.mtp_verifications) if r.mtp_verifications else 0.0,
     ),
 )
 

@@ -305,6 +305,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Draft logits fp32 [T, V] for position t+2."""
         return self._mtp_layer(depth).logits(mtp_hidden)
 
+    @torch.inference_mode()
+    def mtp_head(self, mtp_hidden: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the MTP layer's final-normed hidden states [T, H], draft logits fp32 [T, V]): a chained
+        draft's layer reads the normed states where the first reads the target's (``mtp_input``)."""
+        head = self._mtp_layer(depth).shared_head
+        normed = head.norm(mtp_hidden)
+        return normed, head.head(normed).float()
+
     def _mtp_layer(self, depth: int) -> MTPLayer:
         if depth >= len(self.mtp_layers):
             raise MTPUnavailableError(
