@@ -295,3 +295,26 @@ def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint)
     draft = mtp.engine.runner.draft_graphs
     assert draft is not None and draft.capture and sum(draft.steps.values()) == graphs.steps_by_q[2]
     mtp.engine.close()
+
+
+def test_chained_drafts_beside_the_static_buffers_give_eager_tokens(
+    tiny_ckpt: BuiltCheckpoint, tmp_path: Path
+) -> None:
+    """Three drafts a step with the static buffers on: steps whose sequences verify several drafts
+    run eagerly, the others replay; the tokens are plain decoding's."""
+    ckpt = BuiltCheckpoint(
+        agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "agreeing"), tiny_ckpt.hf_model, {}, None
+    )
+    plain = make_llm(ckpt)
+    expected = _generate(plain)
+    plain.engine.close()
+    llm = make_llm(ckpt, speculative_mtp=True, speculative_num_steps=3)
+    graphs = llm.engine.runner.enable_decode_graphs(
+        max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
+    )
+    got = _generate(llm)
+    stats = llm.engine.scheduler.stats
+    llm.engine.close()
+    assert got == expected
+    assert stats.drafts_proposed > stats.draft_verifications, stats  # steps with several drafts
+    assert sum(graphs.steps_by_q.values()) >= 1, graphs.steps_by_q
