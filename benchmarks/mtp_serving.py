@@ -1,5 +1,5 @@
 """MTP through ``dsinfer serve``: output tok/s of the all-in-one PD server with and without
-``--speculative-mtp``, at one stream and at 16.
+``--speculative-mtp`` (``--num-steps N``: with ``--speculative-num-steps N``), at one stream and at 16.
 
 The built-in model (``tiny-chat``) in float32, served the default way (one prefill and one
 decode pool, KV over the transfer library). The workload: chat completions of the model's
@@ -42,8 +42,9 @@ MAX_TOKENS = 256
 MODES = ("plain", "mtp")
 
 
-def _flags(mode: str) -> list[str]:
-    return ["--dtype", "float32", *(["--speculative-mtp"] if mode == "mtp" else [])]
+def _flags(mode: str, num_steps: int) -> list[str]:
+    mtp = ["--speculative-mtp", "--speculative-num-steps", str(num_steps)]
+    return ["--dtype", "float32", *(mtp if mode == "mtp" else [])]
 
 
 async def _one(client: httpx.AsyncClient, url: str, question: str) -> int:
@@ -96,7 +97,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             servers = {
                 mode: stack.enter_context(
-                    serve(_flags(mode), log_dir, startup_timeout=args.start_timeout, say=progress)
+                    serve(
+                        _flags(mode, args.num_steps),
+                        log_dir,
+                        startup_timeout=args.start_timeout,
+                        say=progress,
+                    )
                 )
                 for mode in MODES
             }
@@ -152,7 +158,8 @@ def markdown(result: dict[str, Any]) -> str:
     acceptance = result["acceptance"]
     return "\n".join(
         [
-            "# MTP through dsinfer serve (all-in-one PD, tiny-chat, float32)",
+            f"# MTP through dsinfer serve (all-in-one PD, tiny-chat, float32, {result.get('num_steps', 1)} "
+            "draft(s) a step)",
             "",
             *machine_lines(result["machine"]),
             f"- both servers up at once, {result['rounds']} round(s) of fresh servers, {result['repeats']} "
@@ -179,10 +186,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300)
+    parser.add_argument("--num-steps", type=int, default=1, help="the MTP server's --speculative-num-steps")
     add_output_args(parser)
     args = parser.parse_args()
     machine = run_machine()
-    result = {"machine": machine, "rounds": args.rounds, "repeats": args.repeats, **run(args)}
+    result = {
+        "machine": machine,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "num_steps": args.num_steps,
+        **run(args),
+    }
     machine["load_after"] = load_average()
     save_report(result, markdown(result), args.out, args.markdown)
 

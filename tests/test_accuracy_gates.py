@@ -67,13 +67,17 @@ def test_offline_answers_are_right(reference: EvalReport) -> None:
     )
 
 
-def test_mtp_same_tokens_and_drafts_accepted(reference: EvalReport) -> None:
-    llm = _offline(speculative_mtp=True)
+@pytest.mark.parametrize("steps", [1, 2], ids=["one-draft", "two-drafts"])
+def test_mtp_same_tokens_and_drafts_accepted(reference: EvalReport, steps: int) -> None:
+    """Two drafts a step: the MTP layer fine-tuned for chained drafts (scripts/train_tiny_mtp.py)
+    drafts the second from its own output."""
+    llm = _offline(speculative_mtp=True, speculative_num_steps=steps)
     report = run_eval(OfflineClient(llm), TASKS, LIMIT)
     llm.engine.close()
     _assert_same(report, reference)
     assert report.mtp is not None and report.mtp.drafts_proposed > 0
     assert report.mtp.acceptance_rate >= MIN_MTP_ACCEPTANCE, report.table()
+    assert report.mtp.mean_accepted_length >= 1 + MIN_MTP_ACCEPTANCE * steps, report.table()
 
 
 def test_prefix_cache_hits_on_the_same_long_contexts(reference: EvalReport) -> None:
