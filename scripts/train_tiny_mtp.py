@@ -59,25 +59,11 @@ def load(checkpoint: Path) -> tuple[DeepseekV3ForCausalLM, MTPModule, dict[str, 
     mtp = MTPModule(config)
     prefix = f"model.layers.{layers}."
     own = {k.removeprefix(prefix): v.float() for k, v in stored.items() if k.startswith(prefix)}
-    names = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"}
-    mtp.load_state_dict(
-        {
-            "enorm.weight": own["enorm.weight"],
-            "hnorm.weight": own["hnorm.weight"],
-            "eh_proj.weight": own["eh_proj.weight"],
-            "norm.weight": own["shared_head.norm.weight"],
-            **{
-                "layer." + k: v
-                for k, v in _fused_experts(
-                    {
-                        k: v
-                        for k, v in own.items()
-                        if k not in names and not k.startswith(("shared_head.", "embed_tokens."))
-                    }
-                ).items()
-            },
-        }
-    )
+    module = {name: own.pop(name) for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight")}
+    module["norm.weight"] = own.pop("shared_head.norm.weight")
+    del own["shared_head.head.weight"], own["embed_tokens.weight"]  # the main model's, shared
+    module.update({"layer." + k: v for k, v in _fused_experts(own).items()})
+    mtp.load_state_dict(module)
     model.requires_grad_(False)
     return model.eval(), mtp, stored
 
@@ -114,17 +100,15 @@ def chained_logits(
             input_ids=ids, attention_mask=batch.attention_mask(conversation), position_ids=positions
         ).last_hidden_state
     n = length - 1 - depths  # positions p with a target for every depth
-    streams, stream_pos, stream_conv = [], [], []
-    # every stream's input, all depths at once: depth 1 from the target, deeper ones from the
-    # previous depth's output, which needs that depth's forward first; so run depth by depth,
-    # each time over the concatenation of the streams so far (the last one's outputs are new)
+    streams, stream_pos = [], []
+    # a deeper stream's input is the previous depth's output, so the layer runs once per depth,
+    # each time over the streams so far (the earlier ones' outputs come out as before)
     logits: list[torch.Tensor] = []
     previous = hidden[:, :n]
     for d in range(1, depths + 1):
         emb = model.model.embed_tokens(ids[:, d : d + n])
         streams.append(mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(previous)], dim=-1)))
         stream_pos.append(positions[:, d - 1 : d - 1 + n])
-        stream_conv.append(conversation[:, d - 1 : d - 1 + n])
         x = torch.cat(streams, dim=1)
         pos = torch.cat(stream_pos, dim=1)
         mask = _chain_mask(conversation[:, :n], d)

@@ -182,7 +182,12 @@ class MTPLayer(DecoderLayer):
         return self.feed_forward(self.attention_out(x[rows], q.take(rows), tail, kv_cache), tail)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+        return self.head_states(hidden)[1]
+
+    def head_states(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (shared_head.norm of ``hidden``, draft logits fp32 from it)."""
+        normed = self.shared_head.norm(hidden)
+        return normed, self.shared_head.head(normed).float()
 
 
 class Backbone(nn.Module):
@@ -309,9 +314,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def mtp_head(self, mtp_hidden: torch.Tensor, depth: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (the MTP layer's final-normed hidden states [T, H], draft logits fp32 [T, V]): a chained
         draft's layer reads the normed states where the first reads the target's (``mtp_input``)."""
-        head = self._mtp_layer(depth).shared_head
-        normed = head.norm(mtp_hidden)
-        return normed, head.head(normed).float()
+        return self._mtp_layer(depth).head_states(mtp_hidden)
 
     def _mtp_layer(self, depth: int) -> MTPLayer:
         if depth >= len(self.mtp_layers):
