@@ -184,6 +184,12 @@ def test_mtp_layer_matches_reference(built: BuiltCheckpoint) -> None:
     # what a draft reads: the last position alone (attention on the absorbed path over the cache)
     last = loaded.model.forward_mtp(hidden[:n], next_tokens, batch, runner.pool.caches, last_only=True)
     torch.testing.assert_close(last, mtp_hidden[-1:], rtol=1e-4, atol=1e-4)
+    # a chained draft's batch (one new token, absorbed) takes no row selection: the same state
+    one = runner.batch(n - 1, n, ABSORBED)
+    chained = loaded.model.forward_mtp(
+        hidden[n - 1 : n], next_tokens[-1:], one, runner.pool.caches, last_only=True
+    )
+    torch.testing.assert_close(chained, mtp_hidden[-1:], rtol=1e-4, atol=1e-4)
     assert built.mtp_state is not None
     reference = mtp_reference(
         built.hf_model.config, built.mtp_state, hidden[:n], next_tokens, torch.arange(n)

@@ -39,3 +39,19 @@ def test_deepseek_v3_bound_reaches_its_published_speedup_at_a_large_batch_only()
     # one MTP layer after 61 decoder layers: the draft is a small part of the step
     assert large.draft_share < 0.03 and large.layer_floor == pytest.approx(1 / 62)
     assert draft_params(shape, 256) < step_params(shape, 512) / 30
+
+
+def test_more_drafts_raise_the_bound_slowly_at_batch_one_and_their_share_with_it() -> None:
+    shape = ModelShape.preset("deepseek-v3")
+    one = MTPBound.of(shape, 1, 1.0)
+    assert MTPBound.of(shape, 1, 1.0, num_drafts=1) == one and one.num_drafts == 1
+    bounds = [MTPBound.of(shape, 1, 1.0, n) for n in range(1, 6)]
+    speedups, shares = [b.speedup for b in bounds], [b.draft_share for b in bounds]
+    assert speedups == sorted(speedups) and shares == sorted(shares)
+    # a rejected draft still costs its verification: half the drafts accepted yields less
+    assert MTPBound.of(shape, 1, 0.5, 3).speedup < bounds[2].speedup
+    assert bounds[2].layer_floor == pytest.approx(3 / 64)
+    need = MTPBound.drafts_for(shape, 1, 1.5)
+    assert need is not None and MTPBound.of(shape, 1, 1.0, need).speedup >= 1.5
+    assert MTPBound.of(shape, 1, 1.0, need - 1).speedup < 1.5
+    assert MTPBound.drafts_for(shape, 1, 100.0) is None

@@ -175,6 +175,9 @@ class MTPLayer(DecoderLayer):
         if not last_only:
             return super().forward(x, batch, kv_cache)
         q = self.attention_in(x, batch, kv_cache)
+        if last is None and batch.num_absorbed == batch.num_tokens:
+            # one new token per sequence, all decodes (a chained draft): every row is a last one
+            return self.feed_forward(self.attention_out(x, q, batch, kv_cache), batch)
         if last is None:
             rows = batch.last_token_indices()
             last = rows, batch.last_tokens(rows)
