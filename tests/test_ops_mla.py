@@ -165,6 +165,39 @@ def test_mla_decode_absorbed_matches_the_folds_around_naive_attention(
     torch.testing.assert_close(out16.float(), out, rtol=5e-2, atol=0.3)
 
 
+@pytest.mark.parametrize(("heads", "s_q"), [(3, 3), (4, 1), (16, 2), (5, 2)])
+def test_absorbed_kernel_rows_split_over_tasks_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, heads: int, s_q: int
+) -> None:
+    """A sequence's query rows in one task or spread over several (whole blocks of four, the last
+    one short): every output bit the same, dtype for dtype."""
+    from dsinfer.ops import mla_cpu
+
+    gen = torch.Generator().manual_seed(heads * 10 + s_q)
+    seqlens = [11, 37]
+    k_cache, block_table, _ = _paged_cache(seqlens, 8, gen)
+    q_nope = torch.randn(2, s_q, heads, 6, generator=gen)
+    q_pe = torch.randn(2, s_q, heads, D - DV, generator=gen)
+    w_uk, w_uv_t = torch.randn(heads, 6, DV, generator=gen), torch.randn(heads, DV, 5, generator=gen)
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) for t in (q_nope, q_pe, w_uk, w_uv_t, k_cache)]
+        outs = []
+        for groups in (1, 2, 3, 8):
+            monkeypatch.setattr(mla_cpu, "row_groups", lambda *_, g=groups: g)
+            outs.append(mla_cpu.mla_decode_absorbed(*args, block_table, lens, 0.3, True))
+        assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+def test_row_groups_fill_the_threads_in_whole_blocks() -> None:
+    from dsinfer.ops.mla_cpu import row_groups
+
+    assert row_groups(64, 4, 2) == 1  # the sequences fill the threads
+    assert row_groups(1, 4, 2) == 1  # one block of rows
+    assert row_groups(1, 12, 2) == 2 and row_groups(1, 128, 16) == 16
+    assert row_groups(3, 128, 16) == 6
+
+
 def test_flashmla_adapter_plumbing(ops: Ops) -> None:
     """UNVERIFIED adapter: check only how it calls both API generations (fake modules)."""
     calls: list[tuple] = []

@@ -85,11 +85,12 @@ def _accumulate_block(acc, kv, scores, t, r, dv):
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)  # not inlined: halves the compile, same code
-def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores):
+def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0):
     """Online-softmax update of every query row with keys start..start+count-1 held in kv.
     ``kv`` has at least ``count`` rounded up to KEY_TILE rows and the rows past ``count`` are finite
     (their probabilities are zero). Query rows and keys go in 4x4 blocks (a loaded value feeds four
-    FMAs), the page once per block of rows; leftover query rows one at a time."""
+    FMAs), the page once per block of rows; leftover query rows one at a time. ``qb``'s row r is
+    the sequence's query row ``row0 + r`` (token ``(row0 + r) // h_q``, for the causal mask)."""
     rows, dim = qb.shape
     blocked = rows - rows % 4
     padded = -(-count // KEY_TILE) * KEY_TILE
@@ -101,7 +102,9 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
             for j in range(KEY_TILE):
                 scores[r, t + j] = _dot(qb, kv, t + j, r, dim) * scale
     for r in range(rows):
-        visible = min(count, (n - s_q + r // h_q + 1 if causal else n) - start)  # keys [start, start+visible)
+        visible = min(
+            count, (n - s_q + (row0 + r) // h_q + 1 if causal else n) - start
+        )  # keys [start, +visible)
         if visible <= 0:
             for t in range(padded):
                 scores[r, t] = 0.0
@@ -127,11 +130,11 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)  # not inlined: both entry kernels share it
-def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, causal, m, denom, acc):
+def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, causal, m, denom, acc, row0):
     """Online softmax of ``qb``'s rows (sequence ``b``'s queries) over its ``n`` cached keys into
     ``m``, ``denom`` and ``acc``. ``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when
     ``cache`` has no rows and ``bf16_bits`` holds the cache as uint16, bf16 read through a float32
-    scratch page. A page whose key count is not a multiple of KEY_TILE (the last one) is read
+    scratch page. ``qb`` holds the sequence's query rows from ``row0`` on. A page whose key count is not a multiple of KEY_TILE (the last one) is read
     through the scratch page too, zero-padded: slots past the sequence's length are never read."""
     rows, dim = qb.shape
     bf16 = bf16_bits.shape[0] > 0
@@ -145,7 +148,7 @@ def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, cau
         block = table[b, start // page_size]
         if not bf16 and count % KEY_TILE == 0:
             _attend_page(
-                qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores
+                qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0
             )
             continue
         if bf16:
@@ -156,7 +159,7 @@ def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, cau
         else:
             page[:count] = cache[block, :count]
         page[count : -(-count // KEY_TILE) * KEY_TILE] = 0.0
-        _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores)
+        _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0)
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
@@ -183,6 +186,7 @@ def _decode(q, cache, bf16_bits, table, lens, dv, scale, causal, out, lse):  # n
             m,
             denom,
             acc,
+            0,
         )
         for r in range(rows):
             s, h = r // h_q, r % h_q
@@ -215,35 +219,44 @@ def _fold_in(x, w, out):
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _decode_absorbed(q_nope, q_pe, w_uk, w_uv_t, cache, bf16_bits, table, lens, scale, causal, out):
-    """:func:`mla_decode_absorbed`'s kernel: per sequence (in parallel) each query row is folded into
-    the latent (``q_nope . w_uk``, fp32; ``w_uk``/``w_uv_t`` float32 or bf16 bits), attends over the
-    cache as ``_decode`` does, and its latent output is unfolded by ``w_uv_t``."""
+def _decode_absorbed(q_nope, q_pe, w_uk, w_uv_t, cache, bf16_bits, table, lens, scale, causal, groups, out):
+    """:func:`mla_decode_absorbed`'s kernel: each query row is folded into the latent
+    (``q_nope . w_uk``, fp32; ``w_uk``/``w_uv_t`` float32 or bf16 bits), attends over the cache as
+    ``_decode`` does, and its latent output is unfolded by ``w_uv_t``. A sequence's rows go to
+    ``groups`` tasks, in whole blocks of four (the tasks run in parallel; each streams the
+    sequence's pages once), so a row's arithmetic is the same for any ``groups``."""
     bsz, s_q, h_q = q_nope.shape[0], q_nope.shape[1], q_nope.shape[2]
     rope, latent = q_pe.shape[3], w_uk.shape[2]
     rows = s_q * h_q
-    for b in numba.prange(bsz):
-        qb = np.zeros((rows, latent + rope), dtype=np.float32)
-        for r in range(rows):
-            s, h = r // h_q, r % h_q
-            _fold_in(q_nope[b, s, h], w_uk[h], qb[r])
+    blocks = (rows + 3) // 4
+    blocks_per_group = (blocks + groups - 1) // groups
+    for task in numba.prange(bsz * groups):
+        b, g = task // groups, task % groups
+        row0 = min(rows, g * blocks_per_group * 4)
+        count = min(rows, (g + 1) * blocks_per_group * 4) - row0
+        if count <= 0:
+            continue
+        qb = np.zeros((count, latent + rope), dtype=np.float32)
+        for i in range(count):
+            s, h = (row0 + i) // h_q, (row0 + i) % h_q
+            _fold_in(q_nope[b, s, h], w_uk[h], qb[i])
             for c in range(rope):
-                qb[r, latent + c] = q_pe[b, s, h, c]
-        m = np.full(rows, -np.inf, dtype=np.float32)
-        denom = np.zeros(rows, dtype=np.float32)
-        acc = np.zeros((rows, latent), dtype=np.float32)
+                qb[i, latent + c] = q_pe[b, s, h, c]
+        m = np.full(count, -np.inf, dtype=np.float32)
+        denom = np.zeros(count, dtype=np.float32)
+        acc = np.zeros((count, latent), dtype=np.float32)
         _attend_sequence(
-            qb, cache, bf16_bits, table, b, lens[b], s_q, h_q, latent, scale, causal, m, denom, acc
+            qb, cache, bf16_bits, table, b, lens[b], s_q, h_q, latent, scale, causal, m, denom, acc, row0
         )
-        for r in range(rows):
-            s, h = r // h_q, r % h_q
+        for i in range(count):
+            s, h = (row0 + i) // h_q, (row0 + i) % h_q
             out[b, s, h, :] = 0.0
-            if denom[r] == 0.0:
+            if denom[i] == 0.0:
                 continue
-            inverse = np.float32(1.0) / denom[r]
+            inverse = np.float32(1.0) / denom[i]
             for c in range(latent):
-                acc[r, c] *= inverse
-            _fold_in(acc[r], w_uv_t[h], out[b, s, h])
+                acc[i, c] *= inverse
+            _fold_in(acc[i], w_uv_t[h], out[b, s, h])
 
 
 # the one signature :func:`mla_decode` calls the kernel with, whatever the cache dtype
@@ -271,6 +284,7 @@ def _absorbed_signature(weights: numba.types.Number) -> tuple[numba.types.Type, 
         *_DECODE_SIGNATURE[1:5],  # the cache (float32 or bits), block table, cache_seqlens
         numba.float32,  # softmax scale
         numba.boolean,  # causal
+        numba.int64,  # groups: tasks per sequence
         c_array(numba.float32, 4),  # out
     )
 
@@ -301,9 +315,19 @@ def _weight_array(w: torch.Tensor) -> np.ndarray:
     return w.float().numpy()
 
 
-def _use_torch_threads() -> None:
+def _use_torch_threads() -> int:
     """One thread budget: the kernels use as many threads as torch does in this process."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
+
+
+def row_groups(bsz: int, rows: int, threads: int) -> int:
+    """Tasks per sequence of the absorbed kernel: one when the sequences alone fill the threads,
+    else enough whole blocks of four query rows (of ``rows`` per sequence) to fill them."""
+    if bsz >= threads:
+        return 1
+    return max(1, min(-(-rows // 4), -(-threads // bsz)))
 
 
 def mla_decode_absorbed(
@@ -322,7 +346,7 @@ def mla_decode_absorbed(
     latent = w_uk.shape[2]
     cache_np, bits_np = _cache_arrays(k_cache, latent + q_pe.shape[3])
     out = torch.empty(bsz, s_q, heads, w_uv_t.shape[2], dtype=torch.float32)
-    _use_torch_threads()
+    groups = row_groups(bsz, s_q * heads, _use_torch_threads())
     _decode_absorbed(
         q_nope.detach().float().contiguous().numpy(),
         q_pe.detach().float().contiguous().numpy(),
@@ -334,6 +358,7 @@ def mla_decode_absorbed(
         cache_seqlens.to(torch.int32).contiguous().numpy(),
         np.float32(softmax_scale),
         causal,
+        groups,
         out.numpy(),
     )
     return out.to(q_nope.dtype)
