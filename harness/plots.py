@@ -270,6 +270,28 @@ def plot_packed_linear(doc: Doc, path: Path) -> None:
     save(fig, path, f"bf16 linears packed once vs plain: paired median ratio {ratio:.3f}", machine_note(doc))
 
 
+def plot_mla_cpu_rows(doc: Doc, path: Path) -> None:
+    """The absorbed MLA kernel's call time per shape, a sequence's rows in one task or split."""
+    rows = doc["rows"]
+    fig, (ax,) = figure(size=(10, 4.5))
+    _bars(
+        ax,
+        [r["shape"] for r in rows],
+        {
+            "one task per sequence": [r["one_task_us"] for r in rows],
+            "rows split over the threads": [r["split_us"] for r in rows],
+        },
+        {
+            "one task per sequence": [r["rounds"]["one"] for r in rows],
+            "rows split over the threads": [r["rounds"]["split"] for r in rows],
+        },
+    )
+    _log_y(ax, "median call, us")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(fontsize=8)
+    save(fig, path, "CPU absorbed MLA decode: rows in one task vs split", machine_note(doc))
+
+
 # Latency distributions ---------------------------------------------------------------------------
 def _cdf(ax: Axes, values: Sequence[float], label: str) -> None:
     xs = sorted(values)
@@ -902,6 +924,7 @@ PLOTTERS: dict[str, Plotter] = {
     "kv_replay*.json": plot_kv_replay,
     "tracing_cost.json": plot_tracing_cost,
     "mtp_speed*.json": plot_mtp_speed,
+    "mla_cpu_rows*.json": plot_mla_cpu_rows,
     "mtp_serving*.json": plot_mtp_serving,
     "lone_and_burst*.json": plot_lone_and_burst,
     "accuracy.json": plot_accuracy,
