@@ -102,9 +102,8 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
             for j in range(KEY_TILE):
                 scores[r, t + j] = _dot(qb, kv, t + j, r, dim) * scale
     for r in range(rows):
-        visible = min(
-            count, (n - s_q + (row0 + r) // h_q + 1 if causal else n) - start
-        )  # keys [start, +visible)
+        seen = n - s_q + (row0 + r) // h_q + 1 if causal else n  # keys this row attends to
+        visible = min(count, seen - start)  # keys [start, start + visible)
         if visible <= 0:
             for t in range(padded):
                 scores[r, t] = 0.0
@@ -134,8 +133,9 @@ def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, cau
     """Online softmax of ``qb``'s rows (sequence ``b``'s queries) over its ``n`` cached keys into
     ``m``, ``denom`` and ``acc``. ``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when
     ``cache`` has no rows and ``bf16_bits`` holds the cache as uint16, bf16 read through a float32
-    scratch page. ``qb`` holds the sequence's query rows from ``row0`` on. A page whose key count is not a multiple of KEY_TILE (the last one) is read
-    through the scratch page too, zero-padded: slots past the sequence's length are never read."""
+    scratch page. ``qb`` holds the sequence's query rows from ``row0`` on. A page whose key
+    count is not a multiple of KEY_TILE (the last one) is read through the scratch page too,
+    zero-padded: slots past the sequence's length are never read."""
     rows, dim = qb.shape
     bf16 = bf16_bits.shape[0] > 0
     page_size = bf16_bits.shape[1] if bf16 else cache.shape[1]
