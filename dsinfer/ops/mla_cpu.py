@@ -5,7 +5,9 @@ kernel reads the cached latent rows straight from their pages, with an online so
 pages. Every query head (and query token) shares the single latent KV head: a page is streamed
 once per block of four query rows, whose queries and accumulators stay in L1 while the page comes
 from L2 (keeping every row's accumulator live instead spilled past four rows, 2-3.5x slower).
-Sequences run in parallel. Math is fp32; a bf16 cache is read as its raw bits.
+Sequences run in parallel, and when they do not fill the threads (batch 1) the absorbed kernel
+splits a sequence's query rows over tasks too, in whole blocks of four (the same bits). Math is
+fp32; a bf16 cache is read as its raw bits.
 Semantics are those of :func:`dsinfer.ops.mla.mla_decode` (bottom-right causal mask, natural-log
 lse, an empty row gives out 0 and lse +inf); only slots below ``cache_seqlens`` are ever read.
 """
