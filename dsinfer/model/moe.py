@@ -63,7 +63,6 @@ class RoutedWork:
     """One micro-batch's routed experts of one MoE layer, between the gate and the weighted sum."""
 
     x: torch.Tensor  # the MoE input [T, H]
-    pair_token: torch.Tensor  # token of each (token, expert) pair [T * k]
     topk_weights: torch.Tensor  # [T, k]
     dispatch: Pending[Received]
     combine: Pending[torch.Tensor] | None = None  # posted by MoE.run_experts
@@ -139,9 +138,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's routed experts, all hosted here, x: [T, H] -> [T, H]."""
-        pair_token = pair_tokens(topk_ids)
-        y = self.compute(x[pair_token], self.slot_of_expert[topk_ids].flatten())
-        return _weighted_sum(x, pair_token, y, topk_weights)
+        y = self.compute(pair_rows(x, topk_ids.shape[1]), self.slot_of_expert[topk_ids].flatten())
+        return _weighted_sum(y, topk_weights)
 
     def compute(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Each row through the expert in its local slot: [M, H] -> [M, H], in the rows' order."""
@@ -207,9 +205,12 @@ def pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens, device=topk_ids.device).repeat_interleave(k)
 
 
-def _weighted_sum(
-    x: torch.Tensor, pair_token: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
+def pair_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x[pair_tokens(topk_ids)]`` without the index: each token's row ``k`` times, in pair order."""
+    return x.unsqueeze(1).expand(-1, k, -1).reshape(-1, x.shape[-1])
+
+
+def _weighted_sum(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """Each token's k expert outputs weighted and summed (pairs are token-major, k per token)."""
     tokens, k = topk_weights.shape
     weights = topk_weights.to(y.dtype).unsqueeze(-1)
@@ -275,7 +276,6 @@ class MoE(nn.Module):
         if token_mask is not None and not masked:
             raise ValueError("token_mask is read by the masked routed path only")
         topk_weights, topk_ids = self.gate(x)
-        pair_token = pair_tokens(topk_ids)
         experts = topk_ids.flatten()
         local: Pending[Received]
         if masked:
@@ -284,6 +284,7 @@ class MoE(nn.Module):
                     "the masked (graph-safe) routed path runs without expert parallelism: the EP "
                     "dispatch of pair rows reads row counts on the host"
                 )
+            pair_token = pair_tokens(topk_ids)
             valid = (
                 token_mask[pair_token]
                 if token_mask is not None
@@ -292,18 +293,20 @@ class MoE(nn.Module):
             self.expert_load.index_add_(0, experts, valid.long())
             slots = torch.where(valid, self.experts.slot_of_expert[experts], -1)
             local = Pending.completed((x[pair_token], slots, None))
-            return RoutedWork(x, pair_token, topk_weights, local, masked=masked)
+            return RoutedWork(x, topk_weights, local, masked=masked)
         self.expert_load += torch.bincount(experts, minlength=self.expert_load.shape[0])
         if self.ep is None:
-            local = Pending.completed((x[pair_token], self.experts.slot_of_expert[experts], None))
-            return RoutedWork(x, pair_token, topk_weights, local)
+            rows = pair_rows(x, topk_ids.shape[1])
+            local = Pending.completed((rows, self.experts.slot_of_expert[experts], None))
+            return RoutedWork(x, topk_weights, local)
+        pair_token = pair_tokens(topk_ids)
         # spread a token's pairs and consecutive tokens over the replicas of their expert
         spread = pair_token + torch.arange(topk_ids.shape[1], device=x.device).repeat(topk_ids.shape[0])
         physical = self.replica_slots[experts, spread % self.num_replicas[experts]]
         dispatch = self.ep.group.dispatch_async(
             x[pair_token], physical // self.slots_per_rank, physical % self.slots_per_rank
         )
-        return RoutedWork(x, pair_token, topk_weights, dispatch)
+        return RoutedWork(x, topk_weights, dispatch)
 
     def run_experts(self, work: RoutedWork, received: Received) -> None:
         """The rows this rank received through its experts; posts their combine."""
@@ -320,7 +323,7 @@ class MoE(nn.Module):
 
     def routed_sum(self, work: RoutedWork, combined: torch.Tensor) -> torch.Tensor:
         """Each token's weighted sum over its routed experts' results [T, H]."""
-        return _weighted_sum(work.x, work.pair_token, combined, work.topk_weights)
+        return _weighted_sum(combined, work.topk_weights)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(x) if self.shared_experts is not None else None
