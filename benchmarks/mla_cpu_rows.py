@@ -1,11 +1,10 @@
 """The CPU absorbed MLA decode kernel with a sequence's query rows in one task or spread over the
 threads (``dsinfer.ops.mla_cpu.row_groups``), paired in one process.
 
-For each shape, ``--repeats`` rounds; each round times ``--calls`` calls with every sequence's rows
-in one task (``row_groups`` forced to 1, the kernel before the split) and as many with the
-default, the order alternating between rounds. Reported: the median call of each, their ratio,
-and whether the outputs are bit for bit equal (they must be: the split keeps whole blocks of four
-rows). Shapes: DeepSeek-V3's 128 heads at batch 1 (float32 and bf16), 16 heads verifying a draft,
+For each shape, ``--repeats`` rounds; each round times ``--calls`` calls with every sequence's
+rows in one task (``groups=1``, the kernel before the split) and as many with the default, the
+order alternating between rounds. Reported: the median call of each, their ratio, and whether the
+outputs are bit for bit equal (they must be: the split keeps whole blocks of four rows). Shapes: DeepSeek-V3's 128 heads at batch 1 (float32 and bf16), 16 heads verifying a draft,
 tiny-chat's 4 heads verifying two drafts at batch 1, and batch 64 (where the sequences alone fill
 the threads and nothing changes).
 
@@ -64,21 +63,19 @@ def _median_call(call: Callable[[], torch.Tensor], calls: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    default = mla_cpu.row_groups
     rows = []
     for name, heads, head_dim, context, batch, s_q, dtype in SHAPES:
         inputs = _inputs(heads, head_dim, context, batch, s_q, dtype)
-        call = functools.partial(mla_cpu.mla_decode_absorbed, *inputs)
+        calls = {  # None: the default split of the thread budget
+            "one": functools.partial(mla_cpu.mla_decode_absorbed_in_groups, *inputs, 1),
+            "split": functools.partial(mla_cpu.mla_decode_absorbed_in_groups, *inputs, None),
+        }
         times: dict[str, list[float]] = {"one": [], "split": []}
         outputs = {}
-        try:
-            for rnd in range(args.repeats):
-                for mode in ("one", "split") if rnd % 2 == 0 else ("split", "one"):
-                    mla_cpu.row_groups = (lambda *_: 1) if mode == "one" else default  # type: ignore[assignment]
-                    outputs[mode] = call()  # also the warm-up of the round
-                    times[mode].append(_median_call(call, args.calls))
-        finally:
-            mla_cpu.row_groups = default  # type: ignore[assignment]
+        for rnd in range(args.repeats):
+            for mode in ("one", "split") if rnd % 2 == 0 else ("split", "one"):
+                outputs[mode] = calls[mode]()  # also the warm-up of the round
+                times[mode].append(_median_call(calls[mode], args.calls))
         one, split = statistics.median(times["one"]), statistics.median(times["split"])
         rows.append(
             {

@@ -43,6 +43,7 @@ from train_tiny import (
 from transformers import DeepseekV3ForCausalLM
 
 from dsinfer.evals.tasks import TASKS, held_out
+from harness.checkpoints import to_hf_memory_layout
 
 
 def load(checkpoint: Path) -> tuple[DeepseekV3ForCausalLM, MTPModule, dict[str, torch.Tensor]]:
@@ -51,41 +52,20 @@ def load(checkpoint: Path) -> tuple[DeepseekV3ForCausalLM, MTPModule, dict[str, 
     tokenizer = build_tokenizer()
     config = hf_config(tokenizer.get_vocab_size(with_added_tokens=True))
     model = DeepseekV3ForCausalLM(config)
-    layers = config.num_hidden_layers
-    main = {k: v.float() for k, v in stored.items() if not k.startswith(f"model.layers.{layers}.")}
-    missing, unexpected = model.load_state_dict(_fused_experts(main), strict=False)
+    prefix = f"model.layers.{config.num_hidden_layers}."  # the MTP layer's tensors
+    main = to_hf_memory_layout({k: v.float() for k, v in stored.items() if not k.startswith(prefix)})
+    missing, unexpected = model.load_state_dict(main, strict=False)
     if unexpected or [k for k in missing if not k.endswith("rotary_emb.inv_freq")]:
         raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     mtp = MTPModule(config)
-    prefix = f"model.layers.{layers}."
-    own = {k.removeprefix(prefix): v.float() for k, v in stored.items() if k.startswith(prefix)}
+    own = to_hf_memory_layout({k: v.float() for k, v in stored.items()}, prefix)
     module = {name: own.pop(name) for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight")}
     module["norm.weight"] = own.pop("shared_head.norm.weight")
     del own["shared_head.head.weight"], own["embed_tokens.weight"]  # the main model's, shared
-    module.update({"layer." + k: v for k, v in _fused_experts(own).items()})
+    module.update({"layer." + k: v for k, v in own.items()})
     mtp.load_state_dict(module)
     model.requires_grad_(False)
     return model.eval(), mtp, stored
-
-
-def _fused_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """DeepSeek's per-expert tensors -> transformers' fused gate_up_proj [E, 2I, H] and down_proj."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, tensor in tensors.items():
-        head, sep, tail = name.partition("mlp.experts.")
-        if not sep:
-            out[name] = tensor
-            continue
-        index, proj = tail.split(".", 1)
-        experts.setdefault(head + "mlp.experts.", {}).setdefault(int(index), {})[proj] = tensor
-    for prefix, by_index in experts.items():
-        order = [by_index[e] for e in sorted(by_index)]
-        out[prefix + "gate_up_proj"] = torch.stack(
-            [torch.cat([e["gate_proj.weight"], e["up_proj.weight"]]) for e in order]
-        )
-        out[prefix + "down_proj"] = torch.stack([e["down_proj.weight"] for e in order])
-    return out
 
 
 def chained_logits(

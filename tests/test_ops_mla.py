@@ -166,9 +166,7 @@ def test_mla_decode_absorbed_matches_the_folds_around_naive_attention(
 
 
 @pytest.mark.parametrize(("heads", "s_q"), [(3, 3), (4, 1), (16, 2), (5, 2)])
-def test_absorbed_kernel_rows_split_over_tasks_give_the_same_bits(
-    monkeypatch: pytest.MonkeyPatch, heads: int, s_q: int
-) -> None:
+def test_absorbed_kernel_rows_split_over_tasks_give_the_same_bits(heads: int, s_q: int) -> None:
     """A sequence's query rows in one task or spread over several (whole blocks of four, the last
     one short): every output bit the same, dtype for dtype."""
     from dsinfer.ops import mla_cpu
@@ -184,8 +182,7 @@ def test_absorbed_kernel_rows_split_over_tasks_give_the_same_bits(
         args = [t.to(dtype) for t in (q_nope, q_pe, w_uk, w_uv_t, k_cache)]
         outs = []
         for groups in (1, 2, 3, 8):
-            monkeypatch.setattr(mla_cpu, "row_groups", lambda *_, g=groups: g)
-            outs.append(mla_cpu.mla_decode_absorbed(*args, block_table, lens, 0.3, True))
+            outs.append(mla_cpu.mla_decode_absorbed_in_groups(*args, block_table, lens, 0.3, True, groups))
         assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 

@@ -21,7 +21,13 @@ import torch
 from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
 
-__all__ = ["compile_ahead", "mla_decode", "mla_decode_absorbed"]
+__all__ = [
+    "compile_ahead",
+    "mla_decode",
+    "mla_decode_absorbed",
+    "mla_decode_absorbed_in_groups",
+    "row_groups",
+]
 
 _FASTMATH = {"reassoc", "contract", "nsz"}  # let LLVM vectorize dot products; keep inf semantics
 
@@ -344,11 +350,31 @@ def mla_decode_absorbed(
     causal: bool,
 ) -> torch.Tensor:
     """``MlaDecodeAbsorbed`` (dsinfer/ops/signatures.py) on CPU tensors, the folds fused (fp32)."""
+    return mla_decode_absorbed_in_groups(
+        q_nope, q_pe, w_uk, w_uv_t, k_cache, block_table, cache_seqlens, softmax_scale, causal, None
+    )
+
+
+def mla_decode_absorbed_in_groups(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv_t: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    groups: int | None,
+) -> torch.Tensor:
+    """:func:`mla_decode_absorbed` with ``groups`` tasks per sequence (None: :func:`row_groups` of
+    the thread budget); any value gives the same bits."""
     bsz, s_q, heads, _ = q_nope.shape
     latent = w_uk.shape[2]
     cache_np, bits_np = _cache_arrays(k_cache, latent + q_pe.shape[3])
     out = torch.empty(bsz, s_q, heads, w_uv_t.shape[2], dtype=torch.float32)
-    groups = row_groups(bsz, s_q * heads, _use_torch_threads())
+    threads = _use_torch_threads()
+    groups = row_groups(bsz, s_q * heads, threads) if groups is None else groups
     _decode_absorbed(
         q_nope.detach().float().contiguous().numpy(),
         q_pe.detach().float().contiguous().numpy(),
