@@ -66,11 +66,11 @@ def check_v4_forward_through_the_kernels() -> None:
         reference, kernel, calls = _models(Path(tmp))
     config = reference.config
     g = torch.Generator().manual_seed(9)
-    prompt = torch.randint(0, config.vocab_size, (150,), generator=g)
+    prompt = torch.randint(0, config.vocab_size, (64,), generator=g)
     expected = reference.forward(prompt, reference.new_state())
     got = kernel.forward(prompt, kernel.new_state())
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4, msg="dense entries")
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (90, 300)]
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in (40, 100)]
     outputs = []
     for model in (reference, kernel):
         states = SequenceStates(config, 8, 256, torch.float32, torch.device("cpu"))

@@ -44,6 +44,7 @@ DENSE = ("q_b_proj", "kv_a_proj_with_mqa", "o_proj", "dense down_proj")  # the k
 DENSE_ROWS = (128, 4096)
 GROUPED_TOKENS = (32, 256)  # per expert; 8 local experts (256 over EP32)
 EXPERTS = 8
+TINY_EXPERTS = 2  # --tiny: the interpreter runs every program; two groups exercise the grouping
 
 
 Candidate = tuple[int, ...]  # BLOCK_M, BLOCK_N, num_warps, num_stages[, TMA]
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from dsinfer.ops import gemm as torch_gemm
 
     device = torch.device(args.device)
-    timer = bk.Timer(warmup=2, iters=args.iters, max_s=1.0, device=args.device)
+    timer = bk.Timer(warmup=0 if args.tiny else 2, iters=args.iters, max_s=1.0, device=args.device)
     g = bk.gen(device)
     v3 = bk.load_v3()
     fp8_tflops = math.nan
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         [(n, k) for name, n, k in bk.projection_shapes(v3) if name in DENSE] if not args.tiny else [(64, 256)]
     )
     hidden, inter = (v3.hidden, v3.moe_intermediate) if not args.tiny else (256, 128)
+    experts = EXPERTS if not args.tiny else TINY_EXPERTS
     results: dict[str, Any] = {
         "device": str(device),
         "fp8_tflops": fp8_tflops,
@@ -157,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     for n, k in ((2 * inter, hidden), (hidden, inter)):
-        w, ws = bk.fp8_weights(g, (EXPERTS,), n, k)
+        w, ws = bk.fp8_weights(g, (experts,), n, k)
         for tokens in GROUPED_TOKENS if not args.tiny else (8,):
-            flops = 2 * EXPERTS * tokens * n * k
-            x = torch.randn(EXPERTS, tokens, k, device=device, dtype=torch.bfloat16, generator=g)
+            flops = 2 * experts * tokens * n * k
+            x = torch.randn(experts, tokens, k, device=device, dtype=torch.bfloat16, generator=g)
             qa, sa = kernels.quantize_activation_1x128(x)
-            masked_m = torch.full((EXPERTS,), tokens, dtype=torch.int32, device=device)
-            dm = torch.zeros(EXPERTS, tokens, n, device=device, dtype=torch.bfloat16)
+            masked_m = torch.full((experts,), tokens, dtype=torch.int32, device=device)
+            dm = torch.zeros(experts, tokens, n, device=device, dtype=torch.bfloat16)
 
             def masked(
                 cfg: dict[str, int] | None, qa=qa, sa=sa, w=w, ws=ws, dm=dm, mm=masked_m, t=tokens
@@ -173,13 +175,13 @@ def main(argv: list[str] | None = None) -> int:
 
             ref = torch_gemm.grouped_gemm_masked(x, w, ws, masked_m, tokens)
             results["masked"].append(sweep_case(
-                f"masked E{EXPERTS} m{tokens} n{n} k{k}", flops, masked, ref,
+                f"masked E{experts} m{tokens} n{n} k{k}", flops, masked, ref,
                 timer, fp8_tflops, candidates + masked_tma, deadline,
             ))  # fmt: skip
-            xf = x.reshape(EXPERTS * tokens, k)
+            xf = x.reshape(experts * tokens, k)
             qf, sf = kernels.quantize_activation_1x128(xf)
-            idx = torch.arange(EXPERTS, dtype=torch.int32, device=device).repeat_interleave(tokens)
-            dc = torch.zeros(EXPERTS * tokens, n, device=device, dtype=torch.bfloat16)
+            idx = torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(tokens)
+            dc = torch.zeros(experts * tokens, n, device=device, dtype=torch.bfloat16)
 
             def contiguous(
                 cfg: dict[str, int] | None, qf=qf, sf=sf, w=w, ws=ws, dc=dc, idx=idx
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
             ref = torch_gemm.grouped_gemm_contiguous(xf, w, ws, idx)
             results["contiguous"].append(sweep_case(
-                f"contiguous E{EXPERTS} m{tokens} n{n} k{k}", flops, contiguous, ref,
+                f"contiguous E{experts} m{tokens} n{n} k{k}", flops, contiguous, ref,
                 timer, fp8_tflops, candidates, deadline,
             ))  # fmt: skip
     for n, k in shapes:
