@@ -301,18 +301,25 @@ def test_chained_drafts_beside_the_static_buffers_give_eager_tokens(
     tiny_ckpt: BuiltCheckpoint, tmp_path: Path
 ) -> None:
     """Three drafts a step with the static buffers on: steps whose sequences verify several drafts
-    run eagerly, the others replay; the tokens are plain decoding's."""
+    run eagerly, the others replay (a lone request whose max_tokens leaves room for one draft
+    after its prompt: its first decode verifies one); the tokens are plain decoding's."""
     ckpt = BuiltCheckpoint(
         agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "agreeing"), tiny_ckpt.hf_model, {}, None
     )
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def generate(llm: LLM) -> list[list[int]]:
+        lone = llm.generate([_prompt(9, seed=9)], short, use_tqdm=False)[0].outputs[0].token_ids
+        return [*_generate(llm), lone]
+
     plain = make_llm(ckpt)
-    expected = _generate(plain)
+    expected = generate(plain)
     plain.engine.close()
     llm = make_llm(ckpt, speculative_mtp=True, speculative_num_steps=3)
     graphs = llm.engine.runner.enable_decode_graphs(
         max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
     )
-    got = _generate(llm)
+    got = generate(llm)
     stats = llm.engine.scheduler.stats
     llm.engine.close()
     assert got == expected

@@ -107,6 +107,24 @@ def test_chained_drafts_of_an_agreeing_layer_are_accepted(tiny_ckpt: BuiltCheckp
     assert on.engine.kv.num_available_pages() == on.engine.kv.num_pages
 
 
+def test_a_prompts_last_chunk_drafts_as_far_as_max_tokens_leaves_room(
+    tiny_ckpt: BuiltCheckpoint, tmp_path: Path
+) -> None:
+    """With three drafts a step the chunk that ends a prompt chains drafts too, as many as its
+    max_tokens leaves room to verify: one decode step then finishes each request (its pages, the
+    chained latent's included, are all freed), with plain decoding's tokens."""
+    path = agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "bigram")
+    on, off = _llm(path, True, steps=3), _llm(path, False)
+    stats = on.engine.scheduler.stats
+    for max_tokens, drafts in ((3, 1), (4, 2), (5, 3)):
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)]
+        prompts = _prompts(1, seed=10 + max_tokens)
+        before = (stats.drafts_proposed, stats.draft_verifications)
+        assert _tokens(on, prompts, params) == _tokens(off, prompts, params)
+        assert (stats.drafts_proposed - before[0], stats.draft_verifications - before[1]) == (drafts, 1)
+        assert on.engine.kv.num_available_pages() == on.engine.kv.num_pages
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

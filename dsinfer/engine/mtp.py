@@ -16,8 +16,9 @@ With ``num_steps`` > 1, after a decode the layer runs again, once per further dr
 position after the last one: its input is the last draft and the layer's own final-normed output
 (in place of the target's hidden state, which that position does not have yet). Those runs write
 the layer's latent at positions the next step rewrites from the target's hidden states (it runs
-over every position it makes valid), so only the drafts survive them. A prefill's last chunk
-drafts one token (a PD prefill rank hands on one; no run writes past the pages it sends).
+over every position it makes valid), so only the drafts survive them. The chunk that ends a prompt
+drafts as many (its first decode step verifies them all), except on a PD prefill rank, whose
+requests end after one token: it hands on one draft and no run writes past the pages it sends.
 """
 
 from __future__ import annotations
@@ -120,15 +121,7 @@ class MTPProposer:
         normed, logits = self.model.mtp_head(last_hidden)
         self._draw(batch, results, drafting, logits, 1)
         for depth in range(2, self.num_steps + 1):
-            # decodes only, drafts the sequence's max_tokens leaves room to verify; one under a grammar
-            keep = [
-                j
-                for j, i in enumerate(drafting)
-                if batch.seqs[i].is_decode
-                and batch.seqs[i].seq.params.grammar is None
-                and batch.seqs[i].seq.num_output_tokens + len(results[i].tokens) + depth
-                < batch.seqs[i].seq.max_tokens
-            ]
+            keep = [j for j, i in enumerate(drafting) if batch.seqs[i].chains(depth, len(results[i].tokens))]
             if not keep:
                 return
             if len(keep) < len(drafting):

@@ -55,6 +55,17 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         return self.start > 0 and self.num_new - self.num_draft == 1
 
+    def chains(self, depth: int, sampled: int) -> bool:
+        """Whether the MTP layer proposes draft ``depth`` (2 on: a chained draft) after this step
+        sampled ``sampled`` tokens (a decode, or the chunk that ends a prompt) when its max_tokens
+        leaves room to verify it; one draft only under a grammar (its mask covers one)."""
+        seq = self.seq
+        return (
+            self.samples
+            and seq.params.grammar is None
+            and seq.num_output_tokens + sampled + depth < seq.max_tokens
+        )
+
 
 @dataclass
 class StepResult:
@@ -267,12 +278,17 @@ class Scheduler:
 
     def _reach(self, seq: Sequence, start: int, num_new: int, num_draft: int) -> int:
         """Tokens whose pages a step computing ``num_new`` from ``start`` needs. With chained drafts
-        a decode's MTP layer writes its latent for each draft after the first past the step's end
-        (never past the sequence's last possible token)."""
+        the MTP layer writes its latent for each draft after the first past the step's end: after a
+        decode (never past the sequence's last possible token), and after the chunk that ends a
+        prompt (it samples one token) as far as its drafts go (ScheduledSeq.chains)."""
         end = start + num_new
-        if self.max_drafts == 1 or not ScheduledSeq(seq, start, num_new, num_draft).is_decode:
+        item = ScheduledSeq(seq, start, num_new, num_draft)
+        if self.max_drafts == 1:
             return end
-        return min(end + self.max_drafts - 1, seq.prompt_len + seq.max_tokens)
+        if item.is_decode:
+            return min(end + self.max_drafts - 1, seq.prompt_len + seq.max_tokens)
+        depth = max((d for d in range(2, self.max_drafts + 1) if item.chains(d, 1)), default=1)
+        return end + depth - 1
 
     def _start_loads(self) -> None:
         self.kv.finish_loads()
