@@ -141,7 +141,9 @@ def test_a_migrated_request_stays_one_trace(server: Server, receiver: TraceRecei
     assert all(a.parent_span_id == root.span_id for a in attempts)
     first, second = attempts
     assert first.error and "migrated" in first.events
-    assert second.attributes["dsinfer.migration_cause"] == "rank_died" and not second.error
+    # "parked": at the kill the other ranks had missed a heartbeat (a loaded machine), so no pool
+    # was ready and the choice waited for one; it moves on as the same trace either way
+    assert second.attributes["dsinfer.migration_cause"] in ("rank_died", "parked") and not second.error
     under_second = {(s.service, s.name) for s in spans if s.parent_span_id == second.span_id}
     assert {("dsinfer-prefill", "prefill"), ("dsinfer-decode", "decode")} <= under_second
     survivor = _one(spans, service="dsinfer-decode", name="decode")  # the killed rank exported none
