@@ -282,9 +282,9 @@ class Scheduler:
         decode (never past the sequence's last possible token), and after the chunk that ends a
         prompt (it samples one token) as far as its drafts go (ScheduledSeq.chains)."""
         end = start + num_new
-        item = ScheduledSeq(seq, start, num_new, num_draft)
         if self.max_drafts == 1:
             return end
+        item = ScheduledSeq(seq, start, num_new, num_draft)
         if item.is_decode:
             return min(end + self.max_drafts - 1, seq.prompt_len + seq.max_tokens)
         depth = max((d for d in range(2, self.max_drafts + 1) if item.chains(d, 1)), default=1)
