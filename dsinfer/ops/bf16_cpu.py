@@ -12,11 +12,11 @@ import numpy as np
 from llvmlite import ir
 from numba.extending import intrinsic, overload
 
-__all__ = ["as_float"]
+__all__ = ["as_float", "float32_from_bits"]
 
 
 @intrinsic
-def _bits_as_float32(typingctx: Any, bits: Any) -> Any:
+def float32_from_bits(typingctx: Any, bits: Any) -> Any:
     """uint32 -> the float32 with the same bits."""
     sig = numba.float32(numba.uint32)
 
@@ -39,7 +39,7 @@ def _as_float(value: Any) -> Any:
     if value == numba.uint16:
 
         def widened(value: Any) -> Any:
-            return _bits_as_float32(np.uint32(value) << np.uint32(16))
+            return float32_from_bits(np.uint32(value) << np.uint32(16))
 
         return widened
 

@@ -1,0 +1,183 @@
+"""Routed experts in bf16 on Intel AMX (numba): the ``FusedExperts`` contract for bf16 rows and
+weights on a CPU with AMX tiles.
+
+Each expert takes its rows sixteen at a time and computes the transposed products, so the
+weights are read in place: ``gate_up^T = w13 @ x^T`` takes 16 x 32 blocks of ``w13`` rows straight
+from the checkpoint's ``[2I, H]`` layout as the left tile, and the block's activations, packed in
+pairs of channels per row (AMX's layout for the right tile: a few KB), as the right tile. The
+SwiGLU runs in float32 on the products and is rounded once to bf16, as the torch reference rounds
+its GEMM outputs; ``y^T = w2 @ h^T`` likewise. Products and sums are float32 (AMX).
+
+A row's result depends only on that row: a block's other columns (rows of other tokens, or zeros
+past the last) never meet it, and the channels are summed in the same order for any block. So
+expert-parallel pools of any size give the same tokens, as with :mod:`dsinfer.ops.experts_cpu`
+(whose float32 arithmetic gives other bits: a machine runs one of the two).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from dsinfer.ops.amx_cpu import (
+    TILE_BYTES,
+    TILE_ROWS,
+    dot_bf16,
+    load,
+    load_config,
+    release,
+    store,
+    tile_config,
+    zero,
+)
+from dsinfer.ops.bf16_cpu import float32_from_bits
+from dsinfer.ops.compile_ahead import c_array
+
+__all__ = ["CONFIG", "compile_ahead", "experts_amx", "fits"]
+
+_FASTMATH = {"reassoc", "contract", "nsz"}
+TOKENS = TILE_ROWS  # rows of an expert per block: the columns of every product tile
+CHANNELS = TILE_BYTES // 2  # bf16 channels per left-tile row: the K of one tile product
+OUTPUTS = 4 * TILE_ROWS  # output channels per pass: four accumulator tiles
+# tiles 0-3: float32 accumulators [16 outputs x 16 tokens]; 4: activations [16 channel pairs x
+# 16 tokens]; 5, 6: weights [16 outputs x 32 channels]
+CONFIG = tile_config({t: (TILE_ROWS, TILE_BYTES) for t in range(7)})
+
+
+def fits(hidden: int, inter: int) -> bool:
+    """Whether experts of these sizes fill whole tiles (else the float32 kernel runs)."""
+    return hidden % OUTPUTS == 0 and (2 * inter) % OUTPUTS == 0  # also whole CHANNELS of each
+
+
+@numba.njit(cache=True, inline="always")
+def _four_outputs(weights, first, row_bytes, k_dim, pairs, out, out_row):
+    """out[out_row : out_row + 64, :] = W @ pairs, where W is the 64 bf16 rows of ``k_dim``
+    channels starting at byte ``first`` of ``weights``, ``row_bytes`` apart, and ``pairs``
+    [k_dim / 2, 16] holds a block's channels in pairs (uint32)."""
+    zero(0)
+    zero(1)
+    zero(2)
+    zero(3)
+    tile = TILE_ROWS * row_bytes
+    for k in range(0, k_dim, CHANNELS):
+        load(4, pairs, (k // 2) * TILE_BYTES, TILE_BYTES)
+        at = first + 2 * k
+        load(5, weights, at, row_bytes)
+        dot_bf16(0, 5, 4)
+        load(6, weights, at + tile, row_bytes)
+        dot_bf16(1, 6, 4)
+        load(5, weights, at + 2 * tile, row_bytes)
+        dot_bf16(2, 5, 4)
+        load(6, weights, at + 3 * tile, row_bytes)
+        dot_bf16(3, 6, 4)
+    store(0, out, out_row * TILE_BYTES, TILE_BYTES)
+    store(1, out, (out_row + TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+    store(2, out, (out_row + 2 * TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+    store(3, out, (out_row + 3 * TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 = high + low
+
+
+@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
+def _exp(x):
+    """e^x in float32 (within 2 ulp; e^-87 .. e^88 at the ends), written so that loops over it
+    vectorize (numba's np.exp is a scalar libm call): 2^n times a degree-7 Taylor polynomial of
+    the remainder, |r| <= ln(2) / 2."""
+    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HIGH - n * _LN2_LOW
+    p = np.float32(1.0 / 5040.0)
+    p = p * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+
+
+@numba.njit(cache=True, inline="always")
+def _bf16_bits(x):
+    """float32 bits -> bf16 bits, rounded to nearest even (NaN stays NaN)."""
+    if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint32((x >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint32((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
+def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
+    """rows [M, H/2] (bf16 pairs as uint32), w13 [S, 2I, H] and w2 [S, H, I] (bf16 bits), out [M, H]."""
+    m, half_hidden = rows.shape
+    num_slots, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    starts = np.zeros(num_slots + 1, dtype=np.int64)
+    for r in range(m):
+        starts[slots[r] + 1] += 1
+    for s in range(num_slots):
+        starts[s + 1] += starts[s]
+    order = np.empty(m, dtype=np.int64)
+    fill = starts[:-1].copy()
+    for r in range(m):
+        order[fill[slots[r]]] = r
+        fill[slots[r]] += 1
+    for s in numba.prange(num_slots):
+        if starts[s + 1] == starts[s]:
+            continue
+        load_config(config)
+        x_pairs = np.empty((half_hidden, TOKENS), dtype=np.uint32)
+        gate_up = np.empty((two_inter, TOKENS), dtype=np.float32)
+        h_pairs = np.empty((inter // 2, TOKENS), dtype=np.uint32)
+        y = np.empty((hidden, TOKENS), dtype=np.float32)
+        h = np.empty((inter, TOKENS), dtype=np.float32)
+        h_bits = h.view(np.uint32)
+        for block in range(starts[s], starts[s + 1], TOKENS):
+            count = min(TOKENS, starts[s + 1] - block)
+            x_pairs[:, count:] = 0
+            for i in range(count):
+                x_pairs[:, i] = rows[order[block + i]]
+            w13_at = s * two_inter * hidden * 2
+            for f in range(0, two_inter, OUTPUTS):
+                _four_outputs(w13, w13_at + f * hidden * 2, hidden * 2, hidden, x_pairs, gate_up, f)
+            for c in range(inter):
+                for i in range(TOKENS):
+                    g = gate_up[c, i]
+                    h[c, i] = g / (np.float32(1.0) + _exp(-g)) * gate_up[inter + c, i]
+            for c in range(0, inter, 2):
+                for i in range(TOKENS):
+                    low, high = _bf16_bits(h_bits[c, i]), _bf16_bits(h_bits[c + 1, i])
+                    h_pairs[c // 2, i] = low | (high << np.uint32(16))
+            w2_at = s * hidden * inter * 2
+            for o in range(0, hidden, OUTPUTS):
+                _four_outputs(w2, w2_at + o * inter * 2, inter * 2, inter, h_pairs, y, o)
+            for i in range(count):
+                row = order[block + i]
+                for o in range(hidden):
+                    out[row, o] = y[o, i]
+        release()
+
+
+_EXPERTS_SIGNATURE = (
+    c_array(numba.uint32, 2),  # rows: bf16 pairs
+    c_array(numba.int64, 1),  # slots
+    c_array(numba.uint16, 3),  # w13 bits
+    c_array(numba.uint16, 3),  # w2 bits
+    c_array(numba.uint8, 1),  # tile configuration
+    c_array(numba.float32, 2),  # out
+)
+
+
+def compile_ahead() -> None:
+    """Compile (or load from numba's cache) the kernel for the signature every call uses."""
+    _experts.compile(_EXPERTS_SIGNATURE)
+
+
+def experts_amx(
+    rows: np.ndarray, slots: np.ndarray, w13: np.ndarray, w2: np.ndarray, out: np.ndarray
+) -> None:
+    """``out[r] = expert slots[r] (rows[r])``: rows as bf16 pairs (uint32 [M, H/2]), bf16 weights
+    as their bits, out float32 [M, H]; call only where :func:`dsinfer.ops.amx_cpu.amx_bf16_available`
+    and :func:`fits`."""
+    _experts(rows, slots, w13, w2, CONFIG, out)
