@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dsinfer.ops import gemm, select_ops
+from dsinfer.ops.amx_cpu import amx_bf16_available
 from dsinfer.ops.experts import grouped_experts
 from dsinfer.ops.experts_cpu import fused_experts
 from dsinfer.ops.fp8 import quantize_weight_128x128
@@ -75,5 +76,6 @@ def test_fused_experts_empty_and_fp8_fallback() -> None:
 
 
 def test_cpu_ops_choose_the_fused_experts_and_torch_forces_grouped() -> None:
-    assert select_ops("cpu").backends["experts"] == "numba"
+    assert select_ops("cpu").backends["experts"] == ("amx" if amx_bf16_available() else "numba")
+    assert select_ops("cpu", prefer="numba").backends["experts"] == "numba"
     assert select_ops("cpu", prefer="torch").backends["experts"] == "grouped"

@@ -1,5 +1,6 @@
 """Routed experts on AMX tiles (bf16): against the float64 reference, a row's bits whatever the
-batch, and the parts that run on any CPU (the vectorizable exp, the tile configuration)."""
+batch, and the parts that run on any CPU (the fallback, the vectorizable exp, the tile
+configuration, the engine's choice of backend)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 
-from dsinfer.ops import experts_amx
+from dsinfer.engine.args import EngineArgs
+from dsinfer.engine.engine import LLMEngine
+from dsinfer.ops import experts_amx, experts_cpu
 from dsinfer.ops.amx_cpu import amx_bf16_available, tile_config
-from dsinfer.ops.experts_cpu import fused_experts
+from dsinfer.ops.experts_amx import fused_experts
 
 needs_amx = pytest.mark.skipif(not amx_bf16_available(), reason="needs a CPU with AMX bf16 tiles")
 
@@ -72,6 +76,16 @@ def test_amx_experts_row_result_does_not_depend_on_the_batch() -> None:
 def test_shapes_that_do_not_fill_tiles_stay_on_the_float32_kernel() -> None:
     assert experts_amx.fits(256, 128) and experts_amx.fits(7168, 2048)
     assert not experts_amx.fits(30, 6) and not experts_amx.fits(96, 64) and not experts_amx.fits(128, 48)
+    g = torch.Generator().manual_seed(1)
+    rows, slots = torch.randn(5, 96, generator=g).bfloat16(), torch.tensor([0, 1, 0, 1, 1])
+    w13, w2 = torch.randn(2, 128, 96, generator=g).bfloat16(), torch.randn(2, 96, 64, generator=g).bfloat16()
+    expected = experts_cpu.fused_experts(rows, slots, w13, None, w2, None)
+    assert torch.equal(fused_experts(rows, slots, w13, None, w2, None), expected)
+    f32 = [t.float() for t in (rows, w13, w2)]  # float32 rows: the float32 kernel, whatever the sizes
+    assert torch.equal(
+        experts_amx.fused_experts(f32[0], slots, f32[1], None, f32[2], None),
+        experts_cpu.fused_experts(f32[0], slots, f32[1], None, f32[2], None),
+    )
 
 
 def test_the_vectorizable_exp_is_within_two_ulp() -> None:
@@ -96,3 +110,12 @@ def test_tile_config_rejects_what_a_tile_cannot_hold() -> None:
         tile_config({0: (17, 64)})
     with pytest.raises(ValueError, match="not a tile"):
         tile_config({8: (16, 64)})
+
+
+def test_the_engine_takes_its_kernel_backends_from_its_arguments() -> None:
+    auto = LLMEngine(EngineArgs(dtype="bfloat16", kv_cache_memory="16MiB"))
+    assert auto.ops.backends["experts"] == ("amx" if amx_bf16_available() else "numba")
+    numba_only = LLMEngine(EngineArgs(dtype="bfloat16", kv_cache_memory="16MiB", kernel_backends="numba"))
+    assert numba_only.ops.backends["experts"] == "numba"
+    with pytest.raises(ValidationError, match="unknown ops backend 'amx2'; choose from"):
+        EngineArgs(kernel_backends="numba,amx2")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dsinfer.ops import Ops, select_ops
 from dsinfer.ops import gemm as torch_gemm
+from dsinfer.ops.amx_cpu import amx_bf16_available
 from dsinfer.ops.external import DeepGemmAdapter, padded_rows
 from dsinfer.ops.fp8 import (
     FP8_DTYPE,
@@ -229,14 +230,15 @@ def test_select_ops_cpu_logs_one_line(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="dsinfer.ops"):
         ops = select_ops(torch.device("cpu"))
     lines = [r.getMessage() for r in caplog.records if r.name == "dsinfer.ops"]
+    experts = "amx" if amx_bf16_available() else "numba"  # bf16 experts on AMX tiles where it has them
     assert lines == [
-        "ops backends: gemm=torch experts=numba mla=numba indexer=torch sparse_mla=torch gate=numba "
+        f"ops backends: gemm=torch experts={experts} mla=numba indexer=torch sparse_mla=torch gate=numba "
         "v4_compress=torch mxfp4=torch sampling=torch norm=numba (device cpu)"
     ]
     assert not ops.supports_fp8_gemm
     assert dict(ops.backends) == {
         "gemm": "torch",
-        "experts": "numba",
+        "experts": experts,
         "mla": "numba",
         "indexer": "torch",
         "sparse_mla": "torch",

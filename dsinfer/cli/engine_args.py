@@ -167,6 +167,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="write a Chrome trace per rank (DIR/trace-rank{R}.json): stage chunks and EP transfers",
     )
+    flag("kernel_backends", help=field_help(EngineArgs, "kernel_backends") + " (default: %(default)s)")
     group.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: never capture the decode step in CUDA graphs"
     )

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from dsinfer.base.config import EP_BACKENDS, LOAD_FORMATS
 from dsinfer.base.kv_spec import IndexerFormat
+from dsinfer.ops import parse_prefer
 
 INDEXER_CACHE_DTYPES = ("auto", "fp8", "model")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -47,6 +48,11 @@ class EngineArgs(BaseModel):
     load_format: str = "auto"
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"
+    kernel_backends: str = Field(
+        "auto",
+        description="kernel backends tried first where they run, comma-separated (e.g. numba: the "
+        "float32-math CPU kernels, not AMX; torch: the references everywhere); auto = the best here",
+    )
     seed: int = Field(0, description="seed of dummy weights and of unseeded requests")
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = Field(256, description="most sequences running at once")
@@ -161,6 +167,7 @@ class EngineArgs(BaseModel):
             raise ValueError(
                 f"indexer_cache_dtype must be one of {', '.join(INDEXER_CACHE_DTYPES)}, got {self.indexer_cache_dtype!r}"
             )
+        parse_prefer(self.kernel_backends)  # an unknown name: ValueError listing the known ones
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

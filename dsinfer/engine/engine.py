@@ -76,7 +76,7 @@ class LLMEngine:
         device = resolve_device(args.device)
         bind_device(device)
         dtype = resolve_dtype(args.dtype, device)
-        self.ops = select_ops(device)
+        self.ops = select_ops(device, prefer=args.kernel_backends)
         loaded = load_model(
             args.model,
             self.ops,

@@ -4,7 +4,7 @@ Each has a torch reference (the semantics of DeepGEMM / FlashMLA / DeepSeek's ga
 chosen once at start-up by :func:`select_ops`; the model calls only the returned :class:`Ops`.
 """
 
-from dsinfer.ops.backend import BACKENDS, KERNELS, Ops, compile_ahead, select_ops
+from dsinfer.ops.backend import BACKENDS, KERNELS, Ops, compile_ahead, parse_prefer, select_ops
 from dsinfer.ops.sampling import SamplingTensors, compute_logprobs
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "SamplingTensors",
     "compile_ahead",
     "compute_logprobs",
+    "parse_prefer",
     "select_ops",
 ]

@@ -6,7 +6,7 @@ Every kernel family has an ordered list of candidate backends, best first:
 kernel      candidates                                   Ops functions
 ==========  ===========================================  ==============================================
 gemm        deepgemm, triton, torch                      linear, pack_linear_weight, grouped_gemm_*
-experts     numba, grouped                               fused_experts
+experts     amx, numba, grouped                          fused_experts
 mla         flashmla, triton, numba, torch               mla_decode, mla_decode_absorbed
 indexer     deepgemm, triton, torch                      indexer_topk
 sparse_mla  flashmla, triton, torch                      sparse_mla_decode
@@ -29,6 +29,8 @@ kernel when it is available, else to the torch reference; ``triton`` needs a CUD
 ``Ops`` signatures); ``numba`` (the fused CPU MLA decode of ``ops/mla_cpu.py``) needs a CPU device
 and an importable numba; ``torch`` always works. ``numba`` for ``experts`` is the fused CPU MoE of
 ``ops/experts_cpu.py`` (float32/bfloat16 weights: the CPU loader dequantizes FP8 checkpoints);
+``amx`` for ``experts`` (a CPU with AMX bf16 tiles, ``ops/amx_cpu.py``) runs bf16 experts on the
+tiles and everything else through that kernel (``ops/experts_amx.py``);
 ``numba`` for ``norm`` and ``gate`` is the CPU RMSNorm of ``ops/norm_cpu.py`` and the CPU MoE gate of
 ``ops/gate_cpu.py``;
 ``grouped`` (always available) runs the routed experts as two grouped GEMMs of the chosen ``gemm``
@@ -89,15 +91,17 @@ __all__ = [
     "Ops",
     "capability_unsupported",
     "compile_ahead",
+    "parse_prefer",
     "select_ops",
 ]
 
-# the numba kernels' modules, slowest to compile first
+# the numba kernels' modules by (kernel, backend), slowest to compile first
 NUMBA_MODULES = {
-    "mla": "dsinfer.ops.mla_cpu",
-    "experts": "dsinfer.ops.experts_cpu",
-    "gate": "dsinfer.ops.gate_cpu",
-    "norm": "dsinfer.ops.norm_cpu",
+    ("mla", "numba"): "dsinfer.ops.mla_cpu",
+    ("experts", "amx"): "dsinfer.ops.experts_amx",
+    ("experts", "numba"): "dsinfer.ops.experts_cpu",
+    ("gate", "numba"): "dsinfer.ops.gate_cpu",
+    ("norm", "numba"): "dsinfer.ops.norm_cpu",
 }
 
 KERNELS: tuple[str, ...] = (
@@ -115,7 +119,7 @@ KERNELS: tuple[str, ...] = (
 BACKENDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
         "gemm": ("deepgemm", "triton", "torch"),
-        "experts": ("numba", "grouped"),
+        "experts": ("amx", "numba", "grouped"),
         "mla": ("flashmla", "triton", "numba", "torch"),
         "indexer": ("deepgemm", "triton", "torch"),
         "sparse_mla": ("flashmla", "triton", "torch"),
@@ -222,8 +226,8 @@ def compile_ahead(ops: Ops) -> None:
     work with the machine's other processes (dsinfer/ops/compile_ahead.py). Other backends
     compile on first call."""
     kernels = {}
-    for kernel, name in NUMBA_MODULES.items():
-        if ops.backends.get(kernel) == "numba":
+    for (kernel, backend), name in NUMBA_MODULES.items():
+        if ops.backends.get(kernel) == backend:
             module = importlib.import_module(name)
             where = hashlib.sha1(str(module.__file__).encode()).hexdigest()[:12]  # one lock per checkout
             kernels[f"{kernel}-{where}"] = module.compile_ahead
@@ -267,6 +271,15 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         return _torch_impl(kernel)
     if backend == "grouped":
         return {}  # bound to the chosen GEMM backend by select_ops
+    if backend == "amx":  # experts only
+        if device.type != "cpu":
+            return "needs a CPU device"
+        module = _import("dsinfer.ops.experts_amx")
+        if isinstance(module, str):
+            return module
+        if not module.amx_bf16_available():
+            return "needs a CPU with AMX bf16 tiles (and numba compiling for them)"
+        return {"fused_experts": module.fused_experts}
     if backend == "numba":
         if device.type != "cpu":
             return "needs a CPU device"
@@ -334,7 +347,9 @@ def _probe(kernel: str, backend: str, device: torch.device) -> Impl | str:
         return str(exc)
 
 
-def _parse_prefer(prefer: str | None) -> tuple[str, ...]:
+def parse_prefer(prefer: str | None) -> tuple[str, ...]:
+    """The backend names of ``prefer`` (comma-separated; None, "" or "auto": none); an unknown
+    name raises ValueError listing the known ones."""
     if prefer is None or prefer.strip() in ("", "auto"):
         return ()
     names = tuple(p.strip() for p in prefer.split(",") if p.strip())
@@ -354,7 +369,7 @@ def select_ops(device: torch.device | str, prefer: str | None = None, quiet: boo
     the log says when it was unavailable.
     """
     device = torch.device(device)
-    preferred = _parse_prefer(prefer)
+    preferred = parse_prefer(prefer)
     force_torch = "torch" in preferred
     impl: Impl = {}
     chosen: dict[str, str] = {}

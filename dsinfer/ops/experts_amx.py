@@ -1,5 +1,6 @@
-"""Routed experts in bf16 on Intel AMX (numba): the ``FusedExperts`` contract for bf16 rows and
-weights on a CPU with AMX tiles.
+"""Routed experts in bf16 on Intel AMX (numba): the ``amx`` backend of the ``FusedExperts``
+contract, for bf16 rows and weights on a CPU with AMX tiles (others go to the float32-math kernel
+of :mod:`dsinfer.ops.experts_cpu`).
 
 Each expert takes its rows sixteen at a time and computes the transposed products, so the
 weights are read in place: ``gate_up^T = w13 @ x^T`` takes 16 x 32 blocks of ``w13`` rows straight
@@ -18,10 +19,13 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 
+from dsinfer.ops import experts_cpu
 from dsinfer.ops.amx_cpu import (
     TILE_BYTES,
     TILE_ROWS,
+    amx_bf16_available,
     dot_bf16,
     load,
     load_config,
@@ -33,7 +37,7 @@ from dsinfer.ops.amx_cpu import (
 from dsinfer.ops.bf16_cpu import float32_from_bits
 from dsinfer.ops.compile_ahead import c_array
 
-__all__ = ["CONFIG", "compile_ahead", "experts_amx", "fits"]
+__all__ = ["CONFIG", "amx_bf16_available", "compile_ahead", "experts_amx", "fits", "fused_experts"]
 
 _FASTMATH = {"reassoc", "contract", "nsz"}
 TOKENS = TILE_ROWS  # rows of an expert per block: the columns of every product tile
@@ -170,7 +174,8 @@ _EXPERTS_SIGNATURE = (
 
 
 def compile_ahead() -> None:
-    """Compile (or load from numba's cache) the kernel for the signature every call uses."""
+    """Compile (or load from numba's cache) this kernel and the float32 one it leaves the rest to."""
+    experts_cpu.compile_ahead()
     _experts.compile(_EXPERTS_SIGNATURE)
 
 
@@ -178,6 +183,35 @@ def experts_amx(
     rows: np.ndarray, slots: np.ndarray, w13: np.ndarray, w2: np.ndarray, out: np.ndarray
 ) -> None:
     """``out[r] = expert slots[r] (rows[r])``: rows as bf16 pairs (uint32 [M, H/2]), bf16 weights
-    as their bits, out float32 [M, H]; call only where :func:`dsinfer.ops.amx_cpu.amx_bf16_available`
-    and :func:`fits`."""
+    as their bits, out float32 [M, H]; call only where :func:`amx_bf16_available` and :func:`fits`."""
     _experts(rows, slots, w13, w2, CONFIG, out)
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def fused_experts(
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor | None,
+) -> torch.Tensor:
+    """``FusedExperts`` (dsinfer/ops/signatures.py): bf16 rows and weights of sizes that
+    :func:`fit` on AMX tiles, anything else through :func:`dsinfer.ops.experts_cpu.fused_experts`."""
+    hidden, inter = w13.shape[2], w2.shape[2]
+    bf16 = rows.dtype == w13.dtype == w2.dtype == torch.bfloat16
+    if not (bf16 and rows.shape[0] > 0 and fits(hidden, inter) and amx_bf16_available()):
+        return experts_cpu.fused_experts(rows, slots, w13, w13_scale_inv, w2, w2_scale_inv)
+    out = torch.empty(rows.shape[0], hidden, dtype=torch.float32)
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    experts_amx(
+        rows.detach().contiguous().view(torch.int32).numpy().view(np.uint32),
+        slots.to(torch.int64).contiguous().numpy(),
+        _bits(w13),
+        _bits(w2),
+        out.numpy(),
+    )
+    return out.to(torch.bfloat16)

@@ -19,9 +19,7 @@ import numba
 import numpy as np
 import torch
 
-from dsinfer.ops import experts_amx
 from dsinfer.ops import gemm as torch_gemm
-from dsinfer.ops.amx_cpu import amx_bf16_available
 from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
 from dsinfer.ops.experts import grouped_experts
@@ -139,14 +137,8 @@ _EXPERTS_SIGNATURE = (
 
 
 def compile_ahead() -> None:
-    """Compile (or load from numba's cache) the kernels for the signatures every call uses."""
+    """Compile (or load from numba's cache) the kernel for the signature every call uses."""
     _experts.compile(_EXPERTS_SIGNATURE)
-    if amx_bf16_available():
-        experts_amx.compile_ahead()
-
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def fused_experts(
@@ -161,8 +153,7 @@ def fused_experts(
     and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, CPU tensors;
     a row's result does not depend on the other rows. Float32 or bfloat16 weights run fused;
     others (block-FP8) through the grouped-GEMM reference. The ``FusedExperts`` contract
-    (dsinfer/ops/signatures.py; its reference: dsinfer.ops.experts.fused_experts). bf16 rows and
-    weights run on AMX tiles where the CPU has them (dsinfer/ops/experts_amx.py)."""
+    (dsinfer/ops/signatures.py; its reference: dsinfer.ops.experts.fused_experts)."""
     fused_dtypes = (torch.float32, torch.bfloat16)
     if w13.dtype not in fused_dtypes or w2.dtype != w13.dtype:
         return grouped_experts(
@@ -172,27 +163,20 @@ def fused_experts(
     out = torch.empty(rows.shape[0], hidden, dtype=torch.float32)
     if rows.shape[0] == 0:
         return out.to(rows.dtype)
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    slots_np = slots.to(torch.int64).contiguous().numpy()
-    bf16 = w13.dtype == torch.bfloat16
-    if (
-        bf16
-        and rows.dtype == torch.bfloat16
-        and experts_amx.fits(hidden, w2.shape[2])
-        and amx_bf16_available()
-    ):
-        pairs = rows.detach().contiguous().view(torch.int32).numpy().view(np.uint32)
-        experts_amx.experts_amx(pairs, slots_np, _bits(w13), _bits(w2), out.numpy())
-        return out.to(rows.dtype)
     empty_bits = np.empty((0, 1, 1), dtype=np.uint16)
-    if bf16:
-        empty = np.empty((0, 1, 1), dtype=np.float32)
-        weights = (empty, _bits(w13), empty, _bits(w2))
+    if w13.dtype == torch.bfloat16:
+        weights = (
+            np.empty((0, 1, 1), dtype=np.float32),
+            w13.contiguous().view(torch.int16).numpy().view(np.uint16),
+            np.empty((0, 1, 1), dtype=np.float32),
+            w2.contiguous().view(torch.int16).numpy().view(np.uint16),
+        )
     else:
         weights = (w13.contiguous().numpy(), empty_bits, w2.contiguous().numpy(), empty_bits)
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     _experts(
         rows.detach().float().contiguous().numpy(),
-        slots_np,
+        slots.to(torch.int64).contiguous().numpy(),
         weights[0],
         weights[1],
         weights[2],
