@@ -270,6 +270,29 @@ def plot_packed_linear(doc: Doc, path: Path) -> None:
     save(fig, path, f"bf16 linears packed once vs plain: paired median ratio {ratio:.3f}", machine_note(doc))
 
 
+def plot_kernel_backends(doc: Doc, path: Path) -> None:
+    """tok/s per batch of the auto and baseline kernel backends (median bars, a dot a pass), with
+    the median of the paired ratios over each group."""
+    rows = doc["rows"]
+    fig, (ax,) = figure(size=(9, 4.5))
+    names = ("auto", "baseline")
+    _bars(
+        ax,
+        [f"batch {r['batch']}" for r in rows],
+        {n: [r["median_tok_s"][n] for r in rows] for n in names},
+        {n: [r["tok_s"][n] for r in rows] for n in names},
+    )
+    for i, r in enumerate(rows):
+        top = max(max(r["tok_s"][n]) for n in names)
+        ax.annotate(f"{r['median_ratio']:.2f}x", (i, top), ha="center", va="bottom", fontsize=9)
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s (log scale)")
+    ax.legend(fontsize=8)
+    differ = [k for k, v in doc["backends"]["auto"].items() if doc["backends"]["baseline"][k] != v]
+    what = ", ".join(f"{k} {doc['backends']['auto'][k]} vs {doc['backends']['baseline'][k]}" for k in differ)
+    save(fig, path, f"Kernel backends, {doc['dtype']}: {what} (paired passes)", machine_note(doc))
+
+
 def plot_mla_cpu_rows(doc: Doc, path: Path) -> None:
     """The absorbed MLA kernel's call time per shape, a sequence's rows in one task or split."""
     rows = doc["rows"]
@@ -907,6 +930,7 @@ PLOTTERS: dict[str, Plotter] = {
     "serving_throughput*.json": plot_serving_throughput,
     "offline_batch*.json": plot_offline_batch,
     "packed_linear*.json": plot_packed_linear,
+    "kernel_backends*.json": plot_kernel_backends,
     "pd_serving.json": plot_pd_serving,
     "decode_step*.json": plot_decode_step,
     "v4_kv.json": plot_v4_kv,
