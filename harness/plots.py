@@ -285,8 +285,7 @@ def plot_kernel_backends(doc: Doc, path: Path) -> None:
     for i, r in enumerate(rows):
         top = max(max(r["tok_s"][n]) for n in names)
         ax.annotate(f"{r['median_ratio']:.2f}x", (i, top), ha="center", va="bottom", fontsize=9)
-    ax.set_yscale("log")
-    ax.set_ylabel("output tokens/s (log scale)")
+    _log_y(ax, "output tokens/s")
     ax.legend(fontsize=8)
     differ = [k for k, v in doc["backends"]["auto"].items() if doc["backends"]["baseline"][k] != v]
     what = ", ".join(f"{k} {doc['backends']['auto'][k]} vs {doc['backends']['baseline'][k]}" for k in differ)

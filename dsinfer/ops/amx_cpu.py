@@ -29,11 +29,14 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
+    "PAIR_CHANNELS",
     "TILES",
     "amx_bf16_available",
     "dot_bf16",
     "load",
     "load_config",
+    "product_16",
+    "product_64",
     "release",
     "store",
     "tile_config",
@@ -43,6 +46,7 @@ __all__ = [
 TILES = 8
 TILE_ROWS = 16  # the most rows a tile holds
 TILE_BYTES = 64  # the most bytes a tile row holds
+PAIR_CHANNELS = TILE_BYTES // 2  # bf16 values per row of a left tile: the K of one tile product
 
 _I8 = ir.IntType(8)
 _PTR = ir.IntType(8).as_pointer()
@@ -134,6 +138,45 @@ def dot_bf16(typingctx: Any, c: Any, a: Any, b: Any) -> Any:
         return context.get_dummy_value()
 
     return numba.types.void(c, a, b), codegen
+
+
+@numba.njit(cache=True, inline="always")
+def product_64(weights, first, row_bytes, k_dim, pairs, out, out_row):
+    """out[out_row : out_row + 64, :16] = W @ pairs (float32), where W is the 64 bf16 rows of
+    ``k_dim`` channels starting at byte ``first`` of ``weights``, ``row_bytes`` apart, and
+    ``pairs`` [k_dim / 2, 16] holds 16 columns' channels in pairs (uint32). Uses tiles 0-6, each
+    configured as 16 rows of 64 bytes; a column's result depends on that column only."""
+    zero(0)
+    zero(1)
+    zero(2)
+    zero(3)
+    tile = TILE_ROWS * row_bytes
+    for k in range(0, k_dim, PAIR_CHANNELS):
+        load(4, pairs, (k // 2) * TILE_BYTES, TILE_BYTES)
+        at = first + 2 * k
+        load(5, weights, at, row_bytes)
+        dot_bf16(0, 5, 4)
+        load(6, weights, at + tile, row_bytes)
+        dot_bf16(1, 6, 4)
+        load(5, weights, at + 2 * tile, row_bytes)
+        dot_bf16(2, 5, 4)
+        load(6, weights, at + 3 * tile, row_bytes)
+        dot_bf16(3, 6, 4)
+    store(0, out, out_row * TILE_BYTES, TILE_BYTES)
+    store(1, out, (out_row + TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+    store(2, out, (out_row + 2 * TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+    store(3, out, (out_row + 3 * TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+
+
+@numba.njit(cache=True, inline="always")
+def product_16(weights, first, row_bytes, k_dim, pairs, out, out_row):
+    """:func:`product_64` for 16 rows of W (tiles 0, 4 and 5)."""
+    zero(0)
+    for k in range(0, k_dim, PAIR_CHANNELS):
+        load(4, pairs, (k // 2) * TILE_BYTES, TILE_BYTES)
+        load(5, weights, first + 2 * k, row_bytes)
+        dot_bf16(0, 5, 4)
+    store(0, out, out_row * TILE_BYTES, TILE_BYTES)
 
 
 def tile_config(shapes: dict[int, tuple[int, int]]) -> np.ndarray:

@@ -26,13 +26,10 @@ from dsinfer.ops.amx_cpu import (
     TILE_BYTES,
     TILE_ROWS,
     amx_bf16_available,
-    dot_bf16,
-    load,
     load_config,
+    product_64,
     release,
-    store,
     tile_config,
-    zero,
 )
 from dsinfer.ops.bf16_cpu import float32_from_bits
 from dsinfer.ops.compile_ahead import c_array
@@ -41,8 +38,7 @@ __all__ = ["CONFIG", "amx_bf16_available", "compile_ahead", "experts_amx", "fits
 
 _FASTMATH = {"reassoc", "contract", "nsz"}
 TOKENS = TILE_ROWS  # rows of an expert per block: the columns of every product tile
-CHANNELS = TILE_BYTES // 2  # bf16 channels per left-tile row: the K of one tile product
-OUTPUTS = 4 * TILE_ROWS  # output channels per pass: four accumulator tiles
+OUTPUTS = 4 * TILE_ROWS  # output channels per pass of product_64
 # tiles 0-3: float32 accumulators [16 outputs x 16 tokens]; 4: activations [16 channel pairs x
 # 16 tokens]; 5, 6: weights [16 outputs x 32 channels]
 CONFIG = tile_config({t: (TILE_ROWS, TILE_BYTES) for t in range(7)})
@@ -50,34 +46,7 @@ CONFIG = tile_config({t: (TILE_ROWS, TILE_BYTES) for t in range(7)})
 
 def fits(hidden: int, inter: int) -> bool:
     """Whether experts of these sizes fill whole tiles (else the float32 kernel runs)."""
-    return hidden % OUTPUTS == 0 and (2 * inter) % OUTPUTS == 0  # also whole CHANNELS of each
-
-
-@numba.njit(cache=True, inline="always")
-def _four_outputs(weights, first, row_bytes, k_dim, pairs, out, out_row):
-    """out[out_row : out_row + 64, :] = W @ pairs, where W is the 64 bf16 rows of ``k_dim``
-    channels starting at byte ``first`` of ``weights``, ``row_bytes`` apart, and ``pairs``
-    [k_dim / 2, 16] holds a block's channels in pairs (uint32)."""
-    zero(0)
-    zero(1)
-    zero(2)
-    zero(3)
-    tile = TILE_ROWS * row_bytes
-    for k in range(0, k_dim, CHANNELS):
-        load(4, pairs, (k // 2) * TILE_BYTES, TILE_BYTES)
-        at = first + 2 * k
-        load(5, weights, at, row_bytes)
-        dot_bf16(0, 5, 4)
-        load(6, weights, at + tile, row_bytes)
-        dot_bf16(1, 6, 4)
-        load(5, weights, at + 2 * tile, row_bytes)
-        dot_bf16(2, 5, 4)
-        load(6, weights, at + 3 * tile, row_bytes)
-        dot_bf16(3, 6, 4)
-    store(0, out, out_row * TILE_BYTES, TILE_BYTES)
-    store(1, out, (out_row + TILE_ROWS) * TILE_BYTES, TILE_BYTES)
-    store(2, out, (out_row + 2 * TILE_ROWS) * TILE_BYTES, TILE_BYTES)
-    store(3, out, (out_row + 3 * TILE_ROWS) * TILE_BYTES, TILE_BYTES)
+    return hidden % OUTPUTS == 0 and (2 * inter) % OUTPUTS == 0  # whole tiles of channels too
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -144,7 +113,7 @@ def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
                 x_pairs[:, i] = rows[order[block + i]]
             w13_at = s * two_inter * hidden * 2
             for f in range(0, two_inter, OUTPUTS):
-                _four_outputs(w13, w13_at + f * hidden * 2, hidden * 2, hidden, x_pairs, gate_up, f)
+                product_64(w13, w13_at + f * hidden * 2, hidden * 2, hidden, x_pairs, gate_up, f)
             for c in range(inter):
                 for i in range(TOKENS):
                     g = gate_up[c, i]
@@ -155,7 +124,7 @@ def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
                     h_pairs[c // 2, i] = low | (high << np.uint32(16))
             w2_at = s * hidden * inter * 2
             for o in range(0, hidden, OUTPUTS):
-                _four_outputs(w2, w2_at + o * inter * 2, inter * 2, inter, h_pairs, y, o)
+                product_64(w2, w2_at + o * inter * 2, inter * 2, inter, h_pairs, y, o)
             for i in range(count):
                 row = order[block + i]
                 for o in range(hidden):
