@@ -83,19 +83,10 @@ def _bf16_bits(x):
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
 def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
     """rows [M, H/2] (bf16 pairs as uint32), w13 [S, 2I, H] and w2 [S, H, I] (bf16 bits), out [M, H]."""
-    m, half_hidden = rows.shape
+    half_hidden = rows.shape[1]
     num_slots, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    starts = np.zeros(num_slots + 1, dtype=np.int64)
-    for r in range(m):
-        starts[slots[r] + 1] += 1
-    for s in range(num_slots):
-        starts[s + 1] += starts[s]
-    order = np.empty(m, dtype=np.int64)
-    fill = starts[:-1].copy()
-    for r in range(m):
-        order[fill[slots[r]]] = r
-        fill[slots[r]] += 1
+    starts, order = experts_cpu.rows_by_slot(slots, num_slots)
     for s in numba.prange(num_slots):
         if starts[s + 1] == starts[s]:
             continue

@@ -24,7 +24,7 @@ from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
 from dsinfer.ops.experts import grouped_experts
 
-__all__ = ["compile_ahead", "fused_experts"]
+__all__ = ["compile_ahead", "fused_experts", "rows_by_slot"]
 
 _FASTMATH = {"reassoc", "contract", "nsz"}
 BLOCK = 4  # rows and output columns per register block
@@ -79,14 +79,11 @@ def _matmul_nt(a, w, out):
             out[i, j] = dot
 
 
-@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typed by numba
-    """``w13``/``w2`` float32, or empty with ``w13_bits``/``w2_bits`` holding bf16 weights as uint16."""
-    m, hidden = rows.shape
-    bf16 = w13_bits.shape[0] > 0
-    num_slots = w13_bits.shape[0] if bf16 else w13.shape[0]
-    two_inter = w13_bits.shape[1] if bf16 else w13.shape[1]
-    inter = two_inter // 2
+@numba.njit(cache=True)
+def rows_by_slot(slots, num_slots):
+    """A counting sort of rows by slot: slot s's rows are ``order[starts[s]:starts[s + 1]]``,
+    in their original order."""
+    m = slots.shape[0]
     starts = np.zeros(num_slots + 1, dtype=np.int64)
     for r in range(m):
         starts[slots[r] + 1] += 1
@@ -97,6 +94,18 @@ def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typ
     for r in range(m):
         order[fill[slots[r]]] = r
         fill[slots[r]] += 1
+    return starts, order
+
+
+@numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
+def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typed by numba
+    """``w13``/``w2`` float32, or empty with ``w13_bits``/``w2_bits`` holding bf16 weights as uint16."""
+    hidden = rows.shape[1]
+    bf16 = w13_bits.shape[0] > 0
+    num_slots = w13_bits.shape[0] if bf16 else w13.shape[0]
+    two_inter = w13_bits.shape[1] if bf16 else w13.shape[1]
+    inter = two_inter // 2
+    starts, order = rows_by_slot(slots, num_slots)
     for s in numba.prange(num_slots):
         count = starts[s + 1] - starts[s]
         if count == 0:
