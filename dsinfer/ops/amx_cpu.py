@@ -31,6 +31,8 @@ from numba.extending import intrinsic
 __all__ = [
     "PAIR_CHANNELS",
     "TILES",
+    "TILE_BYTES",
+    "TILE_ROWS",
     "amx_bf16_available",
     "dot_bf16",
     "load",

@@ -160,7 +160,7 @@ def fused_experts(
     w2_scale_inv: torch.Tensor | None,
 ) -> torch.Tensor:
     """``FusedExperts`` (dsinfer/ops/signatures.py): bf16 rows and weights of sizes that
-    :func:`fit` on AMX tiles, anything else through :func:`dsinfer.ops.experts_cpu.fused_experts`."""
+    :func:`fits` AMX tiles, anything else through :func:`dsinfer.ops.experts_cpu.fused_experts`."""
     hidden, inter = w13.shape[2], w2.shape[2]
     bf16 = rows.dtype == w13.dtype == w2.dtype == torch.bfloat16
     if not (bf16 and rows.shape[0] > 0 and fits(hidden, inter) and amx_bf16_available()):
