@@ -4,11 +4,13 @@ in one process, in paired passes.
 Two ``LLM`` engines on the offline benchmark's checkpoint (4 layers, hidden 256, 16 experts of
 which 4 active), one with ``kernel_backends="auto"`` (what ``dsinfer serve`` picks on this
 machine) and one with ``--baseline`` (default ``numba``: the float32-math CPU kernels, where auto
-runs the bf16 routed experts on AMX tiles). Workload per batch B: B prompts of 32 random token ids,
-128 output tokens, greedy, ``ignore_eos``. Per batch, ``--pairs`` pairs of passes, the engines
-alternating which runs first, in each of ``--rounds`` rounds of fresh engines, each engine built
-first in turn (of two identical engines, the one built first ran 4-8% slower); reported: each engine's median output tok/s and the median (and
-range) of the pairs' ratios, which keeps the shared machine's drift (10-30% from minute to
+runs the bf16 routed experts on AMX tiles). Workload per batch B: B prompts of 32 random token
+ids, 128 output tokens, greedy, ``ignore_eos``.
+
+Per batch, ``--pairs`` pairs of passes, the engines alternating which runs first, in each of
+``--rounds`` rounds of fresh engines, each engine built first in turn (of two identical engines,
+the one built first ran 4-8% slower). Reported: each engine's median output tok/s and the median
+(and range) of the pairs' ratios, which keeps the shared machine's drift (10-30% from minute to
 minute) out of the comparison. The outputs are compared token for token: kernels that round
 differently (AMX rounds the SwiGLU to bf16) may part on a near tie.
 
