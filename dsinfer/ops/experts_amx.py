@@ -31,7 +31,7 @@ from dsinfer.ops.amx_cpu import (
     release,
     tile_config,
 )
-from dsinfer.ops.bf16_cpu import float32_from_bits
+from dsinfer.ops.bf16_cpu import float32_from_bits, rounded_bf16
 from dsinfer.ops.compile_ahead import c_array
 
 __all__ = ["CONFIG", "amx_bf16_available", "compile_ahead", "experts_amx", "fits", "fused_experts"]
@@ -72,14 +72,6 @@ def _exp(x):
     return p * float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
 
 
-@numba.njit(cache=True, inline="always")
-def _bf16_bits(x):
-    """float32 bits -> bf16 bits, rounded to nearest even (NaN stays NaN)."""
-    if (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint32((x >> np.uint32(16)) | np.uint32(0x40))
-    return np.uint32((x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
 def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
     """rows [M, H/2] (bf16 pairs as uint32), w13 [S, 2I, H] and w2 [S, H, I] (bf16 bits), out [M, H]."""
@@ -111,7 +103,10 @@ def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
                     h[c, i] = g / (np.float32(1.0) + _exp(-g)) * gate_up[inter + c, i]
             for c in range(0, inter, 2):
                 for i in range(TOKENS):
-                    low, high = _bf16_bits(h_bits[c, i]), _bf16_bits(h_bits[c + 1, i])
+                    low, high = (
+                        np.uint32(rounded_bf16(h_bits[c, i])),
+                        np.uint32(rounded_bf16(h_bits[c + 1, i])),
+                    )
                     h_pairs[c // 2, i] = low | (high << np.uint32(16))
             w2_at = s * hidden * inter * 2
             for o in range(0, hidden, OUTPUTS):

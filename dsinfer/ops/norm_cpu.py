@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from dsinfer.ops import norm as torch_norm
+from dsinfer.ops.bf16_cpu import rounded_bf16
 from dsinfer.ops.compile_ahead import c_array
 
 __all__ = ["compile_ahead", "rms_norm"]
@@ -34,12 +35,6 @@ def _rms_f32(x, w, eps, out):
             out[i, j] = x[i, j] * scale * w[j]
 
 
-@numba.njit(cache=True)
-def _to_bf16(bits):
-    """float32 bits -> bf16 bits, rounded to nearest, ties to even (finite values)."""
-    return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
 @numba.njit(cache=True, fastmath=_FASTMATH)
 def _rms_bf16(x, w, eps, out):
     rows, dim = x.shape
@@ -57,9 +52,9 @@ def _rms_bf16(x, w, eps, out):
         scale = np.float32(1.0) / np.sqrt(squares / np.float32(dim) + np.float32(eps))
         for j in range(dim):
             row[j] = row[j] * scale
-            row_bits[j] = np.uint32(_to_bf16(row_bits[j])) << np.uint32(16)  # .to(bf16)
+            row_bits[j] = np.uint32(rounded_bf16(row_bits[j])) << np.uint32(16)  # .to(bf16)
             row[j] = row[j] * weight[j]
-            out[i, j] = _to_bf16(row_bits[j])
+            out[i, j] = rounded_bf16(row_bits[j])
 
 
 _F32_SIGNATURE = (
