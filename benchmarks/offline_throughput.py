@@ -178,7 +178,30 @@ def _three_passes(
     prefill_s, _ = generate(1)
     progress(f"prefill pass {prefill_s:.3f}s; timed pass ({spec.output_len} tokens)")
     wall, outs = generate(spec.output_len)
+    if "commands" in spec.options:
+        _passes_on_command(generate, spec)
     return warmup_s, prefill_s, wall, outs
+
+
+def _passes_on_command(generate: Callable[[int], tuple[float, Any]], spec: RunSpec) -> None:
+    """Paired mode (offline_paired.py): after the three passes, one more timed pass per ``pass``
+    line read from the FIFO ``options["commands"]``, until ``stop`` or its end. Each pass appends
+    a JSON line {"wall_s", "output_tokens"} to ``options["passes"]``; a first line {"ready": true}
+    says the worker is waiting for commands."""
+    passes = Path(spec.options["passes"])
+
+    def record(line: dict[str, Any]) -> None:
+        with passes.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    record({"ready": True})
+    with open(spec.options["commands"]) as commands:
+        for command in commands:
+            if command.strip() != "pass":
+                break
+            wall, outs = generate(spec.output_len)
+            record({"wall_s": wall, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+            progress(f"paired pass {wall:.2f}s")
 
 
 def run_vllm(spec: RunSpec, prompts: list[list[int]]) -> dict[str, Any]:
@@ -407,7 +430,7 @@ def worker_main(spec_path: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _relay(log_path: Path, done: threading.Event, name: str, t0: float) -> None:
+def relay_progress(log_path: Path, done: threading.Event, name: str, t0: float) -> None:
     """Print the worker's progress lines as they reach its log, until ``done`` and the log's end."""
     with log_path.open(errors="replace") as log:
         while True:
@@ -421,7 +444,7 @@ def _relay(log_path: Path, done: threading.Event, name: str, t0: float) -> None:
                 print(f"[{name}] {elapsed:7.1f}s {line[len(PROGRESS) :].rstrip()}", flush=True)
 
 
-def _end_group(pgid: int, grace: float = 10.0) -> None:
+def end_group(pgid: int, grace: float = 10.0) -> None:
     """SIGTERM the worker's process group (its session), then SIGKILL what is left."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -458,7 +481,7 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
     proc, done = worker.process, threading.Event()
     assert proc is not None
     sampler = RssSampler(lambda: session_pids(proc.pid)).start()
-    reader = threading.Thread(target=_relay, args=(log_path, done, spec.name, t0), daemon=True)
+    reader = threading.Thread(target=relay_progress, args=(log_path, done, spec.name, t0), daemon=True)
     reader.start()
     try:
         rc = proc.wait(timeout=args.timeout)
@@ -466,7 +489,7 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
         print(f"[{spec.name}] timed out after {args.timeout:.0f}s", flush=True)
         rc = -9
     sampler.stop()
-    _end_group(proc.pid)
+    end_group(proc.pid)
     done.set()
     reader.join(timeout=30)
     result_file = Path(spec.result)

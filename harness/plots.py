@@ -292,6 +292,22 @@ def plot_kernel_backends(doc: Doc, path: Path) -> None:
     save(fig, path, f"Kernel backends, {doc['dtype']}: {what} (paired passes)", machine_note(doc))
 
 
+def plot_offline_paired(doc: Doc, path: Path) -> None:
+    """dsinfer and vLLM tok/s per pair of passes, a line per engine and dtype (the machine's drift
+    shows as both lines moving together), with the median of the pairs' ratios per dtype."""
+    fig, (ax,) = figure(size=(9, 4.5))
+    for row in doc["rows"]:
+        for engine, style in (("dsinfer", "-o"), ("vllm", "--s")):
+            values = row["tok_s"][engine]
+            ax.plot(range(1, len(values) + 1), values, style, label=f"{engine} {row['dtype']}")
+    ax.set_xlabel("pair of passes")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ratios = ", ".join(f"{r['dtype']} {r['median_ratio']:.2f}x" for r in doc["rows"])
+    save(fig, path, f"dsinfer / vLLM offline, paired passes: {ratios}", machine_note(doc))
+
+
 def plot_mla_cpu_rows(doc: Doc, path: Path) -> None:
     """The absorbed MLA kernel's call time per shape, a sequence's rows in one task or split."""
     rows = doc["rows"]
@@ -928,6 +944,7 @@ def plot_lone_and_burst(doc: Doc, path: Path) -> None:
 PLOTTERS: dict[str, Plotter] = {
     "serving_throughput*.json": plot_serving_throughput,
     "offline_batch*.json": plot_offline_batch,
+    "offline_paired*.json": plot_offline_paired,
     "packed_linear*.json": plot_packed_linear,
     "kernel_backends*.json": plot_kernel_backends,
     "pd_serving.json": plot_pd_serving,
