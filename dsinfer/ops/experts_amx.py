@@ -31,8 +31,9 @@ from dsinfer.ops.amx_cpu import (
     release,
     tile_config,
 )
-from dsinfer.ops.bf16_cpu import float32_from_bits, rounded_bf16
+from dsinfer.ops.bf16_cpu import rounded_bf16
 from dsinfer.ops.compile_ahead import c_array
+from dsinfer.ops.exp_cpu import exp32
 
 __all__ = ["CONFIG", "amx_bf16_available", "compile_ahead", "experts_amx", "fits", "fused_experts"]
 
@@ -47,29 +48,6 @@ CONFIG = tile_config({t: (TILE_ROWS, TILE_BYTES) for t in range(7)})
 def fits(hidden: int, inter: int) -> bool:
     """Whether experts of these sizes fill whole tiles (else the float32 kernel runs)."""
     return hidden % OUTPUTS == 0 and (2 * inter) % OUTPUTS == 0  # whole tiles of channels too
-
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HIGH, _LN2_LOW = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 = high + low
-
-
-@numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
-def _exp(x):
-    """e^x in float32 (within 2 ulp; e^-87 .. e^88 at the ends), written so that loops over it
-    vectorize (numba's np.exp is a scalar libm call): 2^n times a degree-7 Taylor polynomial of
-    the remainder, |r| <= ln(2) / 2."""
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    n = np.floor(x * _LOG2E + np.float32(0.5))
-    r = x - n * _LN2_HIGH - n * _LN2_LOW
-    p = np.float32(1.0 / 5040.0)
-    p = p * r + np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    return p * float32_from_bits(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
 
 
 @numba.njit(parallel=True, cache=True, nogil=True, fastmath=_FASTMATH)
@@ -100,7 +78,7 @@ def _experts(rows, slots, w13, w2, config, out):  # numpy arrays, typed by numba
             for c in range(inter):
                 for i in range(TOKENS):
                     g = gate_up[c, i]
-                    h[c, i] = g / (np.float32(1.0) + _exp(-g)) * gate_up[inter + c, i]
+                    h[c, i] = g / (np.float32(1.0) + exp32(-g)) * gate_up[inter + c, i]
             for c in range(0, inter, 2):
                 for i in range(TOKENS):
                     low, high = (

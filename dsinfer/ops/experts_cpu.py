@@ -22,6 +22,7 @@ import torch
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
+from dsinfer.ops.exp_cpu import exp32
 from dsinfer.ops.experts import grouped_experts
 
 __all__ = ["compile_ahead", "fused_experts", "rows_by_slot"]
@@ -123,7 +124,7 @@ def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typ
         for i in range(padded):
             for c in range(inter):
                 g = gate_up[i, c]
-                h[i, c] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[i, inter + c]
+                h[i, c] = g / (np.float32(1.0) + exp32(-g)) * gate_up[i, inter + c]
         y = np.empty((padded, hidden), dtype=np.float32)
         if bf16:
             _matmul_nt(h, w2_bits[s], y)

@@ -20,6 +20,7 @@ import torch
 
 from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
+from dsinfer.ops.exp_cpu import exp32
 
 __all__ = [
     "compile_ahead",
@@ -42,7 +43,12 @@ def _scores_block(qb, kv, t, r, dim, scale, scores):
     s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
     s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0.0)
     for d in range(dim):
-        k0, k1, k2, k3 = kv[t, d], kv[t + 1, d], kv[t + 2, d], kv[t + 3, d]
+        k0, k1, k2, k3 = (
+            as_float(kv[t, d]),
+            as_float(kv[t + 1, d]),
+            as_float(kv[t + 2, d]),
+            as_float(kv[t + 3, d]),
+        )
         q0, q1, q2, q3 = qb[r, d], qb[r + 1, d], qb[r + 2, d], qb[r + 3, d]
         s00 += q0 * k0
         s01 += q0 * k1
@@ -73,7 +79,7 @@ def _scores_block(qb, kv, t, r, dim, scale, scores):
 def _dot(qb, kv, t, r, dim):
     dot = np.float32(0.0)
     for d in range(dim):
-        dot += qb[r, d] * kv[t, d]
+        dot += qb[r, d] * as_float(kv[t, d])
     return dot
 
 
@@ -85,7 +91,12 @@ def _accumulate_block(acc, kv, scores, t, r, dv):
     p20, p21, p22, p23 = scores[r + 2, t], scores[r + 2, t + 1], scores[r + 2, t + 2], scores[r + 2, t + 3]
     p30, p31, p32, p33 = scores[r + 3, t], scores[r + 3, t + 1], scores[r + 3, t + 2], scores[r + 3, t + 3]
     for d in range(dv):
-        k0, k1, k2, k3 = kv[t, d], kv[t + 1, d], kv[t + 2, d], kv[t + 3, d]
+        k0, k1, k2, k3 = (
+            as_float(kv[t, d]),
+            as_float(kv[t + 1, d]),
+            as_float(kv[t + 2, d]),
+            as_float(kv[t + 3, d]),
+        )
         acc[r, d] += p00 * k0 + p01 * k1 + p02 * k2 + p03 * k3
         acc[r + 1, d] += p10 * k0 + p11 * k1 + p12 * k2 + p13 * k3
         acc[r + 2, d] += p20 * k0 + p21 * k1 + p22 * k2 + p23 * k3
@@ -121,9 +132,12 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
         denom[r] *= correction
         for d in range(dv):
             acc[r, d] *= correction
-        for t in range(padded):
-            scores[r, t] = np.exp(scores[r, t] - new_max) if t < visible else 0.0
-            denom[r] += scores[r, t]
+        total = np.float32(0.0)
+        for t in range(visible):
+            scores[r, t] = exp32(scores[r, t] - new_max)
+            total += scores[r, t]
+        scores[r, visible:padded] = 0.0
+        denom[r] += total
         m[r] = new_max
     for r in range(0, blocked, 4):
         for t in range(0, padded, KEY_TILE):
@@ -133,41 +147,75 @@ def _attend_page(qb, kv, count, start, n, s_q, h_q, dv, scale, causal, m, denom,
             for j in range(KEY_TILE):
                 p = scores[r, t + j]
                 for d in range(dv):
-                    acc[r, d] += p * kv[t + j, d]
+                    acc[r, d] += p * as_float(kv[t + j, d])
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)  # not inlined: both entry kernels share it
 def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, causal, m, denom, acc, row0):
     """Online softmax of ``qb``'s rows (sequence ``b``'s queries) over its ``n`` cached keys into
     ``m``, ``denom`` and ``acc``. ``cache`` is float32 [P, page, D] (``bf16_bits`` unused) or, when
-    ``cache`` has no rows and ``bf16_bits`` holds the cache as uint16, bf16 read through a float32
-    scratch page. ``qb`` holds the sequence's query rows from ``row0`` on. A page whose key
-    count is not a multiple of KEY_TILE (the last one) is read through the scratch page too,
-    zero-padded: slots past the sequence's length are never read."""
+    ``cache`` has no rows, ``bf16_bits`` holds the cache as uint16 (bf16, widened as it is read).
+    ``qb`` holds the sequence's query rows from ``row0`` on. A page's keys are read in place in
+    whole tiles of KEY_TILE; the last page's few keys past its last whole tile go through a
+    zero-padded scratch tile, so that slots past the sequence's length are never read."""
     rows, dim = qb.shape
     bf16 = bf16_bits.shape[0] > 0
     page_size = bf16_bits.shape[1] if bf16 else cache.shape[1]
-    padded_page = -(-page_size // KEY_TILE) * KEY_TILE
-    scores = np.empty((rows, padded_page), dtype=np.float32)
-    page = np.empty((padded_page, dim), dtype=np.float32)
-    page_bits = page.view(np.uint32)
+    scores = np.empty((rows, -(-page_size // KEY_TILE) * KEY_TILE), dtype=np.float32)
+    tile = np.zeros((KEY_TILE, dim), dtype=np.float32)
+    tile_bits = tile.view(np.uint32)
     for start in range(0, n, page_size):
         count = min(page_size, n - start)
         block = table[b, start // page_size]
-        if not bf16 and count % KEY_TILE == 0:
+        whole = count - count % KEY_TILE
+        if whole > 0 and bf16:
             _attend_page(
-                qb, cache[block], count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0
+                qb,
+                bf16_bits[block],
+                whole,
+                start,
+                n,
+                s_q,
+                h_q,
+                dv,
+                scale,
+                causal,
+                m,
+                denom,
+                acc,
+                scores,
+                row0,
             )
+        elif whole > 0:
+            _attend_page(
+                qb, cache[block], whole, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0
+            )
+        if whole == count:
             continue
-        if bf16:
-            src = bf16_bits[block]
-            for t in range(count):
-                for d in range(dim):
-                    page_bits[t, d] = np.uint32(src[t, d]) << np.uint32(16)
-        else:
-            page[:count] = cache[block, :count]
-        page[count : -(-count // KEY_TILE) * KEY_TILE] = 0.0
-        _attend_page(qb, page, count, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0)
+        for t in range(count - whole):
+            for d in range(dim):
+                if bf16:
+                    tile_bits[t, d] = np.uint32(bf16_bits[block, whole + t, d]) << np.uint32(16)
+                else:
+                    tile[t, d] = cache[block, whole + t, d]
+        tile[count - whole :] = 0.0
+        _attend_page(
+            qb,
+            tile,
+            count - whole,
+            start + whole,
+            n,
+            s_q,
+            h_q,
+            dv,
+            scale,
+            causal,
+            m,
+            denom,
+            acc,
+            scores,
+            row0,
+        )
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
