@@ -46,6 +46,7 @@ from offline_throughput import (
     relay_progress,
 )
 
+from harness.plots import plot_result
 from harness.provenance import load_average, run_machine
 from harness.results import add_output_args, machine_lines, save_report, table
 from harness.server import Server, engine_env
@@ -285,6 +286,7 @@ def main() -> None:
         "rows": rows,
     }
     save_report(report, markdown(report), args.out, args.markdown)
+    plot_result(args.out)
 
 
 if __name__ == "__main__":
