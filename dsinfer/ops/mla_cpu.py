@@ -168,54 +168,21 @@ def _attend_sequence(qb, cache, bf16_bits, table, b, n, s_q, h_q, dv, scale, cau
         count = min(page_size, n - start)
         block = table[b, start // page_size]
         whole = count - count % KEY_TILE
+        tail = count - whole
         if whole > 0 and bf16:
-            _attend_page(
-                qb,
-                bf16_bits[block],
-                whole,
-                start,
-                n,
-                s_q,
-                h_q,
-                dv,
-                scale,
-                causal,
-                m,
-                denom,
-                acc,
-                scores,
-                row0,
-            )
+            _attend_page(qb, bf16_bits[block], whole, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0)  # fmt: skip
         elif whole > 0:
-            _attend_page(
-                qb, cache[block], whole, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0
-            )
-        if whole == count:
+            _attend_page(qb, cache[block], whole, start, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0)  # fmt: skip
+        if tail == 0:
             continue
-        for t in range(count - whole):
+        for t in range(tail):
             for d in range(dim):
                 if bf16:
                     tile_bits[t, d] = np.uint32(bf16_bits[block, whole + t, d]) << np.uint32(16)
                 else:
                     tile[t, d] = cache[block, whole + t, d]
-        tile[count - whole :] = 0.0
-        _attend_page(
-            qb,
-            tile,
-            count - whole,
-            start + whole,
-            n,
-            s_q,
-            h_q,
-            dv,
-            scale,
-            causal,
-            m,
-            denom,
-            acc,
-            scores,
-            row0,
-        )
+        tile[tail:] = 0.0
+        _attend_page(qb, tile, tail, start + whole, n, s_q, h_q, dv, scale, causal, m, denom, acc, scores, row0)  # fmt: skip
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
