@@ -65,9 +65,8 @@ def test_directory_without_weights_is_refused(tmp_path: Path) -> None:
 
 def test_bf16_load_packs_every_dense_linear_with_the_same_results() -> None:
     from dsinfer.model.layers import Linear
+    from dsinfer.ops.gemm import WIDENED_MIN_ROWS
 
-    if OPS.pack_linear_weight(torch.zeros(1, 1, dtype=torch.bfloat16)) is None:
-        pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
     model = load_model("tiny", OPS, dtype=torch.bfloat16).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     run = [m for m in linears if not m.stacked_into]  # q_a and kv_a run as their stack's rows
@@ -75,8 +74,12 @@ def test_bf16_load_packs_every_dense_linear_with_the_same_results() -> None:
     assert all(m.packed is None for m in linears if m.stacked_into)
     gen = torch.Generator().manual_seed(0)
     for m in linears:
-        x = torch.randn(5, m.in_features, generator=gen).bfloat16()
-        assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))
+        for rows in (5, WIDENED_MIN_ROWS):
+            x = torch.randn(rows, m.in_features, generator=gen).bfloat16()
+            if m.packed is None or m.packed.is_mkldnn or rows < WIDENED_MIN_ROWS:  # a bf16 GEMM
+                assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))
+            else:  # no bf16 GEMMs on this CPU: the weight widened, the product in float32
+                assert torch.equal(m(x), torch.nn.functional.linear(x.float(), m.weight.float()).bfloat16())
     fp32 = load_model("tiny", OPS, dtype=torch.float32).model
     assert all(m.packed is None for m in fp32.modules() if isinstance(m, Linear))
 

@@ -148,15 +148,22 @@ def test_high_precision_linear_is_f_linear(ops: Ops) -> None:
 
 @pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
 def test_packed_bf16_linear_is_f_linear_bit_for_bit(ops: Ops, rows: int) -> None:
+    """Where oneDNN has bf16 GEMMs the packed weight gives F.linear's bits; elsewhere the weight
+    widened to float32 gives the float32 GEMM's, rounded once to bf16 (within bf16's rounding of
+    ATen's own bf16 GEMM, which sums in another order)."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(576, 128, generator=gen).bfloat16()
     packed = ops.pack_linear_weight(w)
-    if packed is None:
-        pytest.skip("this CPU's oneDNN has no bf16 kernels: nothing is packed")
+    assert packed is not None
     x = torch.randn(rows, 256, generator=gen).bfloat16()[:, ::2]  # strided, as a split's half is
-    assert torch.equal(ops.linear(x, packed), F.linear(x, w))
     x3 = torch.randn(2, 3, 128, generator=gen).bfloat16()
-    assert torch.equal(ops.linear(x3, packed), F.linear(x3, w))
+    for a in (x, x3):
+        if packed.is_mkldnn:
+            assert torch.equal(ops.linear(a, packed), F.linear(a, w))
+        else:
+            assert packed.dtype == torch.float32 and torch.equal(packed, w.float())
+            assert torch.equal(ops.linear(a, packed), F.linear(a.float(), w.float()).bfloat16())
+            torch.testing.assert_close(ops.linear(a, packed), F.linear(a, w), rtol=2**-7, atol=1e-2)
 
 
 def test_pack_linear_weight_only_bf16_on_cpu(ops: Ops) -> None:
@@ -361,3 +368,18 @@ def test_deepgemm_masked_pads_rows_to_whole_tiles(ops: Ops) -> None:
     # without the padding the emulated kernel's spilled tiles overwrite the next group's rows
     unpadded = DeepGemmAdapter(fake, m_alignment=1).grouped_gemm_masked(a, b, b_s, masked_m, 4)
     assert (unpadded[1, :3] == 8192.0).all()
+
+
+def test_the_widened_weight_pays_from_its_row_threshold() -> None:
+    """Where the CPU has no bf16 GEMMs, a bf16 linear takes the float32 copy from WIDENED_MIN_ROWS
+    rows on (a GEMV reads half the bytes from the bf16 weight); oneDNN's packed layout always."""
+    from dsinfer.ops import packed_pays
+    from dsinfer.ops.gemm import WIDENED_MIN_ROWS
+
+    widened = torch.randn(8, 32).bfloat16().float()
+    assert not packed_pays(torch.zeros(WIDENED_MIN_ROWS - 1, 32, dtype=torch.bfloat16), widened)
+    assert packed_pays(torch.zeros(WIDENED_MIN_ROWS, 32, dtype=torch.bfloat16), widened)
+    assert packed_pays(torch.zeros(2, WIDENED_MIN_ROWS // 2, 32, dtype=torch.bfloat16), widened)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        packed = torch.ops.mkldnn._reorder_linear_weight(widened.bfloat16(), None)
+        assert packed_pays(torch.zeros(1, 32, dtype=torch.bfloat16), packed)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsinfer.base.config import FP8_BLOCK, RopeConfig
-from dsinfer.ops import Ops
+from dsinfer.ops import Ops, packed_pays
 
 
 class RMSNorm(nn.Module):
@@ -53,8 +53,8 @@ class Linear(nn.Module):
 
     The weight is high precision, or FP8 e4m3 with ``weight_scale_inv`` holding one fp32 scale per
     128x128 block (DeepSeek's checkpoint format); which one is decided by the loader. After loading,
-    ``pack`` may add ``packed``: the weight in the layout ``ops.linear`` runs fastest (a second copy;
-    used for activations of its dtype, ``weight`` for the others).
+    ``pack`` may add ``packed``: the weight in the form ``ops.linear`` runs fastest (a second copy;
+    used for activations of the weight's dtype, ``weight`` for the others).
     """
 
     def __init__(self, in_features: int, out_features: int, ops: Ops, bias: bool = False) -> None:
@@ -125,7 +125,7 @@ class Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed is not None and x.dtype == self.packed.dtype
+        packed = self.packed is not None and x.dtype == self.weight.dtype and packed_pays(x, self.packed)
         y = self.ops.linear(x, self.packed if packed else self.weight, self.weight_scale_inv)
         return y + self.bias if self.bias is not None else y
 

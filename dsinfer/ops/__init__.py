@@ -5,6 +5,7 @@ chosen once at start-up by :func:`select_ops`; the model calls only the returned
 """
 
 from dsinfer.ops.backend import BACKENDS, KERNELS, Ops, compile_ahead, parse_prefer, select_ops
+from dsinfer.ops.gemm import packed_pays
 from dsinfer.ops.sampling import SamplingTensors, compute_logprobs
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "SamplingTensors",
     "compile_ahead",
     "compute_logprobs",
+    "packed_pays",
     "parse_prefer",
     "select_ops",
 ]

@@ -19,7 +19,7 @@ from dsinfer.ops.fp8 import (
     quantize_activation_1x128,
 )
 
-__all__ = ["grouped_gemm_contiguous", "grouped_gemm_masked", "linear", "pack_linear_weight"]
+__all__ = ["grouped_gemm_contiguous", "grouped_gemm_masked", "linear", "pack_linear_weight", "packed_pays"]
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -33,27 +33,49 @@ def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor | None, name: str
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [n, k] reordered once into oneDNN's blocked layout, or None where that does not
-    pay: only bf16 weights on a CPU whose oneDNN has bf16 kernels. A bf16 ``F.linear`` on CPU runs
-    the same oneDNN kernel but reorders the weight at every call; the packed weight skips that,
-    with bit-identical results (here 15-35% less time per GEMM of 64 rows, 2-4.5% more bf16
-    tokens/s of the offline engine on the tiny preset: benchmarks/packed_linear.py). :func:`linear`
-    takes it in place of the plain weight, for bf16 activations only."""
-    cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-    if not (
-        cpu_bf16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
+    """``weight`` [n, k] in the form :func:`linear` runs fastest for activations of its dtype, or
+    None where the plain weight is that form. Only bf16 weights on a CPU have another:
+
+    - where oneDNN has bf16 GEMMs (AVX-512 BF16, AMX), the weight reordered once into its blocked
+      layout. A bf16 ``F.linear`` runs the same kernel but reorders the weight at every call; the
+      packed weight skips that, with bit-identical results (here 15-35% less time per GEMM of 64
+      rows, 2-4.5% more bf16 tokens/s of the offline engine on the tiny preset:
+      benchmarks/packed_linear.py);
+    - elsewhere (AVX2 only), the weight widened to float32 (exactly): ATen's own bf16 GEMM there
+      took 4-6x the time of widening the activations and running oneDNN's float32 GEMM
+      (benchmarks/README.md), at twice the weight's memory for the copy."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return weight.float()
+
+
+# Rows from which a bf16 linear takes the weight widened to float32, on a CPU without bf16 GEMMs.
+# Below them ATen's bf16 GEMM, which reads half the bytes, is faster. Measured on the tiny
+# preset in the engine, AVX2 emulated on an AMD EPYC (ONEDNN_MAX_CPU_ISA=AVX2,
+# ATEN_CPU_CAPABILITY=avx2): widened / bf16 was 0.65x at 2 rows, 0.90x at 8, 1.08x at 16 and
+# 1.53x at 64.
+WIDENED_MIN_ROWS = 16
+
+
+def packed_pays(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether :func:`linear` should take ``packed`` (from :func:`pack_linear_weight`) rather
+    than the plain weight for ``x``: oneDNN's layout always, the widened copy from
+    ``WIDENED_MIN_ROWS`` rows on."""
+    return packed.is_mkldnn or x.numel() >= WIDENED_MIN_ROWS * x.shape[-1]
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``y[..., n] = x[..., k] @ weight[n, k]^T``; block-FP8 weights go through :func:`fp8_gemm_nt`;
-    a weight from :func:`pack_linear_weight` (bf16 ``x`` only) through oneDNN's packed GEMM."""
+    a weight from :func:`pack_linear_weight` (bf16 ``x`` only) through oneDNN's packed GEMM, or,
+    widened to float32, in float32 with the output rounded to bf16 (as a bf16 GEMM rounds it)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        return F.linear(x.float(), weight).to(torch.bfloat16)
     if not _is_fp8(weight):
         return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     scale = _check_fp8_scale(weight, weight_scale_inv, "linear")
