@@ -28,28 +28,25 @@ import errno
 import json
 import os
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from offline_throughput import (
-    REPO_ROOT,
-    SCRIPT,
     VLLM_MODES,
     RunSpec,
     end_group,
     make_workload,
-    relay_progress,
+    start_worker,
 )
 
 from harness.plots import plot_result
 from harness.provenance import load_average, run_machine
 from harness.results import add_output_args, machine_lines, save_report, table
-from harness.server import Server, engine_env
+from harness.server import Server
 
 ENGINES = ("dsinfer", "vllm")
 
@@ -93,20 +90,9 @@ class Worker:
 @contextmanager
 def started(spec: RunSpec, python: str, args: argparse.Namespace, run_dir: Path) -> Iterator[Worker]:
     """A worker through its three passes and waiting for commands; its process group ended on exit."""
-    name = spec.name.replace("/", "_")
-    spec_path, log_path = run_dir / f"{name}.spec.json", run_dir / f"{name}.log"
-    spec_path.write_text(json.dumps(asdict(spec)))
     os.mkfifo(spec.options["commands"])
-    env = engine_env(spec.engine, args.scratch, args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
-    server = Server(
-        ["taskset", "-c", args.cores, python, str(SCRIPT), "--worker", str(spec_path)], 0, log_path
-    )
+    server, done, relay = start_worker(spec, python, args, run_dir)
     worker = Worker(spec, server, Path(spec.options["passes"]))
-    done, t0 = threading.Event(), time.perf_counter()
-    relay = threading.Thread(target=relay_progress, args=(log_path, done, spec.name, t0), daemon=True)
-    print(f"[{spec.name}] start (log {log_path})", flush=True)
-    server.start(env, cwd=REPO_ROOT)
-    relay.start()
     try:
         worker.wait_lines(1, args.timeout)  # {"ready": true}
         worker.commands = _open_commands(worker, timeout=60)
@@ -130,9 +116,9 @@ def _open_commands(worker: Worker, timeout: float) -> IO[str]:
         try:
             fd = os.open(worker.spec.options["commands"], os.O_WRONLY | os.O_NONBLOCK)
         except OSError as e:  # ENXIO: no reader yet
-            if e.errno != errno.ENXIO or time.monotonic() > deadline:
+            alive = worker.server.process is not None and worker.server.process.poll() is None
+            if e.errno != errno.ENXIO or not alive or time.monotonic() > deadline:
                 raise
-            worker.wait_lines(1, timeout)  # raises if the worker has exited
             time.sleep(0.05)
             continue
         os.set_blocking(fd, True)

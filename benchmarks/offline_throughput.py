@@ -460,16 +460,17 @@ def end_group(pgid: int, grace: float = 10.0) -> None:
             time.sleep(0.2)
 
 
-def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """Launch one pinned worker, relay its progress lines, sample its RSS, return its result."""
+def start_worker(
+    spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path
+) -> tuple[Any, threading.Event, threading.Thread]:
+    """One pinned worker for ``spec`` started, its progress lines relayed until the returned event
+    is set: (its ``harness.server.Server``, that event, the relaying thread)."""
+    from harness.server import Server, engine_env
+
     spec_path = log_dir / f"{spec.name.replace('/', '_')}.spec.json"
     log_path = log_dir / f"{spec.name.replace('/', '_')}.log"
     spec_path.write_text(json.dumps(asdict(spec)))
     Path(spec.result).unlink(missing_ok=True)
-    from harness.metrics import RssSampler, session_pids
-    from harness.results import percentiles
-    from harness.server import Server, engine_env
-
     cmd = ["taskset", "-c", args.cores, python, str(SCRIPT), "--worker", str(spec_path)]
     env = engine_env(spec.engine, Path(args.scratch), args.cores, args.kv_cache_gb, args.vllm_reserved_cpus)
     print(f"[{spec.name}] start: {shlex.join(cmd)} (log {log_path})", flush=True)
@@ -478,11 +479,22 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
     # engine processes, multiprocessing's resource tracker) can be ended as a group.
     worker = Server(cmd, 0, log_path)
     worker.start(env, cwd=REPO_ROOT)
-    proc, done = worker.process, threading.Event()
-    assert proc is not None
-    sampler = RssSampler(lambda: session_pids(proc.pid)).start()
+    done = threading.Event()
     reader = threading.Thread(target=relay_progress, args=(log_path, done, spec.name, t0), daemon=True)
     reader.start()
+    return worker, done, reader
+
+
+def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """Launch one pinned worker, relay its progress lines, sample its RSS, return its result."""
+    from harness.metrics import RssSampler, session_pids
+    from harness.results import percentiles
+
+    t0 = time.perf_counter()
+    worker, done, reader = start_worker(spec, python, args, log_dir)
+    proc = worker.process
+    assert proc is not None
+    sampler = RssSampler(lambda: session_pids(proc.pid)).start()
     try:
         rc = proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -499,7 +511,7 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
             for key in ("ttft_s", "tpot_s"):
                 result["timed"][key] = percentiles(result["timed"][key])
     else:
-        reason = f"worker exited with {rc} and no result (see {log_path})"
+        reason = f"worker exited with {rc} and no result (see {worker.log_path})"
         result = {"status": "failed", "reason": reason}
         print(f"[{spec.name}] FAILED: {reason}", flush=True)
     result.update(
@@ -509,7 +521,7 @@ def run_one(spec: RunSpec, python: str, args: argparse.Namespace, log_dir: Path)
             "variant": spec.variant,
             "peak_rss_tree_mib": sampler.peak_mib,
             "subprocess_wall_s": time.perf_counter() - t0,
-            "log": str(log_path),
+            "log": str(worker.log_path),
         }
     )
     if result["status"] == "ok":
