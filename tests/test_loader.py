@@ -65,7 +65,7 @@ def test_directory_without_weights_is_refused(tmp_path: Path) -> None:
 
 def test_bf16_load_packs_every_dense_linear_with_the_same_results() -> None:
     from dsinfer.model.layers import Linear
-    from dsinfer.ops.gemm import WIDENED_MIN_ROWS
+    from dsinfer.ops.gemm import PACKED_F32_MIN_ELEMENTS, WIDENED_MIN_ROWS
 
     model = load_model("tiny", OPS, dtype=torch.bfloat16).model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -76,12 +76,23 @@ def test_bf16_load_packs_every_dense_linear_with_the_same_results() -> None:
     for m in linears:
         for rows in (5, WIDENED_MIN_ROWS):
             x = torch.randn(rows, m.in_features, generator=gen).bfloat16()
-            if m.packed is None or m.packed.is_mkldnn or rows < WIDENED_MIN_ROWS:  # a bf16 GEMM
-                assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))
-            else:  # no bf16 GEMMs on this CPU: the weight widened, the product in float32
-                assert torch.equal(m(x), torch.nn.functional.linear(x.float(), m.weight.float()).bfloat16())
+            if m.packed is None or m.packed.dtype == torch.bfloat16 or rows < WIDENED_MIN_ROWS:
+                assert torch.equal(m(x), torch.nn.functional.linear(x, m.weight))  # a bf16 GEMM
+                continue
+            # no bf16 GEMMs on this CPU: the weight widened, the product in float32
+            widened = torch.nn.functional.linear(x.float(), m.weight.float()).bfloat16()
+            if m.packed.is_mkldnn:  # and packed, as a float32 weight of its size is
+                torch.testing.assert_close(m(x), widened, rtol=2**-7, atol=1e-2)
+            else:
+                assert torch.equal(m(x), widened)
     fp32 = load_model("tiny", OPS, dtype=torch.float32).model
-    assert all(m.packed is None for m in fp32.modules() if isinstance(m, Linear))
+    fp32_run = [m for m in fp32.modules() if isinstance(m, Linear) and not m.stacked_into]
+    big = [m for m in fp32_run if m.weight.numel() >= PACKED_F32_MIN_ELEMENTS]
+    assert big and all(m.packed is not None and m.packed.is_mkldnn for m in big)
+    assert all(m.packed is None for m in fp32_run if m not in big)
+    for m in big:
+        x = torch.randn(3, m.in_features, generator=gen)
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, m.weight), rtol=1e-5, atol=1e-4)
 
 
 def test_linear_stack_runs_its_parts_as_one_gemm() -> None:

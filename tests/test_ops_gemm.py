@@ -158,18 +158,42 @@ def test_packed_bf16_linear_is_f_linear_bit_for_bit(ops: Ops, rows: int) -> None
     x = torch.randn(rows, 256, generator=gen).bfloat16()[:, ::2]  # strided, as a split's half is
     x3 = torch.randn(2, 3, 128, generator=gen).bfloat16()
     for a in (x, x3):
-        if packed.is_mkldnn:
-            assert torch.equal(ops.linear(a, packed), F.linear(a, w))
-        else:
-            assert packed.dtype == torch.float32 and torch.equal(packed, w.float())
+        if packed.dtype == torch.bfloat16:
+            assert packed.is_mkldnn and torch.equal(ops.linear(a, packed), F.linear(a, w))
+        else:  # 576 x 128 is below PACKED_F32_MIN_ELEMENTS: widened, not packed
+            assert not packed.is_mkldnn and torch.equal(packed, w.float())
             assert torch.equal(ops.linear(a, packed), F.linear(a.float(), w.float()).bfloat16())
             torch.testing.assert_close(ops.linear(a, packed), F.linear(a, w), rtol=2**-7, atol=1e-2)
 
 
-def test_pack_linear_weight_only_bf16_on_cpu(ops: Ops) -> None:
+def test_pack_linear_weight_on_cpu_by_dtype_and_size(ops: Ops) -> None:
+    """float32 weights from PACKED_F32_MIN_ELEMENTS on take oneDNN's layout; smaller ones, FP8
+    and float64 keep their plain form (None)."""
+    from dsinfer.ops.gemm import PACKED_F32_MIN_ELEMENTS
+
     assert ops.pack_linear_weight(torch.randn(8, 16)) is None
+    assert ops.pack_linear_weight(torch.randn(256, 256)) is None
+    assert ops.pack_linear_weight(torch.randn(512, 512, dtype=torch.float64)) is None
     fp8 = quantize_weight_128x128(torch.randn(128, 128))[0]
     assert ops.pack_linear_weight(fp8) is None
+    packed = ops.pack_linear_weight(torch.randn(PACKED_F32_MIN_ELEMENTS // 256, 256))
+    assert packed is not None and packed.is_mkldnn and packed.dtype == torch.float32
+
+
+def test_packed_float32_linear_gives_each_row_the_same_bits_at_any_row_count(ops: Ops) -> None:
+    """oneDNN's packed float32 GEMM: within float32 rounding of F.linear, and a row's output does
+    not depend on how many rows share the call (MKL's does, below 6 rows), so a request's tokens
+    do not depend on its batch."""
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(576, 256, generator=gen)
+    packed = ops.pack_linear_weight(w)
+    assert packed is not None
+    x = torch.randn(300, 256, generator=gen)
+    full = ops.linear(x, packed)
+    torch.testing.assert_close(full, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    for rows in (1, 2, 3, 5, 16, 17, 64):
+        assert torch.equal(ops.linear(x[:rows], packed), full[:rows]), rows
+    assert torch.equal(ops.linear(x[:6].reshape(2, 3, 256), packed), full[:6].reshape(2, 3, 576))
 
 
 def _grouped_weights(gen: torch.Generator, groups: int, n: int, k: int, fp8: bool):
@@ -372,7 +396,7 @@ def test_deepgemm_masked_pads_rows_to_whole_tiles(ops: Ops) -> None:
 
 def test_the_widened_weight_pays_from_its_row_threshold() -> None:
     """Where the CPU has no bf16 GEMMs, a bf16 linear takes the float32 copy from WIDENED_MIN_ROWS
-    rows on (a GEMV reads half the bytes from the bf16 weight); oneDNN's packed layout always."""
+    rows on (a GEMV reads half the bytes from the bf16 weight); a form of the input's dtype always."""
     from dsinfer.ops import packed_pays
     from dsinfer.ops.gemm import WIDENED_MIN_ROWS
 
@@ -383,3 +407,5 @@ def test_the_widened_weight_pays_from_its_row_threshold() -> None:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         packed = torch.ops.mkldnn._reorder_linear_weight(widened.bfloat16(), None)
         assert packed_pays(torch.zeros(1, 32, dtype=torch.bfloat16), packed)
+    packed_f32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(8, 32), None)
+    assert packed_pays(torch.zeros(1, 32), packed_f32)

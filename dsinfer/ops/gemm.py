@@ -34,22 +34,42 @@ def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor | None, name: str
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [n, k] in the form :func:`linear` runs fastest for activations of its dtype, or
-    None where the plain weight is that form. Only bf16 weights on a CPU have another:
+    None where the plain weight is that form. Only weights on a CPU have another:
 
-    - where oneDNN has bf16 GEMMs (AVX-512 BF16, AMX), the weight reordered once into its blocked
-      layout. A bf16 ``F.linear`` runs the same kernel but reorders the weight at every call; the
-      packed weight skips that, with bit-identical results (here 15-35% less time per GEMM of 64
-      rows, 2-4.5% more bf16 tokens/s of the offline engine on the tiny preset:
+    - bf16, where oneDNN has bf16 GEMMs (AVX-512 BF16, AMX): the weight reordered once into its
+      blocked layout. A bf16 ``F.linear`` runs the same kernel but reorders the weight at every
+      call; the packed weight skips that, with bit-identical results (here 15-35% less time per
+      GEMM of 64 rows, 2-4.5% more bf16 tokens/s of the offline engine on the tiny preset:
       benchmarks/packed_linear.py);
-    - elsewhere (AVX2 only), the weight widened to float32 (exactly): ATen's own bf16 GEMM there
-      took 4-6x the time of widening the activations and running oneDNN's float32 GEMM
-      (benchmarks/README.md), at twice the weight's memory for the copy."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    - bf16 elsewhere (AVX2 only): the weight widened to float32 (exactly), and packed as a float32
+      weight is: ATen's own bf16 GEMM there took 4-6x the time of widening the activations and
+      running oneDNN's float32 GEMM (benchmarks/README.md), at twice the weight's memory;
+    - float32, of ``PACKED_F32_MIN_ELEMENTS`` or more: oneDNN's blocked layout. ATen's float32
+      GEMM (MKL) repacks the weight at every call, and on AMD CPUs runs an AVX2 kernel; oneDNN's
+      packed GEMM took 0.55-0.9x its time at 16-256 rows on an AMD EPYC (AVX-512), and gives each
+      row the same bits whatever the number of rows (MKL's differ below 6 rows)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    return weight.float()
+    if weight.dtype == torch.bfloat16:
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        weight = weight.float()
+        return _pack_f32(weight) if weight.numel() >= PACKED_F32_MIN_ELEMENTS else weight
+    return _pack_f32(weight) if weight.numel() >= PACKED_F32_MIN_ELEMENTS else None
 
+
+def _pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    if not torch.backends.mkldnn.is_available():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+# Elements (n * k) from which a float32 weight takes oneDNN's packed layout. Smaller ones run
+# faster through MKL: oneDNN's call costs ~15 us more, which only large weights win back at one
+# row. Measured on an AMD EPYC (AVX-512, 2 threads), oneDNN / MKL time: 576x256 0.79x at 64 rows,
+# 1.49x at 1; 4096x256 0.70x and 0.44x; 256x256 1.03x and 2.8x; 512x128 0.90x and 2.4x. With
+# the 576x256 ones packed the tiny preset's batch-1 step still gains from its 4096-row head.
+PACKED_F32_MIN_ELEMENTS = 131072
 
 # Rows from which a bf16 linear takes the weight widened to float32, on a CPU without bf16 GEMMs.
 # Below them ATen's bf16 GEMM, which reads half the bytes, is faster. Measured on the tiny
@@ -61,21 +81,22 @@ WIDENED_MIN_ROWS = 16
 
 def packed_pays(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether :func:`linear` should take ``packed`` (from :func:`pack_linear_weight`) rather
-    than the plain weight for ``x``: oneDNN's layout always, the widened copy from
-    ``WIDENED_MIN_ROWS`` rows on."""
-    return packed.is_mkldnn or x.numel() >= WIDENED_MIN_ROWS * x.shape[-1]
+    than the plain weight for ``x``: a form of ``x``'s own dtype always, a bf16 weight widened to
+    float32 from ``WIDENED_MIN_ROWS`` rows on."""
+    return packed.dtype == x.dtype or x.numel() >= WIDENED_MIN_ROWS * x.shape[-1]
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``y[..., n] = x[..., k] @ weight[n, k]^T``; block-FP8 weights go through :func:`fp8_gemm_nt`;
-    a weight from :func:`pack_linear_weight` (bf16 ``x`` only) through oneDNN's packed GEMM, or,
-    widened to float32, in float32 with the output rounded to bf16 (as a bf16 GEMM rounds it)."""
+    a weight from :func:`pack_linear_weight` through oneDNN's packed GEMM, or, for a bf16 ``x``
+    and a weight widened to float32, in float32 with the output rounded to bf16 (as a bf16 GEMM
+    rounds it)."""
+    if x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
+        return linear(x.float(), weight).to(torch.bfloat16)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    if x.dtype == torch.bfloat16 and weight.dtype == torch.float32:
-        return F.linear(x.float(), weight).to(torch.bfloat16)
     if not _is_fp8(weight):
         return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     scale = _check_fp8_scale(weight, weight_scale_inv, "linear")
