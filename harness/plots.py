@@ -254,7 +254,7 @@ def plot_offline_by_batch(docs: list[tuple[str, Doc]], path: Path) -> None:
 
 
 def plot_packed_linear(doc: Doc, path: Path) -> None:
-    """tok/s of each pass with packed and with plain bf16 weights, alternating in one process."""
+    """tok/s of each pass with packed and with plain weights, alternating in one process."""
     fig, (ax,) = figure(size=(9, 4.5))
     for name, values in doc["output_tok_s"].items():
         ax.plot(
@@ -267,7 +267,10 @@ def plot_packed_linear(doc: Doc, path: Path) -> None:
     ax.set_ylabel("output tokens/s")
     ax.legend(fontsize=8)
     ratio = doc.get("paired_median_ratio_packed_over_plain")
-    save(fig, path, f"bf16 linears packed once vs plain: paired median ratio {ratio:.3f}", machine_note(doc))
+    dtype = {"float32": "float32"}.get(doc.get("dtype", "bfloat16"), "bf16")
+    save(
+        fig, path, f"{dtype} linears packed once vs plain: paired median ratio {ratio:.3f}", machine_note(doc)
+    )
 
 
 def plot_kernel_backends(doc: Doc, path: Path) -> None:

@@ -143,6 +143,11 @@ def test_mla_decode_absorbed_matches_the_folds_around_naive_attention(
     latent, _ = _naive(q, tokens, 0.3, True)
     expected = torch.einsum("bshc,hcv->bshv", latent, w_uv_t.double())
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+    as_the_model_keeps_it = w_uv_t.transpose(1, 2).contiguous().transpose(1, 2)  # prepare_absorbed
+    viewed = ops.mla_decode_absorbed(q_nope, q_pe, w_uk, as_the_model_keeps_it, k_cache, block_table, lens, 0.3, True)  # fmt: skip
+    torch.testing.assert_close(viewed, out, rtol=1e-6, atol=1e-6)
+    if ops.backends["mla"] == "numba":  # the kernel reads that layout; any other is copied to it
+        assert torch.equal(viewed, out)
     for b in range(len(seqlens)):
         alone = ops.mla_decode_absorbed(
             q_nope[b : b + 1],

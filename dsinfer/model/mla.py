@@ -74,7 +74,7 @@ class MLA(nn.Module):
         self.rotary = RotaryEmbedding(config.rope, self.rope_dim, config.rope_interleave)
         self.indexer = Indexer(config, ops) if config.is_sparse else None
         self.w_uk: torch.Tensor | None = None  # [H, nope, C], set by prepare_absorbed()
-        self.w_uv_t: torch.Tensor | None = None  # [H, C, v]
+        self.w_uv_t: torch.Tensor | None = None  # [H, C, v], a view of [H, v, C]
         self.a_proj: Linear | None = None  # q_a_proj and kv_a_proj_with_mqa stacked, set by stack_a_proj()
 
     def stack_a_proj(self) -> None:
@@ -85,11 +85,13 @@ class MLA(nn.Module):
             self.a_proj = Linear.stack([self.q_a_proj, self.kv_a_proj_with_mqa])
 
     def prepare_absorbed(self, dtype: torch.dtype) -> None:
-        """Split kv_b_proj per head for the absorbed path (after weights are loaded), each half laid
-        out as the batched GEMM reads it: a strided view would be copied by every step's bmm on CPU."""
+        """Split kv_b_proj per head for the absorbed path (after weights are loaded), each half in a
+        layout a batched GEMM reads without a copy (a view straddling both halves would be copied
+        by every step's bmm on CPU). ``w_uv_t`` is the transposed view of a contiguous
+        ``[H, v, C]``: the CPU kernel unfolds from rows of that (``ops/mla_cpu.py``)."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, self.nope_dim + self.v_dim, -1)
         self.w_uk = w[:, : self.nope_dim].contiguous()
-        self.w_uv_t = w[:, self.nope_dim :].transpose(1, 2).contiguous()
+        self.w_uv_t = w[:, self.nope_dim :].contiguous().transpose(1, 2)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: LayerCache) -> torch.Tensor:
         return self.attend(self.project(x, batch, kv_cache), batch, kv_cache)
