@@ -137,5 +137,12 @@ def test_linear_stack_runs_its_parts_as_one_gemm() -> None:
     assert Linear.stack([Linear(256, 8, OPS, bias=True), Linear(256, 8, OPS)]) is None
     assert Linear.stack([Linear(256, 8, OPS), Linear(128, 8, OPS)]) is None
 
-    attn = load_model("tiny", OPS).model.model.layers[0].self_attn
+    model = load_model("tiny", OPS).model
+    attn = model.model.layers[0].self_attn
     assert attn.a_proj is not None and attn.q_a_proj.stacked_into and attn.kv_a_proj_with_mqa.stacked_into
+    # and every SwiGLU MLP (the dense layers', the shared experts') its gate and up rows
+    for mlp in (model.model.layers[0].mlp, model.model.layers[1].mlp.shared_experts):
+        assert mlp.gate_up is not None and mlp.gate_proj.stacked_into and mlp.up_proj.stacked_into
+        x = torch.randn(5, mlp.gate_proj.in_features, generator=gen)
+        apart = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+        torch.testing.assert_close(mlp(x), apart, rtol=1e-5, atol=1e-5)

@@ -236,11 +236,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.config.num_hidden_layers + len(self.mtp_layers)
 
     def post_load(self, dtype: torch.dtype) -> None:
-        """Derive what the loaded weights imply (stacked and absorbed MLA weights, packed GEMM weights)."""
+        """Derive what the loaded weights imply (stacked and absorbed MLA weights, stacked MLP
+        gate and up rows, packed GEMM weights)."""
         for module in list(self.modules()):
             if isinstance(module, MLA):
                 module.stack_a_proj()
                 module.prepare_absorbed(dtype)
+            elif isinstance(module, MLP):
+                module.stack_gate_up()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
