@@ -31,15 +31,9 @@ import torch
 from dsinfer import LLM, SamplingParams
 from dsinfer.model.layers import Linear
 from harness.plots import plot_result
+from harness.provenance import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "CPU model unknown"
 
 
 def main() -> None:
@@ -98,7 +92,7 @@ def main() -> None:
         "commit": subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
         ).stdout.strip(),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads",
+        "machine": f"{machine_info()['cpu_model']}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads",
         "dtype": args.dtype,
         "load_average": {"before": load_before, "after": os.getloadavg()},
         "output_tok_s": passes,
