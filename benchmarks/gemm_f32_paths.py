@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.plots import plot_result
 from harness.provenance import machine_info
 
 SHAPES = ((704, 256), (576, 256), (4096, 256), (1024, 256), (256, 512), (384, 128), (256, 256), (256, 128))
@@ -90,6 +91,7 @@ def main() -> None:
         "rows": rows_out,
     }
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot_result(args.out)
     lines = [
         "# float32 linear: MKL (`F.linear`) against oneDNN's packed weight",
         "",

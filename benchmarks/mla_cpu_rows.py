@@ -45,7 +45,7 @@ def _inputs(heads: int, head_dim: int, context: int, batch: int, s_q: int, dtype
     pages = -(-context // PAGE) * batch
     cache = torch.randn(pages, PAGE, 1, LATENT + ROPE, generator=gen).to(dtype)
     w_uk = torch.randn(heads, head_dim, LATENT, generator=gen).to(dtype)
-    w_uv_t = torch.randn(heads, LATENT, head_dim, generator=gen).to(dtype)
+    w_uv_t = torch.randn(heads, head_dim, LATENT, generator=gen).to(dtype).transpose(1, 2)  # as MLA keeps it
     q_nope = torch.randn(batch, s_q, heads, head_dim, generator=gen)
     q_pe = torch.randn(batch, s_q, heads, ROPE, generator=gen)
     table_ = torch.arange(pages, dtype=torch.int32).view(batch, -1)

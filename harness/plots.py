@@ -267,10 +267,27 @@ def plot_packed_linear(doc: Doc, path: Path) -> None:
     ax.set_ylabel("output tokens/s")
     ax.legend(fontsize=8)
     ratio = doc.get("paired_median_ratio_packed_over_plain")
-    dtype = {"float32": "float32"}.get(doc.get("dtype", "bfloat16"), "bf16")
+    dtype = "float32" if doc.get("dtype") == "float32" else "bf16"
     save(
         fig, path, f"{dtype} linears packed once vs plain: paired median ratio {ratio:.3f}", machine_note(doc)
     )
+
+
+def plot_gemm_f32_paths(doc: Doc, path: Path) -> None:
+    """oneDNN's packed float32 GEMM over MKL's time against the rows, a line per weight shape."""
+    fig, (ax,) = figure(size=(9, 4.5))
+    shapes: dict[str, list[tuple[int, float]]] = {}
+    for r in doc["rows"]:
+        if "onednn_over_mkl" in r:
+            shapes.setdefault(f"{r['n']} x {r['k']}", []).append((r["rows"], r["onednn_over_mkl"]))
+    for name, points in shapes.items():
+        ax.plot(*zip(*sorted(points), strict=True), marker="o", label=name)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows")
+    ax.set_ylabel("oneDNN packed / MKL time")
+    ax.legend(fontsize=7, title="weight (out x in)", title_fontsize=7)
+    save(fig, path, "float32 linear: oneDNN's packed weight against MKL", machine_note(doc))
 
 
 def plot_kernel_backends(doc: Doc, path: Path) -> None:
@@ -949,6 +966,7 @@ PLOTTERS: dict[str, Plotter] = {
     "offline_batch*.json": plot_offline_batch,
     "offline_paired*.json": plot_offline_paired,
     "packed_linear*.json": plot_packed_linear,
+    "gemm_f32_paths*.json": plot_gemm_f32_paths,
     "kernel_backends*.json": plot_kernel_backends,
     "pd_serving.json": plot_pd_serving,
     "decode_step*.json": plot_decode_step,

@@ -46,8 +46,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
       running oneDNN's float32 GEMM (benchmarks/README.md), at twice the weight's memory;
     - float32, of ``PACKED_F32_MIN_ELEMENTS`` or more: oneDNN's blocked layout. ATen's float32
       GEMM (MKL) repacks the weight at every call, and on AMD CPUs runs an AVX2 kernel; oneDNN's
-      packed GEMM took 0.55-0.9x its time at 16-256 rows on an AMD EPYC (AVX-512), and gives each
-      row the same bits whatever the number of rows (MKL's differ below 6 rows)."""
+      packed GEMM took 0.5-0.9x its time at 16-256 rows on an AMD EPYC (AVX-512), and gives each
+      row the same bits whatever the number of rows (MKL's differ at 1-5 rows)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     if weight.dtype == torch.bfloat16:
@@ -65,10 +65,11 @@ def _pack_f32(weight: torch.Tensor) -> torch.Tensor:
 
 
 # Elements (n * k) from which a float32 weight takes oneDNN's packed layout. Smaller ones run
-# faster through MKL: oneDNN's call costs ~15 us more, which only large weights win back at one
-# row. Measured on an AMD EPYC (AVX-512, 2 threads), oneDNN / MKL time: 576x256 0.79x at 64 rows,
-# 1.49x at 1; 4096x256 0.70x and 0.44x; 256x256 1.03x and 2.8x; 512x128 0.90x and 2.4x. With
-# the 576x256 ones packed the tiny preset's batch-1 step still gains from its 4096-row head.
+# faster through MKL at few rows: oneDNN's call costs ~15 us more, which only large weights win
+# back at one row. On an AMD EPYC (AVX-512, 2 threads), oneDNN / MKL time at 64 rows and at one
+# (benchmarks/results/gemm_f32_paths_epyc.md): 576x256 0.61x and 1.59x; 4096x256 0.51x and 0.50x;
+# 256x256 0.77x and 3.0x; 256x128 0.79x and 3.6x. With the 576x256 ones packed the tiny preset's
+# batch-1 step still gains from its 4096-row head; packing every weight cost 6-9% at batch 1.
 PACKED_F32_MIN_ELEMENTS = 131072
 
 # Rows from which a bf16 linear takes the weight widened to float32, on a CPU without bf16 GEMMs.
