@@ -13,17 +13,16 @@ output bits depend on how many rows share the call, for each path. Records the C
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from harness.plots import plot_result
-from harness.provenance import machine_info
+from harness.provenance import load_average, run_machine
+from harness.results import add_output_args, machine_lines, save_report
 
 SHAPES = ((704, 256), (576, 256), (4096, 256), (1024, 256), (256, 512), (384, 128), (256, 256), (256, 128))
 ROWS = (1, 16, 64, 256)
@@ -41,20 +40,15 @@ def _rows_change_bits(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     return [m for m in (1, 2, 3, 5, 8, 16, 17, 64) if not torch.equal(fn(x[:m]), full[:m])]
 
 
-def _machine() -> str:
-    info = machine_info()
-    return f"{info['cpu_model']}, ISA {', '.join(info['cpu_isa'])}, {info['online_cpus']} CPUs"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--markdown", type=Path, required=True)
+    add_output_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    machine = run_machine(torch_threads=args.threads)
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     for n, k in SHAPES:
@@ -83,20 +77,13 @@ def main() -> None:
             )
             print(f"{n}x{k} rows {m}: MKL {med['mkl']:.1f} us, oneDNN {med['onednn']:.1f} us", flush=True)
         rows_out.append({"n": n, "k": k, "row_counts_that_change_a_rows_bits": varies})
-    doc = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": _machine(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "rows": rows_out,
-    }
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot_result(args.out)
+    machine["load_after"] = load_average()
+    doc = {"machine": machine, "rows": rows_out}
     lines = [
         "# float32 linear: MKL (`F.linear`) against oneDNN's packed weight",
         "",
-        f"- {doc['date']}; {doc['machine']}; torch {doc['torch']}, {args.threads} threads",
-        f"- median of {args.repeats} rounds of {args.calls} calls, the two alternating",
+        *machine_lines(machine),
+        f"- torch {torch.__version__}; median of {args.repeats} rounds of {args.calls} calls, the two alternating",
         "",
         "| weight (out x in) | rows | MKL us | oneDNN us | oneDNN / MKL |",
         "|---|---:|---:|---:|---:|",
@@ -116,7 +103,8 @@ def main() -> None:
         if "row_counts_that_change_a_rows_bits" in r:
             v = r["row_counts_that_change_a_rows_bits"]
             lines.append(f"- {r['n']} x {r['k']}: MKL {v['mkl'] or 'none'}, oneDNN {v['onednn'] or 'none'}")
-    args.markdown.write_text("\n".join(lines) + "\n")
+    save_report(doc, "\n".join(lines) + "\n", args.out, args.markdown)
+    plot_result(args.out)
 
 
 if __name__ == "__main__":

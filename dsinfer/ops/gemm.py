@@ -50,18 +50,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
       row the same bits whatever the number of rows (MKL's differ at 1-5 rows)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    if weight.dtype == torch.bfloat16:
-        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    onednn = torch.backends.mkldnn.is_available()
+    widened = weight.dtype == torch.bfloat16
+    if widened:
+        if onednn and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return torch.ops.mkldnn._reorder_linear_weight(weight, None)
         weight = weight.float()
-        return _pack_f32(weight) if weight.numel() >= PACKED_F32_MIN_ELEMENTS else weight
-    return _pack_f32(weight) if weight.numel() >= PACKED_F32_MIN_ELEMENTS else None
-
-
-def _pack_f32(weight: torch.Tensor) -> torch.Tensor:
-    if not torch.backends.mkldnn.is_available():
-        return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    if onednn and weight.numel() >= PACKED_F32_MIN_ELEMENTS:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return weight if widened else None
 
 
 # Elements (n * k) from which a float32 weight takes oneDNN's packed layout. Smaller ones run
