@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import random
 import re
+import shlex
 import statistics
 import tempfile
 import time
@@ -42,9 +43,9 @@ MAX_TOKENS = 256
 MODES = ("plain", "mtp")
 
 
-def _flags(mode: str, num_steps: int) -> list[str]:
+def _flags(mode: str, num_steps: int, extra: str) -> list[str]:
     mtp = ["--speculative-mtp", "--speculative-num-steps", str(num_steps)]
-    return ["--dtype", "float32", *(mtp if mode == "mtp" else [])]
+    return ["--dtype", "float32", *shlex.split(extra), *(mtp if mode == "mtp" else [])]
 
 
 async def _one(client: httpx.AsyncClient, url: str, question: str) -> int:
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             servers = {
                 mode: stack.enter_context(
                     serve(
-                        _flags(mode, args.num_steps),
+                        _flags(mode, args.num_steps, args.server_flags),
                         log_dir,
                         startup_timeout=args.start_timeout,
                         say=progress,
@@ -162,6 +163,7 @@ def markdown(result: dict[str, Any]) -> str:
             "draft(s) a step)",
             "",
             *machine_lines(result["machine"]),
+            *([f"- both servers with `{result['server_flags']}`"] if result.get("server_flags") else []),
             f"- both servers up at once, {result['rounds']} round(s) of fresh servers, {result['repeats']} "
             f"pairs of passes per concurrency each (one pass per server, back to back); MTP acceptance "
             f"{acceptance:.1%}"
@@ -186,6 +188,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--start-timeout", type=float, default=300)
+    parser.add_argument(
+        "--server-flags",
+        default="",
+        help="more flags for both servers, e.g. '--kv-cache-memory 2GiB' when both share one GPU",
+    )
     parser.add_argument("--num-steps", type=int, default=1, help="the MTP server's --speculative-num-steps")
     add_output_args(parser)
     args = parser.parse_args()
@@ -195,6 +202,7 @@ def main() -> None:
         "rounds": args.rounds,
         "repeats": args.repeats,
         "num_steps": args.num_steps,
+        "server_flags": args.server_flags,
         **run(args),
     }
     machine["load_after"] = load_average()

@@ -52,6 +52,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dsinfer.base.presets import DEFAULT_MODEL
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.trace import load_trace
@@ -205,10 +207,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     model = _checkpoint(args.model, scratch)
+    batches = [int(b) for b in args.batches.split(",")]
+    count = max(*batches, SAME_BATCH)
     engines = {
         mode: LLM(
             model,
             dtype=args.dtype,
+            device=args.device,
+            cuda_graph_max_bs=count,  # graphs (CUDA only) for every batch the passes run
             speculative_mtp=mode == "mtp",
             speculative_num_steps=args.num_steps if mode == "mtp" else 1,
             enable_prefix_caching=False,
@@ -218,8 +224,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         )
         for mode in ("plain", "mtp")
     }
-    batches = [int(b) for b in args.batches.split(",")]
-    count = max(*batches, SAME_BATCH)
+    device = engines["plain"].engine.runner.device
     if args.model in RANDOM_MODELS:
         prompts = _random_prompts(count, args.seed)
     else:
@@ -252,6 +257,8 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     bounds = [asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, args.num_steps)) for b in batches]
     needed = {b: MTPBound.drafts_for(shape, b, TARGET_SPEEDUP) for b in batches}
     return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "cuda_graphs": engines["plain"].engine.runner.decode_graphs is not None,
         "rows": _rows(passes, traces, acceptance),
         "identical": same,
         "bounds": bounds,
@@ -325,7 +332,13 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             *machine_lines(result["machine"]),
             f"- model {result['model']}, {result['dtype']}; task {result['task']}; "
-            f"{result.get('num_steps', 1)} MTP draft(s) a step",
+            f"{result.get('num_steps', 1)} MTP draft(s) a step; device {result.get('device', 'cpu')}"
+            + (
+                ", decode and draft steps replayed from CUDA graphs (a forward's time is its launch; the "
+                "draft's includes its sampling, which waits for the GPU)"
+                if result.get("cuda_graphs")
+                else ""
+            ),
             f"- medians of {result['repeats']} paired passes per batch; outputs identical to plain decoding "
             f"(batch 16): greedy {'yes' if same['greedy'] else 'NO'}, seeded {'yes' if same['seeded'] else 'NO'}",
             "",
@@ -368,6 +381,7 @@ def main() -> None:
         "--model", default=None, help="checkpoint, preset, wide or deep (default: the built-in model)"
     )
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto", help="auto (CUDA where there is one), cpu, cuda")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
