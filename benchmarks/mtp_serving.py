@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from dsinfer.evals.tasks import make_question
 from harness.progress import progress
@@ -163,7 +164,8 @@ def markdown(result: dict[str, Any]) -> str:
             "draft(s) a step)",
             "",
             *machine_lines(result["machine"]),
-            *([f"- both servers with `{result['server_flags']}`"] if result.get("server_flags") else []),
+            f"- device {result.get('device', 'cpu')}"
+            + (f"; both servers with `{result['server_flags']}`" if result.get("server_flags") else ""),
             f"- both servers up at once, {result['rounds']} round(s) of fresh servers, {result['repeats']} "
             f"pairs of passes per concurrency each (one pass per server, back to back); MTP acceptance "
             f"{acceptance:.1%}"
@@ -203,6 +205,8 @@ def main() -> None:
         "repeats": args.repeats,
         "num_steps": args.num_steps,
         "server_flags": args.server_flags,
+        # the servers' --device auto, unless their flags say otherwise
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         **run(args),
     }
     machine["load_after"] = load_average()

@@ -116,9 +116,9 @@ PROMPT_LENS = (5, 19, 11, 27, 8, 14, 22)
 MAX_TOKENS = (12, 3, 9, 6, 12, 1, 8)  # sequences finish at different steps: the batch shrinks
 
 
-def _generate(llm: LLM) -> list[list[int]]:
-    prompts = [_prompt(n, seed=n) for n in PROMPT_LENS]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+def _generate(llm: LLM, max_tokens: tuple[int, ...] = MAX_TOKENS) -> list[list[int]]:
+    prompts = [_prompt(n, seed=n) for n in PROMPT_LENS[: len(max_tokens)]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.kv.num_available_pages() == llm.engine.kv.num_pages, "KV pages leaked"
     return [o.outputs[0].token_ids for o in outputs]
@@ -145,14 +145,17 @@ def test_engine_decode_through_static_buffers_gives_eager_tokens(
     assert graphs.padding_rows > 0
 
 
+@pytest.mark.parametrize("width", [2, 3], ids=["one-draft", "two-drafts"])
 @pytest.mark.parametrize("checkpoint", ["tiny_ckpt", "tiny_ckpt_v32"])
 def test_draft_layer_through_static_buffers_equals_eager(
-    checkpoint: str, request: pytest.FixtureRequest
+    checkpoint: str, width: int, request: pytest.FixtureRequest
 ) -> None:
-    """After a two-token verification through the static buffers, the draft layer's callable (two
-    rows per sequence, a rejected draft's on the dummy page, the last valid row found by a device
-    index, the cached length from a device buffer) gives the eager draft layer's hidden states at
-    each sequence's last valid position, for drafts accepted and rejected, in a padded bucket."""
+    """After a verification of ``width`` tokens a sequence through the static buffers, the draft
+    layer's callable (``width`` rows per sequence, those past the accepted drafts on the dummy page,
+    the last valid row found by a device index, the cached length from a device buffer) gives the
+    eager draft layer's hidden states at each sequence's last valid position, for drafts accepted
+    and rejected, in a padded bucket; with two drafts, a chained draft through the chain callable
+    gives the eager chained draft's normed states and logits."""
     from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
 
     tiny_ckpt: BuiltCheckpoint = request.getfixturevalue(checkpoint)
@@ -160,65 +163,92 @@ def test_draft_layer_through_static_buffers_equals_eager(
     model, config = loaded.model, loaded.config
     pool = PagedKVPool.for_model(config, model.num_cache_layers, 24, torch.float32, "cpu", page_size=PAGE)
     graphs = CudaGraphRunner(
-        model, pool, max_batch_size=4, max_seq_len=128, capture=False, tokens_per_seq=(1, 2)
+        model, pool, max_batch_size=4, max_seq_len=128, capture=False, tokens_per_seq=(1, width)
     )
-    draft = DraftGraphs(graphs, capture=False)
+    draft = DraftGraphs(graphs, capture=False, chained=width > 2)
     prompts = [_prompt(n, seed=80 + n) for n in (14, 31, 9)]
-    pages = [pool.allocator.allocate(pool.pages_for(len(p) + 2)) for p in prompts]
+    pages = [pool.allocator.allocate(pool.pages_for(len(p) + 2 * width)) for p in prompts]
     lens, hidden, prefill = _prefill(model, pool, prompts, pages)
     # the MTP layer's cache over the prompts, as the eager proposer fills it at prefill
     model.forward_mtp(hidden, torch.tensor([t for p in prompts for t in p[1:]]), prefill, pool.caches)
 
-    drafts = [7, 300, 42]
+    drafts = [[7, 8, 9][: width - 1], [300, 301, 302][: width - 1], [42, 43, 44][: width - 1]]
     verify = DecodeRows(
-        [t for p, d in zip(prompts, drafts, strict=True) for t in (p[-1], d)], lens, pages, q_len=2
+        [t for p, d in zip(prompts, drafts, strict=True) for t in (p[-1], *d)], lens, pages, q_len=width
     )
     verified, _ = graphs.run(verify)
     verified = verified.clone()
-    valid = [2, 1, 2]  # drafts accepted, rejected, accepted
-    following = [[drafts[0], 11], [5], [drafts[2], 13]]
+    valid = [width, 1, 2]  # every draft accepted; the first rejected; one accepted
+    following = [[*d[: v - 1], 11 + i][:v] for i, (d, v) in enumerate(zip(drafts, valid, strict=True))]
     got = draft.run(
-        DraftRows([t for f in following for t in f + [0] * (2 - len(f))], lens, valid, pages)
+        DraftRows([t for f in following for t in f + [0] * (width - len(f))], lens, valid, pages, width)
     ).clone()
 
-    rows = [r for i, v in enumerate(valid) for r in range(2 * i, 2 * i + v)]
-    positions = [p + j for p, v in zip(lens, valid, strict=True) for j in range(v)]
-    eager = ForwardBatch(
-        positions=torch.tensor(positions),
-        slot_mapping=torch.tensor(
-            [
-                pages[i][p // PAGE] * PAGE + p % PAGE
-                for i, v in enumerate(valid)
-                for p in range(lens[i], lens[i] + v)
-            ]
-        ),
-        block_tables=pool.block_table(pages),
-        q_lens=valid,
-        kv_lens=[n + v for n, v in zip(lens, valid, strict=True)],
-    )
+    rows = [r for i, v in enumerate(valid) for r in range(width * i, width * i + v)]
     want = model.forward_mtp(
-        verified[rows], torch.tensor([t for f in following for t in f]), eager, pool.caches, last_only=True
+        verified[rows],
+        torch.tensor([t for f in following for t in f]),
+        _eager_batch(pool, pages, lens, valid),
+        pool.caches,
+        last_only=True,
     )
     assert got.shape == want.shape == (3, config.hidden_size) and dict(draft.steps) == {4: 1}
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="no two-token verification"):
+    if width > 2:  # a chained draft of the first and third sequences, after their last valid rows
+        keep, tokens = [0, 2], [501, 502]
+        normed = model.mtp_head(want)[0][keep]
+        starts = [lens[i] + valid[i] for i in keep]
+        chained = [t.clone() for t in draft.run_chain(tokens, starts, [pages[i] for i in keep], normed)]
+        eager = _eager_batch(pool, [pages[i] for i in keep], starts, [1, 1])
+        out = model.forward_mtp(normed, torch.tensor(tokens), eager, pool.caches, last_only=True)
+        for a, b in zip(chained, model.mtp_head(out), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert dict(draft.chain_steps) == {2: 1}
+    with pytest.raises(ValueError, match=f"no verification of 2 sequences of {width} tokens"):
         graphs.run(DecodeRows([1, 2], [3, 4], pages[:2]))
-        draft.run(DraftRows([1, 0, 2, 0], [3, 4], [1, 1], pages[:2]))
+        draft.run(
+            DraftRows([1] + [0] * (width - 1) + [2] + [0] * (width - 1), [3, 4], [1, 1], pages[:2], width)
+        )
 
 
-def _generate_with_drafts(llm: LLM) -> tuple[list[list[int]], list[list[int | None]]]:
-    """``_generate``, and the drafts the MTP layer proposed at each step."""
+def _eager_batch(
+    pool: PagedKVPool, pages: list[list[int]], starts: list[int], counts: list[int]
+) -> ForwardBatch:
+    """The eager batch of ``counts[i]`` new tokens from ``starts[i]`` per sequence."""
+    return ForwardBatch(
+        positions=torch.tensor([p + j for p, n in zip(starts, counts, strict=True) for j in range(n)]),
+        slot_mapping=torch.tensor(
+            [
+                pg[p // PAGE] * PAGE + p % PAGE
+                for pg, s, n in zip(pages, starts, counts, strict=True)
+                for p in range(s, s + n)
+            ]
+        ),
+        block_tables=pool.block_table(pages),
+        q_lens=counts,
+        kv_lens=[s + n for s, n in zip(starts, counts, strict=True)],
+    )
+
+
+def _generate_with_drafts(
+    llm: LLM, every: bool = False, max_tokens: tuple[int, ...] = MAX_TOKENS
+) -> tuple[list[list[int]], list[Any]]:
+    """``_generate``, and the drafts the MTP layer proposed at each step (``every``: all of each
+    sequence's, else the first or None)."""
     proposer = llm.engine.runner.mtp
     assert proposer is not None
-    drafts: list[list[int | None]] = []
+    drafts: list[Any] = []
     propose = proposer.propose
 
     def recording(*args: Any) -> None:
         propose(*args)
-        drafts.append([result.next_drafts[0] if result.next_drafts else None for result in args[3]])
+        if every:
+            drafts.append([list(result.next_drafts) for result in args[3]])
+        else:
+            drafts.append([result.next_drafts[0] if result.next_drafts else None for result in args[3]])
 
     proposer.propose = recording  # type: ignore[method-assign]
-    return _generate(llm), drafts
+    return _generate(llm, max_tokens), drafts
 
 
 @pytest.mark.parametrize("agreeing", [False, True], ids=["random", "agreeing"])
@@ -262,7 +292,8 @@ def test_mtp_verification_through_static_buffers_gives_eager_tokens(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint) -> None:
-    """Captured decode steps give the eager tokens, and with MTP so do captured verifications."""
+    """Captured decode steps give the eager tokens, and with MTP so do captured verifications, the
+    draft layers after them and, with two drafts a step, the chained drafts."""
     eager = make_llm(tiny_ckpt, device="cuda", enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     expected = _generate(eager)
@@ -296,32 +327,57 @@ def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint)
     assert draft is not None and draft.capture and sum(draft.steps.values()) == graphs.steps_by_q[2]
     mtp.engine.close()
 
+    chained = make_llm(
+        tiny_ckpt, device="cuda", max_num_seqs=8, speculative_mtp=True, speculative_num_steps=2
+    )
+    graphs = chained.engine.runner.decode_graphs
+    assert graphs is not None and graphs.tokens_per_seq == (1, 3)
+    assert _generate(chained) == expected  # chained drafts replayed from their own graphs
+    draft = chained.engine.runner.draft_graphs
+    assert draft is not None and draft.chained and sum(draft.chain_steps.values()) >= 4, draft.chain_steps
+    chained.engine.close()
 
-def test_chained_drafts_beside_the_static_buffers_give_eager_tokens(
+
+def test_chained_drafts_through_the_static_buffers_give_eager_tokens(
     tiny_ckpt: BuiltCheckpoint, tmp_path: Path
 ) -> None:
-    """Three drafts a step with the static buffers on: steps whose sequences verify several drafts
-    run eagerly, the others replay (a lone request whose max_tokens leaves room for one draft
-    after its prompt: its first decode verifies one); the tokens are plain decoding's."""
+    """Three drafts a step with the static buffers on: verifications of four tokens a sequence
+    replay, then the draft layer over their valid rows and each chained draft through the chain
+    callable; steps whose sequences verify fewer drafts (a lone request whose max_tokens leaves
+    room for one draft after its prompt) run eagerly. The tokens are plain decoding's, and every
+    step's drafts are the eager MTP engine's."""
     ckpt = BuiltCheckpoint(
         agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "agreeing"), tiny_ckpt.hf_model, {}, None
     )
     short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    LONG = (40, 33, 36, 29)
 
-    def generate(llm: LLM) -> list[list[int]]:
+    def generate(llm: LLM) -> tuple[list[list[int]], list[list[list[int]]]]:
         lone = llm.generate([_prompt(9, seed=9)], short, use_tqdm=False)[0].outputs[0].token_ids
-        return [*_generate(llm), lone]
+        tokens, drafts = _generate_with_drafts(llm, every=True, max_tokens=LONG)
+        return [*tokens, lone], drafts
 
     plain = make_llm(ckpt)
-    expected = generate(plain)
+    expected = [
+        *_generate(plain, LONG),
+        plain.generate([_prompt(9, seed=9)], short, use_tqdm=False)[0].outputs[0].token_ids,
+    ]
     plain.engine.close()
+    eager = make_llm(ckpt, speculative_mtp=True, speculative_num_steps=3)
+    want, eager_drafts = generate(eager)
+    eager.engine.close()
+    assert want == expected
     llm = make_llm(ckpt, speculative_mtp=True, speculative_num_steps=3)
     graphs = llm.engine.runner.enable_decode_graphs(
         max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
     )
-    got = generate(llm)
+    assert graphs.tokens_per_seq == (1, 4)
+    got, drafts = generate(llm)
     stats = llm.engine.scheduler.stats
+    draft = llm.engine.runner.draft_graphs
     llm.engine.close()
-    assert got == expected
+    assert got == expected and drafts == eager_drafts
     assert stats.drafts_proposed > stats.draft_verifications, stats  # steps with several drafts
-    assert sum(graphs.steps_by_q.values()) >= 1, graphs.steps_by_q
+    assert graphs.steps_by_q[4] >= 4, graphs.steps_by_q
+    assert draft is not None and sum(draft.steps.values()) == graphs.steps_by_q[4]
+    assert sum(draft.chain_steps.values()) >= 2 * graphs.steps_by_q[4], draft.chain_steps

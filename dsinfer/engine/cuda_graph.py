@@ -250,14 +250,27 @@ class CudaGraphRunner:
             )
         )
         self._rows[:, :tokens].copy_(host, non_blocking=True)
-        width = max((len(pages) for pages in rows.page_lists), default=1)
-        table = [pages + [dummy] * (width - len(pages)) for pages in rows.page_lists]
-        table += [[dummy] * width] * pad
+        self._copy_tables(rows.page_lists, bucket)
+        if self._copied is not None:
+            self._copied.record()
+
+    def load_tables(self, page_lists: list[list[int]], bucket: int) -> None:
+        """Load the block tables alone (the MTP layer's chained drafts, dsinfer/engine/draft_graph.py):
+        rows 0..n-1 those pages, the rest of ``bucket`` the dummy page."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._copy_tables(page_lists, bucket)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _copy_tables(self, page_lists: list[list[int]], bucket: int) -> None:
+        dummy = self.dummy_page
+        width = max((len(pages) for pages in page_lists), default=1)
+        table = [pages + [dummy] * (width - len(pages)) for pages in page_lists]
+        table += [[dummy] * width] * (bucket - len(page_lists))
         tables = self._tables_host[:bucket, :width]
         tables.copy_(torch.tensor(table, dtype=torch.int32))
         self._tables[:bucket, :width].copy_(tables, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
 
     def _forward(self, bucket: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured callable: the model over the first ``bucket`` sequences of the static buffers."""

@@ -128,18 +128,20 @@ class ModelRunner:
     ) -> CudaGraphRunner:
         """Run decode-only steps of up to ``max_batch_size`` sequences through static buffers,
         replayed from CUDA graphs (``capture=False``: the same callable run eagerly, for CPU tests);
-        with MTP, verification steps of two tokens per sequence too. Reserves the pool's dummy
-        page: call it before sequences hold pages."""
+        with MTP, verification steps of ``1 + num_steps`` tokens per sequence and the draft layer's
+        runs too. Reserves the pool's dummy page: call it before sequences hold pages."""
         self.decode_graphs = CudaGraphRunner(
             self.model,
             self.pool,
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             capture=capture,
-            tokens_per_seq=(1, 2) if self.mtp is not None else (1,),
+            tokens_per_seq=(1, 1 + self.mtp.num_steps) if self.mtp is not None else (1,),
         )
         if self.mtp is not None:
-            self.draft_graphs = DraftGraphs(self.decode_graphs, capture=capture)
+            self.draft_graphs = DraftGraphs(
+                self.decode_graphs, capture=capture, chained=self.mtp.num_steps > 1
+            )
         return self.decode_graphs
 
     def close(self) -> None:
@@ -246,12 +248,13 @@ class ModelRunner:
                 keys, accepted = zip(*verified, strict=True)
                 self.model.settle_drafts(list(keys), list(accepted), self.pool.caches)
         if self.mtp is not None:
-            draft = self.draft_graphs if graph_rows is not None and graph_rows.q_len == 2 else None
+            draft = self.draft_graphs if graph_rows is not None and graph_rows.q_len > 1 else None
+            chain = self.draft_graphs if after_layer is None else None
             if self.tracer is None:
-                self.mtp.propose(batch, hidden, ends, results, after_layer, draft, step)
+                self.mtp.propose(batch, hidden, ends, results, after_layer, draft, step, chain)
             else:
                 with self.tracer.span("MTP_DRAFT", COMPUTE, cat="mtp", cuda_graph=draft is not None):
-                    self.mtp.propose(batch, hidden, ends, results, after_layer, draft, step)
+                    self.mtp.propose(batch, hidden, ends, results, after_layer, draft, step, chain)
         return results
 
     def _forward_one(

@@ -60,12 +60,14 @@ class MTPProposer:
         after_layer: Callable[[int], None] | None = None,
         graphs: DraftGraphs | None = None,
         step: ForwardBatch | None = None,
+        chain: DraftGraphs | None = None,
     ) -> None:
         """Run the MTP layer over this step's valid positions; set ``next_drafts`` of samplers.
-        ``graphs``: the step was a two-token verification replayed from the decode graphs, and the
-        layer replays from the draft graphs that follow them. ``step``: the target's forward batch
-        when the step ran as one; the layer reuses it (positions, slots, RoPE) when every new
-        token of the step is valid (no draft rejected)."""
+        ``graphs``: the step was a verification replayed from the decode graphs, and the layer
+        replays from the draft graphs that follow them. ``step``: the target's forward batch when
+        the step ran as one; the layer reuses it (positions, slots, RoPE) when every new token of
+        the step is valid (no draft rejected). ``chain``: graphs whose chain graphs replay the
+        further drafts (``num_steps`` > 1) that fit them."""
         valid = [
             item.num_new - item.num_draft + result.num_accepted
             for item, result in zip(batch.seqs, results, strict=True)
@@ -77,10 +79,14 @@ class MTPProposer:
             following = tokens[item.start + 1 : item.start + n + 1]
             sampled = item.start + n + 1 - len(tokens)
             following += [token for token, _ in result.tokens[: max(sampled, 0)]]
-            next_tokens.extend(following + [0] * (2 - n) if graphs is not None else following)
+            next_tokens.extend(following + [0] * (item.num_new - n) if graphs is not None else following)
         if graphs is not None:
             draft_rows = DraftRows(
-                next_tokens, [s.start for s in batch.seqs], valid, [s.seq.pages for s in batch.seqs]
+                next_tokens,
+                [s.start for s in batch.seqs],
+                valid,
+                [s.seq.pages for s in batch.seqs],
+                batch.decode_q_len,
             )
             last_hidden = graphs.run(draft_rows)
         else:
@@ -130,12 +136,17 @@ class MTPProposer:
             items = [batch.seqs[i] for i in drafting]
             # the position of the last draft: after the step's valid tokens and the drafts before it
             starts = [batch.seqs[i].start + valid[i] + depth - 2 for i in drafting]
-            forward = build_forward_batch(
-                items, starts, [1] * len(items), len(items), self.pool.page_size, self.device
-            )
-            drafts = torch.tensor([results[i].next_drafts[-1] for i in drafting], device=self.device)
-            out = self.model.forward_mtp(normed, drafts, forward, self.pool.caches, last_only=True)
-            normed, logits = self.model.mtp_head(out)
+            drafts = [results[i].next_drafts[-1] for i in drafting]
+            pages = [item.seq.pages for item in items]
+            if chain is not None and chain.fits_chain(pages):
+                normed, logits = chain.run_chain(drafts, starts, pages, normed)
+            else:
+                forward = build_forward_batch(
+                    items, starts, [1] * len(items), len(items), self.pool.page_size, self.device
+                )
+                tokens = torch.tensor(drafts, device=self.device)
+                out = self.model.forward_mtp(normed, tokens, forward, self.pool.caches, last_only=True)
+                normed, logits = self.model.mtp_head(out)
             self._draw(batch, results, drafting, logits, depth)
 
     def _draw(
