@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import openai
 import pytest
 
 from harness.checkpoints import (
@@ -16,6 +15,9 @@ from harness.checkpoints import (
     build_checkpoint,
 )
 from harness.server import Server
+
+if TYPE_CHECKING:  # the client's package is needed only by tests that talk to a server through it
+    import openai
 
 
 @pytest.fixture(scope="session")
