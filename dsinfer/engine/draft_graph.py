@@ -169,15 +169,14 @@ class DraftGraphs:
                 valid.append(int(j < v))
         lengths = [start + v for start, v in zip(rows.positions, rows.valid, strict=True)] + [1] * pad
         last = [width * i + v - 1 for i, v in enumerate(rows.valid)] + [width * i for i in range(n, bucket)]
+        per_seq = [r + [0] * (width - 1) * bucket for r in (lengths, last)]  # in the first ``bucket`` entries
         self._stage(
             [
                 rows.next_tokens + [0] * (width * pad),
                 positions + list(range(width)) * pad,
                 slots + [dummy + j for j in range(width)] * pad,
                 valid + [0] * (width * pad),
-                *(
-                    r + [0] * (width - 1) * bucket for r in (lengths, last)
-                ),  # per sequence: the first ``bucket``
+                *per_seq,
             ],
             bucket * width,
         )
