@@ -22,6 +22,7 @@ import torch
 from dsinfer.ops import gemm as torch_gemm
 from dsinfer.ops.bf16_cpu import as_float
 from dsinfer.ops.compile_ahead import c_array
+from dsinfer.ops.dot_block_cpu import dot_block
 from dsinfer.ops.exp_cpu import exp32
 from dsinfer.ops.experts import grouped_experts
 
@@ -29,37 +30,6 @@ __all__ = ["compile_ahead", "fused_experts", "rows_by_slot"]
 
 _FASTMATH = {"reassoc", "contract", "nsz"}
 BLOCK = 4  # rows and output columns per register block
-
-
-@numba.njit(cache=True, fastmath=_FASTMATH)
-def _block(a, w, i, j, k_dim, out):
-    """out[i..i+3, j..j+3] = a[i..i+3, :k_dim] @ w[j..j+3, :k_dim]^T (``w`` float32 or bf16 bits)."""
-    c00 = c01 = c02 = c03 = c10 = c11 = c12 = c13 = np.float32(0.0)
-    c20 = c21 = c22 = c23 = c30 = c31 = c32 = c33 = np.float32(0.0)
-    for k in range(k_dim):
-        w0, w1 = as_float(w[j, k]), as_float(w[j + 1, k])
-        w2, w3 = as_float(w[j + 2, k]), as_float(w[j + 3, k])
-        a0, a1, a2, a3 = a[i, k], a[i + 1, k], a[i + 2, k], a[i + 3, k]
-        c00 += a0 * w0
-        c01 += a0 * w1
-        c02 += a0 * w2
-        c03 += a0 * w3
-        c10 += a1 * w0
-        c11 += a1 * w1
-        c12 += a1 * w2
-        c13 += a1 * w3
-        c20 += a2 * w0
-        c21 += a2 * w1
-        c22 += a2 * w2
-        c23 += a2 * w3
-        c30 += a3 * w0
-        c31 += a3 * w1
-        c32 += a3 * w2
-        c33 += a3 * w3
-    out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = c00, c01, c02, c03
-    out[i + 1, j], out[i + 1, j + 1], out[i + 1, j + 2], out[i + 1, j + 3] = c10, c11, c12, c13
-    out[i + 2, j], out[i + 2, j + 1], out[i + 2, j + 2], out[i + 2, j + 3] = c20, c21, c22, c23
-    out[i + 3, j], out[i + 3, j + 1], out[i + 3, j + 2], out[i + 3, j + 3] = c30, c31, c32, c33
 
 
 @numba.njit(cache=True, fastmath=_FASTMATH)
@@ -71,7 +41,7 @@ def _matmul_nt(a, w, out):
     blocked = n - n % BLOCK
     for j in range(0, blocked, BLOCK):
         for i in range(0, rows, BLOCK):
-            _block(a, w, i, j, k_dim, out)
+            dot_block(a, w, i, j, k_dim, out)
     for j in range(blocked, n):
         for i in range(rows):
             dot = np.float32(0.0)

@@ -14,6 +14,7 @@ import numba
 import numpy as np
 
 from dsinfer.ops.bf16_cpu import as_float
+from dsinfer.ops.dot_block_cpu import dot_block
 from dsinfer.ops.exp_cpu import exp32
 
 __all__ = ["KEY_TILE", "attend_sequence"]
@@ -25,38 +26,8 @@ KEY_TILE = 4  # keys whose scores (and value rows) are combined per pass over th
 
 @numba.njit(cache=True, fastmath=_FASTMATH, inline="always")
 def _scores_block(qb, kv, t, r, dim, scale, scores):
-    """Scores of keys t..t+3 for query rows r..r+3: a 4x4 block of dot products, so every loaded
-    query or cached value feeds four FMAs."""
-    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0.0)
-    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0.0)
-    for d in range(dim):
-        k0, k1, k2, k3 = (
-            as_float(kv[t, d]),
-            as_float(kv[t + 1, d]),
-            as_float(kv[t + 2, d]),
-            as_float(kv[t + 3, d]),
-        )
-        q0, q1, q2, q3 = qb[r, d], qb[r + 1, d], qb[r + 2, d], qb[r + 3, d]
-        s00 += q0 * k0
-        s01 += q0 * k1
-        s02 += q0 * k2
-        s03 += q0 * k3
-        s10 += q1 * k0
-        s11 += q1 * k1
-        s12 += q1 * k2
-        s13 += q1 * k3
-        s20 += q2 * k0
-        s21 += q2 * k1
-        s22 += q2 * k2
-        s23 += q2 * k3
-        s30 += q3 * k0
-        s31 += q3 * k1
-        s32 += q3 * k2
-        s33 += q3 * k3
-    scores[r, t], scores[r, t + 1], scores[r, t + 2], scores[r, t + 3] = s00, s01, s02, s03
-    scores[r + 1, t], scores[r + 1, t + 1], scores[r + 1, t + 2], scores[r + 1, t + 3] = s10, s11, s12, s13
-    scores[r + 2, t], scores[r + 2, t + 1], scores[r + 2, t + 2], scores[r + 2, t + 3] = s20, s21, s22, s23
-    scores[r + 3, t], scores[r + 3, t + 1], scores[r + 3, t + 2], scores[r + 3, t + 3] = s30, s31, s32, s33
+    """Scores of keys t..t+3 for query rows r..r+3: a 4x4 block of dot products."""
+    dot_block(qb, kv, r, t, dim, scores)
     for i in range(4):
         for j in range(4):
             scores[r + i, t + j] *= scale
