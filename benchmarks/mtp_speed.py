@@ -31,7 +31,8 @@ prefills its prompts. Per engine and batch, medians over the passes:
 
 ``--num-steps N``: the MTP engine drafts N tokens a step (``speculative_num_steps``; each draft
 after the first is the MTP layer run again over the one before it); acceptance then counts every
-draft, and the weight bounds model N drafts (harness/mtp_bounds.py). The report also gives, per
+draft, and the weight bounds model N drafts (harness/mtp_bounds.py). ``--steps-by-batch B:M,...``:
+from B sequences in a step on, M drafts (``speculative_steps_by_batch``; the bounds follow it). The report also gives, per
 batch, the fewest drafts a step whose bound reaches 1.5x when every draft is accepted.
 
 Then, at batch 16: greedy and seeded sampling (temperature 0.8, a seed per request) each
@@ -57,6 +58,7 @@ import torch
 from dsinfer.base.presets import DEFAULT_MODEL
 from dsinfer.base.sampling_params import SamplingParams
 from dsinfer.base.trace import load_trace
+from dsinfer.engine.args import parse_steps_by_batch, steps_at
 from dsinfer.engine.llm import LLM
 from dsinfer.evals.tasks import lookup_context, make_question, render_context
 from dsinfer.sim.model_dims import ModelShape
@@ -218,6 +220,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             cuda_graph_max_bs=count,  # graphs (CUDA only) for every batch the passes run
             speculative_mtp=mode == "mtp",
             speculative_num_steps=args.num_steps if mode == "mtp" else 1,
+            speculative_steps_by_batch=args.steps_by_batch if mode == "mtp" else "",
             enable_prefix_caching=False,
             kv_cache_memory=2**30,
             trace_dir=scratch / mode,
@@ -255,7 +258,11 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         llm.engine.close()  # flushes the traces
     traces = {mode: load_trace(next((scratch / mode).glob("*.json"))) for mode in engines}
     shape = ModelShape.preset(model or DEFAULT_MODEL)
-    bounds = [asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, args.num_steps)) for b in batches]
+    schedule = parse_steps_by_batch(args.steps_by_batch)
+    bounds = [
+        asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, steps_at(args.num_steps, schedule, b)))
+        for b in batches
+    ]
     needed = {b: MTPBound.drafts_for(shape, b, TARGET_SPEEDUP) for b in batches}
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -347,7 +354,9 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             *machine_lines(result["machine"]),
             f"- model {result['model']}, {result['dtype']}; task {result['task']}; "
-            f"{result.get('num_steps', 1)} MTP draft(s) a step; device {result.get('device', 'cpu')}"
+            f"{result.get('num_steps', 1)} MTP draft(s) a step"
+            + (f" (by batch size: {result['steps_by_batch']})" if result.get("steps_by_batch") else "")
+            + f"; device {result.get('device', 'cpu')}"
             + (
                 ", decode and draft steps replayed from CUDA graphs (a forward's time is its launch; the "
                 "draft's includes its sampling, which waits for the GPU)"
@@ -409,6 +418,11 @@ def main() -> None:
     parser.add_argument(
         "--num-steps", type=int, default=1, help="MTP drafts a step (the engine's --speculative-num-steps)"
     )
+    parser.add_argument(
+        "--steps-by-batch",
+        default="",
+        help="fewer drafts at larger batches, e.g. 64:3 (the engine's --speculative-steps-by-batch)",
+    )
     add_output_args(parser)
     args = parser.parse_args()
     machine = run_machine()
@@ -419,6 +433,7 @@ def main() -> None:
         "task": "random prompts" if args.model in RANDOM_MODELS else args.task,
         "repeats": args.repeats,
         "num_steps": args.num_steps,
+        "steps_by_batch": args.steps_by_batch,
         **run(args),
     }
     machine["load_after"] = load_average()

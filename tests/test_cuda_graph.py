@@ -381,3 +381,35 @@ def test_chained_drafts_through_the_static_buffers_give_eager_tokens(
     assert graphs.steps_by_q[4] >= 4, graphs.steps_by_q
     assert draft is not None and sum(draft.steps.values()) == graphs.steps_by_q[4]
     assert sum(draft.chain_steps.values()) >= 2 * graphs.steps_by_q[4], draft.chain_steps
+
+
+def test_fewer_drafts_at_larger_batches_through_the_static_buffers(
+    tiny_ckpt: BuiltCheckpoint, tmp_path: Path
+) -> None:
+    """``speculative_steps_by_batch``: one draft a step while three or more sequences run, three
+    below. The graphs hold verifications of both widths (2 and 4 tokens a sequence) and the draft
+    layer after each; as the short requests finish the long one goes on alone: both replay, with plain decoding's tokens
+    and the eager engine's drafts at every step."""
+    ckpt = BuiltCheckpoint(
+        agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "agreeing"), tiny_ckpt.hf_model, {}, None
+    )
+    LONG = (60, 12, 10, 8)  # three finish early, the last one runs alone
+    plain = make_llm(ckpt)
+    expected = _generate(plain, LONG)
+    plain.engine.close()
+    schedule = {"speculative_mtp": True, "speculative_num_steps": 3, "speculative_steps_by_batch": "3:1"}
+    eager = make_llm(ckpt, **schedule)
+    want, eager_drafts = _generate_with_drafts(eager, every=True, max_tokens=LONG)
+    eager.engine.close()
+    assert want == expected
+    llm = make_llm(ckpt, **schedule)
+    graphs = llm.engine.runner.enable_decode_graphs(
+        max_batch_size=8, max_seq_len=llm.engine.max_model_len, capture=False
+    )
+    assert graphs.tokens_per_seq == (1, 2, 4)
+    got, drafts = _generate_with_drafts(llm, every=True, max_tokens=LONG)
+    draft = llm.engine.runner.draft_graphs
+    llm.engine.close()
+    assert got == expected and drafts == eager_drafts
+    assert graphs.steps_by_q[2] >= 2 and graphs.steps_by_q[4] >= 8, graphs.steps_by_q
+    assert draft is not None and sum(draft.steps.values()) == graphs.steps_by_q[2] + graphs.steps_by_q[4]

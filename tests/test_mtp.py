@@ -23,7 +23,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     ]
 
 
-def _llm(path: Path, mtp: bool, steps: int = 1) -> LLM:
+def _llm(path: Path, mtp: bool, steps: int = 1, by_batch: str = "") -> LLM:
     return LLM(
         str(path),
         dtype="float32",
@@ -31,6 +31,7 @@ def _llm(path: Path, mtp: bool, steps: int = 1) -> LLM:
         max_num_batched_tokens=64,
         speculative_mtp=mtp,
         speculative_num_steps=steps,
+        speculative_steps_by_batch=by_batch,
     )
 
 
@@ -125,13 +126,49 @@ def test_a_prompts_last_chunk_drafts_as_far_as_max_tokens_leaves_room(
         assert on.engine.kv.num_available_pages() == on.engine.kv.num_pages
 
 
+def test_fewer_drafts_at_larger_batches(tiny_ckpt: BuiltCheckpoint, tmp_path: Path) -> None:
+    """``speculative_steps_by_batch="4:1"`` with three drafts a step: a lone request verifies
+    about three drafts a step, six at once one draft a step (three again once fewer than four are
+    left); plain decoding's tokens either way, every page freed."""
+    path = agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "bigram")
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = _prompts(6, seed=5)
+    off, on = _llm(path, False), _llm(path, True, steps=3, by_batch="4:1")
+    stats = on.engine.scheduler.stats
+    assert _tokens(on, prompts[:1], [params]) == _tokens(off, prompts[:1], [params])
+    assert stats.drafts_proposed > 2.5 * stats.draft_verifications, stats
+    lone = (stats.drafts_proposed, stats.draft_verifications)
+    assert _tokens(on, prompts, [params] * 6) == _tokens(off, prompts, [params] * 6)
+    drafts, verifications = stats.drafts_proposed - lone[0], stats.draft_verifications - lone[1]
+    assert verifications > 0 and drafts < 1.5 * verifications, stats
+    assert stats.acceptance_rate > 0.9, stats
+    assert on.engine.kv.num_available_pages() == on.engine.kv.num_pages
+
+
+def test_drafts_by_batch_size() -> None:
+    from dsinfer.engine.args import parse_steps_by_batch, steps_at
+
+    schedule = parse_steps_by_batch("16:3, 64:1")
+    assert schedule == ((16, 3), (64, 1)) and parse_steps_by_batch("") == ()
+    assert [steps_at(5, schedule, n) for n in (1, 15, 16, 63, 64, 256)] == [5, 5, 3, 3, 1, 1]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"speculative_mtp": True, "speculative_num_steps": 0}, "speculative_num_steps must be at least 1"),
         ({"speculative_num_steps": 2}, "add --speculative-mtp"),
+        ({"speculative_steps_by_batch": "16:1"}, "add --speculative-mtp"),
+        ({"speculative_mtp": True, "speculative_steps_by_batch": "16"}, "as BATCH:DRAFTS"),
+        ({"speculative_mtp": True, "speculative_steps_by_batch": "16:x"}, "as BATCH:DRAFTS"),
+        ({"speculative_mtp": True, "speculative_num_steps": 3, "speculative_steps_by_batch": "16:4"},
+         r"from 1 to speculative_num_steps \(3\); got \[4\]"),
+        ({"speculative_mtp": True, "speculative_num_steps": 3, "speculative_steps_by_batch": "16:2,8:1"},
+         r"increasing; got \[16, 8\]"),
+        ({"speculative_mtp": True, "speculative_num_steps": 3, "speculative_steps_by_batch": "1:2"},
+         "batch sizes from 2 up"),
     ],
-)
+)  # fmt: skip
 def test_bad_speculative_num_steps_fail_clearly(kwargs: dict[str, object], message: str) -> None:
     from dsinfer.engine.args import EngineArgs
 

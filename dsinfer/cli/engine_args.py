@@ -122,6 +122,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="draft tokens per step with --speculative-mtp: the MTP layer runs once per draft, each run "
         "reading the last one's output (default: %(default)s)",
     )
+    flag(
+        "speculative_steps_by_batch",
+        help=f"{field_help(EngineArgs, 'speculative_steps_by_batch')} (default: none)",
+    )
     flag("num_redundant_experts", int)
     flag("placement", help="expert placement file (JSON) for EP pools")
     flag(

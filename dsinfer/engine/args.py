@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -36,6 +37,26 @@ def parse_size(value: int | str) -> int:
         raise ValueError(f"cannot read {value!r} as a size (examples: 2GiB, 512MB, 1073741824)")
     unit = (match.group(2) or "").upper().removesuffix("B")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def steps_at(num_steps: int, steps_by_batch: tuple[tuple[int, int], ...], num_seqs: int) -> int:
+    """The drafts a step of ``num_seqs`` sequences proposes: ``num_steps``, or the last entry of
+    ``steps_by_batch`` (increasing batch sizes) whose batch size ``num_seqs`` reaches."""
+    for batch, steps in steps_by_batch:
+        if num_seqs >= batch:
+            num_steps = steps
+    return num_steps
+
+
+def parse_steps_by_batch(value: str) -> tuple[tuple[int, int], ...]:
+    """'16:3,64:1' -> ((16, 3), (64, 1)); '' -> ()."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        batch, sep, steps = part.partition(":")
+        if not sep or not batch.strip().isdigit() or not steps.strip().isdigit():
+            raise ValueError(f"cannot read {part!r} of {value!r} as BATCH:DRAFTS (example: 16:3,64:1)")
+        pairs.append((int(batch), int(steps)))
+    return tuple(pairs)
 
 
 HOST_TIER_FRACTION = 0.1  # of the host's free memory: the host-memory KV tier's default size
@@ -73,6 +94,11 @@ class EngineArgs(BaseModel):
     # drafts per step with --speculative-mtp: the MTP layer runs once per draft, each run reading the
     # last one's output (SGLang's --speculative-num-steps, vLLM's num_speculative_tokens)
     speculative_num_steps: int = 1
+    speculative_steps_by_batch: tuple[tuple[int, int], ...] = Field(
+        (),
+        description="fewer drafts a step at larger batches: 'B:N,...', from B sequences in a step on "
+        "N drafts (at most --speculative-num-steps), e.g. 16:3,64:1",
+    )
     num_redundant_experts: int = Field(
         0, description="extra expert slots per MoE layer, spread over an EP pool's ranks"
     )
@@ -96,6 +122,22 @@ class EngineArgs(BaseModel):
     trace_flush_steps: int = 50  # steps between appends to the trace file (and at close)
     enforce_eager: bool = False  # never capture CUDA graphs (vLLM's name); graphs are CUDA-only anyway
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; None = max_num_seqs
+
+    def _check_steps_by_batch(self) -> None:
+        schedule = self.speculative_steps_by_batch
+        if not schedule:
+            return
+        if not self.speculative_mtp:
+            raise ValueError("speculative_steps_by_batch sets MTP's drafts a step: add --speculative-mtp")
+        batches = [b for b, _ in schedule]
+        if batches[0] < 2 or any(b <= a for a, b in itertools.pairwise(batches)):
+            raise ValueError(f"speculative_steps_by_batch: batch sizes from 2 up, increasing; got {batches}")
+        bad = [n for _, n in schedule if not 1 <= n <= self.speculative_num_steps]
+        if bad:
+            raise ValueError(
+                f"speculative_steps_by_batch: drafts a step from 1 to speculative_num_steps "
+                f"({self.speculative_num_steps}); got {bad}"
+            )
 
     def indexer_format_for(self, device_type: str) -> IndexerFormat:
         """How the pool keeps V3.2's indexer keys on ``device_type`` (dsinfer/base/kv_spec.py)."""
@@ -157,6 +199,11 @@ class EngineArgs(BaseModel):
     def _size(cls, value: int | str | None) -> int | None:
         return None if value is None else parse_size(value)
 
+    @field_validator("speculative_steps_by_batch", mode="before")
+    @classmethod
+    def _read_steps_by_batch(cls, value: object) -> object:
+        return parse_steps_by_batch(value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
         if self.load_format not in LOAD_FORMATS:
@@ -199,6 +246,7 @@ class EngineArgs(BaseModel):
             raise ValueError("speculative_num_steps must be at least 1")
         if self.speculative_num_steps > 1 and not self.speculative_mtp:
             raise ValueError("speculative_num_steps > 1 drafts with the MTP layer: add --speculative-mtp")
+        self._check_steps_by_batch()
         if self.ep_backend not in EP_BACKENDS:
             raise ValueError(f"ep_backend must be one of {', '.join(EP_BACKENDS)}, got {self.ep_backend!r}")
         return self

@@ -70,6 +70,7 @@ class ModelRunner:
         *,
         mtp: bool = False,
         mtp_steps: int = 1,
+        mtp_steps_by_batch: tuple[tuple[int, int], ...] = (),
         enable_overlap: bool = False,
         overlap_min_tokens: int = 64,
         tracer: Tracer | None = None,
@@ -79,7 +80,7 @@ class ModelRunner:
         self.constraints = constraints  # grammars and min_tokens (None: requests have neither)
         self.device = pool.device
         self.page_size = pool.page_size
-        self.mtp = MTPProposer(model, pool, ops, mtp_steps) if mtp else None
+        self.mtp = MTPProposer(model, pool, ops, mtp_steps, mtp_steps_by_batch) if mtp else None
         self.overlap = enable_overlap and model.ep is not None
         self.overlap_min_tokens = overlap_min_tokens
         self.tracer = tracer
@@ -107,6 +108,7 @@ class ModelRunner:
             ops,
             mtp=args.speculative_mtp,
             mtp_steps=args.speculative_num_steps,
+            mtp_steps_by_batch=args.speculative_steps_by_batch,
             enable_overlap=args.enable_overlap,
             overlap_min_tokens=args.overlap_min_tokens,
             tracer=tracer,
@@ -136,7 +138,7 @@ class ModelRunner:
             max_batch_size=max_batch_size,
             max_seq_len=max_seq_len,
             capture=capture,
-            tokens_per_seq=(1, 1 + self.mtp.num_steps) if self.mtp is not None else (1,),
+            tokens_per_seq=(1, *(1 + n for n in self.mtp.step_counts)) if self.mtp is not None else (1,),
         )
         if self.mtp is not None:
             self.draft_graphs = DraftGraphs(

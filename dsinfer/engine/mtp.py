@@ -29,6 +29,7 @@ import torch
 
 from dsinfer.cache.kv_pool import PagedKVPool
 from dsinfer.cache.v4_pool import V4StatePool
+from dsinfer.engine.args import steps_at
 from dsinfer.engine.draft_graph import DraftGraphs, DraftRows
 from dsinfer.engine.forward import build_forward_batch
 from dsinfer.engine.scheduler import ScheduledBatch, StepResult
@@ -46,10 +47,18 @@ class MTPProposer:
         pool: PagedKVPool | V4StatePool,
         ops: Ops,
         num_steps: int = 1,
+        steps_by_batch: tuple[tuple[int, int], ...] = (),
     ) -> None:
+        """``num_steps``: drafts a step; ``steps_by_batch``: fewer from a batch size on
+        (EngineArgs.speculative_steps_by_batch)."""
         self.model, self.pool, self.ops = model, pool, ops
         self.device = pool.device
-        self.num_steps = num_steps
+        self.num_steps, self.steps_by_batch = num_steps, steps_by_batch
+
+    @property
+    def step_counts(self) -> tuple[int, ...]:
+        """Every number of drafts a step may propose, increasing."""
+        return tuple(sorted({self.num_steps, *(n for _, n in self.steps_by_batch)}))
 
     def propose(
         self,
@@ -120,13 +129,14 @@ class MTPProposer:
             return
         if len(drafting) < len(results):
             last_hidden = last_hidden[torch.tensor(drafting, device=self.device)]
-        if self.num_steps == 1:
+        num_steps = steps_at(self.num_steps, self.steps_by_batch, len(batch.seqs))
+        if num_steps == 1:
             self._draw(batch, results, drafting, self.model.compute_mtp_logits(last_hidden), 1)
             return
         assert isinstance(self.model, DeepseekV3ForCausalLM)
         normed, logits = self.model.mtp_head(last_hidden)
         self._draw(batch, results, drafting, logits, 1)
-        for depth in range(2, self.num_steps + 1):
+        for depth in range(2, num_steps + 1):
             keep = [j for j, i in enumerate(drafting) if batch.seqs[i].chains(depth, len(results[i].tokens))]
             if not keep:
                 return
