@@ -32,8 +32,9 @@ prefills its prompts. Per engine and batch, medians over the passes:
 ``--num-steps N``: the MTP engine drafts N tokens a step (``speculative_num_steps``; each draft
 after the first is the MTP layer run again over the one before it); acceptance then counts every
 draft, and the weight bounds model N drafts (harness/mtp_bounds.py). ``--steps-by-batch B:M,...``:
-from B sequences in a step on, M drafts (``speculative_steps_by_batch``; the bounds follow it). The report also gives, per
-batch, the fewest drafts a step whose bound reaches 1.5x when every draft is accepted.
+from B sequences in a step on, M drafts (``speculative_steps_by_batch``; the bounds follow it).
+The report also gives, per batch, the fewest drafts a step whose bound reaches 1.5x when every
+draft is accepted.
 
 Then, at batch 16: greedy and seeded sampling (temperature 0.8, a seed per request) each
 compared token for token between the engines.

@@ -337,6 +337,16 @@ def test_captured_decode_replays_eager_tokens_on_gpu(tiny_ckpt: BuiltCheckpoint)
     assert draft is not None and draft.chained and sum(draft.chain_steps.values()) >= 4, draft.chain_steps
     chained.engine.close()
 
+    by_batch = make_llm(
+        tiny_ckpt, device="cuda", max_num_seqs=8, speculative_mtp=True, speculative_num_steps=2,
+        speculative_steps_by_batch="4:1",
+    )  # fmt: skip
+    graphs = by_batch.engine.runner.decode_graphs
+    assert graphs is not None and graphs.tokens_per_seq == (1, 2, 3)
+    assert _generate(by_batch) == expected  # verifications of both widths replayed
+    assert graphs.steps_by_q[2] >= 2, graphs.steps_by_q  # four on CPU through the same callables
+    by_batch.engine.close()
+
 
 def test_chained_drafts_through_the_static_buffers_give_eager_tokens(
     tiny_ckpt: BuiltCheckpoint, tmp_path: Path

@@ -94,8 +94,8 @@ class EngineArgs(BaseModel):
     # drafts per step with --speculative-mtp: the MTP layer runs once per draft, each run reading the
     # last one's output (SGLang's --speculative-num-steps, vLLM's num_speculative_tokens)
     speculative_num_steps: int = 1
-    speculative_steps_by_batch: tuple[tuple[int, int], ...] = Field(
-        (),
+    speculative_steps_by_batch: str | None = Field(
+        None,
         description="fewer drafts a step at larger batches: 'B:N,...', from B sequences in a step on "
         "N drafts (at most --speculative-num-steps), e.g. 16:3,64:1",
     )
@@ -123,8 +123,13 @@ class EngineArgs(BaseModel):
     enforce_eager: bool = False  # never capture CUDA graphs (vLLM's name); graphs are CUDA-only anyway
     cuda_graph_max_bs: int | None = None  # largest captured decode batch; None = max_num_seqs
 
+    @property
+    def draft_schedule(self) -> tuple[tuple[int, int], ...]:
+        """``speculative_steps_by_batch`` read: ((batch size, drafts), ...), increasing batch sizes."""
+        return parse_steps_by_batch(self.speculative_steps_by_batch or "")
+
     def _check_steps_by_batch(self) -> None:
-        schedule = self.speculative_steps_by_batch
+        schedule = self.draft_schedule
         if not schedule:
             return
         if not self.speculative_mtp:
@@ -198,11 +203,6 @@ class EngineArgs(BaseModel):
     @classmethod
     def _size(cls, value: int | str | None) -> int | None:
         return None if value is None else parse_size(value)
-
-    @field_validator("speculative_steps_by_batch", mode="before")
-    @classmethod
-    def _read_steps_by_batch(cls, value: object) -> object:
-        return parse_steps_by_batch(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:

@@ -108,7 +108,7 @@ class ModelRunner:
             ops,
             mtp=args.speculative_mtp,
             mtp_steps=args.speculative_num_steps,
-            mtp_steps_by_batch=args.speculative_steps_by_batch,
+            mtp_steps_by_batch=args.draft_schedule,
             enable_overlap=args.enable_overlap,
             overlap_min_tokens=args.overlap_min_tokens,
             tracer=tracer,

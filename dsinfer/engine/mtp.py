@@ -19,6 +19,8 @@ the layer's latent at positions the next step rewrites from the target's hidden 
 over every position it makes valid), so only the drafts survive them. The chunk that ends a prompt
 drafts as many (its first decode step verifies them all), except on a PD prefill rank, whose
 requests end after one token: it hands on one draft and no run writes past the pages it sends.
+``steps_by_batch`` lowers ``num_steps`` from a batch size on, counted over the sequences of the
+step that drafts (a verification's cost grows with its rows where a step is compute-bound).
 """
 
 from __future__ import annotations
