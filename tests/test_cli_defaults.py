@@ -130,3 +130,23 @@ def test_help_shows_field_descriptions() -> None:
 def test_size_text_reads_back(size: int, text: str) -> None:
     assert size_text(size) == text
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--speculative-mtp", "--speculative-num-steps", "3", "--speculative-steps-by-batch", "16:2,64:1",
+         "--kv-cache-memory", "4GiB", "--no-prefix-caching"],
+    ],
+)  # fmt: skip
+def test_child_command_lines_read_back(argv: list[str]) -> None:
+    """The all-in-one server hands its engine flags to its pools as ``flags_of`` writes them: they
+    parse back to the same EngineArgs, the defaults included."""
+    from dsinfer.cli.serve_all_in_one import flags_of
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    again = parser.parse_args(flags_of(args, parser._actions))
+    assert engine_args_from(again) == engine_args_from(args)
