@@ -398,8 +398,8 @@ def test_fewer_drafts_at_larger_batches_through_the_static_buffers(
 ) -> None:
     """``speculative_steps_by_batch``: one draft a step while three or more sequences run, three
     below. The graphs hold verifications of both widths (2 and 4 tokens a sequence) and the draft
-    layer after each; as the short requests finish the long one goes on alone: both replay, with plain decoding's tokens
-    and the eager engine's drafts at every step."""
+    layer after each; the short requests finish first and the long one goes on alone, so both
+    replay, with plain decoding's tokens and the eager engine's drafts at every step."""
     ckpt = BuiltCheckpoint(
         agreeing_mtp_checkpoint(tiny_ckpt, tmp_path / "agreeing"), tiny_ckpt.hf_model, {}, None
     )
