@@ -34,7 +34,9 @@ after the first is the MTP layer run again over the one before it); acceptance t
 draft, and the weight bounds model N drafts (harness/mtp_bounds.py). ``--steps-by-batch B:M,...``:
 from B sequences in a step on, M drafts (``speculative_steps_by_batch``; the bounds follow it).
 The report also gives, per batch, the fewest drafts a step whose bound reaches 1.5x when every
-draft is accepted.
+draft is accepted, and a roofline of the same steps (harness/mtp_bounds.py ``Roofline``) at this
+machine's read bandwidth and GEMM rate, measured after the passes, with how far a plain step runs
+from it.
 
 Then, at batch 16: greedy and seeded sampling (temperature 0.8, a seed per request) each
 compared token for token between the engines.
@@ -63,56 +65,28 @@ from dsinfer.engine.args import parse_steps_by_batch, steps_at
 from dsinfer.engine.llm import LLM
 from dsinfer.evals.tasks import lookup_context, make_question, render_context
 from dsinfer.sim.model_dims import ModelShape
-from harness.checkpoints import agreeing_mtp_checkpoint, build_checkpoint
-from harness.mtp_bounds import MTPBound
+from harness.checkpoints import MTP_DEEP, MTP_WIDE, agreeing_mtp_checkpoint, build_checkpoint
+from harness.mtp_bounds import MTPBound, Roofline, measure_rates
 from harness.provenance import load_average, run_machine
 from harness.results import add_output_args, machine_lines, save_report, table
 
 MAX_TOKENS = 256
 RANDOM_TOKENS = 64  # output tokens per request of a random model
-# --model wide: random weights, 16 heads over hidden 1024, 32 experts of 512 (about 1 GB in float32),
-# made a bigram model whose MTP layer agrees with it (harness.checkpoints.agreeing_mtp_checkpoint)
-WIDE: dict[str, Any] = {
-    "hidden_size": 1024,
-    "intermediate_size": 2048,
-    "moe_intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "q_lora_rank": 384,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 64,
-    "n_routed_experts": 32,
-    "num_experts_per_tok": 4,
-    "max_position_embeddings": 1024,
-    "vocab_size": 4096,
-}
 BOUNDS = (
     "batch",
     "verify / plain",
     "by weights",
+    "roofline",
     "draft share",
     "by weights",
+    "roofline",
     "layer floor",
     "speed-up",
     "by weights",
+    "roofline",
+    "plain step / roofline",
 )
-# --model deep: V3's 61 decoder layers (3 dense) and one MTP layer, at a small width (about 0.5 GB)
-DEEP: dict[str, Any] = {
-    **WIDE,
-    "hidden_size": 256,
-    "intermediate_size": 1024,
-    "moe_intermediate_size": 128,
-    "num_hidden_layers": 61,
-    "first_k_dense_replace": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "q_lora_rank": 128,
-    "n_routed_experts": 16,
-}
-RANDOM_MODELS = {"wide": WIDE, "deep": DEEP}
+RANDOM_MODELS = {"wide": MTP_WIDE, "deep": MTP_DEEP}
 SAME_BATCH = 16  # the batch whose outputs are compared between the engines
 TARGET_SPEEDUP = 1.5  # issue 46's batch-1 target: the report gives the drafts its bound needs
 SPEED = ("batch", "acceptance", "plain decode", "MTP decode", "speed-up", "plain e2e", "MTP e2e", "speed-up")
@@ -147,7 +121,7 @@ def _sampling(args: argparse.Namespace, **params: Any) -> SamplingParams:
 def _random_prompts(count: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [
-        [rng.randrange(2, WIDE["vocab_size"]) for _ in range(rng.randrange(32, 65))] for _ in range(count)
+        [rng.randrange(2, MTP_WIDE["vocab_size"]) for _ in range(rng.randrange(32, 65))] for _ in range(count)
     ]
 
 
@@ -260,10 +234,17 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     traces = {mode: load_trace(next((scratch / mode).glob("*.json"))) for mode in engines}
     shape = ModelShape.preset(model or DEFAULT_MODEL)
     schedule = parse_steps_by_batch(args.steps_by_batch)
-    bounds = [
-        asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, steps_at(args.num_steps, schedule, b)))
-        for b in batches
-    ]
+    dtype = getattr(torch, args.dtype)
+    bandwidth, flops = measure_rates(device, dtype, shape.hidden)
+    value_bytes = torch.tensor([], dtype=dtype).element_size()  # the weights' and the cache's
+    bounds = []
+    for b in batches:
+        out = [p["output_tokens"] / b for p in passes if p["batch"] == b and p["mode"] == "mtp"]
+        # the mean context a decode step attends over: the prompt and half the reply
+        context = statistics.mean(map(len, prompts[:b])) + statistics.median(out) / 2
+        roofline = Roofline(bandwidth, flops, value_bytes, value_bytes, context)
+        drafts = steps_at(args.num_steps, schedule, b)
+        bounds.append(asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, drafts, roofline)))
     needed = {b: MTPBound.drafts_for(shape, b, TARGET_SPEEDUP) for b in batches}
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -271,6 +252,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "rows": _rows(passes, traces, acceptance),
         "identical": same,
         "bounds": bounds,
+        "roofline_machine": {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": flops / 1e9},
         "drafts_for_target": needed,
     }
 
@@ -320,6 +302,11 @@ def _verify_cost(row: dict[str, Any], key: str) -> float:
     return (row["mtp"]["step_ms"] - row["mtp"]["draft_ms"]) / row["plain"]["step_ms"]  # older records
 
 
+def _roof(bound: dict[str, Any], name: str, form: str) -> str:
+    value = bound.get("roofline_" + name)  # absent from older records
+    return "-" if value is None else form.format(value)
+
+
 def _needed(needed: dict[Any, int | None]) -> str:
     # json turns the batches into strings
     return ", ".join(f"batch {b}: {'none up to 64' if n is None else n}" for b, n in needed.items())
@@ -343,11 +330,13 @@ def markdown(result: dict[str, Any]) -> str:
     # under CUDA graphs a forward span times its launch: the verify's cost is then its step's
     verify = "verify_vs_plain_step" if result.get("cuda_graphs") else "verify_vs_plain_forward"
     weights = [
-        (r["batch"], f"{_verify_cost(r, verify):.2f}", f"{bounds[r['batch']]['verify_vs_plain']:.2f}",
-         f"{r['mtp']['draft_share']:.0%}", f"{bounds[r['batch']]['draft_share']:.0%}",
-         f"{bounds[r['batch']]['layer_floor']:.0%}", f"{r['decode_speedup']:.2f}x", f"{bounds[r['batch']]['speedup']:.2f}x")
-        for r in result["rows"] if r["batch"] in bounds
+        (r["batch"], f"{_verify_cost(r, verify):.2f}", f"{b['verify_vs_plain']:.2f}", _roof(b, "verify_vs_plain", "{:.2f}"),
+         f"{r['mtp']['draft_share']:.0%}", f"{b['draft_share']:.0%}", _roof(b, "draft_share", "{:.0%}"),
+         f"{b['layer_floor']:.0%}", f"{r['decode_speedup']:.2f}x", f"{b['speedup']:.2f}x", _roof(b, "speedup", "{:.2f}x"),
+         "-" if b.get("roofline_plain_ms") is None else f"{r['plain']['step_ms'] / b['roofline_plain_ms']:.1f}x")
+        for r in result["rows"] if (b := bounds.get(r["batch"])) is not None
     ]  # fmt: skip
+    rates = result.get("roofline_machine")
     same = result["identical"]
     return "\n".join(
         [
@@ -383,8 +372,20 @@ def markdown(result: dict[str, Any]) -> str:
                 [
                     "What bounds them (harness/mtp_bounds.py): measured against the weights each step reads "
                     "(dense ones once, routed experts once per distinct expert under uniform routing), the "
-                    "cost of a step set by reading weights; and the draft's share when every layer costs "
-                    "the same (a step set by per-operation overhead):",
+                    "cost of a step set by reading weights; a roofline, each part of a step (dense weights, "
+                    "routed experts, attention over the mean context) timed as the longer of reading its "
+                    "bytes and doing its FLOPs"
+                    + (
+                        f" at this machine's {rates['read_gb_s']:.1f} GB/s read and "
+                        f"{rates['gemm_gflop_s']:.0f} GFLOP/s GEMM (measured here)"
+                        if rates
+                        else ""
+                    )
+                    + "; and the draft's share when every layer costs the same (a step set by "
+                    "per-operation overhead). The roofline bounds a step that runs at it; the last "
+                    "column says how far a plain step runs from it: several times its roofline time is a "
+                    "step set by per-operation overhead and kernels below the machine's rates, which an "
+                    "MTP step spreads over its tokens (there the measured speed-up passes the roofline's):",
                     "",
                     *table(BOUNDS, weights, "r" * len(BOUNDS)),
                     "",

@@ -12,13 +12,28 @@ the MTP layer is one more layer, a floor of 1 / (layers + 1) under its share of 
 With N drafts a step the MTP layer runs N times and the verification reads N + 1 tokens per
 sequence: at a small batch each further draft adds a draft's weights and the experts its token
 picks, so the bound climbs slowly with N (and the drafts' share with it).
+
+A step at a large batch is set by its arithmetic instead, where a verification of N + 1 tokens costs
+N + 1 plain steps and drafting can only lose. :class:`Roofline` times each part of a step (dense
+weights, routed experts, attention over the cached context) as the longer of reading its bytes and
+doing its FLOPs at a machine's measured bandwidth and GEMM rate, and sums the parts: between the
+two regimes, the part that is still bound by reading weights is what MTP wins back.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from dsinfer.ops.gemm import linear, pack_linear_weight
 from dsinfer.sim.model_dims import ModelShape
+
+GEMM_ROWS = 128  # the rows of the measured GEMM: a verification's at batch 64
+READ_BYTES = 256 * 2**20  # the measured read: well past any cache
 
 
 def distinct_experts(experts: int, topk: int, tokens: int) -> float:
@@ -43,6 +58,90 @@ def draft_params(s: ModelShape, sequences: int) -> float:
     return 2 * s.hidden * s.hidden + _moe_layer(s, sequences) + s.vocab * s.hidden
 
 
+def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7) -> float:
+    """The median time of one call, each sample timing enough calls to last about 20 ms."""
+
+    def timed(calls: int) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / calls
+
+    calls = max(1, int(0.02 / timed(1)))
+    return statistics.median(timed(calls) for _ in range(repeats))
+
+
+def measure_rates(device: torch.device, dtype: torch.dtype, hidden: int) -> tuple[float, float]:
+    """(bytes a second read from memory, FLOP/s of a GEMM) on ``device``: a sum over 256 MB, and
+    ``GEMM_ROWS`` rows through a ``4 * hidden x hidden`` weight of ``dtype`` as the engine runs it
+    (packed where it packs); medians of seven."""
+    data = torch.ones(READ_BYTES // 4, dtype=torch.float32, device=device)
+    bandwidth = READ_BYTES / _median_seconds(data.sum, device)
+    weight = torch.randn(4 * hidden, hidden, device=device).to(dtype)
+    packed = pack_linear_weight(weight)
+    x = torch.randn(GEMM_ROWS, hidden, device=device).to(dtype)
+    seconds = _median_seconds(lambda: linear(x, weight if packed is None else packed), device)
+    return bandwidth, 2.0 * GEMM_ROWS * weight.numel() / seconds
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A machine (``bandwidth`` bytes/s read, ``flops`` FLOP/s of a GEMM, both measured) and a
+    model's storage (``weight_bytes`` per parameter, ``cache_bytes`` per latent value), with the
+    mean ``context`` a step's sequences attend over."""
+
+    bandwidth: float
+    flops: float
+    weight_bytes: int
+    cache_bytes: int
+    context: float
+
+    def _part(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / self.bandwidth, flops / self.flops)
+
+    def _attention(self, s: ModelShape, sequences: int, tokens: int, layers: int) -> float:
+        keys = sequences * self.context
+        return layers * self._part(
+            keys * s.latent_dim * self.cache_bytes, tokens * self.context * s.mla_decode_flops_per_key
+        )
+
+    def _moe(self, s: ModelShape, tokens: int, layers: int) -> float:
+        """Routed experts: the distinct experts' weights read, each token's top-k multiplied."""
+        routed = distinct_experts(s.experts, s.topk, tokens) * s.expert_params
+        return layers * self._part(routed * self.weight_bytes, 2.0 * tokens * s.topk * s.expert_params)
+
+    def _dense(self, params: float, tokens: int) -> float:
+        return self._part(params * self.weight_bytes, 2.0 * tokens * params)
+
+    def step_seconds(self, s: ModelShape, sequences: int, tokens_per_seq: int) -> float:
+        """A target step: ``tokens_per_seq`` query tokens for each of ``sequences`` sequences."""
+        tokens = sequences * tokens_per_seq
+        dense = s.dense_layers * s.dense_ffn_params + s.vocab * s.hidden
+        dense += s.layers * s.attention_params + s.moe_layers * (
+            s.experts * s.hidden + s.shared_experts * s.expert_params
+        )
+        return (
+            self._dense(dense, tokens)
+            + self._moe(s, tokens, s.moe_layers)
+            + self._attention(s, sequences, tokens, s.layers)
+        )
+
+    def draft_seconds(self, s: ModelShape, sequences: int) -> float:
+        """One draft: the MTP layer (its input projection, an MoE layer) and its head, at each
+        sequence's last position."""
+        dense = 2 * s.hidden * s.hidden + s.attention_params + s.experts * s.hidden
+        dense += s.shared_experts * s.expert_params + s.vocab * s.hidden
+        return (
+            self._dense(dense, sequences)
+            + self._moe(s, sequences, 1)
+            + self._attention(s, sequences, sequences, 1)
+        )
+
+
 @dataclass(frozen=True)
 class MTPBound:
     batch: int
@@ -51,13 +150,36 @@ class MTPBound:
     speedup: float  # tokens per step (1 + drafts x acceptance) over the MTP step's weights / a plain step's
     layer_floor: float  # drafts / (layers + drafts): the drafts' share when every layer costs the same
     num_drafts: int = 1
+    # the same three by a Roofline (None without one)
+    roofline_verify_vs_plain: float | None = None
+    roofline_draft_share: float | None = None
+    roofline_speedup: float | None = None
+    roofline_plain_ms: float | None = None  # a plain step's time at the roofline
 
     @classmethod
-    def of(cls, s: ModelShape, batch: int, acceptance: float, num_drafts: int = 1) -> MTPBound:
+    def of(
+        cls,
+        s: ModelShape,
+        batch: int,
+        acceptance: float,
+        num_drafts: int = 1,
+        roofline: Roofline | None = None,
+    ) -> MTPBound:
         """``num_drafts`` a step (the MTP layer run once per draft), ``acceptance`` the share of
         drafts accepted: a verification reads ``num_drafts + 1`` tokens per sequence."""
         plain, verify = step_params(s, batch), step_params(s, (num_drafts + 1) * batch)
         draft = num_drafts * draft_params(s, batch)
+        timed: dict[str, float] = {}
+        if roofline is not None:
+            plain_s = roofline.step_seconds(s, batch, 1)
+            verify_s = roofline.step_seconds(s, batch, num_drafts + 1)
+            draft_s = num_drafts * roofline.draft_seconds(s, batch)
+            timed = {
+                "roofline_verify_vs_plain": verify_s / plain_s,
+                "roofline_draft_share": draft_s / (verify_s + draft_s),
+                "roofline_speedup": (1.0 + num_drafts * acceptance) * plain_s / (verify_s + draft_s),
+                "roofline_plain_ms": plain_s * 1e3,
+            }
         return cls(
             batch=batch,
             verify_vs_plain=verify / plain,
@@ -65,6 +187,7 @@ class MTPBound:
             speedup=(1.0 + num_drafts * acceptance) * plain / (verify + draft),
             layer_floor=num_drafts / (s.layers + num_drafts),
             num_drafts=num_drafts,
+            **timed,
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""The weights model that says what bounds MTP's speed-up (harness/mtp_bounds.py)."""
+"""The weights model and the roofline that say what bounds MTP's speed-up (harness/mtp_bounds.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import dataclasses
 import pytest
 import torch
 
+from dsinfer.base.config import ModelConfig
 from dsinfer.sim.model_dims import ModelShape
-from harness.mtp_bounds import MTPBound, distinct_experts, draft_params, step_params
+from harness.checkpoints import MTP_WIDE, TINY_BASE
+from harness.mtp_bounds import MTPBound, Roofline, distinct_experts, draft_params, measure_rates, step_params
 
 
 def test_distinct_experts_matches_random_routing() -> None:
@@ -55,3 +57,48 @@ def test_more_drafts_raise_the_bound_slowly_at_batch_one_and_their_share_with_it
     assert need is not None and MTPBound.of(shape, 1, 1.0, need).speedup >= 1.5
     assert MTPBound.of(shape, 1, 1.0, need - 1).speedup < 1.5
     assert MTPBound.drafts_for(shape, 1, 100.0) is None
+
+
+def test_a_roofline_reading_weights_only_is_the_weights_model() -> None:
+    """With FLOPs free and no context to attend over, each part costs its bytes: the roofline's
+    ratios are the weights model's, at any batch and depth."""
+    shape = ModelShape.preset("deepseek-v3")
+    memory_bound = Roofline(bandwidth=3e12, flops=float("inf"), weight_bytes=1, cache_bytes=2, context=0.0)
+    for batch, drafts in ((1, 1), (16, 2), (256, 3)):
+        bound = MTPBound.of(shape, batch, 0.9, drafts, memory_bound)
+        assert bound.roofline_verify_vs_plain == pytest.approx(bound.verify_vs_plain)
+        assert bound.roofline_draft_share == pytest.approx(bound.draft_share)
+        assert bound.roofline_speedup == pytest.approx(bound.speedup)
+    assert MTPBound.of(shape, 1, 0.9).roofline_speedup is None  # no roofline given
+
+
+def test_where_a_step_is_set_by_its_arithmetic_drafting_only_loses() -> None:
+    """Compute-bound, a verification of N + 1 tokens costs N + 1 plain steps (and more for the
+    longer context of its later tokens): no acceptance pays for the drafts."""
+    shape = ModelShape.preset("tiny-chat")
+    compute_bound = Roofline(bandwidth=float("inf"), flops=1e11, weight_bytes=4, cache_bytes=4, context=64.0)
+    for drafts in (1, 3):
+        bound = MTPBound.of(shape, 64, 1.0, drafts, compute_bound)
+        assert bound.roofline_verify_vs_plain == pytest.approx(drafts + 1)
+        assert bound.roofline_speedup is not None and bound.roofline_speedup < 1.0
+
+
+def test_a_cpu_roofline_bounds_a_wide_model_at_batch_64_near_one() -> None:
+    """benchmarks/mtp_speed.py's `wide` model on a 2-core CPU (31 GB/s read, 200 GFLOP/s float32
+    GEMM; context about 80): at batch 1 the weights set the bound, at batch 64 mostly the arithmetic
+    does, so a verification costs well over a plain step (the EPYC measured 1.49x, and a speed-up of
+    1.05-1.12x) and more drafts bound it lower."""
+    shape = ModelShape.from_config(ModelConfig.from_dict({**TINY_BASE, **MTP_WIDE}))
+    cpu = Roofline(bandwidth=31e9, flops=2e11, weight_bytes=4, cache_bytes=4, context=80.0)
+    one, wide_batch = MTPBound.of(shape, 1, 1.0, 1, cpu), MTPBound.of(shape, 64, 1.0, 1, cpu)
+    assert one.roofline_speedup == pytest.approx(one.speedup, rel=0.02)
+    assert wide_batch.roofline_verify_vs_plain is not None
+    assert wide_batch.verify_vs_plain < 1.3 < wide_batch.roofline_verify_vs_plain < 2.0
+    assert wide_batch.roofline_speedup is not None and wide_batch.roofline_speedup < 1.15 < wide_batch.speedup
+    three = MTPBound.of(shape, 64, 1.0, 3, cpu)
+    assert three.roofline_speedup is not None and three.roofline_speedup < wide_batch.roofline_speedup
+
+
+def test_measured_rates_are_a_machines() -> None:
+    bandwidth, flops = measure_rates(torch.device("cpu"), torch.float32, 256)
+    assert 1e8 < bandwidth < 1e13 and 1e8 < flops < 1e14
