@@ -52,6 +52,27 @@ def test_fused_experts_matches_reference(
     assert torch.allclose(grouped.double(), expected, atol=tol * 2, rtol=tol * 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_rows_for_k_pairs_equal_the_rows_repeated(dtype: torch.dtype) -> None:
+    """``pairs_per_row`` k: pair p reads token row p // k (MoE passes each token once for its k
+    experts): the same bits as the rows repeated k times, in the fused kernel and the grouped
+    reference alike."""
+    tokens, _, w13, w2 = _case(13, 6, 64, 32, dtype, seed=5)
+    k = 3
+    pair_slots = torch.randint(6, (13 * k,), generator=torch.Generator().manual_seed(6))
+    repeated = tokens.repeat_interleave(k, dim=0)
+    fused = fused_experts(tokens, pair_slots, w13, None, w2, None, k)
+    assert fused.shape == (13 * k, 64) and torch.equal(
+        fused, fused_experts(repeated, pair_slots, w13, None, w2, None)
+    )
+    grouped = grouped_experts(gemm.grouped_gemm_contiguous, tokens, pair_slots, w13, None, w2, None, k)
+    assert torch.equal(
+        grouped, grouped_experts(gemm.grouped_gemm_contiguous, repeated, pair_slots, w13, None, w2, None)
+    )
+    empty = fused_experts(tokens[:0], pair_slots[:0], w13, None, w2, None, k)
+    assert empty.shape == (0, 64)
+
+
 def test_fused_experts_row_result_does_not_depend_on_the_batch() -> None:
     """Expert-parallel pools group rows differently at every size: a row's bits must not change."""
     rows, slots, w13, w2 = _case(45, 5, 64, 32, torch.float32, seed=3)

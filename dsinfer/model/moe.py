@@ -55,7 +55,9 @@ class ExpertParallel:
         return self.group.rank
 
 
-Received = tuple[torch.Tensor, torch.Tensor, DispatchHandle | None]  # rows, local slots, handle
+# rows, local slots (one per pair), handle; without expert parallelism the rows are the tokens'
+# (``RoutedWork.pairs_per_row`` pairs each), after a dispatch one row per pair
+Received = tuple[torch.Tensor, torch.Tensor, DispatchHandle | None]
 
 
 @dataclass
@@ -67,6 +69,7 @@ class RoutedWork:
     dispatch: Pending[Received]
     combine: Pending[torch.Tensor] | None = None  # posted by MoE.run_experts
     masked: bool = False  # run_experts uses the masked layout (graph-safe)
+    pairs_per_row: int = 1  # the pairs each received row stands for (k: the tokens themselves)
 
 
 class Gate(nn.Module):
@@ -138,15 +141,18 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum over each token's routed experts, all hosted here, x: [T, H] -> [T, H]."""
-        y = self.compute(pair_rows(x, topk_ids.shape[1]), self.slot_of_expert[topk_ids].flatten())
+        y = self.compute(x, self.slot_of_expert[topk_ids].flatten(), topk_ids.shape[1])
         return _weighted_sum(y, topk_weights)
 
-    def compute(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Each row through the expert in its local slot: [M, H] -> [M, H], in the rows' order."""
+    def compute(self, rows: torch.Tensor, slots: torch.Tensor, pairs_per_row: int = 1) -> torch.Tensor:
+        """Each (row, slot) pair through the expert in its local slot, pair ``p`` reading row
+        ``p // pairs_per_row``: [M, H] -> [M * pairs_per_row, H], in the pairs' order."""
         self.slot_load += torch.bincount(slots, minlength=len(self.expert_ids))
         if rows.shape[0] == 0:
             return rows.new_zeros((0, self.hidden))
-        return self.ops.fused_experts(rows, slots, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
+        return self.ops.fused_experts(
+            rows, slots, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, pairs_per_row
+        )
 
     def compute_masked(
         self, rows: torch.Tensor, slots: torch.Tensor, capacity: int | None = None
@@ -203,11 +209,6 @@ def pair_tokens(topk_ids: torch.Tensor) -> torch.Tensor:
     """The token of each flattened (token, k) pair."""
     tokens, k = topk_ids.shape
     return torch.arange(tokens, device=topk_ids.device).repeat_interleave(k)
-
-
-def pair_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``x[pair_tokens(topk_ids)]`` without the index: each token's row ``k`` times, in pair order."""
-    return x.unsqueeze(1).expand(-1, k, -1).reshape(-1, x.shape[-1])
 
 
 def _weighted_sum(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -295,10 +296,9 @@ class MoE(nn.Module):
             local = Pending.completed((x[pair_token], slots, None))
             return RoutedWork(x, topk_weights, local, masked=masked)
         self.expert_load += torch.bincount(experts, minlength=self.expert_load.shape[0])
-        if self.ep is None:
-            rows = pair_rows(x, topk_ids.shape[1])
-            local = Pending.completed((rows, self.experts.slot_of_expert[experts], None))
-            return RoutedWork(x, topk_weights, local)
+        if self.ep is None:  # the experts read each token's row for its k pairs
+            local = Pending.completed((x, self.experts.slot_of_expert[experts], None))
+            return RoutedWork(x, topk_weights, local, pairs_per_row=topk_ids.shape[1])
         pair_token = pair_tokens(topk_ids)
         # spread a token's pairs and consecutive tokens over the replicas of their expert
         spread = pair_token + torch.arange(topk_ids.shape[1], device=x.device).repeat(topk_ids.shape[0])
@@ -314,7 +314,7 @@ class MoE(nn.Module):
         if work.masked:
             y = self.experts.compute_masked(rows, slots, capacity=work.x.shape[0])
         else:
-            y = self.experts.compute(rows, slots)
+            y = self.experts.compute(rows, slots, work.pairs_per_row)
         if handle is None:
             work.combine = Pending.completed(y)
         else:

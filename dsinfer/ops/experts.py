@@ -27,13 +27,16 @@ def fused_experts(
     w13_scale_inv: torch.Tensor | None,
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor | None,
+    pairs_per_row: int = 1,
 ) -> torch.Tensor:
-    """Each row through the SwiGLU expert of its local slot: ``[M, H] -> [M, H]`` in ``rows``'
-    dtype and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, either
-    plain or block-FP8 with their ``*_scale_inv``; a row's result does not depend on the other rows.
+    """Each (row, expert) pair through the SwiGLU expert of its local slot: ``rows [M, H]``, pair
+    ``p`` reading row ``p // pairs_per_row`` (a token's row for its k experts, not copied k times)
+    and ``slots [M * pairs_per_row]`` -> ``[M * pairs_per_row, H]`` in ``rows``' dtype and pair
+    order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, either plain or
+    block-FP8 with their ``*_scale_inv``; a pair's result does not depend on the other pairs.
     The ``FusedExperts`` contract's reference (the fused CPU kernel is dsinfer/ops/experts_cpu.py)."""
     return grouped_experts(
-        torch_gemm.grouped_gemm_contiguous, rows, slots, w13, w13_scale_inv, w2, w2_scale_inv
+        torch_gemm.grouped_gemm_contiguous, rows, slots, w13, w13_scale_inv, w2, w2_scale_inv, pairs_per_row
     )
 
 
@@ -63,7 +66,10 @@ def grouped_experts(
     w13_scale_inv: torch.Tensor | None,
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor | None,
+    pairs_per_row: int = 1,
 ) -> torch.Tensor:
+    if pairs_per_row > 1:
+        rows = rows.repeat_interleave(pairs_per_row, dim=0)
     if rows.shape[0] == 0:
         return rows.new_zeros((0, w2.shape[1]))
     order = torch.argsort(slots, stable=True)

@@ -131,13 +131,17 @@ def fused_experts(
     w13_scale_inv: torch.Tensor | None,
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor | None,
+    pairs_per_row: int = 1,
 ) -> torch.Tensor:
     """``FusedExperts`` (dsinfer/ops/signatures.py): bf16 rows and weights of sizes that
-    :func:`fits` AMX tiles, anything else through :func:`dsinfer.ops.experts_cpu.fused_experts`."""
+    :func:`fits` AMX tiles (a row repeated for each of its pairs), anything else through
+    :func:`dsinfer.ops.experts_cpu.fused_experts`."""
     hidden, inter = w13.shape[2], w2.shape[2]
     bf16 = rows.dtype == w13.dtype == w2.dtype == torch.bfloat16
     if not (bf16 and rows.shape[0] > 0 and fits(hidden, inter) and amx_bf16_available()):
-        return experts_cpu.fused_experts(rows, slots, w13, w13_scale_inv, w2, w2_scale_inv)
+        return experts_cpu.fused_experts(rows, slots, w13, w13_scale_inv, w2, w2_scale_inv, pairs_per_row)
+    if pairs_per_row > 1:
+        rows = rows.repeat_interleave(pairs_per_row, dim=0)
     out = torch.empty(rows.shape[0], hidden, dtype=torch.float32)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     experts_amx(

@@ -69,8 +69,9 @@ def rows_by_slot(slots, num_slots):
 
 
 @numba.njit(parallel=True, cache=True, fastmath=_FASTMATH, nogil=True)
-def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typed by numba
-    """``w13``/``w2`` float32, or empty with ``w13_bits``/``w2_bits`` holding bf16 weights as uint16."""
+def _experts(rows, pairs_per_row, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typed by numba
+    """Pair ``p`` reads row ``p // pairs_per_row``; ``w13``/``w2`` float32, or empty with
+    ``w13_bits``/``w2_bits`` holding bf16 weights as uint16."""
     hidden = rows.shape[1]
     bf16 = w13_bits.shape[0] > 0
     num_slots = w13_bits.shape[0] if bf16 else w13.shape[0]
@@ -84,7 +85,7 @@ def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typ
         padded = -(-count // BLOCK) * BLOCK
         a = np.zeros((padded, hidden), dtype=np.float32)
         for i in range(count):
-            a[i] = rows[order[starts[s] + i]]
+            a[i] = rows[order[starts[s] + i] // pairs_per_row]
         gate_up = np.empty((padded, two_inter), dtype=np.float32)
         if bf16:
             _matmul_nt(a, w13_bits[s], gate_up)
@@ -107,6 +108,7 @@ def _experts(rows, slots, w13, w13_bits, w2, w2_bits, out):  # numpy arrays, typ
 # the one signature :func:`fused_experts` calls the kernel with, float32 or bf16 weights
 _EXPERTS_SIGNATURE = (
     c_array(numba.float32, 2),  # rows
+    numba.int64,  # pairs per row
     c_array(numba.int64, 1),  # slots
     c_array(numba.float32, 3),  # w13 (empty for bf16)
     c_array(numba.uint16, 3),  # w13 bf16 bits (empty for float32)
@@ -128,19 +130,29 @@ def fused_experts(
     w13_scale_inv: torch.Tensor | None,
     w2: torch.Tensor,
     w2_scale_inv: torch.Tensor | None,
+    pairs_per_row: int = 1,
 ) -> torch.Tensor:
-    """Each row through the SwiGLU expert of its local slot: ``[M, H] -> [M, H]`` in ``rows``' dtype
-    and order. ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, CPU tensors;
-    a row's result does not depend on the other rows. Float32 or bfloat16 weights run fused;
-    others (block-FP8) through the grouped-GEMM reference. The ``FusedExperts`` contract
-    (dsinfer/ops/signatures.py; its reference: dsinfer.ops.experts.fused_experts)."""
+    """Each (row, expert) pair through the SwiGLU expert of its local slot, pair ``p`` reading row
+    ``p // pairs_per_row``: ``[M, H] -> [M * pairs_per_row, H]`` in ``rows``' dtype and pair order.
+    ``w13`` ``[S, 2I, H]`` (gate rows, then up rows), ``w2`` ``[S, H, I]``, CPU tensors; a pair's
+    result does not depend on the other pairs. Float32 or bfloat16 weights run fused (a token's
+    row read in place for each of its experts); others (block-FP8) through the grouped-GEMM
+    reference. The ``FusedExperts`` contract (dsinfer/ops/signatures.py; its reference:
+    dsinfer.ops.experts.fused_experts)."""
     fused_dtypes = (torch.float32, torch.bfloat16)
     if w13.dtype not in fused_dtypes or w2.dtype != w13.dtype:
         return grouped_experts(
-            torch_gemm.grouped_gemm_contiguous, rows, slots, w13, w13_scale_inv, w2, w2_scale_inv
+            torch_gemm.grouped_gemm_contiguous,
+            rows,
+            slots,
+            w13,
+            w13_scale_inv,
+            w2,
+            w2_scale_inv,
+            pairs_per_row,
         )
     hidden = w13.shape[2]
-    out = torch.empty(rows.shape[0], hidden, dtype=torch.float32)
+    out = torch.empty(rows.shape[0] * pairs_per_row, hidden, dtype=torch.float32)
     if rows.shape[0] == 0:
         return out.to(rows.dtype)
     empty_bits = np.empty((0, 1, 1), dtype=np.uint16)
@@ -156,6 +168,7 @@ def fused_experts(
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     _experts(
         rows.detach().float().contiguous().numpy(),
+        pairs_per_row,
         slots.to(torch.int64).contiguous().numpy(),
         weights[0],
         weights[1],
