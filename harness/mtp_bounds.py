@@ -150,11 +150,11 @@ class MTPBound:
     speedup: float  # tokens per step (1 + drafts x acceptance) over the MTP step's weights / a plain step's
     layer_floor: float  # drafts / (layers + drafts): the drafts' share when every layer costs the same
     num_drafts: int = 1
-    # the same three by a Roofline (None without one)
+    # the same by a Roofline, and a plain step's time at it (None without one)
     roofline_verify_vs_plain: float | None = None
     roofline_draft_share: float | None = None
     roofline_speedup: float | None = None
-    roofline_plain_ms: float | None = None  # a plain step's time at the roofline
+    roofline_plain_ms: float | None = None
 
     @classmethod
     def of(
@@ -166,7 +166,8 @@ class MTPBound:
         roofline: Roofline | None = None,
     ) -> MTPBound:
         """``num_drafts`` a step (the MTP layer run once per draft), ``acceptance`` the share of
-        drafts accepted: a verification reads ``num_drafts + 1`` tokens per sequence."""
+        drafts accepted: a verification reads ``num_drafts + 1`` tokens per sequence. With a
+        ``roofline``, its timings of the same steps too."""
         plain, verify = step_params(s, batch), step_params(s, (num_drafts + 1) * batch)
         draft = num_drafts * draft_params(s, batch)
         timed: dict[str, float] = {}
