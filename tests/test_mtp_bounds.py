@@ -73,8 +73,8 @@ def test_a_roofline_reading_weights_only_is_the_weights_model() -> None:
 
 
 def test_where_a_step_is_set_by_its_arithmetic_drafting_only_loses() -> None:
-    """Compute-bound, a verification of N + 1 tokens costs N + 1 plain steps (and more for the
-    longer context of its later tokens): no acceptance pays for the drafts."""
+    """Compute-bound, a verification of N + 1 tokens costs N + 1 plain steps: no acceptance pays
+    for the drafts."""
     shape = ModelShape.preset("tiny-chat")
     compute_bound = Roofline(bandwidth=float("inf"), flops=1e11, weight_bytes=4, cache_bytes=4, context=64.0)
     for drafts in (1, 3):
