@@ -22,15 +22,13 @@ two regimes, the part that is still bound by reading weights is what MTP wins ba
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from dsinfer.ops.gemm import linear, pack_linear_weight
 from dsinfer.sim.model_dims import ModelShape
+from harness.kernels import Timer
 
 GEMM_ROWS = 128  # the rows of the measured GEMM: a verification's at batch 64
 READ_BYTES = 256 * 2**20  # the measured read: well past any cache
@@ -41,51 +39,51 @@ def distinct_experts(experts: int, topk: int, tokens: int) -> float:
     return experts * (1.0 - (1.0 - topk / experts) ** tokens)
 
 
-def _moe_layer(s: ModelShape, tokens: int) -> float:
-    routed = distinct_experts(s.experts, s.topk, tokens)
-    return s.attention_params + s.experts * s.hidden + (s.shared_experts + routed) * s.expert_params
+def _routed_params(s: ModelShape, tokens: int) -> float:
+    """One MoE layer's routed experts that ``tokens`` tokens read."""
+    return distinct_experts(s.experts, s.topk, tokens) * s.expert_params
+
+
+def _moe_layer_dense_params(s: ModelShape) -> float:
+    """One MoE layer's weights read whatever its tokens: attention, router, shared experts."""
+    return s.attention_params + s.experts * s.hidden + s.shared_experts * s.expert_params
+
+
+def _step_dense_params(s: ModelShape) -> float:
+    """A target step's weights read whatever its tokens (every layer but its routed experts, and
+    the LM head)."""
+    dense = s.dense_layers * (s.attention_params + s.dense_ffn_params)
+    return dense + s.moe_layers * _moe_layer_dense_params(s) + s.vocab * s.hidden
+
+
+def _draft_dense_params(s: ModelShape) -> float:
+    """A draft's: the MTP layer's input projection, its MoE layer but the routed experts, its head."""
+    return 2 * s.hidden * s.hidden + _moe_layer_dense_params(s) + s.vocab * s.hidden
 
 
 def step_params(s: ModelShape, tokens: int) -> float:
     """Parameters a target step over ``tokens`` tokens reads (decoder layers and the LM head)."""
-    dense = s.dense_layers * (s.attention_params + s.dense_ffn_params)
-    return dense + s.moe_layers * _moe_layer(s, tokens) + s.vocab * s.hidden
+    return _step_dense_params(s) + s.moe_layers * _routed_params(s, tokens)
 
 
 def draft_params(s: ModelShape, sequences: int) -> float:
     """Parameters the MTP layer reads drafting for ``sequences`` sequences: its input projection,
     one MoE layer at each sequence's last position, its head."""
-    return 2 * s.hidden * s.hidden + _moe_layer(s, sequences) + s.vocab * s.hidden
-
-
-def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 7) -> float:
-    """The median time of one call, each sample timing enough calls to last about 20 ms."""
-
-    def timed(calls: int) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - start) / calls
-
-    calls = max(1, int(0.02 / timed(1)))
-    return statistics.median(timed(calls) for _ in range(repeats))
+    return _draft_dense_params(s) + _routed_params(s, sequences)
 
 
 def measure_rates(device: torch.device, dtype: torch.dtype, hidden: int) -> tuple[float, float]:
     """(bytes a second read from memory, FLOP/s of a GEMM) on ``device``: a sum over 256 MB, and
     ``GEMM_ROWS`` rows through a ``4 * hidden x hidden`` weight of ``dtype`` as the engine runs it
-    (packed where it packs); medians of seven."""
+    (packed where it packs); medians of up to 21 calls (harness.kernels.Timer)."""
+    timer = Timer(warmup=3, iters=21, max_s=0.5, device=str(device))
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32, device=device)
-    bandwidth = READ_BYTES / _median_seconds(data.sum, device)
+    bandwidth = READ_BYTES / (timer(data.sum)["median_us"] * 1e-6)
     weight = torch.randn(4 * hidden, hidden, device=device).to(dtype)
     packed = pack_linear_weight(weight)
     x = torch.randn(GEMM_ROWS, hidden, device=device).to(dtype)
-    seconds = _median_seconds(lambda: linear(x, weight if packed is None else packed), device)
-    return bandwidth, 2.0 * GEMM_ROWS * weight.numel() / seconds
+    gemm_us = timer(lambda: linear(x, weight if packed is None else packed))["median_us"]
+    return bandwidth, 2.0 * GEMM_ROWS * weight.numel() / (gemm_us * 1e-6)
 
 
 @dataclass(frozen=True)
@@ -111,7 +109,7 @@ class Roofline:
 
     def _moe(self, s: ModelShape, tokens: int, layers: int) -> float:
         """Routed experts: the distinct experts' weights read, each token's top-k multiplied."""
-        routed = distinct_experts(s.experts, s.topk, tokens) * s.expert_params
+        routed = _routed_params(s, tokens)
         return layers * self._part(routed * self.weight_bytes, 2.0 * tokens * s.topk * s.expert_params)
 
     def _dense(self, params: float, tokens: int) -> float:
@@ -120,12 +118,8 @@ class Roofline:
     def step_seconds(self, s: ModelShape, sequences: int, tokens_per_seq: int) -> float:
         """A target step: ``tokens_per_seq`` query tokens for each of ``sequences`` sequences."""
         tokens = sequences * tokens_per_seq
-        dense = s.dense_layers * s.dense_ffn_params + s.vocab * s.hidden
-        dense += s.layers * s.attention_params + s.moe_layers * (
-            s.experts * s.hidden + s.shared_experts * s.expert_params
-        )
         return (
-            self._dense(dense, tokens)
+            self._dense(_step_dense_params(s), tokens)
             + self._moe(s, tokens, s.moe_layers)
             + self._attention(s, sequences, tokens, s.layers)
         )
@@ -133,10 +127,8 @@ class Roofline:
     def draft_seconds(self, s: ModelShape, sequences: int) -> float:
         """One draft: the MTP layer (its input projection, an MoE layer) and its head, at each
         sequence's last position."""
-        dense = 2 * s.hidden * s.hidden + s.attention_params + s.experts * s.hidden
-        dense += s.shared_experts * s.expert_params + s.vocab * s.hidden
         return (
-            self._dense(dense, sequences)
+            self._dense(_draft_dense_params(s), sequences)
             + self._moe(s, sequences, 1)
             + self._attention(s, sequences, sequences, 1)
         )
