@@ -196,6 +196,7 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             speculative_mtp=mode == "mtp",
             speculative_num_steps=args.num_steps if mode == "mtp" else 1,
             speculative_steps_by_batch=args.steps_by_batch if mode == "mtp" else "",
+            speculative_draft_dtype=args.draft_dtype if mode == "mtp" else "auto",
             enable_prefix_caching=False,
             kv_cache_memory=2**30,
             trace_dir=scratch / mode,
@@ -237,14 +238,21 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     bandwidth, flops = measure_rates(device, dtype, shape.hidden)
     value_bytes = torch.tensor([], dtype=dtype).element_size()  # the weights' and the cache's
+    draft_dtype = dtype if args.draft_dtype == "auto" else getattr(torch, args.draft_dtype)
+    draft_flops = flops if draft_dtype == dtype else measure_rates(device, draft_dtype, shape.hidden)[1]
     bounds = []
     for b in batches:
         out = [p["output_tokens"] / b for p in passes if p["batch"] == b and p["mode"] == "mtp"]
         # the mean context a decode step attends over: the prompt and half the reply
         context = statistics.mean(map(len, prompts[:b])) + statistics.median(out) / 2
         roofline = Roofline(bandwidth, flops, value_bytes, value_bytes, context)
+        draft_roofline = (
+            Roofline(bandwidth, draft_flops, draft_dtype.itemsize, value_bytes, context)
+            if draft_dtype != dtype
+            else None
+        )
         drafts = steps_at(args.num_steps, schedule, b)
-        bounds.append(asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, drafts, roofline)))
+        bounds.append(asdict(MTPBound.of(shape, b, acceptance[b] or 0.0, drafts, roofline, draft_roofline)))
     needed = {b: MTPBound.drafts_for(shape, b, TARGET_SPEEDUP) for b in batches}
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -252,7 +260,11 @@ def _run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
         "rows": _rows(passes, traces, acceptance),
         "identical": same,
         "bounds": bounds,
-        "roofline_machine": {"read_gb_s": bandwidth / 1e9, "gemm_gflop_s": flops / 1e9},
+        "roofline_machine": {
+            "read_gb_s": bandwidth / 1e9,
+            "gemm_gflop_s": flops / 1e9,
+            **({"draft_gemm_gflop_s": draft_flops / 1e9} if draft_dtype != dtype else {}),
+        },
         "drafts_for_target": needed,
     }
 
@@ -346,6 +358,11 @@ def markdown(result: dict[str, Any]) -> str:
             f"- model {result['model']}, {result['dtype']}; task {result['task']}; "
             f"{result.get('num_steps', 1)} MTP draft(s) a step"
             + (f" (by batch size: {result['steps_by_batch']})" if result.get("steps_by_batch") else "")
+            + (
+                f", drafted in {result['draft_dtype']}"
+                if result.get("draft_dtype", "auto") not in ("auto", result["dtype"])
+                else ""
+            )
             + f"; device {result.get('device', 'cpu')}"
             + (
                 ", decode and draft steps replayed from CUDA graphs (a forward's time is its launch; the "
@@ -377,7 +394,13 @@ def markdown(result: dict[str, Any]) -> str:
                     "bytes and doing its FLOPs"
                     + (
                         f" at this machine's {rates['read_gb_s']:.1f} GB/s read and "
-                        f"{rates['gemm_gflop_s']:.0f} GFLOP/s GEMM (measured here)"
+                        f"{rates['gemm_gflop_s']:.0f} GFLOP/s GEMM (measured here"
+                        + (
+                            f"; the draft's at its {rates['draft_gemm_gflop_s']:.0f} GFLOP/s and its weights' bytes"
+                            if "draft_gemm_gflop_s" in rates
+                            else ""
+                        )
+                        + ")"
                         if rates
                         else ""
                     )
@@ -425,6 +448,11 @@ def main() -> None:
         default="",
         help="fewer drafts at larger batches, e.g. 64:3 (the engine's --speculative-steps-by-batch)",
     )
+    parser.add_argument(
+        "--draft-dtype",
+        default="auto",
+        help="dtype the MTP layer drafts in (the engine's --speculative-draft-dtype; auto: --dtype)",
+    )
     add_output_args(parser)
     args = parser.parse_args()
     machine = run_machine()
@@ -436,6 +464,7 @@ def main() -> None:
         "repeats": args.repeats,
         "num_steps": args.num_steps,
         "steps_by_batch": args.steps_by_batch,
+        "draft_dtype": args.draft_dtype,
         **run(args),
     }
     machine["load_after"] = load_average()

@@ -156,17 +156,22 @@ class MTPBound:
         acceptance: float,
         num_drafts: int = 1,
         roofline: Roofline | None = None,
+        draft_roofline: Roofline | None = None,
     ) -> MTPBound:
         """``num_drafts`` a step (the MTP layer run once per draft), ``acceptance`` the share of
         drafts accepted: a verification reads ``num_drafts + 1`` tokens per sequence. With a
-        ``roofline``, its timings of the same steps too."""
+        ``roofline``, its timings of the same steps too. ``draft_roofline``: the MTP layer's own
+        where it runs in another dtype (``--speculative-draft-dtype``: its weights' bytes and GEMM
+        rate; the cache's stay the target's); the weights model then counts its weights' bytes."""
         plain, verify = step_params(s, batch), step_params(s, (num_drafts + 1) * batch)
         draft = num_drafts * draft_params(s, batch)
+        if roofline is not None and draft_roofline is not None:
+            draft *= draft_roofline.weight_bytes / roofline.weight_bytes
         timed: dict[str, float] = {}
         if roofline is not None:
             plain_s = roofline.step_seconds(s, batch, 1)
             verify_s = roofline.step_seconds(s, batch, num_drafts + 1)
-            draft_s = num_drafts * roofline.draft_seconds(s, batch)
+            draft_s = num_drafts * (draft_roofline or roofline).draft_seconds(s, batch)
             timed = {
                 "roofline_verify_vs_plain": verify_s / plain_s,
                 "roofline_draft_share": draft_s / (verify_s + draft_s),

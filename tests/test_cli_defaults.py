@@ -137,7 +137,7 @@ def test_size_text_reads_back(size: int, text: str) -> None:
     [
         [],
         ["--speculative-mtp", "--speculative-num-steps", "3", "--speculative-steps-by-batch", "16:2,64:1",
-         "--kv-cache-memory", "4GiB", "--no-prefix-caching"],
+         "--speculative-draft-dtype", "bfloat16", "--kv-cache-memory", "4GiB", "--no-prefix-caching"],
     ],
 )  # fmt: skip
 def test_child_command_lines_read_back(argv: list[str]) -> None:

@@ -102,3 +102,20 @@ def test_a_cpu_roofline_bounds_a_wide_model_at_batch_64_near_one() -> None:
 def test_measured_rates_are_a_machines() -> None:
     bandwidth, flops = measure_rates(torch.device("cpu"), torch.float32, 256)
     assert 1e8 < bandwidth < 1e13 and 1e8 < flops < 1e14
+
+
+def test_a_draft_in_bf16_bounds_the_wide_model_higher_at_batch_64() -> None:
+    """``--speculative-draft-dtype bfloat16`` under a float32 target, on the CPU of the test above
+    (bf16 GEMMs at about twice float32's rate): the drafts read half the bytes and run at the bf16
+    rate, so their share falls and the bound rises, at batch 1 and batch 64; the verification is
+    the target's, unchanged."""
+    shape = ModelShape.from_config(ModelConfig.from_dict({**TINY_BASE, **MTP_WIDE}))
+    f32 = Roofline(bandwidth=31e9, flops=2e11, weight_bytes=4, cache_bytes=4, context=80.0)
+    bf16 = dataclasses.replace(f32, flops=4e11, weight_bytes=2)
+    for batch in (1, 64):
+        same, drafted = MTPBound.of(shape, batch, 1.0, 3, f32), MTPBound.of(shape, batch, 1.0, 3, f32, bf16)
+        assert drafted.roofline_verify_vs_plain == same.roofline_verify_vs_plain
+        assert drafted.draft_share == pytest.approx(same.draft_share / (2 - same.draft_share))
+        for name in ("roofline_draft_share", "roofline_speedup", "speedup"):
+            lower, higher = (drafted, same) if "share" in name else (same, drafted)
+            assert getattr(lower, name) < getattr(higher, name), name

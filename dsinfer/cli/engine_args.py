@@ -126,6 +126,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "speculative_steps_by_batch",
         help=f"{field_help(EngineArgs, 'speculative_steps_by_batch')} (default: none)",
     )
+    flag(
+        "speculative_draft_dtype",
+        help=f"{field_help(EngineArgs, 'speculative_draft_dtype')} (default: %(default)s)",
+    )
     flag("num_redundant_experts", int)
     flag("placement", help="expert placement file (JSON) for EP pools")
     flag(

@@ -42,10 +42,15 @@ def free_memory(device: torch.device) -> int:
 
 
 def model_identity(
-    path: Path, load_format: str, seed: int, dtype: torch.dtype, device: torch.device
+    path: Path,
+    load_format: str,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft_dtype: torch.dtype | None = None,
 ) -> bytes:
-    """Root of the page-hash chains: KV computed by another model (or dtype) never matches; dummy
-    weights differ per kind of device they were drawn on."""
+    """Root of the page-hash chains: KV computed by another model (or dtype, or MTP layer's dtype)
+    never matches; dummy weights differ per kind of device they were drawn on."""
     digest = hashlib.sha256((path / "config.json").read_bytes())
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -57,5 +62,5 @@ def model_identity(
         digest.hexdigest(),
         load_format,
         f"{seed}:{device.type}" if load_format == "dummy" else "",
-        str(dtype),
+        str(dtype) if draft_dtype in (None, dtype) else f"{dtype} draft {draft_dtype}",
     )

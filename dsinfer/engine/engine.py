@@ -76,6 +76,13 @@ class LLMEngine:
         device = resolve_device(args.device)
         bind_device(device)
         dtype = resolve_dtype(args.dtype, device)
+        draft = args.speculative_draft_dtype
+        draft_dtype = dtype if draft == "auto" else resolve_dtype(draft, device)
+        if draft_dtype != dtype and ep_group is not None:
+            raise ValueError(
+                "speculative_draft_dtype other than the model's is not supported in an expert-parallel "
+                "pool (its MTP layer's experts move between ranks in the model's dtype): use auto"
+            )
         self.ops = select_ops(device, prefer=args.kernel_backends)
         loaded = load_model(
             args.model,
@@ -89,6 +96,7 @@ class LLMEngine:
             placement=placement
             or (ExpertPlacement.load(args.placement) if args.placement is not None else None),
             num_redundant_experts=args.num_redundant_experts,
+            draft_dtype=draft_dtype,
         )
         self.config, self.model = loaded.config, loaded.model
         balancer = V4ExpertBalancer if isinstance(loaded.experts, V4ExpertSource) else OnlineExpertBalancer
@@ -117,7 +125,7 @@ class LLMEngine:
                 "state settles one draft a step): use 1"
             )
         pool = self._make_v4_pool(device, dtype) if v4 else self._make_pool(device, dtype)
-        root = model_identity(loaded.path, loaded.load_format, args.seed, dtype, device)
+        root = model_identity(loaded.path, loaded.load_format, args.seed, dtype, device, draft_dtype)
         self.model_identity = root.hex()  # servers refuse to mix workers of different models
         disk = None
         if args.kv_disk_cache_dir is not None:

@@ -22,9 +22,10 @@ from torch import nn
 
 from dsinfer.base.config import ModelConfig
 from dsinfer.model.batch import ForwardBatch, LayerCache
+from dsinfer.model.checkpoint import SCALE_SUFFIX
 from dsinfer.model.layers import MLP, Embedding, Linear, RMSNorm
 from dsinfer.model.mla import MLA, Projected
-from dsinfer.model.moe import ExpertParallel, MoE, Received, RoutedWork
+from dsinfer.model.moe import ExpertParallel, Gate, MoE, Received, RoutedWork
 from dsinfer.ops import Ops
 from dsinfer.parallel.ep import Pending
 
@@ -156,6 +157,19 @@ class MTPLayer(DecoderLayer):
         self.hnorm = RMSNorm(config.hidden_size, ops, config.rms_norm_eps)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, ops)
         self.shared_head = SharedHead(config, ops)
+        self.draft_dtype: torch.dtype | None = None  # set by cast(): the layer runs in it
+
+    def cast(self, dtype: torch.dtype, draft_dtype: torch.dtype) -> None:
+        """Before post_load: the layer's weights of ``dtype`` take ``draft_dtype``, and it runs
+        in it (its input cast, its latents stored in the cache's dtype). The router keeps its
+        weights: it scores in float32 whatever the input; FP8 weights and their scales stay."""
+        for module in self.modules():
+            if isinstance(module, Gate):
+                continue
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.dtype == dtype and not name.endswith(SCALE_SUFFIX):
+                    module._parameters[name] = nn.Parameter(param.to(draft_dtype), requires_grad=False)
+        self.draft_dtype = draft_dtype
 
     def forward_mtp(
         self,
@@ -170,6 +184,8 @@ class MTPLayer(DecoderLayer):
         draft reads no other, so the rest only write their latent KV (no attention, no FFN).
         ``last`` gives those positions' rows and their batch (else derived from ``batch`` on the
         host; a CUDA graph passes them over its static buffers)."""
+        if self.draft_dtype is not None:
+            hidden = hidden.to(self.draft_dtype)
         x = torch.cat([self.enorm(self.embed_tokens(next_tokens)), self.hnorm(hidden)], dim=-1)
         x = self.eh_proj(x)
         if not last_only:
@@ -235,13 +251,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Latent caches needed: one per decoder layer and one per MTP layer."""
         return self.config.num_hidden_layers + len(self.mtp_layers)
 
-    def post_load(self, dtype: torch.dtype) -> None:
+    def post_load(self, dtype: torch.dtype, draft_dtype: torch.dtype | None = None) -> None:
         """Derive what the loaded weights imply (stacked and absorbed MLA weights, stacked MLP
-        gate and up rows, packed GEMM weights)."""
+        gate and up rows, packed GEMM weights). ``draft_dtype``: the MTP layers' weights of
+        ``dtype`` take that dtype first (they draft in it)."""
+        if draft_dtype is not None and draft_dtype != dtype:
+            for layer in self.mtp_layers:
+                layer.cast(dtype, draft_dtype)
+        drafting = {id(layer.self_attn): layer.draft_dtype for layer in self.mtp_layers}
         for module in list(self.modules()):
             if isinstance(module, MLA):
                 module.stack_a_proj()
-                module.prepare_absorbed(dtype)
+                module.prepare_absorbed(drafting.get(id(module)) or dtype)
             elif isinstance(module, MLP):
                 module.stack_gate_up()
         for module in self.modules():

@@ -74,8 +74,10 @@ def load_model(
     ep_group: EPGroup | None = None,
     placement: ExpertPlacement | None = None,
     num_redundant_experts: int = 0,
+    draft_dtype: torch.dtype | None = None,
 ) -> LoadedModel:
     """Build and load a model. ``num_mtp_layers`` None = every MTP layer the checkpoint carries.
+    ``draft_dtype``: the MTP layers' high-precision weights in this dtype (None: ``dtype``).
 
     With ``ep_group`` the rank hosts, and reads from the checkpoint, only the expert slots the
     placement gives it (``placement``, else the default layout with ``num_redundant_experts``)."""
@@ -90,6 +92,7 @@ def load_model(
         refused = [
             (load_format == "dummy", "load_format 'dummy'"),
             (expert_ids is not None, "a subset of experts without an expert-parallel group"),
+            (draft_dtype not in (None, dtype), "an MTP layer in a dtype other than the model's"),
         ]
         for bad, what in refused:
             if bad:
@@ -170,7 +173,7 @@ def load_model(
         _fill_dummy(params, placements, config, seed, keep_fp8, device)
     else:
         _fill_from_checkpoint(params, placements, index, keep_fp8)
-    model.post_load(dtype)
+    model.post_load(dtype, draft_dtype)
     model.eval()
     experts_fp8 = any(".mlp.experts." in n for n in keep_fp8)
     source = ExpertSource(config, ops, index, experts_fp8, device, dtype, seed)
