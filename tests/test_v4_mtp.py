@@ -245,3 +245,13 @@ def test_mtp_through_the_disk_tier_after_a_restart(
     mixed = engine(tmp_path / "plain", True)
     assert _tokens(mixed, GREEDY, [branch]) == expected
     assert mixed.engine.kv.stats.disk_hit_tokens == 0
+
+
+def test_an_mtp_layer_in_a_dtype_of_its_own_is_refused_clearly(tmp_path: Path) -> None:
+    """``speculative_draft_dtype`` is a V3-family option: V4's MTP layer is refused before it loads."""
+    from dsinfer.model.loader import CheckpointError
+
+    build_v4("flash_like", tmp_path, with_tokenizer=True)
+    add_v4_mtp(tmp_path)
+    with pytest.raises(CheckpointError, match="an MTP layer in a dtype other than the model's is not served"):
+        LLM(str(tmp_path), dtype="float32", speculative_mtp=True, speculative_draft_dtype="bfloat16")
