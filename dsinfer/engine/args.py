@@ -155,6 +155,20 @@ class EngineArgs(BaseModel):
             return "fp8" if device_type == "cuda" else "model"
         return "fp8" if self.indexer_cache_dtype == "fp8" else "model"
 
+    def check_expert_parallel(self, draft_differs: bool) -> None:
+        """What an expert-parallel pool refuses, before the model loads (``draft_differs``: the MTP
+        layer would run in a dtype other than the model's)."""
+        if self.speculative_num_steps > 1:
+            raise ValueError(
+                "speculative_num_steps > 1 is not supported in an expert-parallel pool (each chained "
+                "draft would be one more collective MTP forward on every rank): use 1"
+            )
+        if draft_differs:
+            raise ValueError(
+                "speculative_draft_dtype other than the model's is not supported in an expert-parallel "
+                "pool (its MTP layer's experts move between ranks in the model's dtype): use auto"
+            )
+
     def decode_tokens_per_step(self) -> int:
         """The most tokens one rank's decode step carries: a token per sequence, two with an MTP
         draft, within the step's token budget (sizes DeepEP's low-latency buffer; steps with more

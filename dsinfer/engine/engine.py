@@ -68,21 +68,16 @@ class LLMEngine:
         it on the host); None: ``ep_group`` itself. ``placement``: the expert placement over
         ``ep_group`` (else ``args.placement``'s file, else the default layout)."""
         self.args = args
-        if args.speculative_num_steps > 1 and ep_group is not None:
-            raise ValueError(
-                "speculative_num_steps > 1 is not supported in an expert-parallel pool (each chained "
-                "draft would be one more collective MTP forward on every rank): use 1"
-            )
         device = resolve_device(args.device)
         bind_device(device)
         dtype = resolve_dtype(args.dtype, device)
-        draft = args.speculative_draft_dtype
-        draft_dtype = dtype if draft == "auto" else resolve_dtype(draft, device)
-        if draft_dtype != dtype and ep_group is not None:
-            raise ValueError(
-                "speculative_draft_dtype other than the model's is not supported in an expert-parallel "
-                "pool (its MTP layer's experts move between ranks in the model's dtype): use auto"
-            )
+        draft_dtype = (
+            dtype
+            if args.speculative_draft_dtype == "auto"
+            else resolve_dtype(args.speculative_draft_dtype, device)
+        )
+        if ep_group is not None:
+            args.check_expert_parallel(draft_differs=draft_dtype != dtype)
         self.ops = select_ops(device, prefer=args.kernel_backends)
         loaded = load_model(
             args.model,
